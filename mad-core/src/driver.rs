@@ -1,0 +1,467 @@
+//! The driver contract: what a protocol crate implements to become a Madeleine channel.
+//!
+//! A driver is a byte-moving machine organised in **transmission modules** (TMs). The core
+//! (switch + buffer-management modules) decides, for each piece, which TM carries it
+//! ([`TmTable::select`], a pure function both sides compute identically) and hands the piece to
+//! that TM through one of two generic **buffer-management modules** (BMMs):
+//!
+//! * [`Bmm::Copy`]: the driver *lends* its own (static, possibly pre-registered) buffer space
+//!   through [`TxLink::with_buffer`]; the core copies pieces into it. Consecutive pieces
+//!   aggregate into the same buffer; a piece larger than the space lent is split across
+//!   buffers. The receiver mirrors this with [`RxLink::with_data`]: the driver lends received
+//!   bytes and the core copies them out.
+//! * [`Bmm::Gather`]: the core references the user's memory and hands the TM a *group* of
+//!   slices in one [`TxLink::send_refs`] call (one `writev`, one MPI message, one RDMA write
+//!   per slice, ...). The receiver mirrors it with [`RxLink::recv_refs`] into the user's
+//!   destinations (one `readv`, ...).
+//!
+//! Order: the core calls [`TxLink::commit`] on the previous TM whenever the TM changes, and
+//! [`TxLink::end_message`] at `end_packing`; the receiver calls [`RxLink::checkout`] and
+//! [`RxLink::end_message`] at the same points. A driver may delay physical transmission
+//! (TCP keeps committed copy-buffer bytes and sends them in the same `writev` as the next
+//! group), but bytes handed to a TM before a commit must reach the peer before anything handed
+//! afterwards, and everything must be out by the time `end_message` returns `Ready`.
+//!
+//! Group boundaries (both sides compute them, so message-based drivers can post exact scatter
+//! lists): a Gather group ends when the TM changes, after a piece sent SAFER (its memory is
+//! released when `pack` returns), after a piece received EXPRESS, when it holds
+//! [`TmSpec::max_group`] slices, and at the end of the message.
+//!
+//! Back-pressure is a value, not an error: a method that cannot progress now (ring full, no
+//! credit, socket buffer full, nothing received yet) returns `Ok(Poll::Pending)`. The core then
+//! applies the channel's progress policy (spin, yield, then [`TxLink::wait`] /
+//! [`RxLink::wait`]) and calls the *same* method again with the *same* arguments; the driver
+//! keeps its own cursor of partial progress.
+//!
+//! Every message starts with a short header the core writes through TM 0 (which must be a
+//! `Copy` TM accepting every mode), so "a message is ready" means "TM 0 has incoming bytes"
+//! ([`RxLink::poll_message`]).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::task::Poll;
+use std::time::Duration;
+
+use crate::bootstrap::Bootstrap;
+use crate::config::ChannelConfig;
+use crate::error::{Error, Result};
+use crate::modes::{ModeSet, RecvMode, SendMode};
+use crate::progress::ProgressPolicy;
+
+/// Index of a transmission module in its driver's [`TmTable`].
+pub type TmId = u8;
+
+/// Maximum number of TMs a driver may declare.
+pub const MAX_TMS: usize = 8;
+
+/// The generic buffer-management module a TM uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bmm {
+    /// Copy pieces into driver-lent buffers, aggregating small pieces and splitting big ones.
+    Copy,
+    /// Reference the user's memory; hand groups of slices to the TM.
+    Gather,
+}
+
+/// Static description of one transmission module.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TmSpec {
+    /// Short name, unique in the table (used in the selection table and in overrides).
+    pub name: &'static str,
+    /// Which generic BMM serves this TM.
+    pub bmm: Bmm,
+    /// The largest piece (inclusive) this TM is selected for; `usize::MAX` for no limit.
+    pub max_len: usize,
+    /// Which (send, receive) mode pairs may use this TM.
+    pub modes: ModeSet,
+    /// For `Gather` TMs: the most slices in one group (1 = one transfer per piece).
+    pub max_group: usize,
+    /// One line for the selection table: how the TM moves bytes.
+    pub how: &'static str,
+}
+
+impl TmSpec {
+    /// A copy TM for pieces up to `max_len` bytes, any mode.
+    pub const fn copy(name: &'static str, max_len: usize, how: &'static str) -> Self {
+        TmSpec {
+            name,
+            bmm: Bmm::Copy,
+            max_len,
+            modes: ModeSet::ANY,
+            max_group: 1,
+            how,
+        }
+    }
+    /// A gather TM for pieces up to `max_len` bytes, any mode, `max_group` slices per group.
+    pub const fn gather(
+        name: &'static str,
+        max_len: usize,
+        max_group: usize,
+        how: &'static str,
+    ) -> Self {
+        TmSpec {
+            name,
+            bmm: Bmm::Gather,
+            max_len,
+            modes: ModeSet::ANY,
+            max_group,
+            how,
+        }
+    }
+    /// Restrict the modes this TM accepts.
+    pub const fn with_modes(mut self, modes: ModeSet) -> Self {
+        self.modes = modes;
+        self
+    }
+}
+
+/// A driver's transmission modules, in selection order.
+///
+/// [`select`](TmTable::select) returns the first TM whose `max_len` is at least the piece
+/// length and that accepts the piece's modes. TM 0 must be a `Copy` TM accepting every mode:
+/// the core sends message headers and checked-mode descriptors through it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TmTable {
+    tms: smallvec::SmallVec<[TmSpec; 4]>,
+    bmms: [Bmm; MAX_TMS],
+    max_group: [usize; MAX_TMS],
+}
+
+impl TmTable {
+    /// Build and validate a table.
+    pub fn new(tms: impl IntoIterator<Item = TmSpec>) -> Result<Self> {
+        let tms: smallvec::SmallVec<[TmSpec; 4]> = tms.into_iter().collect();
+        let t = TmTable {
+            bmms: [Bmm::Copy; MAX_TMS],
+            max_group: [1; MAX_TMS],
+            tms,
+        };
+        t.validated()
+    }
+
+    fn validated(mut self) -> Result<Self> {
+        if self.tms.is_empty() || self.tms.len() > MAX_TMS {
+            return Err(Error::BadConfig(format!(
+                "a driver declares 1 to {MAX_TMS} TMs, not {}",
+                self.tms.len()
+            )));
+        }
+        let first = &self.tms[0];
+        if first.bmm != Bmm::Copy || first.modes != ModeSet::ANY {
+            return Err(Error::BadConfig(format!(
+                "TM 0 (`{}`) must be a Copy TM accepting every mode: headers travel through it",
+                first.name
+            )));
+        }
+        for (i, tm) in self.tms.iter().enumerate() {
+            if self.tms[..i].iter().any(|o| o.name == tm.name) {
+                return Err(Error::BadConfig(format!("two TMs are named `{}`", tm.name)));
+            }
+            if tm.bmm == Bmm::Gather && tm.max_group == 0 {
+                return Err(Error::BadConfig(format!(
+                    "TM `{}`: max_group must be at least 1",
+                    tm.name
+                )));
+            }
+        }
+        for s in SendMode::ALL {
+            for r in RecvMode::ALL {
+                let covered = self
+                    .tms
+                    .iter()
+                    .any(|tm| tm.max_len == usize::MAX && tm.modes.accepts(s, r));
+                if !covered {
+                    return Err(Error::BadConfig(format!(
+                        "no TM takes pieces of every length for send {s:?} / receive {r:?}"
+                    )));
+                }
+            }
+        }
+        for (i, tm) in self.tms.iter().enumerate() {
+            self.bmms[i] = tm.bmm;
+            self.max_group[i] = tm.max_group.max(1);
+        }
+        Ok(self)
+    }
+
+    /// The switch decision: which TM carries a piece of `len` bytes with these modes.
+    ///
+    /// A pure function of its arguments and the table, so both ends agree without a header.
+    #[inline]
+    pub fn select(&self, len: usize, s: SendMode, r: RecvMode) -> TmId {
+        for (i, tm) in self.tms.iter().enumerate() {
+            if len <= tm.max_len && tm.modes.accepts(s, r) {
+                return i as TmId;
+            }
+        }
+        // Unreachable for a validated table (every mode pair has an unbounded TM); stay total.
+        (self.tms.len() - 1) as TmId
+    }
+
+    /// The BMM of TM `id`.
+    #[inline]
+    pub fn bmm(&self, id: TmId) -> Bmm {
+        self.bmms[id as usize]
+    }
+
+    /// The group limit of TM `id`.
+    #[inline]
+    pub fn max_group(&self, id: TmId) -> usize {
+        self.max_group[id as usize]
+    }
+
+    /// The TMs, in selection order.
+    pub fn tms(&self) -> &[TmSpec] {
+        &self.tms
+    }
+
+    /// Change the `max_len` threshold of the TM named `name` (configuration override).
+    pub fn set_max_len(&mut self, name: &str, max_len: usize) -> Result<()> {
+        let known: Vec<&str> = self.tms.iter().map(|t| t.name).collect();
+        let tm = self
+            .tms
+            .iter_mut()
+            .find(|t| t.name == name)
+            .ok_or_else(|| {
+                Error::BadConfig(format!("no TM named `{name}`; this driver has {known:?}"))
+            })?;
+        tm.max_len = max_len;
+        let t = std::mem::replace(
+            self,
+            TmTable {
+                tms: Default::default(),
+                bmms: [Bmm::Copy; MAX_TMS],
+                max_group: [1; MAX_TMS],
+            },
+        );
+        *self = t.validated()?;
+        Ok(())
+    }
+
+    /// A 64-bit fingerprint of the table (names, BMMs, thresholds, modes, group limits).
+    ///
+    /// Drivers exchange it when connecting: two ends with different tables would disagree on
+    /// the switch decisions, so they must refuse to talk ([`Error::BadConfig`]).
+    pub fn fingerprint(&self) -> u64 {
+        // FNV-1a: stable across builds and platforms, no dependency.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: &[u8]| {
+            for &x in b {
+                h ^= x as u64;
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for tm in &self.tms {
+            eat(tm.name.as_bytes());
+            eat(&[tm.bmm as u8, tm.modes.bits()]);
+            eat(&(tm.max_len as u64).to_le_bytes());
+            eat(&(tm.max_group as u64).to_le_bytes());
+        }
+        h
+    }
+}
+
+/// What a driver can do, as a struct of limits and flags (smoltcp's `DeviceCapabilities`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// With this many peers or fewer, any-source reception polls each connection directly
+    /// ([`RxLink::poll_message`]) instead of asking [`Incoming::poll`] first. Drivers whose
+    /// per-connection check is a memory read (rings) set it high; socket drivers low.
+    pub direct_poll_limit: usize,
+    /// Whether the driver can tell a dead peer from a slow one by itself (EOF, process
+    /// liveness). Kits skip peer-death tests when false.
+    pub detects_peer_death: bool,
+    /// Whether this channel only reaches peers on the same host.
+    pub intra_node_only: bool,
+    /// Largest message the driver can carry, if bounded.
+    pub max_message: Option<u64>,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Capabilities {
+            direct_poll_limit: 4,
+            detects_peer_death: true,
+            intra_node_only: false,
+            max_message: None,
+        }
+    }
+}
+
+/// What happened to a message whose `Packer` was dropped before `end_packing`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortOutcome {
+    /// Nothing of the message had left: it was discarded and the connection is intact.
+    Discarded,
+    /// Part of the message had left; the driver shut its sending side down so the peer sees an
+    /// error (not a half message), and the connection is unusable from now on.
+    Broken,
+}
+
+/// Direction for [`TxLink::wait`] / [`RxLink::wait`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Waiting to send (room in a ring, credit, socket buffer space).
+    Send,
+    /// Waiting to receive.
+    Recv,
+}
+
+/// The sending half of one point-to-point connection.
+///
+/// The core serialises access: one message at a time per connection and direction, one thread
+/// at a time in these methods. Methods returning `Poll::Pending` are called again with the same
+/// arguments after the progress policy has waited.
+pub trait TxLink: Send {
+    /// Prepare for a new message. Called once by `begin_packing`.
+    fn begin_message(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Copy BMM: lend buffer space of TM `tm` to `fill`, which writes a prefix of it and
+    /// returns how many bytes it wrote. The driver lends at least one byte, or returns
+    /// `Pending` (no space: ring full, no credit). A driver may transmit a buffer as soon as it
+    /// is full. `want` is how many bytes the core has left to copy for the current piece (a
+    /// hint: lending less is fine).
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>>;
+
+    /// Gather BMM: transmit `iov` (user memory) in order after everything handed over before.
+    /// Return `Ready` only once the driver no longer needs the memory.
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>>;
+
+    /// Commit: TM `tm` is about to stop being used (the next piece goes to another TM).
+    /// Anything it holds must go before anything handed to another TM afterwards.
+    fn commit(&mut self, tm: TmId) -> Result<Poll<()>> {
+        let _ = tm;
+        Ok(Poll::Ready(()))
+    }
+
+    /// End of message: everything handed over must be transmitted before `Ready`.
+    fn end_message(&mut self) -> Result<Poll<()>>;
+
+    /// The message is abandoned midway (its `Packer` was dropped).
+    fn abort_message(&mut self) -> AbortOutcome;
+
+    /// Block until sending may progress, or `timeout` passes. Spurious returns are fine.
+    fn wait(&mut self, timeout: Duration) -> Result<()>;
+}
+
+/// The receiving half of one point-to-point connection.
+pub trait RxLink: Send {
+    /// Non-blocking: is the start of a message (TM 0 data) available? `Err` if the peer is gone.
+    fn poll_message(&mut self) -> Result<Poll<()>>;
+
+    /// Copy BMM: lend received bytes of TM `tm` to `take`, which copies a prefix out and
+    /// returns how many bytes it consumed. `want` is how many the core still needs for the
+    /// current piece (a hint: lending more is fine, the rest stays for the next call). Returns
+    /// `Pending` when nothing has arrived yet.
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>>;
+
+    /// Gather BMM: receive the group the sender handed to `send_refs`, scattering it into
+    /// `iov`. `Ready` once every byte is in place.
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>>;
+
+    /// Checkout: TM `tm` is no longer used for now (mirror of [`TxLink::commit`]). A driver
+    /// with message-sized buffers checks the current buffer was consumed entirely.
+    fn checkout(&mut self, tm: TmId) -> Result<()> {
+        let _ = tm;
+        Ok(())
+    }
+
+    /// End of message: release per-message resources.
+    fn end_message(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The message is abandoned midway (its `Unpacker` was dropped or failed); the stream is
+    /// out of step, so the driver closes its receiving side.
+    fn abort_message(&mut self) {}
+
+    /// Block until receiving may progress, or `timeout` passes. Spurious returns are fine.
+    fn wait(&mut self, timeout: Duration) -> Result<()>;
+}
+
+/// Any-source readiness across all connections of a channel (epoll for sockets, a doorbell for
+/// rings).
+pub trait Incoming: Send + Sync {
+    /// Non-blocking: call `ready(rank)` for peers that may have a message (or an error) to
+    /// report. False positives are fine; the core confirms with [`RxLink::poll_message`].
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()>;
+
+    /// Block until some peer may be ready, [`wake`](Incoming::wake) is called, or `timeout`
+    /// passes.
+    fn wait(&self, timeout: Duration) -> Result<()>;
+
+    /// Wake threads blocked in [`wait`](Incoming::wait) (the core calls it when a connection
+    /// with more buffered data is released by another thread).
+    fn wake(&self);
+}
+
+/// The two halves of a connection to one peer.
+pub struct LinkPair {
+    /// Sending half.
+    pub tx: Box<dyn TxLink>,
+    /// Receiving half.
+    pub rx: Box<dyn RxLink>,
+}
+
+/// What a driver returns when a channel opens.
+pub struct OpenedChannel {
+    /// One entry per rank; `None` for this process's own rank (and for ranks the driver cannot
+    /// reach, e.g. remote hosts for an intra-node driver).
+    pub links: Vec<Option<LinkPair>>,
+    /// Any-source readiness.
+    pub incoming: Box<dyn Incoming>,
+    /// Lines for the selection table about the active paths (e.g. "CMA permitted: yes").
+    pub notes: Vec<String>,
+}
+
+/// Everything a driver needs to open a channel.
+pub struct OpenContext<'a> {
+    /// The channel configuration (name, driver, adapter, options).
+    pub config: &'a ChannelConfig,
+    /// The session bootstrap (rank, size, secret, allgather).
+    pub bootstrap: &'a dyn Bootstrap,
+    /// The final TM table (after configuration overrides); its fingerprint must be checked
+    /// against each peer's when connecting.
+    pub table: &'a TmTable,
+    /// The channel's progress policy (drivers use it for their own internal waits).
+    pub progress: &'a ProgressPolicy,
+}
+
+impl OpenContext<'_> {
+    /// A tag for bootstrap collectives that is unique to this channel.
+    pub fn tag(&self, what: &str) -> String {
+        format!("chan/{}/{}/{}", self.config.name, self.config.driver, what)
+    }
+}
+
+/// A driver: a factory of channels over one protocol.
+///
+/// Register it with [`SessionBuilder::driver`](crate::SessionBuilder::driver); channels whose
+/// configuration names it (`driver = "tcp"`) are opened through it.
+pub trait Driver: Send + Sync {
+    /// The name used in channel configurations (`tcp`, `shm`, `mpi`, `via`, `sisci`).
+    fn name(&self) -> &'static str;
+
+    /// Backends/adapters this driver knows, for error messages ("tcp: any local address").
+    fn describe(&self) -> String;
+
+    /// The driver's TM table for this configuration (before threshold overrides).
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable>;
+
+    /// The driver's capabilities for this configuration.
+    fn capabilities(&self, config: &ChannelConfig) -> Capabilities;
+
+    /// Open a channel: collective over the session (every rank calls it for the same channel).
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel>;
+}

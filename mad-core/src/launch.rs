@@ -1,0 +1,1 @@
+//! Client side of the `madrun` launcher's bootstrap protocol (being written).

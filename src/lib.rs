@@ -1,0 +1,2 @@
+//! madeleine: see the README.
+pub use mad_core::*;
