@@ -1,1 +1,0 @@
-//! Client side of the `madrun` launcher's bootstrap protocol (being written).
