@@ -1,1 +1,403 @@
-//! Madeleine `shm` driver. **Not yet implemented**: this crate is an empty workspace member; it is filled by its own issue.
+//! # mad-shm: the Madeleine shared-memory driver (`shm`)
+//!
+//! Processes (or threads) on one host talk through single-producer single-consumer byte rings
+//! in `/dev/shm`, with a single-copy path for large pieces through Cross Memory Attach
+//! (`process_vm_readv`).
+//!
+//! * **Segments** ([`segment`]): each process creates one segment holding one incoming ring
+//!   per peer and a doorbell; names are exchanged with the bootstrap's `allgather`, every peer
+//!   maps every segment, and once all have (a second collective) each creator unlinks its file.
+//!   No `/dev/shm` entry outlives the channel's opening.
+//! * **Rings** ([`ring`]): the SCALE discipline (copy in place, Release-publish the write
+//!   offset; Acquire-read, copy out, Release-publish the read offset), lock-free, monotonic
+//!   64-bit offsets, head and tail on separate 128-byte blocks.
+//! * **Transmission modules**: TM 0 `ring` (copy BMM) for pieces up to
+//!   [`DEFAULT_RING_MAX`] bytes, TM 1 `cma` (gather BMM) for larger ones: the sender posts its
+//!   iovec list as a record in the ring, the receiver reads the sender's memory directly and
+//!   bumps a completion counter the sender waits on.
+//! * **Waiting**: a shared futex per process (the doorbell) that writers ring only when the
+//!   reader has registered as sleeping; a second futex per ring for writers waiting for room.
+//! * **Peer death**: a pidfd per peer, checked every few milliseconds while polling and after
+//!   every blocking slice ([`link::WAIT_SLICE`]).
+//!
+//! Options (`shm,ring=262144,cma=off`): `ring` (bytes per ring, power of two, at least 4096;
+//! default [`DEFAULT_RING`]), `cma` = `auto` (default: use it where permitted), `on` (fail if
+//! the kernel forbids it), `ring` (keep the `cma` TM but stream through the ring: the fallback
+//! path, selectable for tests) or `off` (no `cma` TM: large pieces are split and pipelined through
+//! the ring by the core's copy BMM).
+
+#![deny(unsafe_code)]
+
+pub mod link;
+pub mod ring;
+pub mod segment;
+pub mod sys;
+
+use std::sync::{Arc, OnceLock};
+
+use mad_core::config::ChannelConfig;
+use mad_core::driver::{
+    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+};
+use mad_core::{Error, Result};
+
+use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
+use segment::Segment;
+
+/// Default capacity of each ring (bytes). 8 processes hold 8 × 8 rings = 16 MiB of `/dev/shm`.
+pub const DEFAULT_RING: usize = 256 * 1024;
+/// Largest ring accepted.
+pub const MAX_RING: usize = 1 << 30;
+/// Default largest piece sent through the ring when CMA is available (from the sweep in
+/// `NOTES.md`).
+pub const DEFAULT_RING_MAX: usize = 32 * 1024;
+/// Slices per CMA group.
+pub const CMA_MAX_GROUP: usize = 64;
+
+/// The `shm` driver.
+#[derive(Debug, Default, Clone)]
+pub struct ShmDriver {
+    _priv: (),
+}
+
+impl ShmDriver {
+    /// A new driver instance.
+    pub fn new() -> Self {
+        ShmDriver { _priv: () }
+    }
+}
+
+/// What the `cma` option asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CmaWish {
+    Auto,
+    On,
+    Off,
+    /// Keep the `cma` TM but stream its pieces through the ring (the fallback taken when the
+    /// probe fails on some pair; this value exists to test that path).
+    Ring,
+}
+
+struct Options {
+    ring: usize,
+    cma: CmaWish,
+}
+
+fn options(config: &ChannelConfig) -> Result<Options> {
+    let ring = config
+        .option_parsed::<usize>("ring")?
+        .unwrap_or(DEFAULT_RING);
+    if !ring::index::valid_cap(ring) || ring > MAX_RING {
+        return Err(Error::BadConfig(format!(
+            "shm: ring={ring}: must be a power of two between 4096 and {MAX_RING}"
+        )));
+    }
+    let cma = match config.options.get("cma").map(String::as_str) {
+        None | Some("auto") => CmaWish::Auto,
+        Some("on") | Some("1") | Some("true") => CmaWish::On,
+        Some("off") | Some("0") | Some("false") => CmaWish::Off,
+        Some("ring") => CmaWish::Ring,
+        Some(v) => {
+            return Err(Error::BadConfig(format!(
+                "shm: cma={v}: use auto, on, off or ring"
+            )))
+        }
+    };
+    for k in config.options.keys() {
+        if k != "ring" && k != "cma" {
+            return Err(Error::BadConfig(format!(
+                "shm: unknown option `{k}` (known: ring, cma)"
+            )));
+        }
+    }
+    Ok(Options { ring, cma })
+}
+
+/// Whether this process can use `process_vm_readv` at all (checked once).
+fn cma_supported() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(sys::cma_self_check)
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in b {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// What each rank publishes at open.
+struct PeerInfo {
+    name: String,
+    pid: u32,
+    probe_addr: u64,
+    probe: [u8; 16],
+    fingerprint: u64,
+    cap: u64,
+}
+
+impl PeerInfo {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(64 + self.name.len());
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.probe_addr.to_le_bytes());
+        v.extend_from_slice(&self.probe);
+        v.extend_from_slice(&self.fingerprint.to_le_bytes());
+        v.extend_from_slice(&self.cap.to_le_bytes());
+        v.extend_from_slice(self.name.as_bytes());
+        v
+    }
+
+    fn decode(rank: usize, b: &[u8]) -> Result<Self> {
+        const FIXED: usize = 4 + 8 + 16 + 8 + 8;
+        if b.len() < FIXED || b.len() > FIXED + 255 {
+            return Err(Error::protocol(rank, "shm: malformed segment announcement"));
+        }
+        let u64_at = |o: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(a)
+        };
+        let mut probe = [0u8; 16];
+        probe.copy_from_slice(&b[12..28]);
+        let name = std::str::from_utf8(&b[FIXED..])
+            .map_err(|_| Error::protocol(rank, "shm: segment name is not UTF-8"))?
+            .to_string();
+        Ok(PeerInfo {
+            pid: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            probe_addr: u64_at(4),
+            probe,
+            fingerprint: u64_at(28),
+            cap: u64_at(36),
+            name,
+        })
+    }
+}
+
+impl Driver for ShmDriver {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn describe(&self) -> String {
+        "shm: processes on this host, rings in /dev/shm, single copy with CMA (options ring=<bytes>, cma=auto|on|off)"
+            .into()
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        let o = options(config)?;
+        let cma = match o.cma {
+            CmaWish::Off => false,
+            CmaWish::Auto => cma_supported(),
+            CmaWish::Ring => true,
+            CmaWish::On => {
+                if !cma_supported() {
+                    return Err(Error::Unavailable {
+                        driver: "shm".into(),
+                        reason:
+                            "cma=on but process_vm_readv is not permitted here; use cma=off or auto"
+                                .into(),
+                    });
+                }
+                true
+            }
+        };
+        if cma {
+            TmTable::new([
+                TmSpec::copy("ring", DEFAULT_RING_MAX, "copied through the SPSC ring"),
+                TmSpec::gather(
+                    "cma",
+                    usize::MAX,
+                    CMA_MAX_GROUP,
+                    "single copy: receiver process_vm_readv's the sender's iovecs",
+                ),
+            ])
+        } else {
+            TmTable::new([TmSpec::copy(
+                "ring",
+                usize::MAX,
+                "copied through the SPSC ring (split and pipelined)",
+            )])
+        }
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities {
+            direct_poll_limit: 1024,
+            detects_peer_death: true,
+            intra_node_only: true,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let o = options(ctx.config)?;
+        let b = ctx.bootstrap;
+        let (me, n) = (b.rank(), b.size());
+        let local = b.local_ranks();
+        let cma_tm = ctx
+            .table
+            .tms()
+            .iter()
+            .position(|t| t.name == "cma")
+            .map(|i| i as u8);
+
+        segment::sweep_stale();
+        if cma_tm.is_some() && o.cma != CmaWish::Ring {
+            sys::allow_ptracer_any();
+        }
+
+        let mut rnd = [0u8; 8];
+        mad_core::auth::fill_random(&mut rnd)?;
+        let pid = std::process::id();
+        let name = format!(
+            "{}{pid}-{:08x}-{me}-{:016x}",
+            segment::PREFIX,
+            fnv(ctx.config.name.as_bytes()) as u32,
+            u64::from_le_bytes(rnd)
+        );
+        let ctx_bytes = ctx.tag("segs");
+        let proof = b.secret().proof(
+            b"mad-shm segment",
+            name.as_bytes(),
+            &[],
+            ctx_bytes.as_bytes(),
+        );
+        let mut own = Segment::create(&name, n, o.ring, &proof)?;
+
+        let mut probe = [0u8; 16];
+        mad_core::auth::fill_random(&mut probe)?;
+        let probe_buf: Box<[u8; 16]> = Box::new(probe);
+        let info = PeerInfo {
+            name: name.clone(),
+            pid,
+            probe_addr: probe_buf.as_ptr() as usize as u64,
+            probe,
+            fingerprint: ctx.table.fingerprint(),
+            cap: o.ring as u64,
+        };
+        let all = b.allgather(&ctx.tag("segs"), &info.encode())?;
+        if all.len() != n {
+            return Err(Error::protocol(
+                me,
+                "shm: allgather returned the wrong number of entries",
+            ));
+        }
+
+        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
+        for &r in &local {
+            if r == me || r >= n {
+                continue;
+            }
+            let pi = PeerInfo::decode(r, &all[r])?;
+            if pi.fingerprint != info.fingerprint {
+                return Err(Error::BadConfig(format!(
+                    "shm: rank {r} has a different TM table (options or thresholds differ)"
+                )));
+            }
+            if pi.cap != info.cap {
+                return Err(Error::BadConfig(format!(
+                    "shm: rank {r} uses ring={} but this rank ring={}",
+                    pi.cap, info.cap
+                )));
+            }
+            let check = |p: &[u8]| {
+                b.secret().verify(
+                    b"mad-shm segment",
+                    pi.name.as_bytes(),
+                    &[],
+                    ctx_bytes.as_bytes(),
+                    p,
+                )
+            };
+            let seg = Segment::open(&pi.name, r, n, o.ring, pi.pid, &check)?;
+            peers[r] = Some((pi, Arc::new(seg)));
+        }
+
+        // CMA probe: read every local peer's probe buffer; agree on the result.
+        let mut cma_ok = cma_tm.is_some() && o.cma != CmaWish::Ring;
+        let mut why = if o.cma == CmaWish::Ring {
+            "forced by cma=ring".to_string()
+        } else {
+            String::new()
+        };
+        if cma_ok {
+            for (r, p) in peers.iter().enumerate() {
+                let Some((pi, _)) = p else { continue };
+                let mut got = [0u8; 16];
+                let remote = [sys::RemoteSlice {
+                    addr: pi.probe_addr,
+                    len: 16,
+                }];
+                let res = sys::cma_read(pi.pid, &mut [std::io::IoSliceMut::new(&mut got)], &remote);
+                if res.is_err() || got != pi.probe {
+                    cma_ok = false;
+                    why = format!("reading rank {r}'s memory failed ({res:?})");
+                    break;
+                }
+            }
+        }
+        let votes = b.allgather(&ctx.tag("cma"), &[cma_ok as u8])?;
+        drop(probe_buf);
+        // Every rank has mapped every segment: remove the files.
+        own.unlink()?;
+        let all_ok = local
+            .iter()
+            .all(|&r| votes.get(r).map(|v| v.first() == Some(&1)).unwrap_or(false));
+        let path = if cma_tm.is_some() && all_ok {
+            GatherPath::Cma
+        } else {
+            GatherPath::Ring
+        };
+
+        let own = Arc::new(own);
+        let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
+        let mut watched = Vec::new();
+        for (r, p) in peers.into_iter().enumerate() {
+            let Some((pi, seg)) = p else { continue };
+            let pidfd =
+                Arc::new(sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?);
+            let out_ring = seg
+                .ring(me)
+                .ok_or_else(|| Error::protocol(r, "shm: peer segment lacks our ring"))?;
+            let in_ring = own
+                .ring(r)
+                .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
+            watched.push((r, in_ring.clone(), pidfd.clone()));
+            links[r] = Some(LinkPair {
+                tx: Box::new(ShmTx::new(r, out_ring, seg, pidfd.clone(), cma_tm, path)),
+                rx: Box::new(ShmRx::new(
+                    r,
+                    pi.pid,
+                    in_ring,
+                    own.clone(),
+                    pidfd,
+                    cma_tm,
+                    path,
+                )),
+            });
+        }
+
+        let mut notes = vec![format!(
+            "shm: {} B ring per peer, {} local peer(s), segments unlinked after mapping",
+            o.ring,
+            watched.len()
+        )];
+        notes.push(match (cma_tm, path) {
+            (None, _) if o.cma == CmaWish::Off => "shm: CMA disabled (cma=off): large pieces are pipelined through the ring".into(),
+            (None, _) => "shm: CMA not permitted by this kernel: large pieces are pipelined through the ring".into(),
+            (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
+            (Some(_), GatherPath::Ring) => format!(
+                "shm: CMA not permitted between every pair of ranks{}: `cma` pieces are streamed through the ring",
+                if why.is_empty() { String::new() } else { format!(" (here: {why})") }
+            ),
+        });
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(ShmIncoming::new(own, watched)),
+            notes,
+        })
+    }
+}

@@ -1,0 +1,676 @@
+//! The connection halves: [`ShmTx`] writes into the ring this process owns in the peer's
+//! segment, [`ShmRx`] reads the ring the peer owns in this process's segment, and
+//! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::{Error, Result};
+
+use crate::ring::{Consumer, Corrupt, Producer, RingView};
+use crate::segment::Segment;
+use crate::sys::{self, PidFd, RemoteSlice};
+
+/// Longest single sleep of a blocking wait before the peer's liveness is checked again: the
+/// bound on noticing a dead peer while blocked.
+pub const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// How often (at most) a polling loop checks the peer's pidfd.
+const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+/// Magic word opening a Cross Memory Attach record in the ring.
+const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
+/// Size of a record's fixed part (magic, count, total length).
+const REC_HEAD: usize = 16;
+/// Most slices in one record.
+pub const MAX_RECORD_SLICES: usize = 128;
+
+/// How the Gather TM (`cma`) moves bytes on this channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatherPath {
+    /// Single copy: the sender posts its iovec list, the receiver `process_vm_readv`s it.
+    Cma,
+    /// CMA was not permitted between every pair of ranks: the slices are streamed through the
+    /// ring (two copies), keeping the TM table identical on every rank.
+    Ring,
+}
+
+fn corrupt(rank: usize, c: Corrupt) -> Error {
+    Error::protocol(
+        rank,
+        format!("ring offsets impossible (head {}, tail {})", c.head, c.tail),
+    )
+}
+
+/// Rate-limited liveness checks of a peer process.
+pub struct Liveness {
+    pidfd: Arc<PidFd>,
+    polls: u32,
+    last: Instant,
+}
+
+impl Liveness {
+    /// Watch the process behind `pidfd`.
+    pub fn new(pidfd: Arc<PidFd>) -> Self {
+        Liveness {
+            pidfd,
+            polls: 0,
+            last: Instant::now(),
+        }
+    }
+
+    /// Called on every `Pending`: a syscall at most every [`POLL_CHECK_EVERY`].
+    fn maybe_dead(&mut self) -> bool {
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % 64 != 0 {
+            return false;
+        }
+        let now = Instant::now();
+        if now - self.last < POLL_CHECK_EVERY {
+            return false;
+        }
+        self.last = now;
+        self.pidfd.exited()
+    }
+
+    /// Check now (after a blocking sleep).
+    fn dead_now(&mut self) -> bool {
+        self.last = Instant::now();
+        self.pidfd.exited()
+    }
+}
+
+/// Wake a writer asleep on the ring's `tx_seq` (after the reader released space or completed a
+/// CMA transfer). The SeqCst fence pairs with the one in [`ShmTx::wait`].
+fn notify_writer(v: &RingView) {
+    fence(Ordering::SeqCst);
+    if v.tx_sleeping().load(Ordering::Relaxed) != 0 {
+        v.tx_seq().fetch_add(1, Ordering::SeqCst);
+        sys::futex_wake(v.tx_seq());
+    }
+}
+
+enum TxGather {
+    Idle,
+    /// Record posted; waiting until the receiver's completion counter reaches this value.
+    Waiting(u64),
+    /// Ring fallback: streaming slice `slice` from offset `off`.
+    Stream {
+        slice: usize,
+        off: usize,
+    },
+}
+
+/// The sending half: this process writes into its ring in the peer's segment.
+pub struct ShmTx {
+    peer: usize,
+    prod: Producer,
+    peer_seg: Arc<Segment>,
+    live: Liveness,
+    cma_tm: Option<TmId>,
+    path: GatherPath,
+    gather: TxGather,
+    cma_posted: u64,
+    msg_start: u64,
+    batch: u64,
+    need: u64,
+    broken: Option<String>,
+}
+
+impl ShmTx {
+    /// The sending half towards `peer`, writing `ring` (inside `peer_seg`).
+    pub fn new(
+        peer: usize,
+        ring: RingView,
+        peer_seg: Arc<Segment>,
+        pidfd: Arc<PidFd>,
+        cma_tm: Option<TmId>,
+        path: GatherPath,
+    ) -> Self {
+        let batch = ring.cap() / 4;
+        let prod = Producer::new(ring);
+        let cma_posted = prod.view().cma_done().load(Ordering::Acquire);
+        ShmTx {
+            peer,
+            msg_start: prod.published(),
+            prod,
+            peer_seg,
+            live: Liveness::new(pidfd),
+            cma_tm,
+            path,
+            gather: TxGather::Idle,
+            cma_posted,
+            batch,
+            need: 1,
+            broken: None,
+        }
+    }
+
+    fn publish(&mut self) {
+        if self.prod.publish() {
+            self.peer_seg.notify();
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if let Some(c) = &self.broken {
+            return Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Called when the ring has no room: publish what is pending and check the peer.
+    fn pending(&mut self, need: u64) -> Result<Poll<()>> {
+        self.need = need;
+        self.publish();
+        if self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead() {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(Poll::Pending)
+    }
+
+    fn send_cma(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        if let TxGather::Idle = self.gather {
+            if iov.len() > MAX_RECORD_SLICES {
+                return Err(Error::protocol(
+                    self.peer,
+                    format!("group of {} slices exceeds {MAX_RECORD_SLICES}", iov.len()),
+                ));
+            }
+            let total: u64 = iov.iter().map(|s| s.len() as u64).sum();
+            let mut rec = Vec::with_capacity(REC_HEAD + 16 * iov.len());
+            rec.extend_from_slice(&CMA_MAGIC.to_le_bytes());
+            rec.extend_from_slice(&(iov.len() as u32).to_le_bytes());
+            rec.extend_from_slice(&total.to_le_bytes());
+            for s in iov {
+                rec.extend_from_slice(&(s.as_ptr() as usize as u64).to_le_bytes());
+                rec.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            }
+            if !self
+                .prod
+                .write_all(&rec)
+                .map_err(|c| corrupt(self.peer, c))?
+            {
+                return self.pending(rec.len() as u64);
+            }
+            self.publish();
+            self.cma_posted += 1;
+            self.gather = TxGather::Waiting(self.cma_posted);
+        }
+        if let TxGather::Waiting(target) = self.gather {
+            if self.prod.view().cma_done().load(Ordering::Acquire) >= target {
+                self.gather = TxGather::Idle;
+                return Ok(Poll::Ready(()));
+            }
+            self.need = 0;
+            if self.prod.view().reader_closed().load(Ordering::Acquire) != 0
+                || self.live.maybe_dead()
+            {
+                return Err(Error::PeerClosed { rank: self.peer });
+            }
+        }
+        Ok(Poll::Pending)
+    }
+
+    fn send_stream(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        let (mut slice, mut off) = match self.gather {
+            TxGather::Stream { slice, off } => (slice, off),
+            _ => (0, 0),
+        };
+        while slice < iov.len() {
+            let src = &iov[slice][off..];
+            if src.is_empty() {
+                slice += 1;
+                off = 0;
+                continue;
+            }
+            let n = self
+                .prod
+                .lend(src.len(), &mut |b: &mut [u8]| {
+                    let k = b.len().min(src.len());
+                    b[..k].copy_from_slice(&src[..k]);
+                    k
+                })
+                .map_err(|c| corrupt(self.peer, c))?;
+            if n == 0 {
+                self.gather = TxGather::Stream { slice, off };
+                return self.pending(1);
+            }
+            off += n;
+            if self.prod.unpublished() >= self.batch {
+                self.publish();
+            }
+        }
+        self.gather = TxGather::Idle;
+        self.publish();
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl TxLink for ShmTx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.check_usable()?;
+        self.msg_start = self.prod.published();
+        Ok(())
+    }
+
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if tm != 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: TM {tm} is not a copy TM"),
+            ));
+        }
+        let n = self
+            .prod
+            .lend(usize::MAX, fill)
+            .map_err(|c| corrupt(self.peer, c))?;
+        if n == 0 && self.prod.free(1).map_err(|c| corrupt(self.peer, c))? == 0 {
+            return self.pending(1);
+        }
+        if self.prod.unpublished() >= self.batch {
+            self.publish();
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if Some(tm) != self.cma_tm {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: TM {tm} is not a gather TM"),
+            ));
+        }
+        match self.path {
+            GatherPath::Cma => self.send_cma(iov),
+            GatherPath::Ring => self.send_stream(iov),
+        }
+    }
+
+    fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
+        self.publish();
+        Ok(Poll::Ready(()))
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.check_usable()?;
+        self.publish();
+        Ok(Poll::Ready(()))
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        let idle = matches!(self.gather, TxGather::Idle);
+        if idle && self.prod.published() == self.msg_start {
+            self.prod.discard_unpublished();
+            return AbortOutcome::Discarded;
+        }
+        // Part of the message is visible to the peer (or it may be reading our memory through
+        // CMA): close the sending side so the peer sees an error, not half a message.
+        self.gather = TxGather::Idle;
+        self.broken = Some("a message was abandoned midway".into());
+        self.prod.view().writer_closed().store(1, Ordering::Release);
+        self.peer_seg.notify();
+        AbortOutcome::Broken
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let v = self.prod.view().clone();
+        v.tx_sleeping().fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let seq = v.tx_seq().load(Ordering::SeqCst);
+        let ready = match self.gather {
+            TxGather::Waiting(t) => v.cma_done().load(Ordering::Acquire) >= t,
+            _ => self
+                .prod
+                .free(self.need)
+                .map(|f| f >= self.need)
+                .unwrap_or(true),
+        } || v.reader_closed().load(Ordering::Acquire) != 0;
+        if !ready {
+            sys::futex_wait(v.tx_seq(), seq, timeout.min(WAIT_SLICE));
+        }
+        v.tx_sleeping().fetch_sub(1, Ordering::SeqCst);
+        if self.live.dead_now() {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmTx {
+    fn drop(&mut self) {
+        self.prod.publish();
+        self.prod.view().writer_closed().store(1, Ordering::Release);
+        self.peer_seg.notify();
+    }
+}
+
+/// The receiving half: this process reads the peer's ring in its own segment.
+pub struct ShmRx {
+    peer: usize,
+    peer_pid: u32,
+    cons: Consumer,
+    own: Arc<Segment>,
+    live: Liveness,
+    cma_tm: Option<TmId>,
+    path: GatherPath,
+    stream: Option<(usize, usize)>,
+    broken: Option<String>,
+}
+
+impl ShmRx {
+    /// The receiving half from `peer` (process `peer_pid`), reading `ring` inside `own`.
+    pub fn new(
+        peer: usize,
+        peer_pid: u32,
+        ring: RingView,
+        own: Arc<Segment>,
+        pidfd: Arc<PidFd>,
+        cma_tm: Option<TmId>,
+        path: GatherPath,
+    ) -> Self {
+        ShmRx {
+            peer,
+            peer_pid,
+            cons: Consumer::new(ring),
+            own,
+            live: Liveness::new(pidfd),
+            cma_tm,
+            path,
+            stream: None,
+            broken: None,
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if let Some(c) = &self.broken {
+            return Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn avail(&mut self, need: u64) -> Result<u64> {
+        self.cons.available(need).map_err(|c| corrupt(self.peer, c))
+    }
+
+    /// Nothing to read: is the writer gone for good (closed flag or dead process, and the
+    /// ring still empty once that is known)?
+    fn pending(&mut self, need: u64) -> Result<Poll<()>> {
+        let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
+        if (closed || self.live.maybe_dead()) && self.avail(need)? < need {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(Poll::Pending)
+    }
+
+    fn consumed(&mut self) {
+        self.cons.release();
+        notify_writer(self.cons.view());
+    }
+
+    fn recv_cma(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        let mut head = [0u8; REC_HEAD];
+        if !self
+            .cons
+            .peek(&mut head)
+            .map_err(|c| corrupt(self.peer, c))?
+        {
+            return self.pending(REC_HEAD as u64);
+        }
+        let word = |o: usize| u32::from_le_bytes([head[o], head[o + 1], head[o + 2], head[o + 3]]);
+        let count = word(4) as usize;
+        let total = u64::from_le_bytes([
+            head[8], head[9], head[10], head[11], head[12], head[13], head[14], head[15],
+        ]);
+        if word(0) != CMA_MAGIC || count > MAX_RECORD_SLICES {
+            return Err(Error::protocol(self.peer, "shm: expected a CMA record"));
+        }
+        let mut rec = vec![0u8; REC_HEAD + 16 * count];
+        if !self
+            .cons
+            .peek(&mut rec)
+            .map_err(|c| corrupt(self.peer, c))?
+        {
+            return self.pending(rec.len() as u64);
+        }
+        let remote: Vec<RemoteSlice> = rec[REC_HEAD..]
+            .chunks_exact(16)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                let mut l = [0u8; 8];
+                a.copy_from_slice(&c[..8]);
+                l.copy_from_slice(&c[8..]);
+                RemoteSlice {
+                    addr: u64::from_le_bytes(a),
+                    len: u64::from_le_bytes(l),
+                }
+            })
+            .collect();
+        let rsum = remote
+            .iter()
+            .try_fold(0u64, |s, r| s.checked_add(r.len))
+            .unwrap_or(u64::MAX);
+        let lsum: u64 = iov.iter().map(|s| s.len() as u64).sum();
+        if rsum != total || lsum != total {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: CMA group of {total} B (slices sum to {rsum}) but {lsum} B expected"),
+            ));
+        }
+        if let Err(e) = sys::cma_read(self.peer_pid, iov, &remote) {
+            return Err(match e.raw_os_error() {
+                Some(libc::ESRCH) => Error::PeerClosed { rank: self.peer },
+                Some(libc::EFAULT) => Error::protocol(
+                    self.peer,
+                    "shm: CMA record points outside the sender's memory",
+                ),
+                _ => Error::io(format!("shm: process_vm_readv from rank {}", self.peer), e),
+            });
+        }
+        self.cons.skip(rec.len() as u64);
+        self.cons.release();
+        self.cons.view().cma_done().fetch_add(1, Ordering::Release);
+        notify_writer(self.cons.view());
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_stream(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        let (mut slice, mut off) = self.stream.unwrap_or((0, 0));
+        let mut got_any = false;
+        while slice < iov.len() {
+            let dst = &mut iov[slice][off..];
+            if dst.is_empty() {
+                slice += 1;
+                off = 0;
+                continue;
+            }
+            let n = self
+                .cons
+                .take(&mut |b: &[u8]| {
+                    let k = b.len().min(dst.len());
+                    dst[..k].copy_from_slice(&b[..k]);
+                    k
+                })
+                .map_err(|c| corrupt(self.peer, c))?;
+            if n == 0 {
+                self.stream = Some((slice, off));
+                if got_any {
+                    self.consumed();
+                }
+                return self.pending(1);
+            }
+            got_any = true;
+            off += n;
+        }
+        self.stream = None;
+        self.consumed();
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl RxLink for ShmRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if self.avail(1)? > 0 {
+            return Ok(Poll::Ready(()));
+        }
+        self.pending(1)
+    }
+
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if tm != 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: TM {tm} is not a copy TM"),
+            ));
+        }
+        let n = self.cons.take(take).map_err(|c| corrupt(self.peer, c))?;
+        if n == 0 {
+            if self.avail(1)? > 0 {
+                return Ok(Poll::Ready(()));
+            }
+            return self.pending(1);
+        }
+        self.consumed();
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if Some(tm) != self.cma_tm {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: TM {tm} is not a gather TM"),
+            ));
+        }
+        match self.path {
+            GatherPath::Cma => self.recv_cma(iov),
+            GatherPath::Ring => self.recv_stream(iov),
+        }
+    }
+
+    fn abort_message(&mut self) {
+        self.broken = Some("a message was abandoned midway by the receiver".into());
+        self.cons.view().reader_closed().store(1, Ordering::Release);
+        notify_writer(self.cons.view());
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let own = self.own.clone();
+        let cons = &mut self.cons;
+        own.sleep(timeout.min(WAIT_SLICE), &mut || {
+            !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
+        });
+        if self.live.dead_now() && self.avail(1)? == 0 {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmRx {
+    fn drop(&mut self) {
+        self.cons.view().reader_closed().store(1, Ordering::Release);
+        notify_writer(self.cons.view());
+    }
+}
+
+/// Any-source readiness: scans the incoming rings; blocks on the process's doorbell.
+pub struct ShmIncoming {
+    own: Arc<Segment>,
+    peers: Vec<(usize, RingView, Arc<PidFd>)>,
+    dead: Vec<AtomicBool>,
+    polls: AtomicU32,
+    last_check: Mutex<Instant>,
+}
+
+impl ShmIncoming {
+    /// Watch `peers` (rank, incoming ring, process) through `own`'s doorbell.
+    pub fn new(own: Arc<Segment>, peers: Vec<(usize, RingView, Arc<PidFd>)>) -> Self {
+        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
+        ShmIncoming {
+            own,
+            peers,
+            dead,
+            polls: AtomicU32::new(0),
+            last_check: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn check_deaths(&self, force: bool) {
+        if !force {
+            let k = self.polls.fetch_add(1, Ordering::Relaxed);
+            if k % 64 != 0 {
+                return;
+            }
+        }
+        let Ok(mut last) = self.last_check.try_lock() else {
+            return;
+        };
+        let now = Instant::now();
+        if !force && now - *last < POLL_CHECK_EVERY {
+            return;
+        }
+        *last = now;
+        for (i, (_, _, pidfd)) in self.peers.iter().enumerate() {
+            if pidfd.exited() {
+                self.dead[i].store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn any_ready(&self) -> bool {
+        self.peers.iter().enumerate().any(|(i, (_, v, _))| {
+            v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
+                || v.writer_closed().load(Ordering::Relaxed) != 0
+                || self.dead[i].load(Ordering::Relaxed)
+        })
+    }
+}
+
+impl Incoming for ShmIncoming {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        self.check_deaths(false);
+        for (i, (rank, v, _)) in self.peers.iter().enumerate() {
+            if v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
+                || v.writer_closed().load(Ordering::Relaxed) != 0
+                || self.dead[i].load(Ordering::Relaxed)
+            {
+                ready(*rank);
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        self.own
+            .sleep(timeout.min(WAIT_SLICE), &mut || self.any_ready());
+        self.check_deaths(true);
+        Ok(())
+    }
+
+    fn wake(&self) {
+        self.own.ring_bell();
+    }
+}

@@ -1,0 +1,585 @@
+//! The single-producer single-consumer byte ring, in the discipline of the SCALE shared-memory
+//! channel.
+//!
+//! The writer copies bytes in place, then publishes its write offset (`head`) with a Release
+//! store; the reader loads `head` with Acquire, copies out, then publishes its read offset
+//! (`tail`) with a Release store; the writer only writes where `tail` says there is room.
+//! Offsets are monotonic `u64` byte counts (no ABA, no wrap in practice), masked by the
+//! power-of-two capacity. `head`, `tail` and the wake-up words live on separate 128-byte blocks
+//! (two cache lines, to dodge adjacent-line prefetch), and the data area starts on its own page.
+//! There is no lock: the fast path is a copy and one store per side.
+//!
+//! The pure index arithmetic is in [`index`] (no memory, no syscalls: tested under miri). This
+//! module is the only one besides [`crate::sys`] allowed `unsafe`: it turns offsets into
+//! pointers inside a mapped region.
+
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Offsets inside one ring's header block (relative to the ring's start).
+pub mod layout {
+    /// Writer's published write offset (`u64`).
+    pub const HEAD: usize = 0;
+    /// Set to 1 by the writer on orderly close (`u32`), same block as `HEAD`.
+    pub const WRITER_CLOSED: usize = 8;
+    /// Reader's published read offset (`u64`).
+    pub const TAIL: usize = 128;
+    /// Set to 1 by the reader on close (`u32`), same block as `TAIL`.
+    pub const READER_CLOSED: usize = 136;
+    /// Count of Cross Memory Attach transfers the reader completed (`u64`).
+    pub const CMA_DONE: usize = 256;
+    /// Futex word the reader bumps to wake a sleeping writer (`u32`).
+    pub const TX_SEQ: usize = 384;
+    /// Number of writer threads asleep on `TX_SEQ` (`u32`).
+    pub const TX_SLEEPING: usize = 512;
+    /// Size of the header block; the data area follows it.
+    pub const HDR: usize = 4096;
+}
+
+/// The index arithmetic of the ring, free of memory accesses and syscalls.
+pub mod index {
+    /// Bytes in the ring, or `None` if the offsets are impossible (a corrupt or hostile peer):
+    /// `tail` ahead of `head`, or more than `cap` bytes in flight.
+    #[inline]
+    pub fn used(head: u64, tail: u64, cap: u64) -> Option<u64> {
+        let u = head.checked_sub(tail)?;
+        (u <= cap).then_some(u)
+    }
+
+    /// The contiguous free run at the write position: `(offset in data area, length)`.
+    #[inline]
+    pub fn free_run(head: u64, tail: u64, cap: u64) -> Option<(usize, usize)> {
+        let free = cap - used(head, tail, cap)?;
+        let pos = head & (cap - 1);
+        Some((pos as usize, free.min(cap - pos) as usize))
+    }
+
+    /// The contiguous readable run at the read position: `(offset in data area, length)`.
+    #[inline]
+    pub fn data_run(head: u64, tail: u64, cap: u64) -> Option<(usize, usize)> {
+        let avail = used(head, tail, cap)?;
+        let pos = tail & (cap - 1);
+        Some((pos as usize, avail.min(cap - pos) as usize))
+    }
+
+    /// Split `len` bytes starting at ring offset `at` into the (at most two) runs of the data
+    /// area they occupy: `((off, len), (off, len))`, the second possibly empty.
+    #[inline]
+    pub fn split(at: u64, len: usize, cap: u64) -> ((usize, usize), (usize, usize)) {
+        let pos = (at & (cap - 1)) as usize;
+        let first = len.min(cap as usize - pos);
+        ((pos, first), (0, len - first))
+    }
+
+    /// Whether `cap` is a usable ring capacity (a power of two, at least 4 KiB).
+    pub fn valid_cap(cap: usize) -> bool {
+        cap.is_power_of_two() && cap >= 4096
+    }
+}
+
+/// The offsets broke the ring invariants: the peer is corrupt or hostile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Corrupt {
+    /// Head seen.
+    pub head: u64,
+    /// Tail seen.
+    pub tail: u64,
+}
+
+/// A region of memory holding rings: a shared mapping (or, in tests, a heap block), kept alive
+/// by `keep`.
+#[derive(Clone)]
+pub struct Region {
+    ptr: *mut u8,
+    len: usize,
+    _keep: Arc<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the region is memory shared by design; all accesses go through atomics or through
+// ranges the ring protocol hands to exactly one side at a time.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// A region over a shared mapping.
+    pub fn from_mapping(m: Arc<crate::sys::Mapping>) -> Self {
+        Region {
+            ptr: m.ptr(),
+            len: m.len(),
+            _keep: m,
+        }
+    }
+
+    /// A zeroed heap region of `len` bytes, 4096-aligned (for tests and miri).
+    pub fn heap(len: usize) -> Self {
+        #[repr(C, align(4096))]
+        struct Page([u8; 4096]);
+        let pages: Box<[Page]> = (0..len.div_ceil(4096)).map(|_| Page([0; 4096])).collect();
+        let mut pages = std::mem::ManuallyDrop::new(pages);
+        let ptr = pages.as_mut_ptr().cast::<u8>();
+        struct Keep(*mut Page, usize);
+        // SAFETY: `Keep` owns the allocation; it is only freed on drop.
+        unsafe impl Send for Keep {}
+        // SAFETY: `Keep` exposes nothing.
+        unsafe impl Sync for Keep {}
+        impl Drop for Keep {
+            fn drop(&mut self) {
+                // SAFETY: rebuilds the exact boxed slice leaked above (same pointer, length);
+                // dropped once, when the last `Region` clone goes.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.0, self.1)) });
+            }
+        }
+        let n = pages.len();
+        Region {
+            ptr,
+            len: n * 4096,
+            _keep: Arc::new(Keep(ptr.cast(), n)),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `u32` word at `off`, if in bounds and aligned.
+    pub fn u32_at(&self, off: usize) -> Option<&AtomicU32> {
+        if off % 4 != 0 || off.checked_add(4)? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds and 4-aligned (the base is page-aligned); the memory lives as long
+        // as `self` (kept by `_keep`); every access to this word in any process is atomic.
+        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU32>() })
+    }
+
+    /// The `u64` word at `off`, if in bounds and aligned.
+    pub fn u64_at(&self, off: usize) -> Option<&AtomicU64> {
+        if off % 8 != 0 || off.checked_add(8)? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds and 8-aligned; lives as long as `self`; accessed atomically only.
+        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU64>() })
+    }
+
+    /// Read `len` bytes at `off` into a vector (header fields written before the mapping was
+    /// shared).
+    pub fn read_bytes(&self, off: usize, len: usize) -> Option<Vec<u8>> {
+        if off.checked_add(len)? > self.len {
+            return None;
+        }
+        let mut v = vec![0u8; len];
+        // SAFETY: the source range is in bounds; `v` is a distinct allocation of `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), v.as_mut_ptr(), len) };
+        Some(v)
+    }
+
+    /// Write `bytes` at `off` (header fields, before the segment is published).
+    pub fn write_bytes(&self, off: usize, bytes: &[u8]) -> Option<()> {
+        if off.checked_add(bytes.len())? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds; only called on the creator's segment before its name is published,
+        // so nobody else accesses the range.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(off), bytes.len()) };
+        Some(())
+    }
+}
+
+/// One ring inside a region: its header block and data area.
+#[derive(Clone)]
+pub struct RingView {
+    region: Region,
+    base: usize,
+    cap: u64,
+}
+
+impl RingView {
+    /// The ring at `base` with capacity `cap`, if it fits in the region.
+    pub fn new(region: Region, base: usize, cap: usize) -> Option<Self> {
+        if !index::valid_cap(cap) || base % 4096 != 0 {
+            return None;
+        }
+        let end = base.checked_add(layout::HDR)?.checked_add(cap)?;
+        (end <= region.len()).then_some(RingView {
+            region,
+            base,
+            cap: cap as u64,
+        })
+    }
+
+    fn u64w(&self, off: usize) -> &AtomicU64 {
+        // In bounds and aligned: checked by `new` (header block < HDR <= region length).
+        self.region
+            .u64_at(self.base + off)
+            .unwrap_or_else(|| unreachable!("ring header checked at construction"))
+    }
+
+    fn u32w(&self, off: usize) -> &AtomicU32 {
+        self.region
+            .u32_at(self.base + off)
+            .unwrap_or_else(|| unreachable!("ring header checked at construction"))
+    }
+
+    /// Capacity in bytes.
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+    /// Published write offset.
+    pub fn head(&self) -> &AtomicU64 {
+        self.u64w(layout::HEAD)
+    }
+    /// Published read offset.
+    pub fn tail(&self) -> &AtomicU64 {
+        self.u64w(layout::TAIL)
+    }
+    /// Writer-closed flag.
+    pub fn writer_closed(&self) -> &AtomicU32 {
+        self.u32w(layout::WRITER_CLOSED)
+    }
+    /// Reader-closed flag.
+    pub fn reader_closed(&self) -> &AtomicU32 {
+        self.u32w(layout::READER_CLOSED)
+    }
+    /// CMA completion counter.
+    pub fn cma_done(&self) -> &AtomicU64 {
+        self.u64w(layout::CMA_DONE)
+    }
+    /// Futex word waking the writer.
+    pub fn tx_seq(&self) -> &AtomicU32 {
+        self.u32w(layout::TX_SEQ)
+    }
+    /// Writers asleep on `tx_seq`.
+    pub fn tx_sleeping(&self) -> &AtomicU32 {
+        self.u32w(layout::TX_SLEEPING)
+    }
+
+    /// Pointer to data byte `off` (< cap).
+    fn data(&self, off: usize) -> *mut u8 {
+        debug_assert!(off < self.cap as usize);
+        // SAFETY: `base + HDR + off` is inside the region (`new` checked `base + HDR + cap`).
+        unsafe { self.region.ptr.add(self.base + layout::HDR + off) }
+    }
+}
+
+/// The writing end of a ring.
+pub struct Producer {
+    v: RingView,
+    head: u64,
+    published: u64,
+    tail_cache: u64,
+}
+
+impl Producer {
+    /// The writer of `v`, continuing from its published state.
+    pub fn new(v: RingView) -> Self {
+        let head = v.head().load(Ordering::Acquire);
+        let tail = v.tail().load(Ordering::Acquire);
+        Producer {
+            v,
+            head,
+            published: head,
+            tail_cache: tail,
+        }
+    }
+
+    /// The ring.
+    pub fn view(&self) -> &RingView {
+        &self.v
+    }
+
+    /// Local write offset (including unpublished bytes).
+    pub fn position(&self) -> u64 {
+        self.head
+    }
+
+    /// Bytes written but not yet published.
+    pub fn unpublished(&self) -> u64 {
+        self.head - self.published
+    }
+
+    /// Free bytes, refreshing the reader's offset from shared memory when the cached one says
+    /// the ring is fuller than `need`.
+    pub fn free(&mut self, need: u64) -> Result<u64, Corrupt> {
+        let cap = self.v.cap;
+        let bad = |h, t| Corrupt { head: h, tail: t };
+        let mut u =
+            index::used(self.head, self.tail_cache, cap).ok_or(bad(self.head, self.tail_cache))?;
+        if cap - u < need {
+            self.tail_cache = self.v.tail().load(Ordering::Acquire);
+            u = index::used(self.head, self.tail_cache, cap)
+                .ok_or(bad(self.head, self.tail_cache))?;
+        }
+        Ok(cap - u)
+    }
+
+    /// Lend the contiguous free run (at most `max` bytes) to `fill`, which returns how many
+    /// bytes it wrote. Returns that count (0 when the ring is full).
+    pub fn lend(
+        &mut self,
+        max: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<usize, Corrupt> {
+        self.free(1)?;
+        let (pos, run) =
+            index::free_run(self.head, self.tail_cache, self.v.cap).ok_or(Corrupt {
+                head: self.head,
+                tail: self.tail_cache,
+            })?;
+        let run = run.min(max);
+        if run == 0 {
+            return Ok(0);
+        }
+        // SAFETY: `[pos, pos + run)` lies in the data area (`free_run` keeps it below `cap`)
+        // and is free space: the reader has released it (tail) and will not read it before we
+        // publish a head covering it, so this side has exclusive access while the slice lives.
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.v.data(pos), run) };
+        let n = fill(buf).min(run);
+        self.head += n as u64;
+        Ok(n)
+    }
+
+    /// Write all of `bytes` (wrapping around the end) if there is room for all of them;
+    /// returns whether it did.
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<bool, Corrupt> {
+        if self.free(bytes.len() as u64)? < bytes.len() as u64 {
+            return Ok(false);
+        }
+        let ((o1, l1), (o2, l2)) = index::split(self.head, bytes.len(), self.v.cap);
+        // SAFETY: both runs are inside the data area (`split` bounds them by `cap`) and free
+        // (checked above), hence owned by the writer until published; `bytes` is a distinct
+        // local buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.v.data(o1), l1);
+            if l2 > 0 {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr().add(l1), self.v.data(o2), l2);
+            }
+        }
+        self.head += bytes.len() as u64;
+        Ok(true)
+    }
+
+    /// Publish everything written (Release store of the head). Returns whether anything new
+    /// was published.
+    pub fn publish(&mut self) -> bool {
+        if self.head == self.published {
+            return false;
+        }
+        self.v.head().store(self.head, Ordering::Release);
+        self.published = self.head;
+        true
+    }
+
+    /// Forget unpublished bytes (abort of a message nothing of which was published).
+    pub fn discard_unpublished(&mut self) {
+        self.head = self.published;
+    }
+
+    /// Offset published last.
+    pub fn published(&self) -> u64 {
+        self.published
+    }
+}
+
+/// The reading end of a ring.
+pub struct Consumer {
+    v: RingView,
+    tail: u64,
+    head_cache: u64,
+}
+
+impl Consumer {
+    /// The reader of `v`, continuing from its published state.
+    pub fn new(v: RingView) -> Self {
+        let tail = v.tail().load(Ordering::Acquire);
+        Consumer {
+            v,
+            tail,
+            head_cache: tail,
+        }
+    }
+
+    /// The ring.
+    pub fn view(&self) -> &RingView {
+        &self.v
+    }
+
+    /// Readable bytes, refreshing the writer's offset when the cached one shows fewer than
+    /// `need`.
+    pub fn available(&mut self, need: u64) -> Result<u64, Corrupt> {
+        let cap = self.v.cap;
+        let bad = |h, t| Corrupt { head: h, tail: t };
+        let mut a =
+            index::used(self.head_cache, self.tail, cap).ok_or(bad(self.head_cache, self.tail))?;
+        if a < need {
+            self.head_cache = self.v.head().load(Ordering::Acquire);
+            a = index::used(self.head_cache, self.tail, cap)
+                .ok_or(bad(self.head_cache, self.tail))?;
+        }
+        Ok(a)
+    }
+
+    /// Lend the contiguous readable run (possibly empty) to `take`, which returns how many
+    /// bytes it consumed; the tail is advanced locally (see [`release`](Self::release)).
+    pub fn take(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, Corrupt> {
+        self.available(1)?;
+        let (pos, run) =
+            index::data_run(self.head_cache, self.tail, self.v.cap).ok_or(Corrupt {
+                head: self.head_cache,
+                tail: self.tail,
+            })?;
+        if run == 0 {
+            return Ok(0);
+        }
+        // SAFETY: `[pos, pos + run)` is inside the data area and holds published bytes: the
+        // writer wrote them before its Release store of head (our Acquire load) and will not
+        // overwrite them before we publish a tail past them.
+        let buf = unsafe { std::slice::from_raw_parts(self.v.data(pos).cast_const(), run) };
+        let n = take(buf).min(run);
+        self.tail += n as u64;
+        Ok(n)
+    }
+
+    /// Copy `out.len()` bytes from the read position without consuming them, if available.
+    pub fn peek(&mut self, out: &mut [u8]) -> Result<bool, Corrupt> {
+        if self.available(out.len() as u64)? < out.len() as u64 {
+            return Ok(false);
+        }
+        let ((o1, l1), (o2, l2)) = index::split(self.tail, out.len(), self.v.cap);
+        // SAFETY: both runs are inside the data area and hold published, unreleased bytes
+        // (checked above); `out` is a distinct local buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.v.data(o1).cast_const(), out.as_mut_ptr(), l1);
+            if l2 > 0 {
+                std::ptr::copy_nonoverlapping(
+                    self.v.data(o2).cast_const(),
+                    out.as_mut_ptr().add(l1),
+                    l2,
+                );
+            }
+        }
+        Ok(true)
+    }
+
+    /// Consume `n` bytes (the caller checked they are available).
+    pub fn skip(&mut self, n: u64) {
+        self.tail += n;
+    }
+
+    /// Publish the read offset (Release store): the space is the writer's again.
+    pub fn release(&mut self) {
+        self.v.tail().store(self.tail, Ordering::Release);
+    }
+
+    /// Whether the ring is (as far as the shared head says) empty.
+    pub fn is_empty(&mut self) -> bool {
+        matches!(self.available(1), Ok(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_index_arithmetic() {
+        let cap = 4096;
+        assert_eq!(index::used(10, 4, cap), Some(6));
+        assert_eq!(index::used(4, 10, cap), None);
+        assert_eq!(index::used(5000, 0, cap), None);
+        assert_eq!(index::free_run(0, 0, cap), Some((0, 4096)));
+        assert_eq!(index::free_run(4000, 100, cap), Some((4000, 96)));
+        assert_eq!(index::free_run(4196, 4000, cap), Some((100, 3900)));
+        assert_eq!(index::data_run(4196, 4000, cap), Some((4000, 96)));
+        assert_eq!(
+            index::data_run(u64::MAX - 5, u64::MAX - 10, cap),
+            Some((4085, 5))
+        );
+        assert_eq!(index::split(4090, 10, cap), ((4090, 6), (0, 4)));
+        assert_eq!(index::split(4090, 6, cap), ((4090, 6), (0, 0)));
+        assert!(index::valid_cap(4096));
+        assert!(!index::valid_cap(3000));
+        assert!(!index::valid_cap(2048));
+    }
+
+    fn pair(cap: usize) -> (Producer, Consumer) {
+        let r = Region::heap(layout::HDR + cap);
+        let v = RingView::new(r, 0, cap).unwrap();
+        (Producer::new(v.clone()), Consumer::new(v))
+    }
+
+    #[test]
+    fn ring_wraps_and_detects_corruption() {
+        let (mut p, mut c) = pair(4096);
+        let big = vec![7u8; 4000];
+        assert!(p.write_all(&big).unwrap());
+        assert!(!p.write_all(&big).unwrap(), "no room yet");
+        p.publish();
+        let mut got = 0;
+        while got < 4000 {
+            got += c.take(&mut |b: &[u8]| b.len()).unwrap();
+        }
+        c.release();
+        // Now the write wraps.
+        let msg: Vec<u8> = (0..200u8).collect();
+        assert!(p.write_all(&msg).unwrap());
+        p.publish();
+        let mut out = vec![0u8; 200];
+        assert!(c.peek(&mut out).unwrap());
+        assert_eq!(out, msg);
+        c.skip(200);
+        c.release();
+        // A hostile reader publishing a tail past the head is caught.
+        p.view().tail().store(1 << 40, Ordering::Release);
+        assert!(p.write_all(&[0u8; 4096]).is_err());
+    }
+
+    #[test]
+    fn ring_spsc_threads() {
+        let (mut p, mut c) = pair(4096);
+        let total: usize = if cfg!(miri) { 20_000 } else { 2_000_000 };
+        let t = std::thread::spawn(move || {
+            let mut sent = 0usize;
+            while sent < total {
+                let n = p
+                    .lend(total - sent, &mut |b: &mut [u8]| {
+                        for (i, x) in b.iter_mut().enumerate() {
+                            *x = ((sent + i) % 251) as u8;
+                        }
+                        b.len()
+                    })
+                    .unwrap();
+                sent += n;
+                p.publish();
+                if n == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        });
+        let mut got = 0usize;
+        while got < total {
+            let n = c
+                .take(&mut |b: &[u8]| {
+                    for (i, &x) in b.iter().enumerate() {
+                        assert_eq!(x, ((got + i) % 251) as u8);
+                    }
+                    b.len()
+                })
+                .unwrap();
+            got += n;
+            c.release();
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+        t.join().unwrap();
+    }
+}
