@@ -1,1 +1,244 @@
-//! Madeleine `tcp` driver. **Not yet implemented**: this crate is an empty workspace member; it is filled by its own issue.
+//! # mad-tcp: the Madeleine II driver over TCP sockets
+//!
+//! One TCP connection per peer per channel, set up eagerly and authenticated when the channel
+//! opens ([`setup`], [`handshake`]). Two transmission modules:
+//!
+//! | TM | BMM | pieces | how |
+//! |---|---|---|---|
+//! | 0 `small` | Copy | ≤ [`DEFAULT_SMALL_MAX`] B | copied into a per-connection 64 KiB buffer, which leaves with the next `sendmsg` |
+//! | 1 `large` | Gather | larger | the user's slices, after the queued small bytes, in one `sendmsg`; scattered into place with `recvmsg` |
+//!
+//! so a message of small pieces leaves in one system call, and a message of small pieces plus
+//! a large body too (when the socket takes it all).
+//!
+//! Channel spec: `tcp[:ADDRESS|INTERFACE][,connect_timeout_ms=30000][,user_timeout_ms=10000]
+//! [,buffer=64k][,tm.small=N]`. The adapter is the local address to listen on (default
+//! `127.0.0.1`) or an interface name (`eth0`), resolved with `getifaddrs`.
+//!
+//! Failures: end of stream is [`Error::PeerClosed`]; a reset, a timeout (keepalive and
+//! `TCP_USER_TIMEOUT` turn a black-holed peer into one in bounded time) or any other socket
+//! error is [`Error::ConnectionLost`].
+//!
+//! ```no_run
+//! use mad_core::bootstrap::SingleBootstrap;
+//! let driver = mad_tcp::TcpDriver::new();
+//! # let _ = driver;
+//! ```
+
+#![deny(unsafe_code)]
+
+pub mod handshake;
+pub mod link;
+mod setup;
+pub mod sys;
+
+use std::net::IpAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mad_core::driver::{
+    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+};
+use mad_core::{ChannelConfig, Error, Result};
+
+pub use link::{TcpIncoming, TcpRx, TcpTx};
+
+/// Default largest piece sent through the `small` (copy) TM; chosen by the sweep in NOTES.md.
+pub const DEFAULT_SMALL_MAX: usize = 4096;
+/// Default size of each per-connection static buffer (send and receive).
+pub const DEFAULT_BUFFER: usize = 64 * 1024;
+/// Default bound on channel setup.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `TCP_USER_TIMEOUT` (and keepalive horizon).
+pub const DEFAULT_USER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most slices in one gather group (one slice of the `iovec` array goes to the queued bytes).
+pub const MAX_GROUP: usize = sys::IOV_MAX - 1;
+
+/// The TCP driver (`tcp`).
+#[derive(Debug, Default, Clone)]
+pub struct TcpDriver {
+    _private: (),
+}
+
+impl TcpDriver {
+    /// A TCP driver.
+    pub fn new() -> Self {
+        TcpDriver { _private: () }
+    }
+}
+
+/// The options of a tcp channel, parsed from its configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Local address to listen on.
+    pub ip: IpAddr,
+    /// Bound on the whole setup.
+    pub connect_timeout: Duration,
+    /// `TCP_USER_TIMEOUT` and keepalive horizon.
+    pub user_timeout: Duration,
+    /// Size of each static buffer.
+    pub buffer: usize,
+}
+
+impl TcpOptions {
+    /// Parse the options of `config` (adapter, `connect_timeout_ms`, `user_timeout_ms`, `buffer`).
+    pub fn from_config(config: &ChannelConfig) -> Result<Self> {
+        let ip = resolve_adapter(config.adapter.as_deref())?;
+        let ms = |key: &str, def: Duration| -> Result<Duration> {
+            Ok(config
+                .option_parsed::<u64>(key)?
+                .map(Duration::from_millis)
+                .unwrap_or(def))
+        };
+        let connect_timeout = ms("connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT)?;
+        let user_timeout = ms("user_timeout_ms", DEFAULT_USER_TIMEOUT)?;
+        if connect_timeout.is_zero() || user_timeout.is_zero() {
+            return Err(Error::BadConfig(format!(
+                "channel `{}`: tcp timeouts must be at least 1 ms",
+                config.name
+            )));
+        }
+        let buffer = match config.options.get("buffer") {
+            None => DEFAULT_BUFFER,
+            Some(v) => mad_core::config::parse_size(v)
+                .filter(|&n| (256..=(64 << 20)).contains(&n))
+                .ok_or_else(|| {
+                    Error::BadConfig(format!(
+                        "channel `{}`: buffer={v}: expected a size from 256 to 64m",
+                        config.name
+                    ))
+                })?,
+        };
+        Ok(TcpOptions {
+            ip,
+            connect_timeout,
+            user_timeout,
+            buffer,
+        })
+    }
+}
+
+/// Resolve an adapter: an IP address, an interface name, or the default `127.0.0.1`.
+pub fn resolve_adapter(adapter: Option<&str>) -> Result<IpAddr> {
+    let a = match adapter {
+        None => return Ok(IpAddr::from([127, 0, 0, 1])),
+        Some(a) => a.trim(),
+    };
+    if let Ok(ip) = a.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    if a == "localhost" {
+        return Ok(IpAddr::from([127, 0, 0, 1]));
+    }
+    let addrs = sys::interface_addrs(a)
+        .map_err(|e| Error::io(format!("tcp: listing the addresses of interface `{a}`"), e))?;
+    addrs.into_iter().next().ok_or_else(|| {
+        Error::BadConfig(format!(
+            "tcp adapter `{a}` is neither an IP address nor an interface with an address"
+        ))
+    })
+}
+
+/// The driver's TM table with the given `small` threshold.
+pub fn tm_table(small_max: usize) -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "small",
+            small_max,
+            "copied into a per-connection buffer; leaves with the next sendmsg",
+        ),
+        TmSpec::gather(
+            "large",
+            usize::MAX,
+            MAX_GROUP,
+            "user slices after the queued bytes in one sendmsg; recvmsg into place",
+        ),
+    ])
+}
+
+impl Driver for TcpDriver {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn describe(&self) -> String {
+        "tcp: adapter = a local IP address or an interface name (default 127.0.0.1)".into()
+    }
+
+    fn tm_table(&self, _config: &ChannelConfig) -> Result<TmTable> {
+        tm_table(DEFAULT_SMALL_MAX)
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities {
+            direct_poll_limit: 4,
+            detects_peer_death: true,
+            intra_node_only: false,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let opts = TcpOptions::from_config(ctx.config)?;
+        let b = ctx.bootstrap;
+        let (me, size) = (b.rank(), b.size());
+        // Two descriptors per peer at worst during setup, plus headroom for the program.
+        let _ = sys::ensure_nofile(2 * size as u64 + 64);
+        let listener = setup::listen(opts.ip)?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("tcp: reading the listener address", e))?;
+        let all = b.allgather(&ctx.tag("addr"), local.to_string().as_bytes())?;
+        if all.len() != size {
+            return Err(Error::protocol(
+                me,
+                "bootstrap allgather returned the wrong number of addresses",
+            ));
+        }
+        let addrs = setup::parse_addrs(&all)?;
+        let params = setup::SetupParams {
+            channel: &ctx.config.name,
+            me,
+            size,
+            secret: b.secret(),
+            fingerprint: ctx.table.fingerprint(),
+            connect_timeout: opts.connect_timeout,
+        };
+        let streams = setup::connect_all(&params, listener, &addrs)?;
+        let epoll =
+            Arc::new(sys::Epoll::new().map_err(|e| Error::io("tcp: creating the epoll set", e))?);
+        let incoming = TcpIncoming::new(epoll.clone())?;
+        let mut links = Vec::with_capacity(size);
+        for (r, st) in streams.into_iter().enumerate() {
+            let Some(st) = st else {
+                links.push(None);
+                continue;
+            };
+            let cfg = |e| Error::io(format!("tcp: configuring the connection to rank {r}"), e);
+            st.set_read_timeout(None).map_err(cfg)?;
+            st.set_write_timeout(None).map_err(cfg)?;
+            st.set_nodelay(true).map_err(cfg)?;
+            st.set_nonblocking(true).map_err(cfg)?;
+            sys::set_liveness(st.as_raw_fd(), opts.user_timeout).map_err(cfg)?;
+            let st = Arc::new(st);
+            TcpIncoming::register(&epoll, st.as_raw_fd(), r)?;
+            links.push(Some(LinkPair {
+                tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer)),
+                rx: Box::new(TcpRx::new(st, r, opts.buffer, epoll.clone())),
+            }));
+        }
+        let notes = vec![format!(
+            "tcp: {} listening for setup, {} connections, {} KiB buffers, user timeout {} ms",
+            local,
+            size - 1,
+            opts.buffer / 1024,
+            opts.user_timeout.as_millis()
+        )];
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(incoming),
+            notes,
+        })
+    }
+}

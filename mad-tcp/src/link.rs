@@ -1,0 +1,483 @@
+//! The two halves of a connection ([`TcpTx`], [`TcpRx`]) and any-source readiness
+//! ([`TcpIncoming`]).
+//!
+//! Sending: TM 0 (`small`, Copy) bytes are copied into a per-connection static buffer and stay
+//! queued (commit is a no-op: the stream keeps order); TM 1 (`large`, Gather) sends the queued
+//! bytes *and* the user's slices in one `sendmsg`. Whatever is still queued at the end of the
+//! message leaves in one `sendmsg`. Receiving: a per-connection buffer absorbs headers and small
+//! pieces; gather pieces are scattered straight into the user's slices, with the receive buffer
+//! appended as the last slice so that bytes of the next message that are already in the socket
+//! come along in the same `recvmsg` instead of costing another system call.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::{Error, Result};
+use smallvec::SmallVec;
+
+use crate::sys::{self, Epoll, EventFd, Interest, IOV_MAX};
+
+/// Map an I/O failure on the connection to `peer` into the core's error.
+fn lost(peer: usize, e: io::Error) -> Error {
+    Error::ConnectionLost {
+        rank: peer,
+        source: e,
+    }
+}
+
+/// The sending half of a connection.
+pub struct TcpTx {
+    sock: Arc<TcpStream>,
+    fd: RawFd,
+    peer: usize,
+    buf: Box<[u8]>,
+    /// First queued byte not yet sent.
+    head: usize,
+    /// End of the queued bytes.
+    tail: usize,
+    /// Bytes of the current `send_refs` group already sent (cursor across `Pending`).
+    refs_done: usize,
+    /// Some byte of the current message has left.
+    started: bool,
+    broken: Option<String>,
+}
+
+impl TcpTx {
+    pub(crate) fn new(sock: Arc<TcpStream>, peer: usize, buf_len: usize) -> Self {
+        TcpTx {
+            fd: sock.as_raw_fd(),
+            sock,
+            peer,
+            buf: vec![0u8; buf_len].into_boxed_slice(),
+            head: 0,
+            tail: 0,
+            refs_done: 0,
+            started: false,
+            broken: None,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(cause) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: cause.clone(),
+            }),
+        }
+    }
+
+    fn fail(&mut self, e: io::Error) -> Error {
+        self.broken = Some(e.to_string());
+        lost(self.peer, e)
+    }
+
+    /// Write the queued bytes out; `Ready` once none is left.
+    fn flush(&mut self) -> Result<Poll<()>> {
+        while self.head < self.tail {
+            match sys::send_vectored(self.fd, &[IoSlice::new(&self.buf[self.head..self.tail])]) {
+                Ok(n) => {
+                    self.started = true;
+                    self.head += n;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        self.head = 0;
+        self.tail = 0;
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl TxLink for TcpTx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.check()?;
+        self.started = false;
+        self.refs_done = 0;
+        Ok(())
+    }
+
+    #[inline]
+    fn with_buffer(
+        &mut self,
+        _tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check()?;
+        if self.tail == self.buf.len() && self.flush()?.is_pending() {
+            return Ok(Poll::Pending);
+        }
+        if self.head == self.tail {
+            self.head = 0;
+            self.tail = 0;
+        }
+        let room = &mut self.buf[self.tail..];
+        let n = fill(room).min(room.len());
+        self.tail += n;
+        if self.tail == self.buf.len() {
+            // Full: start writing it out now (whatever the socket takes).
+            let _ = self.flush()?;
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, _tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.check()?;
+        let total: usize = iov.iter().map(|s| s.len()).sum();
+        loop {
+            let queued = self.tail - self.head;
+            if queued == 0 && self.refs_done >= total {
+                self.refs_done = 0;
+                self.head = 0;
+                self.tail = 0;
+                return Ok(Poll::Ready(()));
+            }
+            let mut v: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
+            if queued > 0 {
+                v.push(IoSlice::new(&self.buf[self.head..self.tail]));
+            }
+            let mut skip = self.refs_done;
+            for s in iov {
+                if v.len() == IOV_MAX {
+                    break;
+                }
+                if skip >= s.len() {
+                    skip -= s.len();
+                    continue;
+                }
+                v.push(IoSlice::new(&s[skip..]));
+                skip = 0;
+            }
+            let res = sys::send_vectored(self.fd, &v);
+            drop(v);
+            match res {
+                Ok(n) => {
+                    self.started = true;
+                    let from_buf = n.min(queued);
+                    self.head += from_buf;
+                    self.refs_done += n - from_buf;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+    }
+
+    #[inline]
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.check()?;
+        self.flush()
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        if !self.started && self.broken.is_none() {
+            self.head = 0;
+            self.tail = 0;
+            self.refs_done = 0;
+            return AbortOutcome::Discarded;
+        }
+        let _ = self.sock.shutdown(Shutdown::Write);
+        if self.broken.is_none() {
+            self.broken = Some("a message was abandoned after part of it was sent".into());
+        }
+        AbortOutcome::Broken
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        sys::poll_one(self.fd, Interest::Write, timeout)
+            .map(|_| ())
+            .map_err(|e| lost(self.peer, e))
+    }
+}
+
+/// The receiving half of a connection.
+pub struct TcpRx {
+    sock: Arc<TcpStream>,
+    fd: RawFd,
+    peer: usize,
+    buf: Box<[u8]>,
+    /// First unconsumed buffered byte.
+    head: usize,
+    /// End of buffered bytes.
+    tail: usize,
+    /// Bytes of the current `recv_refs` group already in place.
+    refs_done: usize,
+    epoll: Arc<Epoll>,
+    registered: bool,
+    broken: Option<String>,
+}
+
+impl TcpRx {
+    pub(crate) fn new(
+        sock: Arc<TcpStream>,
+        peer: usize,
+        buf_len: usize,
+        epoll: Arc<Epoll>,
+    ) -> Self {
+        TcpRx {
+            fd: sock.as_raw_fd(),
+            sock,
+            peer,
+            buf: vec![0u8; buf_len].into_boxed_slice(),
+            head: 0,
+            tail: 0,
+            refs_done: 0,
+            epoll,
+            registered: true,
+            broken: None,
+        }
+    }
+
+    /// The connection is over for reading: stop reporting it to any-source receptions.
+    fn deregister(&mut self) {
+        if self.registered {
+            self.epoll.remove(self.fd);
+            self.registered = false;
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(cause) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: cause.clone(),
+            }),
+        }
+    }
+
+    fn closed(&mut self) -> Error {
+        self.deregister();
+        Error::PeerClosed { rank: self.peer }
+    }
+
+    fn fail(&mut self, e: io::Error) -> Error {
+        self.deregister();
+        lost(self.peer, e)
+    }
+
+    /// One non-blocking `recv` into the (empty) buffer.
+    #[inline]
+    fn fill(&mut self) -> Result<Poll<()>> {
+        self.head = 0;
+        self.tail = 0;
+        match sys::recv(self.fd, &mut self.buf) {
+            Ok(0) => Err(self.closed()),
+            Ok(n) => {
+                self.tail = n;
+                Ok(Poll::Ready(()))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Poll::Pending),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+}
+
+/// Copy `src` into `iov`, starting `offset` bytes into the group; returns the bytes copied.
+fn scatter(src: &[u8], iov: &mut [IoSliceMut<'_>], offset: usize) -> usize {
+    let mut skip = offset;
+    let mut done = 0;
+    for d in iov.iter_mut() {
+        if done == src.len() {
+            break;
+        }
+        if skip >= d.len() {
+            skip -= d.len();
+            continue;
+        }
+        let dst = &mut d[skip..];
+        skip = 0;
+        let n = dst.len().min(src.len() - done);
+        dst[..n].copy_from_slice(&src[done..done + n]);
+        done += n;
+    }
+    done
+}
+
+impl RxLink for TcpRx {
+    #[inline]
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.check()?;
+        if self.head < self.tail {
+            return Ok(Poll::Ready(()));
+        }
+        self.fill()
+    }
+
+    #[inline]
+    fn with_data(
+        &mut self,
+        _tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check()?;
+        if self.head == self.tail && self.fill()?.is_pending() {
+            return Ok(Poll::Pending);
+        }
+        let avail = self.tail - self.head;
+        let n = take(&self.buf[self.head..self.tail]).min(avail);
+        self.head += n;
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_refs(&mut self, _tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.check()?;
+        let total: usize = iov.iter().map(|s| s.len()).sum();
+        loop {
+            if self.refs_done >= total {
+                self.refs_done = 0;
+                return Ok(Poll::Ready(()));
+            }
+            if self.head < self.tail {
+                let n = scatter(&self.buf[self.head..self.tail], iov, self.refs_done);
+                self.head += n;
+                self.refs_done += n;
+                continue;
+            }
+            // Buffer empty: read straight into the user's remaining slices, then into our
+            // buffer (bytes past the group belong to the next message and stay buffered).
+            self.head = 0;
+            self.tail = 0;
+            let remaining = total - self.refs_done;
+            let fd = self.fd;
+            let res = {
+                let mut v: SmallVec<[IoSliceMut<'_>; 16]> = SmallVec::new();
+                let mut skip = self.refs_done;
+                for s in iov.iter_mut() {
+                    if v.len() == IOV_MAX - 1 {
+                        break;
+                    }
+                    if skip >= s.len() {
+                        skip -= s.len();
+                        continue;
+                    }
+                    v.push(IoSliceMut::new(&mut s[skip..]));
+                    skip = 0;
+                }
+                v.push(IoSliceMut::new(&mut self.buf[..]));
+                sys::recv_vectored(fd, &mut v)
+            };
+            match res {
+                Ok(0) => return Err(self.closed()),
+                Ok(n) => {
+                    let user = n.min(remaining);
+                    self.refs_done += user;
+                    self.tail = n - user;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+    }
+
+    fn abort_message(&mut self) {
+        self.deregister();
+        let _ = self.sock.shutdown(Shutdown::Read);
+        self.head = 0;
+        self.tail = 0;
+        self.refs_done = 0;
+        if self.broken.is_none() {
+            self.broken = Some("a message was abandoned midway; the stream is out of step".into());
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if self.head < self.tail || self.broken.is_some() {
+            return Ok(());
+        }
+        sys::poll_one(self.fd, Interest::Read, timeout)
+            .map(|_| ())
+            .map_err(|e| lost(self.peer, e))
+    }
+}
+
+impl Drop for TcpRx {
+    fn drop(&mut self) {
+        self.deregister();
+    }
+}
+
+/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
+const WAKE_TOKEN: u64 = u64::MAX;
+
+/// Any-source readiness: a level-triggered epoll set over every connection plus an eventfd.
+pub struct TcpIncoming {
+    epoll: Arc<Epoll>,
+    wake: EventFd,
+}
+
+impl TcpIncoming {
+    pub(crate) fn new(epoll: Arc<Epoll>) -> Result<Self> {
+        let wake = EventFd::new().map_err(|e| Error::io("creating the tcp wake-up eventfd", e))?;
+        epoll
+            .add(wake.raw(), WAKE_TOKEN)
+            .map_err(|e| Error::io("registering the tcp wake-up eventfd", e))?;
+        Ok(TcpIncoming { epoll, wake })
+    }
+
+    /// Register the connection to `peer` (done once at open).
+    pub(crate) fn register(epoll: &Epoll, fd: RawFd, peer: usize) -> Result<()> {
+        epoll.add(fd, peer as u64).map_err(|e| {
+            Error::io(
+                format!("registering the connection to rank {peer} in epoll"),
+                e,
+            )
+        })
+    }
+}
+
+impl Incoming for TcpIncoming {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        let wake = &self.wake;
+        self.epoll
+            .wait(Duration::ZERO, &mut |t| {
+                if t == WAKE_TOKEN {
+                    wake.drain();
+                } else {
+                    ready(t as usize);
+                }
+            })
+            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        let wake = &self.wake;
+        self.epoll
+            .wait(timeout, &mut |t| {
+                if t == WAKE_TOKEN {
+                    wake.drain();
+                }
+            })
+            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
+    }
+
+    fn wake(&self) {
+        self.wake.signal();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scatter_offsets() {
+        let mut a = [0u8; 3];
+        let mut b = [0u8; 4];
+        {
+            let mut iov = [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)];
+            assert_eq!(scatter(&[1, 2], &mut iov, 0), 2);
+            assert_eq!(scatter(&[3, 4, 5, 6, 7, 8], &mut iov, 2), 5);
+        }
+        assert_eq!(a, [1, 2, 3]);
+        assert_eq!(b, [4, 5, 6, 7]);
+    }
+}

@@ -1,0 +1,406 @@
+//! Channel setup: listen, publish the address, connect to every peer, authenticate.
+//!
+//! Connections are set up *eagerly* at open, all-to-all: each rank connects to every lower
+//! rank and accepts from every higher one, then closes its listener. Eager because any-source
+//! reception needs every connection in the epoll set before the first `begin_unpacking`;
+//! 64 processes means 63 sockets each, far below the descriptor limit (raised soft → hard when
+//! needed). Accepting runs on a helper thread while this thread connects, and each accepted
+//! connection is authenticated on its own short-lived thread, so a silent stranger delays
+//! nobody. The whole setup is bounded by `connect_timeout_ms`.
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use mad_core::auth::{self, Secret};
+use mad_core::{Error, Result};
+
+use crate::handshake::{self, Challenge, Hello, Reply, Status};
+use crate::sys;
+
+/// Longest a single accepted connection may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accepting thread re-checks cancellation and the deadline.
+const ACCEPT_SLICE: Duration = Duration::from_millis(20);
+
+/// What setup needs to know.
+pub(crate) struct SetupParams<'a> {
+    pub channel: &'a str,
+    pub me: usize,
+    pub size: usize,
+    pub secret: &'a Secret,
+    pub fingerprint: u64,
+    pub connect_timeout: Duration,
+}
+
+/// A listening socket bound on the adapter address, port chosen by the kernel.
+pub(crate) fn listen(ip: IpAddr) -> Result<TcpListener> {
+    TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| Error::io(format!("tcp: cannot listen on {ip}"), e))
+}
+
+/// Parse the addresses every rank published.
+pub(crate) fn parse_addrs(all: &[Vec<u8>]) -> Result<Vec<SocketAddr>> {
+    all.iter()
+        .enumerate()
+        .map(|(r, b)| {
+            std::str::from_utf8(b)
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok())
+                .ok_or_else(|| {
+                    Error::protocol(
+                        r,
+                        format!(
+                            "published tcp address {:?} is not ip:port",
+                            String::from_utf8_lossy(b)
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Connect to every lower rank and accept every higher one. Returns one stream per rank
+/// (`None` for this rank), still blocking, handshakes done.
+pub(crate) fn connect_all(
+    p: &SetupParams<'_>,
+    listener: TcpListener,
+    addrs: &[SocketAddr],
+) -> Result<Vec<Option<TcpStream>>> {
+    let deadline = Instant::now() + p.connect_timeout;
+    let stop = AtomicBool::new(false);
+    let (accepted, connected) = std::thread::scope(|s| {
+        let acc = s.spawn(|| accept_all(p, &listener, deadline, &stop));
+        let mut out: Vec<Option<TcpStream>> = Vec::with_capacity(p.me);
+        let mut err = None;
+        for (r, addr) in addrs.iter().enumerate().take(p.me) {
+            match connect_one(p, r, *addr, deadline) {
+                Ok(st) => out.push(Some(st)),
+                Err(e) => {
+                    err = Some(e);
+                    stop.store(true, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        let acc = acc
+            .join()
+            .unwrap_or_else(|_| Err(Error::protocol(p.me, "tcp accepting thread panicked")));
+        (
+            acc,
+            match err {
+                Some(e) => Err(e),
+                None => Ok(out),
+            },
+        )
+    });
+    let mut streams = connected?;
+    let accepted = accepted?;
+    streams.push(None);
+    streams.extend(accepted.into_iter().skip(p.me + 1));
+    Ok(streams)
+}
+
+fn set_timeouts(st: &TcpStream, deadline: Instant, cap: Duration) -> io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .min(cap)
+        .max(Duration::from_millis(1));
+    st.set_read_timeout(Some(left))?;
+    st.set_write_timeout(Some(left))
+}
+
+/// Dial rank `r` and run the connector side of the handshake.
+fn connect_one(
+    p: &SetupParams<'_>,
+    r: usize,
+    addr: SocketAddr,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let ctx_err = |e: io::Error| {
+        Error::io(
+            format!(
+                "tcp channel `{}`: connecting to rank {r} at {addr}",
+                p.channel
+            ),
+            e,
+        )
+    };
+    let st = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ctx_err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "setup timeout",
+            )));
+        }
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(st) => break st,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::Interrupted
+                ) =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(ctx_err(e)),
+        }
+    };
+    set_timeouts(&st, deadline, Duration::MAX).map_err(ctx_err)?;
+    let mut stream = &st;
+    let mut cb = [0u8; handshake::CHALLENGE_LEN];
+    stream.read_exact(&mut cb).map_err(ctx_err)?;
+    let ch = handshake::decode_challenge(&cb).map_err(|w| Error::protocol(r, w))?;
+    if ch.rank as usize != r {
+        return Err(Error::protocol(
+            r,
+            format!("{addr} answers as rank {}, expected {r}", ch.rank),
+        ));
+    }
+    let nonce_c = auth::nonce()?;
+    let context = handshake::context(p.channel, p.me as u32, r as u32);
+    let hello = Hello {
+        rank: p.me as u32,
+        fingerprint: p.fingerprint,
+        nonce_c,
+        proof: p
+            .secret
+            .proof(b"mad-tcp-connect", &ch.nonce_a, &nonce_c, &context),
+        channel: p.channel.to_string(),
+    };
+    let hb = handshake::encode_hello(&hello).map_err(Error::BadConfig)?;
+    stream.write_all(&hb).map_err(ctx_err)?;
+    let mut rb = [0u8; handshake::REPLY_LEN];
+    if let Err(e) = stream.read_exact(&mut rb) {
+        return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
+            Error::Auth(format!(
+                "rank {r} at {addr} refused our connection on channel `{}` (different session secret?)",
+                p.channel
+            ))
+        } else {
+            ctx_err(e)
+        });
+    }
+    let reply: Reply = handshake::decode_reply(&rb).map_err(|w| Error::protocol(r, w))?;
+    if reply.rank as usize != r
+        || !p.secret.verify(
+            b"mad-tcp-accept",
+            &ch.nonce_a,
+            &nonce_c,
+            &context,
+            &reply.proof,
+        )
+    {
+        return Err(Error::Auth(format!(
+            "the process at {addr} did not prove the session secret for rank {r} on channel `{}`",
+            p.channel
+        )));
+    }
+    if reply.status == Status::FingerprintMismatch || reply.fingerprint != p.fingerprint {
+        return Err(mismatch(p, r, reply.fingerprint));
+    }
+    Ok(st)
+}
+
+fn mismatch(p: &SetupParams<'_>, r: usize, theirs: u64) -> Error {
+    Error::BadConfig(format!(
+        "tcp channel `{}`: rank {r} uses a different TM table (fingerprint {theirs:016x}, ours {:016x}); \
+         every rank must use the same thresholds",
+        p.channel, p.fingerprint
+    ))
+}
+
+/// Outcome of one accepted connection's handshake.
+enum Accepted {
+    Peer(usize, TcpStream),
+    Refused(String, String),
+    Fatal(Error),
+}
+
+/// Owned copies of what an acceptor-side handshake thread needs.
+struct AcceptCtx {
+    channel: String,
+    me: usize,
+    size: usize,
+    secret: Secret,
+    fingerprint: u64,
+}
+
+fn accept_all(
+    p: &SetupParams<'_>,
+    listener: &TcpListener,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> Result<Vec<Option<TcpStream>>> {
+    let mut got: Vec<Option<TcpStream>> = (0..p.size).map(|_| None).collect();
+    let mut missing = p.size - p.me - 1;
+    if missing == 0 {
+        return Ok(got);
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("tcp: making the listener non-blocking", e))?;
+    let (tx, rx) = mpsc::channel::<Accepted>();
+    let refuse = |addr: &str, why: &str| {
+        eprintln!(
+            "mad-tcp: refused connection from {addr} on channel {}: {why}",
+            p.channel
+        );
+    };
+    loop {
+        while let Ok(a) = rx.try_recv() {
+            match a {
+                Accepted::Peer(r, st) => {
+                    if got[r].is_some() {
+                        let addr = st.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                        refuse(&addr, &format!("rank {r} is already connected"));
+                    } else {
+                        got[r] = Some(st);
+                        missing -= 1;
+                    }
+                }
+                Accepted::Refused(addr, why) => refuse(&addr, &why),
+                Accepted::Fatal(e) => return Err(e),
+            }
+        }
+        if missing == 0 {
+            return Ok(got);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return Err(Error::protocol(p.me, "tcp setup cancelled"));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let ranks: Vec<usize> = (p.me + 1..p.size).filter(|&r| got[r].is_none()).collect();
+            return Err(Error::io(
+                format!(
+                    "tcp channel `{}`: rank {} got no connection from ranks {ranks:?} within {:?}",
+                    p.channel, p.me, p.connect_timeout
+                ),
+                io::Error::new(io::ErrorKind::TimedOut, "setup timeout"),
+            ));
+        }
+        let _ = sys::poll_one(
+            listener.as_raw_fd(),
+            sys::Interest::Read,
+            ACCEPT_SLICE.min(deadline - now),
+        );
+        loop {
+            match listener.accept() {
+                Ok((st, addr)) => {
+                    let ctx = AcceptCtx {
+                        channel: p.channel.to_string(),
+                        me: p.me,
+                        size: p.size,
+                        secret: p.secret.clone(),
+                        fingerprint: p.fingerprint,
+                    };
+                    let tx = tx.clone();
+                    // Detached: a silent stranger only holds its own thread, until its timeout.
+                    let spawned = std::thread::Builder::new()
+                        .name("mad-tcp-handshake".into())
+                        .spawn(move || {
+                            let _ = tx.send(accept_one(&ctx, st, addr, deadline));
+                        });
+                    if let Err(e) = spawned {
+                        return Err(Error::Resource(format!(
+                            "tcp: cannot spawn a handshake thread: {e}"
+                        )));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) => {
+                    return Err(Error::Resource(format!("tcp: accepting connections: {e}")));
+                }
+                // ECONNABORTED and friends: that connection is gone, keep accepting.
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Acceptor side of the handshake for one incoming connection.
+fn accept_one(c: &AcceptCtx, st: TcpStream, addr: SocketAddr, deadline: Instant) -> Accepted {
+    let a = addr.to_string();
+    let refused = |why: String| Accepted::Refused(a.clone(), why);
+    if let Err(e) = st
+        .set_nonblocking(false)
+        .and_then(|_| set_timeouts(&st, deadline, HANDSHAKE_TIMEOUT))
+    {
+        return refused(format!("cannot configure socket: {e}"));
+    }
+    let nonce_a = match auth::nonce() {
+        Ok(n) => n,
+        Err(e) => return Accepted::Fatal(e),
+    };
+    let mut stream = &st;
+    let ch = handshake::encode_challenge(&Challenge {
+        rank: c.me as u32,
+        nonce_a,
+    });
+    if let Err(e) = stream.write_all(&ch) {
+        return refused(format!("sending challenge: {e}"));
+    }
+    let mut hb = vec![0u8; handshake::HELLO_FIXED_LEN];
+    if let Err(e) = stream.read_exact(&mut hb) {
+        return refused(format!("reading hello: {e}"));
+    }
+    let total = match handshake::hello_len(&hb) {
+        Ok(t) => t,
+        Err(w) => return refused(w),
+    };
+    hb.resize(total, 0);
+    if let Err(e) = stream.read_exact(&mut hb[handshake::HELLO_FIXED_LEN..]) {
+        return refused(format!("reading hello: {e}"));
+    }
+    let h = match handshake::decode_hello(&hb) {
+        Ok(h) => h,
+        Err(w) => return refused(w),
+    };
+    if h.channel != c.channel {
+        return refused(format!("it asked for channel `{}`", h.channel));
+    }
+    let r = h.rank as usize;
+    if r <= c.me || r >= c.size {
+        return refused(format!(
+            "rank {r} should not connect to rank {} (session of {})",
+            c.me, c.size
+        ));
+    }
+    let context = handshake::context(&c.channel, h.rank, c.me as u32);
+    if !c
+        .secret
+        .verify(b"mad-tcp-connect", &nonce_a, &h.nonce_c, &context, &h.proof)
+    {
+        return refused("bad proof (wrong session secret)".into());
+    }
+    let status = if h.fingerprint == c.fingerprint {
+        Status::Ok
+    } else {
+        Status::FingerprintMismatch
+    };
+    let reply = handshake::encode_reply(&Reply {
+        status,
+        rank: c.me as u32,
+        fingerprint: c.fingerprint,
+        proof: c
+            .secret
+            .proof(b"mad-tcp-accept", &nonce_a, &h.nonce_c, &context),
+    });
+    if let Err(e) = stream.write_all(&reply) {
+        return refused(format!("sending reply: {e}"));
+    }
+    if status == Status::FingerprintMismatch {
+        return Accepted::Fatal(Error::BadConfig(format!(
+            "tcp channel `{}`: rank {r} uses a different TM table (fingerprint {:016x}, ours {:016x}); \
+             every rank must use the same thresholds",
+            c.channel, h.fingerprint, c.fingerprint
+        )));
+    }
+    Accepted::Peer(r, st)
+}

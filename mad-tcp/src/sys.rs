@@ -1,0 +1,318 @@
+//! Every foreign call of the driver: socket options, `sendmsg`/`recvmsg`, `poll`, epoll,
+//! eventfd, `getifaddrs` and `RLIMIT_NOFILE`.
+//!
+//! Each function hands back safe values (`io::Result`, owned descriptors that close on drop).
+//! `EINTR` is retried here, so callers never see it.
+
+#![allow(unsafe_code)]
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::IpAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+/// Largest number of `iovec`s one `sendmsg`/`recvmsg` takes on Linux (`IOV_MAX`).
+pub const IOV_MAX: usize = 1024;
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn setsockopt_int(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `&v` points to a live c_int for the duration of the call and its size is passed;
+    // the kernel validates `fd`, `level` and `name` and reports errors through errno.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    cvt(r).map(|_| ())
+}
+
+/// Keepalive probing and user timeout for a connected socket: after `user_timeout` without
+/// acknowledgement (or keepalive answer) the kernel fails the connection with `ETIMEDOUT`.
+pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
+    let ms = user_timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // Probe after a third of the timeout idle, then every sixth, so a black hole is noticed
+    // within about the user timeout even on an idle connection.
+    let idle = (ms / 3000).max(1);
+    let intvl = (ms / 6000).max(1);
+    setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, intvl)?;
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
+}
+
+/// One `sendmsg(MSG_NOSIGNAL | MSG_DONTWAIT)` of `iov` (at most [`IOV_MAX`] entries are used).
+/// Returns the number of bytes accepted by the kernel; `WouldBlock` when the buffer is full.
+#[inline]
+pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+    let n = iov.len().min(IOV_MAX);
+    // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is documented to be ABI-compatible with `iovec` on Unix; the kernel only reads
+    // through these pointers.
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = n as _;
+    loop {
+        // SAFETY: `msg` points to `n` valid iovecs borrowed from `iov` for this call only.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One non-blocking `recv` into `buf`. `Ok(0)` means end of stream.
+#[inline]
+pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes for this call.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One non-blocking `recvmsg` scattering into `iov` (at most [`IOV_MAX`] entries). `Ok(0)`
+/// means end of stream (when `iov` is not empty).
+#[inline]
+pub fn recv_vectored(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    let n = iov.len().min(IOV_MAX);
+    // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSliceMut` is documented to be ABI-compatible with `iovec` on Unix.
+    msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = n as _;
+    loop {
+        // SAFETY: `msg` points to `n` valid, writable iovecs borrowed mutably from `iov`.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether to wait for input or for room to send.
+#[derive(Clone, Copy, Debug)]
+pub enum Interest {
+    /// `POLLIN`.
+    Read,
+    /// `POLLOUT`.
+    Write,
+}
+
+/// `poll(2)` on one descriptor; true when it is ready (or in error: the next call reports it).
+pub fn poll_one(fd: RawFd, interest: Interest, timeout: Duration) -> io::Result<bool> {
+    let events = match interest {
+        Interest::Read => libc::POLLIN,
+        Interest::Write => libc::POLLOUT,
+    };
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let ms = timeout_ms(timeout);
+    // SAFETY: `p` is one valid pollfd for the duration of the call.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    match r {
+        r if r > 0 => Ok(true),
+        0 => Ok(false),
+        _ => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
+fn timeout_ms(t: Duration) -> libc::c_int {
+    // Round up so a 300 µs wait does not become a busy 0 ms poll.
+    let us = t.as_micros();
+    us.div_ceil(1000).min(i32::MAX as u128) as libc::c_int
+}
+
+/// A level-triggered epoll instance.
+#[derive(Debug)]
+pub struct Epoll {
+    fd: OwnedFd,
+}
+
+impl Epoll {
+    /// A new epoll instance (close-on-exec).
+    pub fn new() -> io::Result<Self> {
+        // SAFETY: plain syscall without pointers.
+        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: `fd` was just returned by epoll_create1 and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
+    }
+
+    /// Watch `fd` for input, reporting `token`.
+    pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32,
+            u64: token,
+        };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })
+            .map(|_| ())
+    }
+
+    /// Stop watching `fd` (errors are ignored: the descriptor may already be gone).
+    pub fn remove(&self, fd: RawFd) {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: `ev` is valid (ignored by the kernel for DEL, required non-null by old ones).
+        let _ = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) };
+    }
+
+    /// Wait up to `timeout` and call `f(token)` for each ready descriptor.
+    pub fn wait(&self, timeout: Duration, f: &mut dyn FnMut(u64)) -> io::Result<()> {
+        const N: usize = 64;
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; N];
+        // SAFETY: `evs` has room for N events, and N is passed as maxevents.
+        let r = unsafe {
+            libc::epoll_wait(
+                self.fd.as_raw_fd(),
+                evs.as_mut_ptr(),
+                N as libc::c_int,
+                timeout_ms(timeout),
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        for ev in &evs[..r as usize] {
+            let token = ev.u64;
+            f(token);
+        }
+        Ok(())
+    }
+}
+
+/// An eventfd used to wake threads blocked in [`Epoll::wait`].
+#[derive(Debug)]
+pub struct EventFd {
+    fd: OwnedFd,
+}
+
+impl EventFd {
+    /// A new non-blocking eventfd.
+    pub fn new() -> io::Result<Self> {
+        // SAFETY: plain syscall without pointers.
+        let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
+        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
+    }
+
+    /// The raw descriptor (to register it in an epoll set).
+    pub fn raw(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Make the eventfd readable.
+    pub fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes the 8 bytes of `one`; a full counter (EAGAIN) is fine: it is readable.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Reset the eventfd to not readable.
+    pub fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into `v`; EAGAIN (already drained) is fine.
+        let _ = unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+/// The addresses of the interface named `name` (IPv4 first), from `getifaddrs`.
+pub fn interface_addrs(name: &str) -> io::Result<Vec<IpAddr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `head` is a valid out-pointer; on success the list is freed below.
+    cvt(unsafe { libc::getifaddrs(&mut head) })?;
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list returned by getifaddrs, alive until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_name.is_null() || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: `ifa_name` is a NUL-terminated string owned by the list.
+        let n = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        if n.to_bytes() != name.as_bytes() {
+            continue;
+        }
+        // SAFETY: `ifa_addr` is non-null and points to a sockaddr whose family says its type.
+        let family = unsafe { (*ifa.ifa_addr).sa_family } as libc::c_int;
+        if family == libc::AF_INET {
+            // SAFETY: family AF_INET means the sockaddr is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            out.push(IpAddr::from(sin.sin_addr.s_addr.to_ne_bytes()));
+        } else if family == libc::AF_INET6 {
+            // SAFETY: family AF_INET6 means the sockaddr is a sockaddr_in6.
+            let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+            out.push(IpAddr::from(sin6.sin6_addr.s6_addr));
+        }
+    }
+    // SAFETY: `head` came from a successful getifaddrs and is freed exactly once.
+    unsafe { libc::freeifaddrs(head) };
+    out.sort_by_key(|a| a.is_ipv6());
+    Ok(out)
+}
+
+/// Raise the soft `RLIMIT_NOFILE` towards the hard limit so at least `need` descriptors fit.
+/// Returns the soft limit in force afterwards.
+pub fn ensure_nofile(need: u64) -> io::Result<u64> {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid out-pointer.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) })?;
+    if rl.rlim_cur >= need {
+        return Ok(rl.rlim_cur);
+    }
+    rl.rlim_cur = rl.rlim_max;
+    // SAFETY: `rl` is a valid rlimit; raising the soft limit up to the hard one is allowed.
+    cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) })?;
+    Ok(rl.rlim_cur)
+}
