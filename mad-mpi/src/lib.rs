@@ -1,1 +1,40 @@
-//! Madeleine `mpi` driver. **Not yet implemented**: this crate is an empty workspace member; it is filled by its own issue.
+//! # mad-mpi: Madeleine channels over MPI, and the MPI bootstrap
+//!
+//! Two things live here:
+//!
+//! * [`MpiDriver`], the `mpi` driver: a channel is a private MPI communicator; small pieces
+//!   are aggregated in an eager buffer sent as one message, large ones travel from the user's
+//!   memory as one message per group described by an hindexed datatype (as Madeleine III did
+//!   over MPI). See [`driver`] for the transmission modules and thresholds.
+//! * [`MpiBootstrap`], a [`Bootstrap`](mad_core::bootstrap::Bootstrap) for processes started
+//!   by `mpiexec`/`mpirun`/`srun`: rank and size from `MPI_COMM_WORLD`, collectives over MPI,
+//!   so one MPI job can open TCP, shared-memory and MPI channels side by side.
+//!
+//! ```no_run
+//! # fn main() -> mad_core::Result<()> {
+//! use mad_mpi::{MpiBootstrap, MpiDriver};
+//! match MpiBootstrap::from_env()? {
+//!     None => println!("not started by an MPI launcher"),
+//!     Some(b) => println!("rank {} of {} ({})", mad_core::bootstrap::Bootstrap::rank(&b),
+//!                         mad_core::bootstrap::Bootstrap::size(&b), b.library()),
+//! }
+//! let _driver = MpiDriver::new();
+//! # Ok(()) }
+//! ```
+//!
+//! All foreign calls are in the private `sys` module; the rest of the crate is safe Rust.
+//! MPI is initialised once per process with `MPI_THREAD_MULTIPLE` requested (by the bootstrap
+//! or lazily by the driver) and finalised when the last bootstrap, driver channel or
+//! communicator is dropped; it cannot be initialised again in the same process afterwards.
+
+#![deny(unsafe_code)]
+
+pub mod bootstrap;
+pub mod driver;
+pub mod launcher;
+mod sys;
+
+pub use bootstrap::MpiBootstrap;
+pub use driver::{GatherPolicy, MpiDriver};
+pub use launcher::{Launcher, LauncherKind};
+pub use sys::Runtime;

@@ -1,0 +1,785 @@
+//! The `mpi` driver: Madeleine channels over MPI point-to-point messages.
+//!
+//! Each channel owns a communicator (`MPI_Comm_dup` of the world, or an `MPI_Comm_split`
+//! renumbering when the session's ranks differ from MPI's), so channels never match each
+//! other's messages; all data travels with one tag, so MPI's non-overtaking rule keeps the
+//! per-peer order the core relies on.
+//!
+//! Transmission modules:
+//!
+//! * TM 0 `eager` ([`Bmm::Copy`]): the core copies pieces into a driver buffer of
+//!   [`EAGER_BUF`] bytes; the buffer leaves as one `MPI_Isend` when full, at commit and at the
+//!   end of the message. The receiver matches it with `MPI_Improbe` and receives it with
+//!   `MPI_Mrecv` (small) or `MPI_Imrecv`, then lends the bytes to the core.
+//! * TM 1 `direct` ([`Bmm::Gather`]): a group of user slices leaves as ONE message described by
+//!   an `MPI_Type_create_hindexed` datatype over absolute addresses from `MPI_BOTTOM` when
+//!   [`use_datatype`] says so, else as one message per slice; the receiver posts the mirror
+//!   scatter receive (both ends compute the same groups and the same decision).
+//!
+//! Everything is non-blocking (`MPI_Isend`/`MPI_Irecv` + `MPI_Test`); an operation MPI has
+//! not finished is `Poll::Pending`. MPI has no file descriptor to block on, so `wait` spins
+//! briefly then sleeps with an exponential backoff (1 µs doubling to 256 µs).
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use mad_core::config::ChannelConfig;
+use mad_core::driver::{
+    AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
+    TmId, TmSpec, TmTable, TxLink,
+};
+use mad_core::{Error, Result};
+
+use crate::sys::{self, Comm, GatherOp, Matched, OwnedRecv, OwnedSend};
+
+/// The one tag data messages use on a channel's communicator.
+const DATA_TAG: i32 = 7;
+
+/// Largest piece the `eager` TM takes (bigger pieces go `direct`), from the sweep in NOTES.md.
+pub const EAGER_MAX: usize = 16 * 1024;
+/// Size of one eager buffer (one MPI message at most this long).
+pub const EAGER_BUF: usize = 64 * 1024;
+/// Eager messages up to this size are received with a blocking `MPI_Mrecv` once matched
+/// (they are complete when matched: both MPIs send them eagerly).
+pub const MRECV_MAX: usize = 4096;
+/// Most slices per `direct` group.
+pub const GROUP_MAX: usize = 32;
+/// Eager buffers in flight per connection before `with_buffer` reports back-pressure.
+const MAX_INFLIGHT: usize = 4;
+
+/// How a gather group travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatherPolicy {
+    /// Measured choice: [`use_datatype`].
+    Auto,
+    /// Always one hindexed-datatype message per group.
+    Datatype,
+    /// Always one message per slice.
+    Separate,
+}
+
+impl GatherPolicy {
+    fn parse(v: Option<&str>) -> Result<Self> {
+        match v {
+            None | Some("auto") => Ok(GatherPolicy::Auto),
+            Some("datatype") | Some("hindexed") => Ok(GatherPolicy::Datatype),
+            Some("separate") => Ok(GatherPolicy::Separate),
+            Some(o) => Err(Error::BadConfig(format!(
+                "mpi: gather={o}: expected auto, datatype or separate"
+            ))),
+        }
+    }
+    fn code(self) -> u8 {
+        self as u8
+    }
+}
+
+/// The gather decision, a pure function both ends compute: send a group of `slices` slices
+/// totalling `total` bytes as one hindexed-datatype message?
+///
+/// From the sweep in NOTES.md: with both MPIs one datatype message beats separate sends for
+/// groups of two or more slices while the group is small enough that the per-message cost
+/// dominates; for large groups both are bandwidth-bound and separate sends avoid the
+/// datatype engine's pack/unpack path.
+pub fn use_datatype(policy: GatherPolicy, slices: usize, total: usize) -> bool {
+    match policy {
+        GatherPolicy::Datatype => slices > 1,
+        GatherPolicy::Separate => false,
+        GatherPolicy::Auto => slices > 1 && total <= DATATYPE_MAX_TOTAL,
+    }
+}
+
+/// Largest group (bytes) sent as one datatype message under [`GatherPolicy::Auto`].
+pub const DATATYPE_MAX_TOTAL: usize = 256 * 1024;
+
+/// The MPI driver.
+#[derive(Debug, Default)]
+pub struct MpiDriver {
+    _priv: (),
+}
+
+impl MpiDriver {
+    /// A new driver (MPI is initialised lazily, at the first channel, if the bootstrap has not
+    /// done it).
+    pub fn new() -> Self {
+        MpiDriver { _priv: () }
+    }
+}
+
+/// The TM table of the driver.
+pub fn tm_table() -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "eager",
+            EAGER_MAX,
+            "copied into a 64 KiB buffer, one MPI_Isend per buffer",
+        ),
+        TmSpec::gather(
+            "direct",
+            usize::MAX,
+            GROUP_MAX,
+            "user memory, one hindexed-datatype MPI message per group (or one per slice)",
+        ),
+    ])
+}
+
+#[derive(Clone, Copy)]
+struct Params {
+    eager_buf: usize,
+    policy: GatherPolicy,
+}
+
+fn params(config: &ChannelConfig) -> Result<Params> {
+    let eager_buf = config
+        .option_parsed::<usize>("eager_buf")?
+        .unwrap_or(EAGER_BUF);
+    if !(64..=sys::MAX_BLOCK).contains(&eager_buf) {
+        return Err(Error::BadConfig(format!(
+            "channel `{}`: eager_buf={eager_buf}: expected 64 B to 1 GiB",
+            config.name
+        )));
+    }
+    Ok(Params {
+        eager_buf,
+        policy: GatherPolicy::parse(config.options.get("gather").map(String::as_str))?,
+    })
+}
+
+impl Driver for MpiDriver {
+    fn name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn describe(&self) -> String {
+        "mpi: MPI point-to-point over the job's MPI_COMM_WORLD (start the job with mpiexec/mpirun/srun); \
+         options gather=auto|datatype|separate, eager_buf=<bytes>"
+            .into()
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        params(config)?;
+        tm_table()
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities {
+            // One MPI_Improbe per peer costs about one MPI_Iprobe(ANY_SOURCE).
+            direct_poll_limit: 2,
+            // MPI aborts the job (or hangs) on a dead peer; it does not report it.
+            detects_peer_death: false,
+            intra_node_only: false,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let p = params(ctx.config)?;
+        let bs = ctx.bootstrap;
+        let rt = sys::runtime()?;
+        let world = Comm::world(&rt);
+        if world.size() != bs.size() {
+            return Err(Error::Unavailable {
+                driver: "mpi".into(),
+                reason: format!(
+                    "the session has {} processes but MPI_COMM_WORLD has {}: start the job with \
+                     the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built for",
+                    bs.size(),
+                    world.size()
+                ),
+            });
+        }
+        let me = bs.rank();
+        let mut mine = Vec::with_capacity(25);
+        mine.extend_from_slice(&(world.rank() as u64).to_le_bytes());
+        mine.extend_from_slice(&ctx.table.fingerprint().to_le_bytes());
+        mine.extend_from_slice(&(p.eager_buf as u64).to_le_bytes());
+        mine.push(p.policy.code());
+        let all = bs.allgather(&ctx.tag("mpi-open"), &mine)?;
+        let mut seen = vec![false; all.len()];
+        let mut identity = true;
+        for (r, v) in all.iter().enumerate() {
+            if v.len() != mine.len() {
+                return Err(Error::protocol(r, "malformed mpi channel descriptor"));
+            }
+            let wr = u64::from_le_bytes(v[0..8].try_into().unwrap_or_default()) as usize;
+            if wr >= seen.len() || seen[wr] {
+                return Err(Error::BadConfig(format!(
+                    "channel `{}`: session ranks do not map one-to-one onto MPI ranks",
+                    ctx.config.name
+                )));
+            }
+            seen[wr] = true;
+            identity &= wr == r;
+            if v[8..] != mine[8..] {
+                return Err(Error::BadConfig(format!(
+                    "channel `{}`: rank {r} has a different mpi TM table, eager_buf or gather \
+                     policy than rank {me}; every rank must use the same channel spec",
+                    ctx.config.name
+                )));
+            }
+        }
+        let comm = Arc::new(if identity {
+            world.dup()?
+        } else {
+            world.reorder(me)?
+        });
+        let mut links = Vec::with_capacity(bs.size());
+        for peer in 0..bs.size() {
+            if peer == me {
+                links.push(None);
+                continue;
+            }
+            links.push(Some(LinkPair {
+                tx: Box::new(MpiTx::new(comm.clone(), peer, p)),
+                rx: Box::new(MpiRx::new(comm.clone(), peer, p)),
+            }));
+        }
+        let notes = vec![
+            format!("MPI library: {}", rt.version()),
+            if rt.serialised() {
+                format!(
+                    "MPI granted {:?}, not THREAD_MULTIPLE: every MPI call is serialised by one process-wide lock",
+                    rt.threading()
+                )
+            } else {
+                "MPI_THREAD_MULTIPLE granted".to_string()
+            },
+            format!(
+                "communicator: {}; eager buffer {} B; gather policy {:?} (datatype for 2+ slices up to {} B)",
+                if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
+                p.eager_buf,
+                p.policy,
+                DATATYPE_MAX_TOTAL
+            ),
+        ];
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(MpiIncoming {
+                comm,
+                woken: AtomicBool::new(false),
+            }),
+            notes,
+        })
+    }
+}
+
+/// Wait until `ready()` or `timeout`: spin a little, then sleep with exponential backoff.
+fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+    let start = Instant::now();
+    for _ in 0..64 {
+        if ready()? {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    let mut nap = Duration::from_micros(1);
+    loop {
+        let spent = start.elapsed();
+        if spent >= timeout {
+            return Ok(());
+        }
+        std::thread::sleep(nap.min(timeout - spent));
+        if ready()? {
+            return Ok(());
+        }
+        nap = (nap * 2).min(Duration::from_micros(256));
+    }
+}
+
+fn lost(rank: usize, e: Error) -> Error {
+    match e {
+        Error::Io { context, source } => Error::ConnectionLost {
+            rank,
+            source: std::io::Error::new(source.kind(), format!("{context}: {source}")),
+        },
+        o => o,
+    }
+}
+
+/// The sending half of an MPI connection.
+struct MpiTx {
+    comm: Arc<Comm>,
+    peer: usize,
+    p: Params,
+    /// The eager buffer being filled, and how much of it is filled.
+    cur: Option<Vec<u8>>,
+    fill: usize,
+    free: Vec<Vec<u8>>,
+    inflight: VecDeque<OwnedSend>,
+    gather: Option<GatherOp>,
+    sent_any: bool,
+    broken: Option<String>,
+}
+
+impl MpiTx {
+    fn new(comm: Arc<Comm>, peer: usize, p: Params) -> Self {
+        MpiTx {
+            comm,
+            peer,
+            p,
+            cur: None,
+            fill: 0,
+            free: Vec::new(),
+            inflight: VecDeque::new(),
+            gather: None,
+            sent_any: false,
+            broken: None,
+        }
+    }
+
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(c) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            }),
+        }
+    }
+
+    /// Hand the filled part of the eager buffer to MPI.
+    fn flush(&mut self) -> Result<()> {
+        if self.fill == 0 {
+            return Ok(());
+        }
+        if let Some(buf) = self.cur.take() {
+            let s = self
+                .comm
+                .isend_owned(buf, self.fill, self.peer, DATA_TAG)
+                .map_err(|e| lost(self.peer, e))?;
+            self.inflight.push_back(s);
+            self.sent_any = true;
+        }
+        self.fill = 0;
+        Ok(())
+    }
+
+    /// Reap completed eager sends (in order); true when none is left.
+    fn reap(&mut self) -> Result<bool> {
+        while let Some(front) = self.inflight.front_mut() {
+            match front.test().map_err(|e| lost(self.peer, e))? {
+                Some(buf) => {
+                    self.inflight.pop_front();
+                    if self.free.len() < MAX_INFLIGHT {
+                        self.free.push(buf);
+                    }
+                }
+                None => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl TxLink for MpiTx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.usable()?;
+        self.sent_any = false;
+        Ok(())
+    }
+
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.usable()?;
+        if tm != 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("mpi: TM {tm} is not a copy TM"),
+            ));
+        }
+        if self.cur.is_none() {
+            let buf = match self.free.pop() {
+                Some(b) => b,
+                None => {
+                    if self.inflight.len() >= MAX_INFLIGHT {
+                        self.reap()?;
+                        match self.free.pop() {
+                            Some(b) => b,
+                            None => return Ok(Poll::Pending),
+                        }
+                    } else {
+                        vec![0u8; self.p.eager_buf]
+                    }
+                }
+            };
+            self.cur = Some(buf);
+            self.fill = 0;
+        }
+        let cap = self.p.eager_buf;
+        if let Some(buf) = self.cur.as_mut() {
+            let n = fill(&mut buf[self.fill..cap]);
+            self.fill += n.min(cap - self.fill);
+        }
+        if self.fill == cap {
+            self.flush()?;
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.usable()?;
+        if tm != 1 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("mpi: TM {tm} is not a gather TM"),
+            ));
+        }
+        if self.gather.is_none() {
+            // Copy data handed over before goes first (the core commits before switching
+            // TMs; this keeps the order even if it did not).
+            self.flush()?;
+            let total: usize = iov.iter().map(|s| s.len()).sum();
+            let dt = use_datatype(self.p.policy, iov.len(), total);
+            let op = self
+                .comm
+                .gather_send(iov, self.peer, DATA_TAG, dt)
+                .map_err(|e| lost(self.peer, e))?;
+            self.sent_any = true;
+            self.gather = Some(op);
+        }
+        let done = match self.gather.as_mut() {
+            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            None => true,
+        };
+        if done {
+            self.gather = None;
+            // Opportunistic: let finished eager sends go back to the free list.
+            self.reap()?;
+            Ok(Poll::Ready(()))
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn commit(&mut self, tm: TmId) -> Result<Poll<()>> {
+        self.usable()?;
+        if tm == 0 {
+            self.flush()?;
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.usable()?;
+        self.flush()?;
+        if let Some(op) = self.gather.as_mut() {
+            if !op.test().map_err(|e| lost(self.peer, e))? {
+                return Ok(Poll::Pending);
+            }
+            self.gather = None;
+        }
+        if self.reap()? {
+            Ok(Poll::Ready(()))
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        // An unfinished gather operation is cancelled and waited for here, before the core
+        // releases the user's memory.
+        self.gather = None;
+        if self.sent_any {
+            self.broken = Some("a message was abandoned after part of it had been sent".into());
+            self.cur = None;
+            self.fill = 0;
+            AbortOutcome::Broken
+        } else {
+            self.fill = 0;
+            AbortOutcome::Discarded
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        backoff_wait(timeout, || {
+            if let Some(op) = self.gather.as_mut() {
+                return op.test().map_err(|e| lost(self.peer, e));
+            }
+            self.reap()
+        })
+    }
+}
+
+/// The receiving half of an MPI connection.
+struct MpiRx {
+    comm: Arc<Comm>,
+    peer: usize,
+    /// A message matched by `MPI_Improbe`, not yet received.
+    matched: Option<Matched>,
+    /// The eager buffer (None while an `MPI_Imrecv` owns it) and its unread window.
+    buf: Option<Vec<u8>>,
+    len: usize,
+    pos: usize,
+    pending: Option<OwnedRecv>,
+    gather: Option<GatherOp>,
+    p: Params,
+    broken: Option<String>,
+}
+
+impl MpiRx {
+    fn new(comm: Arc<Comm>, peer: usize, p: Params) -> Self {
+        MpiRx {
+            comm,
+            peer,
+            matched: None,
+            buf: Some(vec![0u8; p.eager_buf]),
+            len: 0,
+            pos: 0,
+            pending: None,
+            gather: None,
+            p,
+            broken: None,
+        }
+    }
+
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(c) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            }),
+        }
+    }
+
+    fn probe(&mut self) -> Result<bool> {
+        if self.matched.is_none() {
+            self.matched = self
+                .comm
+                .improbe(self.peer, DATA_TAG)
+                .map_err(|e| lost(self.peer, e))?;
+        }
+        Ok(self.matched.is_some())
+    }
+
+    /// Make eager bytes available; Pending when none has arrived yet.
+    fn fill(&mut self) -> Result<Poll<()>> {
+        if self.pos < self.len {
+            return Ok(Poll::Ready(()));
+        }
+        if let Some(r) = self.pending.as_mut() {
+            match r.test().map_err(|e| lost(self.peer, e))? {
+                Some((b, n)) => {
+                    self.pending = None;
+                    self.buf = Some(b);
+                    self.len = n;
+                    self.pos = 0;
+                    return Ok(Poll::Ready(()));
+                }
+                None => return Ok(Poll::Pending),
+            }
+        }
+        if !self.probe()? {
+            return Ok(Poll::Pending);
+        }
+        let Some(m) = self.matched.take() else {
+            return Ok(Poll::Pending);
+        };
+        if m.count > self.p.eager_buf {
+            return Err(self.poison(format!(
+                "eager message of {} B exceeds the {} B eager buffer (a gather group arrived where copy data was expected)",
+                m.count, self.p.eager_buf
+            )));
+        }
+        if m.count == 0 {
+            return Err(self.poison("empty eager message".into()));
+        }
+        let Some(mut buf) = self.buf.take() else {
+            return Err(self.poison("eager buffer lost".into()));
+        };
+        if m.count <= MRECV_MAX {
+            let r = m.recv_into(&mut buf);
+            self.buf = Some(buf);
+            self.len = r.map_err(|e| lost(self.peer, e))?;
+            self.pos = 0;
+            Ok(Poll::Ready(()))
+        } else {
+            self.pending = Some(m.irecv(buf).map_err(|e| lost(self.peer, e))?);
+            self.fill()
+        }
+    }
+
+    fn poison(&mut self, what: String) -> Error {
+        self.broken = Some(what.clone());
+        Error::protocol(self.peer, what)
+    }
+}
+
+impl RxLink for MpiRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.usable()?;
+        if self.pos < self.len || self.pending.is_some() || self.probe()? {
+            Ok(Poll::Ready(()))
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.usable()?;
+        if tm != 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("mpi: TM {tm} is not a copy TM"),
+            ));
+        }
+        if self.fill()?.is_pending() {
+            return Ok(Poll::Pending);
+        }
+        if let Some(buf) = self.buf.as_ref() {
+            let n = take(&buf[self.pos..self.len]);
+            self.pos += n.min(self.len - self.pos);
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.usable()?;
+        if tm != 1 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("mpi: TM {tm} is not a gather TM"),
+            ));
+        }
+        if self.gather.is_none() {
+            if self.pos < self.len || self.matched.is_some() || self.pending.is_some() {
+                return Err(self.poison(
+                    "copy data left unread before a gather group (unpack sequence differs from pack)".into(),
+                ));
+            }
+            let total: usize = iov.iter().map(|s| s.len()).sum();
+            let dt = use_datatype(self.p.policy, iov.len(), total);
+            let op = self
+                .comm
+                .scatter_recv(iov, self.peer, DATA_TAG, dt)
+                .map_err(|e| lost(self.peer, e))?;
+            self.gather = Some(op);
+        }
+        let done = match self.gather.as_mut() {
+            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            None => true,
+        };
+        if done {
+            self.gather = None;
+            Ok(Poll::Ready(()))
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn checkout(&mut self, tm: TmId) -> Result<()> {
+        self.usable()?;
+        if tm == 0 && self.pos < self.len {
+            let left = self.len - self.pos;
+            return Err(self.poison(format!(
+                "{left} B of copy data left unread at checkout (unpack sequence differs from pack)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn end_message(&mut self) -> Result<()> {
+        self.checkout(0)
+    }
+
+    fn abort_message(&mut self) {
+        // Cancels and waits for an unfinished scatter receive before the user memory goes.
+        self.gather = None;
+        self.broken = Some("a message was abandoned midway; the stream is out of step".into());
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        backoff_wait(timeout, || {
+            if let Some(op) = self.gather.as_mut() {
+                return op.test().map_err(|e| lost(self.peer, e));
+            }
+            if self.pending.is_some() {
+                return Ok(self.fill()?.is_ready());
+            }
+            Ok(self.pos < self.len || self.matched.is_some() || self.probe()?)
+        })
+    }
+}
+
+/// Any-source readiness: `MPI_Iprobe(MPI_ANY_SOURCE)` on the channel's communicator.
+struct MpiIncoming {
+    comm: Arc<Comm>,
+    woken: AtomicBool,
+}
+
+impl Incoming for MpiIncoming {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        if let Some(p) = self.comm.iprobe(None, DATA_TAG)? {
+            ready(p.source);
+        }
+        Ok(())
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        backoff_wait(timeout, || {
+            if self.woken.swap(false, Ordering::AcqRel) {
+                return Ok(true);
+            }
+            Ok(self.comm.iprobe(None, DATA_TAG)?.is_some())
+        })
+    }
+
+    fn wake(&self) {
+        self.woken.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mad_core::driver::Bmm;
+    use mad_core::{RecvMode, SendMode};
+
+    #[test]
+    fn table_is_valid_and_selects() {
+        let t = tm_table().unwrap();
+        assert_eq!(t.tms().len(), 2);
+        assert_eq!(t.bmm(0), Bmm::Copy);
+        assert_eq!(t.bmm(1), Bmm::Gather);
+        assert_eq!(t.select(8, SendMode::Cheaper, RecvMode::Express), 0);
+        assert_eq!(t.select(EAGER_MAX, SendMode::Cheaper, RecvMode::Cheaper), 0);
+        assert_eq!(
+            t.select(EAGER_MAX + 1, SendMode::Safer, RecvMode::Cheaper),
+            1
+        );
+        assert_eq!(t.max_group(1), GROUP_MAX);
+    }
+
+    #[test]
+    fn gather_decision() {
+        assert!(!use_datatype(GatherPolicy::Auto, 1, 100));
+        assert!(use_datatype(GatherPolicy::Auto, 2, 100));
+        assert!(!use_datatype(GatherPolicy::Auto, 2, DATATYPE_MAX_TOTAL + 1));
+        assert!(use_datatype(GatherPolicy::Datatype, 3, usize::MAX));
+        assert!(!use_datatype(GatherPolicy::Separate, 3, 10));
+    }
+
+    #[test]
+    fn options() {
+        let c = ChannelConfig::parse("x", "mpi,gather=separate,eager_buf=4096").unwrap();
+        let p = params(&c).unwrap();
+        assert_eq!(p.policy, GatherPolicy::Separate);
+        assert_eq!(p.eager_buf, 4096);
+        assert!(params(&ChannelConfig::parse("x", "mpi,gather=magic").unwrap()).is_err());
+        assert!(params(&ChannelConfig::parse("x", "mpi,eager_buf=1").unwrap()).is_err());
+        assert!(params(&ChannelConfig::parse("x", "mpi,eager_buf=lots").unwrap()).is_err());
+    }
+}

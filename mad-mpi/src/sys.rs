@@ -1,0 +1,890 @@
+//! Every foreign MPI call of the crate, wrapped in safe types that clean up on drop.
+//!
+//! The rest of the crate is safe Rust. Types here:
+//!
+//! * [`Runtime`]: MPI initialised once per process with `MPI_THREAD_MULTIPLE` requested;
+//!   `MPI_Finalize` runs when the last handle drops. When less than `MULTIPLE` is granted,
+//!   every call of this module takes one process-wide lock ([`guard`]).
+//! * [`Comm`]: a communicator (world, or a duplicate/split that is freed on drop), with the
+//!   collectives the bootstrap needs and the probes the driver needs.
+//! * [`OwnedSend`] / [`OwnedRecv`]: a non-blocking operation on a buffer the request owns;
+//!   dropping one that MPI still uses leaks the buffer instead of freeing memory MPI may touch.
+//! * [`GatherOp`]: a non-blocking operation on *user* memory (a group of slices), sent as one
+//!   message with an `MPI_Type_create_hindexed` datatype over absolute addresses from
+//!   `MPI_BOTTOM`, or as one message per slice. Dropping an unfinished one cancels it and
+//!   waits until MPI has released the memory.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_int, c_void};
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use mad_core::{Error, Result};
+use mpi::environment::Threading;
+use mpi::ffi;
+
+/// Largest byte count of one MPI block (counts are C `int`s); bigger slices are cut.
+pub(crate) const MAX_BLOCK: usize = 1 << 30;
+
+static SERIAL: AtomicBool = AtomicBool::new(false);
+static BIG_LOCK: Mutex<()> = Mutex::new(());
+
+/// The process-wide lock every MPI call takes when MPI granted less than `THREAD_MULTIPLE`.
+pub(crate) fn guard() -> Option<MutexGuard<'static, ()>> {
+    if SERIAL.load(Ordering::Relaxed) {
+        Some(BIG_LOCK.lock().unwrap_or_else(|p| p.into_inner()))
+    } else {
+        None
+    }
+}
+
+enum RtState {
+    Never,
+    Live(Weak<Runtime>),
+    Finalized,
+}
+
+static RT: Mutex<RtState> = Mutex::new(RtState::Never);
+
+/// MPI, initialised for this process. Dropping the last handle finalises MPI (when this crate
+/// initialised it).
+pub struct Runtime {
+    universe: Mutex<Option<mpi::environment::Universe>>,
+    threading: Threading,
+    version: String,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Runtime({:?}, {})", self.threading, self.version)
+    }
+}
+
+impl Runtime {
+    /// The threading level MPI granted.
+    pub fn threading(&self) -> Threading {
+        self.threading
+    }
+    /// Whether MPI calls are serialised by a lock (less than `MPI_THREAD_MULTIPLE` granted).
+    pub fn serialised(&self) -> bool {
+        self.threading != Threading::Multiple
+    }
+    /// The first line of `MPI_Get_library_version`.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let mut st = RT.lock().unwrap_or_else(|p| p.into_inner());
+        let uni = self
+            .universe
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        // Dropping the universe calls MPI_Finalize.
+        drop(uni);
+        *st = RtState::Finalized;
+    }
+}
+
+/// The process's MPI runtime: initialises MPI on first use (asking for `MPI_THREAD_MULTIPLE`).
+pub fn runtime() -> Result<Arc<Runtime>> {
+    let mut st = RT.lock().unwrap_or_else(|p| p.into_inner());
+    match &*st {
+        RtState::Live(w) => {
+            return w
+                .upgrade()
+                .ok_or_else(|| unavailable("MPI is being finalised"));
+        }
+        RtState::Finalized => {
+            return Err(unavailable(
+                "MPI was already finalised in this process and cannot be initialised again",
+            ))
+        }
+        RtState::Never => {}
+    }
+    let (universe, threading) = if mpi::environment::is_initialized() {
+        // Someone else (the application, through rsmpi) initialised MPI: use it, never
+        // finalise it.
+        let mut provided: c_int = 0;
+        // SAFETY: MPI is initialised; `provided` is a valid out-pointer.
+        unsafe { ffi::MPI_Query_thread(&mut provided) };
+        let t = if provided == threading_raw(Threading::Multiple) {
+            Threading::Multiple
+        } else {
+            Threading::Serialized
+        };
+        (None, t)
+    } else {
+        match mpi::initialize_with_threading(Threading::Multiple) {
+            Some((u, t)) => (Some(u), t),
+            None => return Err(unavailable("MPI_Init_thread failed")),
+        }
+    };
+    SERIAL.store(threading != Threading::Multiple, Ordering::Relaxed);
+    {
+        let _g = guard();
+        // SAFETY: MPI is initialised; COMM_WORLD and ERRORS_RETURN are predefined handles.
+        unsafe { ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN) };
+    }
+    let rt = Arc::new(Runtime {
+        universe: Mutex::new(universe),
+        threading,
+        version: library_version(),
+    });
+    *st = RtState::Live(Arc::downgrade(&rt));
+    Ok(rt)
+}
+
+fn threading_raw(t: Threading) -> c_int {
+    // SAFETY: reading link-time constants exported by the rsmpi shim.
+    unsafe {
+        match t {
+            Threading::Single => ffi::RSMPI_THREAD_SINGLE,
+            Threading::Funneled => ffi::RSMPI_THREAD_FUNNELED,
+            Threading::Serialized => ffi::RSMPI_THREAD_SERIALIZED,
+            Threading::Multiple => ffi::RSMPI_THREAD_MULTIPLE,
+        }
+    }
+}
+
+fn library_version() -> String {
+    let mut buf = vec![0u8; 8192];
+    let mut len: c_int = 0;
+    let _g = guard();
+    // SAFETY: MPI_MAX_LIBRARY_VERSION_STRING is at most 8192 in both MPICH and Open MPI;
+    // `buf` is that large and `len` is a valid out-pointer.
+    let rc = unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr().cast(), &mut len) };
+    if rc != 0 {
+        return "unknown MPI".into();
+    }
+    buf.truncate(len.clamp(0, 8192) as usize);
+    String::from_utf8_lossy(&buf)
+        .lines()
+        .next()
+        .unwrap_or("unknown MPI")
+        .trim()
+        .to_string()
+}
+
+fn unavailable(reason: &str) -> Error {
+    Error::Unavailable {
+        driver: "mpi".into(),
+        reason: reason.into(),
+    }
+}
+
+/// Convert an MPI return code into an error (the one place native MPI codes are converted).
+pub(crate) fn check(rc: c_int, what: &str) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut buf = vec![0u8; 1024];
+    let mut len: c_int = 0;
+    // SAFETY: MPI_MAX_ERROR_STRING is at most 1024 in both MPIs; valid out-pointers.
+    let r2 = unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
+    let msg = if r2 == 0 {
+        buf.truncate(len.clamp(0, 1024) as usize);
+        String::from_utf8_lossy(&buf).into_owned()
+    } else {
+        String::new()
+    };
+    Err(Error::io(
+        format!("{what}: MPI error {rc}"),
+        std::io::Error::other(msg),
+    ))
+}
+
+fn zero_status() -> ffi::MPI_Status {
+    // SAFETY: MPI_Status is a plain C struct of integers; all-zero is a valid value.
+    unsafe { MaybeUninit::<ffi::MPI_Status>::zeroed().assume_init() }
+}
+
+fn byte() -> ffi::MPI_Datatype {
+    // SAFETY: reading a link-time constant exported by the rsmpi shim.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+fn to_int(n: usize, what: &str) -> Result<c_int> {
+    c_int::try_from(n)
+        .map_err(|_| Error::Resource(format!("{what}: {n} does not fit an MPI count")))
+}
+
+/// A communicator.
+pub struct Comm {
+    raw: ffi::MPI_Comm,
+    owned: bool,
+    _rt: Arc<Runtime>,
+}
+
+// SAFETY: an MPI communicator handle is a plain identifier (an int in MPICH, a pointer to a
+// library object in Open MPI) that MPI allows any thread to use when THREAD_MULTIPLE is
+// granted; otherwise every call in this module takes the process-wide lock (`guard`).
+unsafe impl Send for Comm {}
+// SAFETY: as for `Send`: MPI calls on a communicator are thread-safe under THREAD_MULTIPLE,
+// and serialised by `guard` otherwise.
+unsafe impl Sync for Comm {}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Comm(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if self.owned {
+            let _g = guard();
+            // SAFETY: `raw` is a communicator this value created and nobody else frees.
+            unsafe { ffi::MPI_Comm_free(&mut self.raw) };
+        }
+    }
+}
+
+/// Result of a probe: who sent, how many bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Probed {
+    /// Source rank in the communicator.
+    pub source: usize,
+    /// Message size in bytes.
+    pub count: usize,
+}
+
+impl Comm {
+    /// `MPI_COMM_WORLD` (not freed on drop).
+    pub fn world(rt: &Arc<Runtime>) -> Comm {
+        Comm {
+            // SAFETY: reading a link-time constant exported by the rsmpi shim.
+            raw: unsafe { ffi::RSMPI_COMM_WORLD },
+            owned: false,
+            _rt: rt.clone(),
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        let mut r: c_int = 0;
+        let _g = guard();
+        // SAFETY: valid communicator and out-pointer.
+        unsafe { ffi::MPI_Comm_rank(self.raw, &mut r) };
+        r.max(0) as usize
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        let mut r: c_int = 0;
+        let _g = guard();
+        // SAFETY: valid communicator and out-pointer.
+        unsafe { ffi::MPI_Comm_size(self.raw, &mut r) };
+        r.max(0) as usize
+    }
+
+    fn wrap(&self, raw: ffi::MPI_Comm) -> Comm {
+        Comm {
+            raw,
+            owned: true,
+            _rt: self._rt.clone(),
+        }
+    }
+
+    /// Collective: `MPI_Comm_dup` (same ranks, separate matching context).
+    pub fn dup(&self) -> Result<Comm> {
+        // SAFETY: reading a link-time constant exported by the rsmpi shim.
+        let mut out = unsafe { ffi::RSMPI_COMM_NULL };
+        let _g = guard();
+        check(
+            // SAFETY: valid communicator and out-pointer.
+            unsafe { ffi::MPI_Comm_dup(self.raw, &mut out) },
+            "MPI_Comm_dup",
+        )?;
+        Ok(self.wrap(out))
+    }
+
+    /// Collective: `MPI_Comm_split(color 0, key)`: a new context whose ranks follow `key`.
+    pub fn reorder(&self, key: usize) -> Result<Comm> {
+        // SAFETY: reading a link-time constant exported by the rsmpi shim.
+        let mut out = unsafe { ffi::RSMPI_COMM_NULL };
+        let key = to_int(key, "rank")?;
+        let _g = guard();
+        check(
+            // SAFETY: valid communicator and out-pointer.
+            unsafe { ffi::MPI_Comm_split(self.raw, 0, key, &mut out) },
+            "MPI_Comm_split",
+        )?;
+        Ok(self.wrap(out))
+    }
+
+    /// Collective: `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`: the processes on this host.
+    pub fn split_shared(&self) -> Result<Comm> {
+        // SAFETY: reading link-time constants exported by the rsmpi shim.
+        let (mut out, ty, info) = unsafe {
+            (
+                ffi::RSMPI_COMM_NULL,
+                ffi::RSMPI_COMM_TYPE_SHARED,
+                ffi::RSMPI_INFO_NULL,
+            )
+        };
+        let key = to_int(self.rank(), "rank")?;
+        let _g = guard();
+        check(
+            // SAFETY: valid communicator, constants and out-pointer.
+            unsafe { ffi::MPI_Comm_split_type(self.raw, ty, key, info, &mut out) },
+            "MPI_Comm_split_type",
+        )?;
+        Ok(self.wrap(out))
+    }
+
+    /// Collective: `MPI_Barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        let _g = guard();
+        // SAFETY: valid communicator.
+        check(unsafe { ffi::MPI_Barrier(self.raw) }, "MPI_Barrier")
+    }
+
+    /// Collective: `MPI_Bcast` of `buf` from `root` (every rank passes a buffer of the same
+    /// length).
+    pub fn bcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        let n = to_int(buf.len(), "broadcast")?;
+        let root = to_int(root, "root")?;
+        let _g = guard();
+        // SAFETY: `buf` is valid for `n` bytes for the duration of the blocking call.
+        check(
+            unsafe { ffi::MPI_Bcast(buf.as_mut_ptr().cast(), n, byte(), root, self.raw) },
+            "MPI_Bcast",
+        )
+    }
+
+    /// Collective: every rank's `value` (any lengths): `MPI_Allgather` of the lengths, then
+    /// `MPI_Allgatherv` of the bytes.
+    pub fn allgather(&self, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let size = self.size();
+        let mine = to_int(value.len(), "allgather value")?;
+        let mut lens: Vec<c_int> = vec![0; size];
+        {
+            let _g = guard();
+            check(
+                // SAFETY: sends one int from `mine`, receives `size` ints into `lens` (length
+                // `size`); blocking call.
+                unsafe {
+                    ffi::MPI_Allgather(
+                        (&mine as *const c_int).cast(),
+                        1,
+                        int_type(),
+                        lens.as_mut_ptr().cast(),
+                        1,
+                        int_type(),
+                        self.raw,
+                    )
+                },
+                "MPI_Allgather",
+            )?;
+        }
+        let mut displs: Vec<c_int> = Vec::with_capacity(size);
+        let mut total: usize = 0;
+        for &l in &lens {
+            if l < 0 {
+                return Err(Error::protocol(0, "negative allgather length"));
+            }
+            displs.push(to_int(total, "allgather total")?);
+            total += l as usize;
+        }
+        to_int(total, "allgather total")?;
+        let mut all = vec![0u8; total];
+        {
+            let _g = guard();
+            check(
+                // SAFETY: `value` is valid for `mine` bytes; `all` holds sum(lens) bytes laid out
+                // by `displs`; blocking call.
+                unsafe {
+                    ffi::MPI_Allgatherv(
+                        value.as_ptr().cast(),
+                        mine,
+                        byte(),
+                        all.as_mut_ptr().cast(),
+                        lens.as_ptr(),
+                        displs.as_ptr(),
+                        byte(),
+                        self.raw,
+                    )
+                },
+                "MPI_Allgatherv",
+            )?;
+        }
+        Ok(lens
+            .iter()
+            .zip(&displs)
+            .map(|(&l, &d)| all[d as usize..d as usize + l as usize].to_vec())
+            .collect())
+    }
+
+    /// `MPI_Iprobe(source or ANY_SOURCE, tag)`: a message waiting, without receiving it.
+    pub fn iprobe(&self, source: Option<usize>, tag: i32) -> Result<Option<Probed>> {
+        let src = match source {
+            Some(s) => to_int(s, "rank")?,
+            // SAFETY: reading a link-time constant exported by the rsmpi shim.
+            None => unsafe { ffi::RSMPI_ANY_SOURCE },
+        };
+        let mut flag: c_int = 0;
+        let mut st = zero_status();
+        let _g = guard();
+        check(
+            // SAFETY: valid communicator and out-pointers.
+            unsafe { ffi::MPI_Iprobe(src, tag, self.raw, &mut flag, &mut st) },
+            "MPI_Iprobe",
+        )?;
+        if flag == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Probed {
+            source: st.MPI_SOURCE.max(0) as usize,
+            count: count_of(&st)?,
+        }))
+    }
+
+    /// `MPI_Improbe(source, tag)`: match the next message from `source`, if one is there. The
+    /// returned [`Matched`] must be received ([`Matched::recv_into`] or [`Matched::irecv`]).
+    pub fn improbe(&self, source: usize, tag: i32) -> Result<Option<Matched>> {
+        let src = to_int(source, "rank")?;
+        let mut flag: c_int = 0;
+        let mut st = zero_status();
+        // SAFETY: reading a link-time constant exported by the rsmpi shim.
+        let mut msg = unsafe { ffi::RSMPI_MESSAGE_NULL };
+        let _g = guard();
+        check(
+            // SAFETY: valid communicator and out-pointers.
+            unsafe { ffi::MPI_Improbe(src, tag, self.raw, &mut flag, &mut msg, &mut st) },
+            "MPI_Improbe",
+        )?;
+        if flag == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Matched {
+            raw: msg,
+            count: count_of(&st)?,
+        }))
+    }
+
+    /// Start sending `buf[..len]` (owned) to `dest`.
+    pub fn isend_owned(
+        &self,
+        buf: Vec<u8>,
+        len: usize,
+        dest: usize,
+        tag: i32,
+    ) -> Result<OwnedSend> {
+        let n = to_int(len.min(buf.len()), "eager message")?;
+        let dest = to_int(dest, "rank")?;
+        let mut req = request_null();
+        {
+            let _g = guard();
+            check(
+                // SAFETY: `buf` lives in the returned OwnedSend until MPI reports completion (or is
+                // leaked if dropped before), and a Vec's heap storage does not move when the Vec
+                // is moved.
+                unsafe {
+                    ffi::MPI_Isend(
+                        buf.as_ptr().cast(),
+                        n,
+                        byte(),
+                        dest,
+                        tag,
+                        self.raw,
+                        &mut req,
+                    )
+                },
+                "MPI_Isend",
+            )?;
+        }
+        Ok(OwnedSend {
+            req,
+            buf: Some(buf),
+        })
+    }
+
+    /// Start a gather send of `iov` to `dest`: one message with an hindexed datatype when
+    /// `as_datatype`, else one message per slice (slices over [`MAX_BLOCK`] are cut).
+    ///
+    /// The memory of `iov` must stay valid and unchanged until the returned [`GatherOp`] has
+    /// completed or been dropped: the driver contract guarantees it (the core calls
+    /// `send_refs` again with the same slices until it returns `Ready`, and drops the
+    /// operation through `abort_message` before releasing the memory).
+    pub fn gather_send(
+        &self,
+        iov: &[IoSlice<'_>],
+        dest: usize,
+        tag: i32,
+        as_datatype: bool,
+    ) -> Result<GatherOp> {
+        let parts: Vec<(usize, usize)> =
+            iov.iter().map(|s| (s.as_ptr() as usize, s.len())).collect();
+        self.gather_start(&parts, dest, tag, as_datatype, true)
+    }
+
+    /// Start a scatter receive into `iov` from `source`, mirroring [`gather_send`](Self::gather_send).
+    ///
+    /// Same memory rule as `gather_send`, for `recv_refs`.
+    pub fn scatter_recv(
+        &self,
+        iov: &mut [IoSliceMut<'_>],
+        source: usize,
+        tag: i32,
+        as_datatype: bool,
+    ) -> Result<GatherOp> {
+        let parts: Vec<(usize, usize)> = iov
+            .iter_mut()
+            .map(|s| (s.as_mut_ptr() as usize, s.len()))
+            .collect();
+        self.gather_start(&parts, source, tag, as_datatype, false)
+    }
+
+    fn gather_start(
+        &self,
+        parts: &[(usize, usize)],
+        peer: usize,
+        tag: i32,
+        as_datatype: bool,
+        send: bool,
+    ) -> Result<GatherOp> {
+        let peer_i = to_int(peer, "rank")?;
+        // Cut every slice into blocks of at most MAX_BLOCK bytes (C int counts).
+        let mut blocks: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
+        for &(addr, len) in parts {
+            let mut off = 0;
+            while off < len {
+                let n = (len - off).min(MAX_BLOCK);
+                blocks.push((addr + off, n));
+                off += n;
+            }
+        }
+        let mut op = GatherOp {
+            reqs: Vec::new(),
+            send,
+        };
+        let total_ok = blocks.iter().map(|b| b.1).sum::<usize>() <= MAX_BLOCK;
+        if as_datatype && blocks.len() > 1 && total_ok {
+            let lens: Vec<c_int> = blocks.iter().map(|b| b.1 as c_int).collect();
+            let displs: Vec<ffi::MPI_Aint> = blocks.iter().map(|b| b.0 as ffi::MPI_Aint).collect();
+            // SAFETY: reading a link-time constant exported by the rsmpi shim.
+            let mut ty = unsafe { ffi::RSMPI_DATATYPE_NULL };
+            let _g = guard();
+            check(
+                // SAFETY: `lens` and `displs` hold `blocks.len()` entries; out-pointer valid.
+                unsafe {
+                    ffi::MPI_Type_create_hindexed(
+                        lens.len() as c_int,
+                        lens.as_ptr(),
+                        displs.as_ptr(),
+                        byte(),
+                        &mut ty,
+                    )
+                },
+                "MPI_Type_create_hindexed",
+            )?;
+            // SAFETY: `ty` was just created.
+            let rc = unsafe { ffi::MPI_Type_commit(&mut ty) };
+            if let Err(e) = check(rc, "MPI_Type_commit") {
+                // SAFETY: `ty` was created above and is not used afterwards.
+                unsafe { ffi::MPI_Type_free(&mut ty) };
+                return Err(e);
+            }
+            let mut req = request_null();
+            // SAFETY: the datatype addresses user memory absolutely from MPI_BOTTOM (a null
+            // pointer in both MPICH and Open MPI); the caller keeps that memory valid until
+            // the operation completes or is dropped (see `gather_send`).
+            let rc = unsafe {
+                if send {
+                    ffi::MPI_Isend(std::ptr::null(), 1, ty, peer_i, tag, self.raw, &mut req)
+                } else {
+                    ffi::MPI_Irecv(std::ptr::null_mut(), 1, ty, peer_i, tag, self.raw, &mut req)
+                }
+            };
+            // Freeing a datatype only marks it: pending operations keep using it.
+            // SAFETY: `ty` is ours and not used afterwards.
+            unsafe { ffi::MPI_Type_free(&mut ty) };
+            check(
+                rc,
+                if send {
+                    "MPI_Isend(hindexed)"
+                } else {
+                    "MPI_Irecv(hindexed)"
+                },
+            )?;
+            op.reqs.push(req);
+            return Ok(op);
+        }
+        let _g = guard();
+        for &(addr, len) in &blocks {
+            let mut req = request_null();
+            // SAFETY: `addr..addr+len` is caller memory kept valid until completion or drop
+            // (see `gather_send`); len <= MAX_BLOCK fits a C int.
+            let rc = unsafe {
+                if send {
+                    ffi::MPI_Isend(
+                        addr as *const c_void,
+                        len as c_int,
+                        byte(),
+                        peer_i,
+                        tag,
+                        self.raw,
+                        &mut req,
+                    )
+                } else {
+                    ffi::MPI_Irecv(
+                        addr as *mut c_void,
+                        len as c_int,
+                        byte(),
+                        peer_i,
+                        tag,
+                        self.raw,
+                        &mut req,
+                    )
+                }
+            };
+            // On failure, `op` drops and cancels/waits the requests already started.
+            check(rc, if send { "MPI_Isend" } else { "MPI_Irecv" })?;
+            op.reqs.push(req);
+        }
+        Ok(op)
+    }
+}
+
+fn int_type() -> ffi::MPI_Datatype {
+    // SAFETY: reading a link-time constant exported by the rsmpi shim.
+    unsafe { ffi::RSMPI_INT32_T }
+}
+
+fn request_null() -> ffi::MPI_Request {
+    // SAFETY: reading a link-time constant exported by the rsmpi shim.
+    unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+fn count_of(st: &ffi::MPI_Status) -> Result<usize> {
+    let mut n: c_int = 0;
+    check(
+        // SAFETY: `st` was filled by MPI; out-pointer valid. MPI_Get_count is a local query.
+        unsafe { ffi::MPI_Get_count(st, byte(), &mut n) },
+        "MPI_Get_count",
+    )?;
+    if n < 0 {
+        return Err(Error::protocol(
+            st.MPI_SOURCE.max(0) as usize,
+            "message size is undefined",
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// Test one request; `Ok(true)` once complete (the handle is then `REQUEST_NULL`).
+fn test(req: &mut ffi::MPI_Request, what: &str) -> Result<bool> {
+    if *req == request_null() {
+        return Ok(true);
+    }
+    let mut flag: c_int = 0;
+    let mut st = zero_status();
+    let _g = guard();
+    // SAFETY: `req` is an active request of ours; out-pointers valid.
+    check(unsafe { ffi::MPI_Test(req, &mut flag, &mut st) }, what)?;
+    Ok(flag != 0)
+}
+
+/// Cancel and wait: afterwards MPI no longer touches the request's memory.
+fn cancel_and_wait(req: &mut ffi::MPI_Request) {
+    if *req == request_null() {
+        return;
+    }
+    let _g = guard();
+    // SAFETY: `req` is an active request of ours. MPI_Wait after MPI_Cancel returns once the
+    // operation is either cancelled or complete; either way MPI is done with its buffer.
+    unsafe {
+        ffi::MPI_Cancel(req);
+        ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+    }
+}
+
+/// A message matched by [`Comm::improbe`], not yet received.
+#[derive(Debug)]
+pub struct Matched {
+    raw: ffi::MPI_Message,
+    /// Its size in bytes.
+    pub count: usize,
+}
+
+// SAFETY: an MPI_Message handle may be received from any thread (THREAD_MULTIPLE, or the
+// process-wide lock otherwise).
+unsafe impl Send for Matched {}
+
+impl Matched {
+    /// Receive the message into `buf[..count]` with a blocking `MPI_Mrecv`: for small messages,
+    /// which are complete once matched (eager protocol).
+    pub fn recv_into(mut self, buf: &mut [u8]) -> Result<usize> {
+        if buf.len() < self.count {
+            return Err(Error::protocol(
+                0,
+                format!(
+                    "message of {} B exceeds the {} B buffer",
+                    self.count,
+                    buf.len()
+                ),
+            ));
+        }
+        let n = self.count as c_int;
+        let _g = guard();
+        check(
+            // SAFETY: `buf` holds at least `count` bytes for the duration of the blocking call;
+            // `raw` is a matched message handle, consumed here.
+            unsafe {
+                ffi::MPI_Mrecv(
+                    buf.as_mut_ptr().cast(),
+                    n,
+                    byte(),
+                    &mut self.raw,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            },
+            "MPI_Mrecv",
+        )?;
+        Ok(self.count)
+    }
+
+    /// Start receiving the message into the owned `buf` (`MPI_Imrecv`).
+    pub fn irecv(mut self, buf: Vec<u8>) -> Result<OwnedRecv> {
+        let mut buf = buf;
+        if buf.len() < self.count {
+            return Err(Error::protocol(
+                0,
+                format!(
+                    "message of {} B exceeds the {} B buffer",
+                    self.count,
+                    buf.len()
+                ),
+            ));
+        }
+        let mut req = request_null();
+        let _g = guard();
+        check(
+            // SAFETY: `buf` moves into the OwnedRecv (its heap storage does not move) and stays
+            // alive until completion, or is leaked if dropped before.
+            unsafe {
+                ffi::MPI_Imrecv(
+                    buf.as_mut_ptr().cast(),
+                    self.count as c_int,
+                    byte(),
+                    &mut self.raw,
+                    &mut req,
+                )
+            },
+            "MPI_Imrecv",
+        )?;
+        Ok(OwnedRecv {
+            req,
+            buf: Some(buf),
+            count: self.count,
+        })
+    }
+}
+
+/// A send of an owned buffer in progress.
+#[derive(Debug)]
+pub struct OwnedSend {
+    req: ffi::MPI_Request,
+    buf: Option<Vec<u8>>,
+}
+
+// SAFETY: the request handle and the owned buffer may move between threads; MPI allows
+// testing a request from any thread (one at a time, which `&mut self` guarantees).
+unsafe impl Send for OwnedSend {}
+
+impl OwnedSend {
+    /// Whether MPI is done with the buffer; then the buffer is handed back.
+    pub fn test(&mut self) -> Result<Option<Vec<u8>>> {
+        if test(&mut self.req, "MPI_Test(send)")? {
+            Ok(Some(self.buf.take().unwrap_or_default()))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl Drop for OwnedSend {
+    fn drop(&mut self) {
+        if self.req != request_null() {
+            let _g = guard();
+            // SAFETY: the request stays active inside MPI after being freed; its buffer is
+            // leaked below so MPI may keep reading it.
+            unsafe { ffi::MPI_Request_free(&mut self.req) };
+            if let Some(b) = self.buf.take() {
+                std::mem::forget(b);
+            }
+        }
+    }
+}
+
+/// A receive into an owned buffer in progress.
+#[derive(Debug)]
+pub struct OwnedRecv {
+    req: ffi::MPI_Request,
+    buf: Option<Vec<u8>>,
+    count: usize,
+}
+
+// SAFETY: as for OwnedSend.
+unsafe impl Send for OwnedRecv {}
+
+impl OwnedRecv {
+    /// Once complete: the buffer and the number of bytes received.
+    pub fn test(&mut self) -> Result<Option<(Vec<u8>, usize)>> {
+        if test(&mut self.req, "MPI_Test(recv)")? {
+            Ok(Some((self.buf.take().unwrap_or_default(), self.count)))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl Drop for OwnedRecv {
+    fn drop(&mut self) {
+        if self.req != request_null() {
+            cancel_and_wait(&mut self.req);
+        }
+    }
+}
+
+/// A gather send or scatter receive on user memory in progress.
+#[derive(Debug)]
+pub struct GatherOp {
+    reqs: Vec<ffi::MPI_Request>,
+    send: bool,
+}
+
+// SAFETY: request handles may be tested from any thread (one at a time: `&mut self`).
+unsafe impl Send for GatherOp {}
+
+impl GatherOp {
+    /// Whether every request has completed (MPI no longer needs the memory).
+    pub fn test(&mut self) -> Result<bool> {
+        let what = if self.send {
+            "MPI_Test(gather send)"
+        } else {
+            "MPI_Test(scatter recv)"
+        };
+        for r in &mut self.reqs {
+            if !test(r, what)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Drop for GatherOp {
+    fn drop(&mut self) {
+        for r in &mut self.reqs {
+            cancel_and_wait(r);
+        }
+    }
+}
