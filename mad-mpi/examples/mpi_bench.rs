@@ -1,0 +1,2 @@
+//! MPI channel benchmark (being written).
+fn main() {}
