@@ -1,1 +1,255 @@
-//! Madeleine `via` driver. **Not yet implemented**: this crate is an empty workspace member; it is filled by its own issue.
+//! # mad-via: the Madeleine VIA driver
+//!
+//! VIA-class networks (VIA, InfiniBand verbs) move bytes in three ways whose relative cost
+//! depends on the block size (Madeleine II, section 3), and this driver offers all three as
+//! transmission modules:
+//!
+//! | TM | BMM | how |
+//! |---|---|---|
+//! | `small` (0) | Copy | message passing through a pool of pre-registered static buffers, credit-based flow control |
+//! | `medium` (1) | Gather | message passing from/to the user's buffers, registered on the fly through an LRU registration cache |
+//! | `large` (2) | Gather | rendezvous: the receiver registers its destination and sends key and address; the sender RDMA-writes into it and signals completion |
+//!
+//! The thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
+//! backend (see `NOTES.md`) and can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
+//!
+//! Two backends (the channel adapter):
+//!
+//! * `via:soft` ([`soft`]): a software NIC in user space, like M-VIA over Ethernet. Its wire is
+//!   a TCP connection per pair of ranks; it enforces what verbs enforce (registration before
+//!   use, RDMA writes only into advertised regions with the right key and within bounds, sends
+//!   only into posted receives / with a credit).
+//! * `via:verbs` (cargo feature `verbs`): real HCAs through `rdma-sys`. Without a device (or
+//!   without the feature) opening such a channel fails with [`Error::Unavailable`] naming the
+//!   cause and suggesting `via:soft`.
+//!
+//! Users can also borrow pre-registered memory ([`ViaHandle::request_buffer`], pCoR's buffer
+//! request/release): data packed from such a buffer travels without registration.
+//!
+//! ```no_run
+//! use mad_via::ViaDriver;
+//! let via = ViaDriver::new();
+//! let handle = via.handle(); // keep it: registered buffers and counters
+//! let mut buf = handle.request_buffer(1 << 20);
+//! buf.fill(7);
+//! // ... session.driver(via) ... packer.pack(&buf, RecvMode::Cheaper) ...
+//! # let _ = buf;
+//! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+use std::sync::Arc;
+
+use mad_core::config::ChannelConfig;
+use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec, TmTable};
+use mad_core::{Error, Result};
+
+pub mod reg;
+mod setup;
+pub mod soft;
+mod sys;
+pub mod verbs;
+pub mod wire;
+
+pub use reg::{Pd, RegStats, RegisteredBuffer};
+pub use soft::{ConnStats, Endpoint, SlotConfig};
+
+/// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
+pub const SMALL_MAX: usize = 16 << 10;
+/// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
+pub const MEDIUM_MAX: usize = 256 << 10;
+
+/// Which provider a channel uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The software NIC over TCP.
+    Soft,
+    /// ibverbs.
+    Verbs,
+}
+
+impl Backend {
+    /// The backend named by a channel's adapter (`soft` when none is given).
+    pub fn of(config: &ChannelConfig) -> Result<Backend> {
+        match config.adapter.as_deref() {
+            None | Some("soft") => Ok(Backend::Soft),
+            Some("verbs") => Ok(Backend::Verbs),
+            Some(other) => Err(Error::BadConfig(format!(
+                "channel `{}`: via has no backend `{other}`: use via:soft or via:verbs",
+                config.name
+            ))),
+        }
+    }
+}
+
+/// The `via` driver.
+#[derive(Debug)]
+pub struct ViaDriver {
+    pd: Arc<Pd>,
+}
+
+/// A handle on the driver's protection domain, kept by the application after the driver is
+/// given to the session: registered buffers and registration counters.
+#[derive(Clone, Debug)]
+pub struct ViaHandle {
+    pd: Arc<Pd>,
+}
+
+impl ViaHandle {
+    /// Request a pre-registered buffer of `len` bytes (pCoR's buffer request). Pack it (or a
+    /// prefix) like any slice: it travels without registration; drop it to release it.
+    pub fn request_buffer(&self, len: usize) -> RegisteredBuffer {
+        RegisteredBuffer::request(&self.pd, len)
+    }
+
+    /// Registration counters (registrations, cache hits, refused writes, ...).
+    pub fn stats(&self) -> RegStats {
+        self.pd.stats()
+    }
+}
+
+impl Default for ViaDriver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ViaDriver {
+    /// A driver whose registration cache keeps [`reg::DEFAULT_CACHE_ENTRIES`] user ranges.
+    pub fn new() -> Self {
+        Self::with_cache_entries(reg::DEFAULT_CACHE_ENTRIES)
+    }
+
+    /// A driver whose registration cache keeps `n` user ranges (0: register each transfer and
+    /// deregister it afterwards).
+    pub fn with_cache_entries(n: usize) -> Self {
+        ViaDriver { pd: Pd::new(n) }
+    }
+
+    /// A handle on this driver's registered memory and counters.
+    pub fn handle(&self) -> ViaHandle {
+        ViaHandle {
+            pd: self.pd.clone(),
+        }
+    }
+
+    fn slot_config(config: &ChannelConfig) -> Result<SlotConfig> {
+        let d = SlotConfig::default();
+        let slots: usize = config.option_parsed("slots")?.unwrap_or(d.slots);
+        let slot_size = match config.options.get("slot_size") {
+            None => d.slot_size,
+            Some(v) => mad_core::config::parse_size(v).ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "channel `{}`: slot_size={v} is not a size",
+                    config.name
+                ))
+            })?,
+        };
+        if !(1..=4096).contains(&slots) {
+            return Err(Error::BadConfig(format!(
+                "channel `{}`: slots={slots}: expected 1 to 4096",
+                config.name
+            )));
+        }
+        if !(64..=wire::MAX_PAYLOAD).contains(&slot_size) {
+            return Err(Error::BadConfig(format!(
+                "channel `{}`: slot_size={slot_size}: expected 64 B to {} B",
+                config.name,
+                wire::MAX_PAYLOAD
+            )));
+        }
+        Ok(SlotConfig { slots, slot_size })
+    }
+}
+
+/// The default TM table (before `tm.*` overrides).
+pub fn default_table() -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "small",
+            SMALL_MAX,
+            "copy into pre-registered static buffers, credit flow control (<= 16 KiB from the Figure 4 sweep)",
+        ),
+        TmSpec::gather(
+            "medium",
+            MEDIUM_MAX,
+            16,
+            "send/recv of user memory registered on the fly, LRU registration cache (<= 256 KiB from the sweep)",
+        ),
+        TmSpec::gather(
+            "large",
+            usize::MAX,
+            1,
+            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion",
+        ),
+    ])
+}
+
+impl Driver for ViaDriver {
+    fn name(&self) -> &'static str {
+        "via"
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "via:soft (software NIC over TCP, always available), via:verbs (ibverbs HCAs; {})",
+            if cfg!(feature = "verbs") {
+                "built in"
+            } else {
+                "needs the `verbs` cargo feature"
+            }
+        )
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        Backend::of(config)?;
+        default_table()
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities {
+            direct_poll_limit: 4,
+            detects_peer_death: true,
+            intra_node_only: false,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        match Backend::of(ctx.config)? {
+            Backend::Verbs => verbs::open(ctx, &self.pd),
+            Backend::Soft => {
+                let cfg = Self::slot_config(ctx.config)?;
+                let eps = setup::open_soft(ctx, &self.pd, cfg)?;
+                let mut links = Vec::with_capacity(eps.len());
+                let mut all = Vec::new();
+                for (r, ep) in eps.into_iter().enumerate() {
+                    match ep {
+                        Some(ep) => {
+                            links.push(Some(ep.links()?));
+                            all.push((r, ep));
+                        }
+                        None => links.push(None),
+                    }
+                }
+                let incoming = Box::new(soft::SoftIncoming::new(all)?);
+                let st = self.pd.stats();
+                Ok(OpenedChannel {
+                    links,
+                    incoming,
+                    notes: vec![
+                        format!(
+                            "via:soft: {} credits x {} B static buffers per connection, TCP wire",
+                            cfg.slots, cfg.slot_size
+                        ),
+                        format!(
+                            "registration = mlock (pin failures so far: {}), LRU cache of user ranges",
+                            st.pin_failures
+                        ),
+                    ],
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,2 @@
+//! Figure 4 sweep (placeholder until written).
+fn main() {}
