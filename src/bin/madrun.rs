@@ -1,0 +1,742 @@
+//! `madrun`: start an N-process Madeleine job on this host.
+//!
+//! ```text
+//! madrun -n N [--timeout SECS] [--grace SECS] [--no-prefix] [--bind ADDR]
+//!        [--channel NAME=SPEC]... [--checked] [--progress MODE] [--] program [args...]
+//! ```
+//!
+//! madrun runs the bootstrap server (`mad_core::launch::server`), starts N children with the
+//! `MAD_*` environment (see `mad_core::launch`), prefixes their output with `[rank] `,
+//! forwards SIGINT/SIGTERM/SIGHUP to them (a second such signal kills them), and exits with the
+//! worst child status (128+S for a child killed by signal S). When a child fails, the others get
+//! SIGTERM, then SIGKILL after `--grace` seconds. `--timeout` bounds the whole job (exit 124).
+//! Bad usage exits 2.
+//!
+//! Children never outlive madrun: they run in their own process group, which madrun kills on
+//! the way out, and each has `PR_SET_PDEATHSIG = SIGKILL` in case madrun itself is killed.
+//! Children are not reaped until the end, so their zombies keep the process group (and its id)
+//! alive while madrun may still signal it.
+
+#![deny(unsafe_code)]
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use mad_core::auth::{fill_random, Secret};
+use mad_core::config::{env_key, ChannelConfig};
+use mad_core::launch::server::BootstrapServer;
+use mad_core::launch::{vars, wire::MAX_RANKS};
+use mad_core::progress::ProgressPolicy;
+
+const USAGE: &str = "usage: madrun -n N [--timeout SECS] [--grace SECS] [--no-prefix] [--bind ADDR]
+              [--channel NAME=SPEC]... [--checked] [--progress MODE] [--] program [args...]
+
+  -n, --np N            number of processes (1..=4096)
+  --timeout SECS        wall-clock limit for the whole job; on expiry kill all, exit 124
+  --grace SECS          after a failure, wait this long between SIGTERM and SIGKILL (default 2)
+  --no-prefix           do not prefix output lines with `[rank] `
+  --bind ADDR           bootstrap server address (default 127.0.0.1:0)
+  --channel NAME=SPEC   define channel NAME (sets MAD_CHANNEL_<NAME>=SPEC), e.g. video=shm
+  --checked             checked mode on every channel (MAD_CHECKED=1)
+  --progress MODE       progress policy of every channel: poll, block or adaptive (MAD_PROGRESS)";
+
+/// Every foreign call of madrun.
+#[allow(unsafe_code)]
+mod sys {
+    use std::io;
+    use std::os::fd::RawFd;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    static PENDING: AtomicU64 = AtomicU64::new(0);
+
+    extern "C" fn on_signal(sig: libc::c_int) {
+        // Only an atomic read-modify-write: async-signal-safe.
+        if (1..64).contains(&sig) {
+            PENDING.fetch_or(1 << sig, Ordering::SeqCst);
+        }
+    }
+
+    /// Install handlers that record `signals` for [`take_signals`].
+    pub fn install_handlers(signals: &[i32]) -> io::Result<()> {
+        for &sig in signals {
+            // SAFETY: `sigaction` is plain data; all-zero is a valid value (empty mask, no
+            // flags) that we then fill in.
+            let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            // SAFETY: `sa.sa_mask` is a valid, exclusively borrowed sigset_t.
+            unsafe { libc::sigemptyset(&mut sa.sa_mask) };
+            // SAFETY: `sa` is fully initialised and outlives the call; the handler only touches
+            // an atomic; a null old-action pointer is allowed.
+            if unsafe { libc::sigaction(sig, &sa, std::ptr::null_mut()) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
+    /// The signals received since the last call.
+    pub fn take_signals() -> Vec<i32> {
+        let m = PENDING.swap(0, Ordering::SeqCst);
+        (1..64).filter(|s| m & (1 << s) != 0).collect()
+    }
+
+    /// Make the child started by `cmd` receive SIGKILL when madrun (its spawning thread) dies.
+    pub fn die_with_parent(cmd: &mut Command) {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // system calls (prctl, getppid) and builds an `io::Error` from a raw code, which does
+        // not allocate.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGKILL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                // madrun died before the prctl: do not run orphaned.
+                if libc::getppid() != parent {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+
+    /// Send `sig` to every process of the process group `pgid`.
+    pub fn kill_group(pgid: u32, sig: i32) -> io::Result<()> {
+        let Ok(pg) = libc::pid_t::try_from(pgid) else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        // Never 0 (our own group) or 1 (`kill(-1)` = every process we may signal).
+        if pg <= 1 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: kill has no memory-safety preconditions.
+        if unsafe { libc::kill(-pg, sig) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// How a child ended.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Exit {
+        /// Exited with this status.
+        Code(i32),
+        /// Killed by this signal.
+        Signal(i32),
+    }
+
+    /// Whether child `pid` has ended, without reaping it (its zombie stays, keeping its process
+    /// group alive).
+    pub fn peek_exit(pid: u32) -> io::Result<Option<Exit>> {
+        // SAFETY: siginfo_t is plain data; all-zero means "no child reported".
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid, exclusively borrowed siginfo_t for the call.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(None);
+            }
+            return Err(e);
+        }
+        // SAFETY: waitid succeeded, so `info` is either all-zero (nothing to report) or a
+        // SIGCHLD siginfo whose pid and status fields are the ones these accessors read.
+        let (who, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if who == 0 {
+            return Ok(None);
+        }
+        Ok(match info.si_code {
+            libc::CLD_EXITED => Some(Exit::Code(status)),
+            libc::CLD_KILLED | libc::CLD_DUMPED => Some(Exit::Signal(status)),
+            _ => None,
+        })
+    }
+
+    /// Wait up to `timeout_ms` for any of `fds` to be readable (or hung up); returns, for each,
+    /// whether it is.
+    pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `p` is a valid array of `p.len()` pollfd structures for the call's duration.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(vec![false; fds.len()]);
+            }
+            return Err(e);
+        }
+        Ok(p.iter().map(|x| x.revents != 0).collect())
+    }
+}
+
+use sys::Exit;
+
+fn signal_name(sig: i32) -> String {
+    const NAMES: [&str; 32] = [
+        "0",
+        "SIGHUP",
+        "SIGINT",
+        "SIGQUIT",
+        "SIGILL",
+        "SIGTRAP",
+        "SIGABRT",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGKILL",
+        "SIGUSR1",
+        "SIGSEGV",
+        "SIGUSR2",
+        "SIGPIPE",
+        "SIGALRM",
+        "SIGTERM",
+        "SIGSTKFLT",
+        "SIGCHLD",
+        "SIGCONT",
+        "SIGSTOP",
+        "SIGTSTP",
+        "SIGTTIN",
+        "SIGTTOU",
+        "SIGURG",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGWINCH",
+        "SIGIO",
+        "SIGPWR",
+        "SIGSYS",
+    ];
+    match usize::try_from(sig).ok().and_then(|i| NAMES.get(i)) {
+        Some(n) if sig > 0 => (*n).to_string(),
+        _ => format!("signal {sig}"),
+    }
+}
+
+fn exit_code(e: Exit) -> i32 {
+    match e {
+        Exit::Code(c) => c,
+        Exit::Signal(s) => 128 + s,
+    }
+}
+
+/// The parsed command line.
+#[derive(Debug)]
+struct Opts {
+    n: usize,
+    timeout: Option<Duration>,
+    grace: Duration,
+    prefix: bool,
+    bind: SocketAddr,
+    channels: Vec<(String, String)>,
+    checked: bool,
+    progress: Option<String>,
+    program: OsString,
+    args: Vec<OsString>,
+}
+
+fn parse_secs(opt: &str, v: &str, allow_zero: bool) -> Result<Duration, String> {
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && (s > 0.0 || (allow_zero && s == 0.0)) && s < 1e9 => {
+            Ok(Duration::from_secs_f64(s))
+        }
+        _ => Err(format!("{opt} {v}: expected a number of seconds")),
+    }
+}
+
+/// Parse the arguments (without the program name). `Ok(None)` means `--help`.
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, String> {
+    let mut it = args.into_iter();
+    let mut n = None;
+    let mut o = Opts {
+        n: 0,
+        timeout: None,
+        grace: Duration::from_secs(2),
+        prefix: true,
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        channels: Vec::new(),
+        checked: false,
+        progress: None,
+        program: OsString::new(),
+        args: Vec::new(),
+    };
+    let mut program = None;
+    while let Some(a) = it.next() {
+        let Some(s) = a.to_str() else {
+            program = Some(a);
+            break;
+        };
+        if s == "--" {
+            program = it.next();
+            if program.is_none() {
+                return Err("missing program after `--`".into());
+            }
+            break;
+        }
+        if !s.starts_with('-') || s == "-" {
+            program = Some(a);
+            break;
+        }
+        let (name, inline) = match s.split_once('=') {
+            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
+            _ if s.starts_with("-n") && s.len() > 2 && !s.starts_with("--") => {
+                ("-n".to_string(), Some(s[2..].to_string()))
+            }
+            _ => (s.to_string(), None),
+        };
+        let mut value = |what: &str| -> Result<String, String> {
+            if let Some(v) = inline.clone() {
+                return Ok(v);
+            }
+            match it.next() {
+                Some(v) => v
+                    .into_string()
+                    .map_err(|_| format!("{name}: {what} is not valid Unicode")),
+                None => Err(format!("{name} needs {what}")),
+            }
+        };
+        match name.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "-n" | "--np" => {
+                let v = value("a process count")?;
+                let k: usize = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("-n {v}: expected a number of processes"))?;
+                if k == 0 || k > MAX_RANKS {
+                    return Err(format!("-n {v}: must be between 1 and {MAX_RANKS}"));
+                }
+                n = Some(k);
+            }
+            "--timeout" => o.timeout = Some(parse_secs("--timeout", &value("seconds")?, false)?),
+            "--grace" => o.grace = parse_secs("--grace", &value("seconds")?, true)?,
+            "--no-prefix" => o.prefix = false,
+            "--checked" => o.checked = true,
+            "--bind" => {
+                let v = value("an address")?;
+                o.bind = v
+                    .parse::<SocketAddr>()
+                    .or_else(|_| {
+                        v.parse::<std::net::IpAddr>()
+                            .map(|ip| SocketAddr::new(ip, 0))
+                    })
+                    .map_err(|_| format!("--bind {v}: expected ip or ip:port"))?;
+            }
+            "--channel" => {
+                let v = value("NAME=SPEC")?;
+                let (cn, spec) = v
+                    .split_once('=')
+                    .filter(|(cn, _)| !cn.trim().is_empty())
+                    .ok_or_else(|| format!("--channel {v}: expected NAME=SPEC, e.g. video=shm"))?;
+                ChannelConfig::parse(cn.trim(), spec).map_err(|e| format!("--channel {v}: {e}"))?;
+                o.channels
+                    .push((cn.trim().to_string(), spec.trim().to_string()));
+            }
+            "--progress" => {
+                let v = value("a mode")?;
+                ProgressPolicy::parse_mode(&v).map_err(|e| format!("--progress {v}: {e}"))?;
+                o.progress = Some(v);
+            }
+            _ => return Err(format!("unknown option `{s}`")),
+        }
+    }
+    o.n = n.ok_or("missing -n N (number of processes)")?;
+    o.program = program.ok_or("missing program to run")?;
+    o.args = it.collect();
+    Ok(Some(o))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Find `program` the way `execvp` will, to report "not found" before starting anything.
+fn resolve(program: &OsStr) -> Option<PathBuf> {
+    let p = Path::new(program);
+    if program.as_encoded_bytes().contains(&b'/') {
+        return is_executable(p).then(|| p.to_path_buf());
+    }
+    if program.is_empty() {
+        return None;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    std::env::split_paths(&path)
+        .map(|d| d.join(p))
+        .find(|c| is_executable(c))
+}
+
+/// One child output stream being forwarded.
+struct Source {
+    rank: usize,
+    stderr: bool,
+    file: File,
+    pending: Vec<u8>,
+}
+
+/// Longest line kept waiting for its newline; longer lines are cut into pieces.
+const MAX_LINE: usize = 64 << 10;
+
+fn emit(out: &mut Vec<u8>, rank: usize, line: &[u8]) {
+    out.extend_from_slice(format!("[{rank}] ").as_bytes());
+    out.extend_from_slice(line);
+    if line.last() != Some(&b'\n') {
+        out.push(b'\n');
+    }
+}
+
+impl Source {
+    /// Move the complete lines of `pending` (all of it at end of stream) to `out`, prefixed.
+    fn drain_lines(&mut self, out: &mut Vec<u8>, eof: bool) {
+        let mut start = 0;
+        while let Some(i) = self.pending[start..].iter().position(|&b| b == b'\n') {
+            emit(out, self.rank, &self.pending[start..=start + i]);
+            start += i + 1;
+        }
+        while self.pending.len() - start >= MAX_LINE {
+            emit(out, self.rank, &self.pending[start..start + MAX_LINE]);
+            start += MAX_LINE;
+        }
+        if eof && start < self.pending.len() {
+            emit(out, self.rank, &self.pending[start..]);
+            start = self.pending.len();
+        }
+        self.pending.drain(..start);
+    }
+}
+
+/// Forward every child's output, prefixed, until every stream is closed.
+fn pump(mut sources: Vec<Source>, done: mpsc::Sender<()>) {
+    let mut chunk = vec![0u8; 64 << 10];
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    while !sources.is_empty() {
+        let fds: Vec<_> = sources.iter().map(|s| s.file.as_raw_fd()).collect();
+        let ready = match sys::poll_readable(&fds, 500) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("madrun: poll on child output failed: {e}");
+                break;
+            }
+        };
+        let mut closed = Vec::new();
+        for (i, s) in sources.iter_mut().enumerate() {
+            if !ready[i] {
+                continue;
+            }
+            let buf = if s.stderr { &mut err } else { &mut out };
+            match s.file.read(&mut chunk) {
+                Ok(0) => {
+                    s.drain_lines(buf, true);
+                    closed.push(i);
+                }
+                Ok(k) => {
+                    s.pending.extend_from_slice(&chunk[..k]);
+                    s.drain_lines(buf, false);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    s.drain_lines(buf, true);
+                    closed.push(i);
+                }
+            }
+        }
+        for i in closed.into_iter().rev() {
+            sources.swap_remove(i);
+        }
+        // Write errors (closed stdout) are ignored: keep draining so children never block.
+        if !out.is_empty() {
+            let _ = std::io::stdout().lock().write_all(&out);
+            let _ = std::io::stdout().flush();
+            out.clear();
+        }
+        if !err.is_empty() {
+            let _ = std::io::stderr().lock().write_all(&err);
+            err.clear();
+        }
+    }
+    let _ = done.send(());
+}
+
+struct Rank {
+    child: Child,
+    pid: u32,
+    exit: Option<Exit>,
+}
+
+fn random_hex(n: usize) -> Result<String, mad_core::Error> {
+    let mut b = vec![0u8; n];
+    fill_random(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn kill_all(pgid: u32, sig: i32) {
+    if let Err(e) = sys::kill_group(pgid, sig) {
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            eprintln!("madrun: cannot send {} to the job: {e}", signal_name(sig));
+        }
+    }
+}
+
+fn main() {
+    std::process::exit(run());
+}
+
+fn run() -> i32 {
+    let opts = match parse_args(std::env::args_os().skip(1)) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            println!("{USAGE}");
+            return 0;
+        }
+        Err(msg) => {
+            let short = USAGE.split("\n\n").next().unwrap_or(USAGE);
+            eprintln!("madrun: {msg}\n{short}\n(madrun --help for details)");
+            return 2;
+        }
+    };
+    let Some(program) = resolve(&opts.program) else {
+        eprintln!(
+            "madrun: program `{}` not found (or not executable)",
+            opts.program.to_string_lossy()
+        );
+        return 2;
+    };
+    let secret = match Secret::random() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("madrun: cannot create the session secret: {e}");
+            return 1;
+        }
+    };
+    let job = match random_hex(8) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("madrun: cannot create a job id: {e}");
+            return 1;
+        }
+    };
+    let server = match BootstrapServer::start(
+        opts.bind,
+        opts.n,
+        secret.clone(),
+        Box::new(|m| eprintln!("{m}")),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("madrun: cannot start the bootstrap server: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = sys::install_handlers(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP]) {
+        eprintln!("madrun: cannot install signal handlers: {e}");
+        return 1;
+    }
+
+    let mut ranks: Vec<Rank> = Vec::with_capacity(opts.n);
+    let mut sources = Vec::new();
+    let mut pgid = 0u32;
+    for r in 0..opts.n {
+        let mut cmd = Command::new(&program);
+        cmd.arg0(&opts.program)
+            .args(&opts.args)
+            .env(vars::RANK, r.to_string())
+            .env(vars::SIZE, opts.n.to_string())
+            .env(vars::BOOTSTRAP, server.advertised_addr().to_string())
+            .env(vars::SECRET, secret.to_hex())
+            .env(vars::LOCAL_SIZE, opts.n.to_string())
+            .env(vars::JOB, &job)
+            .process_group(pgid as i32)
+            .stdin(if r == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
+        for (name, spec) in &opts.channels {
+            cmd.env(env_key(name), spec);
+        }
+        if opts.checked {
+            cmd.env("MAD_CHECKED", "1");
+        }
+        if let Some(p) = &opts.progress {
+            cmd.env("MAD_PROGRESS", p);
+        }
+        if opts.prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        sys::die_with_parent(&mut cmd);
+        match cmd.spawn() {
+            Ok(mut child) => {
+                let pid = child.id();
+                if pgid == 0 {
+                    pgid = pid;
+                }
+                for (stderr, fd) in [
+                    (false, child.stdout.take().map(OwnedFd::from)),
+                    (true, child.stderr.take().map(OwnedFd::from)),
+                ] {
+                    if let Some(fd) = fd {
+                        sources.push(Source {
+                            rank: r,
+                            stderr,
+                            file: File::from(fd),
+                            pending: Vec::new(),
+                        });
+                    }
+                }
+                ranks.push(Rank {
+                    child,
+                    pid,
+                    exit: None,
+                });
+            }
+            Err(e) => {
+                eprintln!(
+                    "madrun: cannot start rank {r} (`{}`): {e}",
+                    opts.program.to_string_lossy()
+                );
+                if pgid != 0 {
+                    kill_all(pgid, libc::SIGKILL);
+                }
+                for rk in &mut ranks {
+                    let _ = rk.child.wait();
+                }
+                return match e.kind() {
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => 2,
+                    _ => 1,
+                };
+            }
+        }
+    }
+    let (done_tx, done_rx) = mpsc::channel();
+    let pump_thread = std::thread::Builder::new()
+        .name("madrun-output".into())
+        .spawn(move || pump(sources, done_tx));
+    if let Err(e) = &pump_thread {
+        eprintln!("madrun: cannot start the output thread: {e}");
+    }
+
+    let start = Instant::now();
+    let deadline = opts.timeout.map(|t| start + t);
+    let mut worst = 0;
+    let mut teardown: Option<Instant> = None;
+    let mut killed = false;
+    let mut timed_out = false;
+    let mut signals_seen = 0;
+    loop {
+        for sig in sys::take_signals() {
+            signals_seen += 1;
+            if signals_seen == 1 {
+                kill_all(pgid, sig);
+            } else if !killed {
+                eprintln!("madrun: {} again: killing every rank", signal_name(sig));
+                kill_all(pgid, libc::SIGKILL);
+                killed = true;
+            }
+        }
+        let mut running = 0;
+        for (r, rk) in ranks.iter_mut().enumerate() {
+            if rk.exit.is_some() {
+                continue;
+            }
+            let e = match sys::peek_exit(rk.pid) {
+                Ok(None) => {
+                    running += 1;
+                    continue;
+                }
+                Ok(Some(e)) => e,
+                Err(err) => {
+                    eprintln!("madrun: cannot wait for rank {r}: {err}");
+                    Exit::Code(255)
+                }
+            };
+            rk.exit = Some(e);
+            if teardown.is_some() {
+                continue; // ended by our own teardown: not counted
+            }
+            worst = worst.max(exit_code(e));
+            if e != Exit::Code(0) {
+                match e {
+                    Exit::Code(c) => eprintln!("madrun: rank {r} exited with status {c}"),
+                    Exit::Signal(s) => {
+                        eprintln!("madrun: rank {r} killed by signal {}", signal_name(s))
+                    }
+                }
+                teardown = Some(Instant::now() + opts.grace);
+                kill_all(pgid, libc::SIGTERM);
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        let now = Instant::now();
+        if let Some(d) = deadline {
+            if !timed_out && now >= d {
+                timed_out = true;
+                eprintln!(
+                    "madrun: timeout: the job ran longer than {:?}; killing every rank",
+                    opts.timeout.unwrap_or_default()
+                );
+                if teardown.is_none() {
+                    teardown = Some(now + opts.grace);
+                }
+                kill_all(pgid, libc::SIGTERM);
+            }
+        }
+        if let Some(t) = teardown {
+            if !killed && now >= t {
+                kill_all(pgid, libc::SIGKILL);
+                killed = true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Every child has ended but none is reaped yet, so the group still exists: kill whatever
+    // the children left behind in it, then reap.
+    kill_all(pgid, libc::SIGKILL);
+    for rk in &mut ranks {
+        let _ = rk.child.wait();
+    }
+    if pump_thread.is_ok() && done_rx.recv_timeout(Duration::from_secs(2)).is_err() {
+        eprintln!("madrun: some rank output was still open 2 s after the job ended; dropped");
+    }
+    let _ = std::io::stdout().flush();
+    drop(server);
+    if timed_out {
+        124
+    } else if worst > 255 {
+        255
+    } else {
+        worst
+    }
+}

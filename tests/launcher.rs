@@ -1,0 +1,464 @@
+//! `madrun` end to end: real processes, real bootstrap server, real `MadrunBootstrap` clients.
+//!
+//! The bootstrap-client roles re-execute this test binary under madrun: the test `child_role`
+//! does nothing unless `MADRUN_TEST_CHILD` is set, in which case it plays the role named there.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use mad_core::auth::Secret;
+use mad_core::bootstrap::Bootstrap;
+use mad_core::launch::wire::{self, Frame, FrameReader};
+use mad_core::launch::MadrunBootstrap;
+use mad_core::Error;
+
+const MADRUN: &str = env!("CARGO_BIN_EXE_madrun");
+
+/// Run madrun with `args`, killing it if it takes longer than `limit`.
+fn madrun(args: &[&str], envs: &[(&str, &str)], limit: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    let mut cmd = Command::new(MADRUN);
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn madrun");
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = so.read_to_end(&mut b);
+        b
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = se.read_to_end(&mut b);
+        b
+    });
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let s = child.wait().unwrap();
+            panic!("madrun {args:?} still running after {limit:?} ({s:?})");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let elapsed = start.elapsed();
+    let out = Output {
+        status,
+        stdout: out_t.join().unwrap(),
+        stderr: err_t.join().unwrap(),
+    };
+    (out, elapsed)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn self_exe() -> String {
+    std::env::current_exe()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// madrun arguments that run `child_role` of this binary on `n` ranks.
+fn child_args(n: &str) -> Vec<String> {
+    ["-n", n, "--timeout", "60", "--"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            self_exe(),
+            "child_role".into(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ])
+        .collect()
+}
+
+fn run_children(n: &str, role: &str, extra: &[(&str, &str)]) -> (Output, Duration) {
+    let args = child_args(n);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut envs = vec![("MADRUN_TEST_CHILD", role)];
+    envs.extend_from_slice(extra);
+    madrun(&args, &envs, Duration::from_secs(90))
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("madrun-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Whether `pid` is a live (non-zombie) process.
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence and permission; no memory involved.
+    let exists = unsafe { libc::kill(pid, 0) } == 0;
+    if !exists {
+        return false;
+    }
+    // A zombie waiting for its (new) parent to reap it is dead for our purpose.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+fn pids_in(dir: &Path) -> Vec<i32> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+fn assert_all_gone(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    for &p in pids {
+        while alive(p) {
+            assert!(Instant::now() < deadline, "process {p} outlived madrun");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn output_is_prefixed_by_rank() {
+    let (o, _) = madrun(
+        &[
+            "-n",
+            "3",
+            "sh",
+            "-c",
+            "echo hello $MAD_RANK; printf 'x\\377y'; echo e$MAD_RANK >&2",
+        ],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    for r in 0..3 {
+        assert!(
+            out.lines().any(|l| l == format!("[{r}] hello {r}")),
+            "{out}"
+        );
+        // The partial, non-UTF-8 last line is forwarded byte for byte, prefixed, newline added.
+        let want = format!("[{r}] x\u{fffd}y");
+        assert!(out.lines().any(|l| l == want), "{out}");
+        assert!(text(&o.stderr).lines().any(|l| l == format!("[{r}] e{r}")));
+    }
+    assert!(o.stdout.windows(4).any(|w| w == b"x\xffy\n"));
+    let (o, _) = madrun(
+        &["-n", "2", "--no-prefix", "echo", "plain"],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(text(&o.stdout), "plain\nplain\n");
+}
+
+#[test]
+fn worst_status_is_propagated() {
+    let (o, _) = madrun(
+        &[
+            "-n",
+            "3",
+            "sh",
+            "-c",
+            "if [ \"$MAD_RANK\" = 1 ]; then exit 3; fi",
+        ],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("madrun: rank 1 exited with status 3"));
+    let (o, _) = madrun(
+        &["-n", "2", "sh", "-c", "kill -9 $$"],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(128 + 9));
+    assert!(text(&o.stderr).contains("killed by signal SIGKILL"));
+}
+
+#[test]
+fn a_failed_rank_takes_the_job_down() {
+    let dir = temp_dir("dies");
+    let script = "echo $$ > \"$D/pid.$MAD_RANK\"; \
+                  if [ \"$MAD_RANK\" = 1 ]; then \
+                    i=0; while [ $(ls \"$D\" | wc -l) -lt 3 ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; \
+                    exit 7; fi; \
+                  sleep 60";
+    let d = dir.to_string_lossy().into_owned();
+    let (o, t) = madrun(
+        &["-n", "3", "sh", "-c", script],
+        &[("D", &d)],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(7), "{}", text(&o.stderr));
+    assert!(t < Duration::from_secs(5), "took {t:?}");
+    assert!(
+        text(&o.stderr).contains("madrun: rank 1 exited with status 7"),
+        "{}",
+        text(&o.stderr)
+    );
+    let pids = pids_in(&dir);
+    assert_eq!(pids.len(), 3);
+    assert_all_gone(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let dir = temp_dir("grace");
+    let d = dir.to_string_lossy().into_owned();
+    let script = "trap '' TERM; echo $$ > \"$D/pid.$MAD_RANK\"; \
+                  if [ \"$MAD_RANK\" = 0 ]; then sleep 0.3; exit 1; fi; \
+                  while :; do sleep 0.1; done";
+    let (o, t) = madrun(
+        &["-n", "2", "--grace", "0.5", "sh", "-c", script],
+        &[("D", &d)],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        t >= Duration::from_millis(700) && t < Duration::from_secs(5),
+        "took {t:?}"
+    );
+    assert_all_gone(&pids_in(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn timeout_kills_everything_and_exits_124() {
+    let (o, t) = madrun(
+        &["-n", "2", "--timeout", "0.5", "sleep", "30"],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(124));
+    assert!(t < Duration::from_secs(5));
+    assert!(text(&o.stderr).contains("timeout"));
+}
+
+#[test]
+fn signals_are_forwarded() {
+    let dir = temp_dir("sig");
+    let d = dir.to_string_lossy().into_owned();
+    let mut child = Command::new(MADRUN)
+        .args([
+            "-n",
+            "2",
+            "sh",
+            "-c",
+            "echo $$ > \"$D/pid.$MAD_RANK\"; exec sleep 60",
+        ])
+        .env("D", &d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(&dir).len() < 2 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("madrun did not stop on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM));
+    assert_all_gone(&pids_in(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_usage_exits_2() {
+    for args in [
+        &["true"][..],
+        &["-n", "0", "true"],
+        &["-n", "4097", "true"],
+        &["-n", "x", "true"],
+        &["-n", "2"],
+        &["-n", "2", "--"],
+        &["-n", "2", "/nonexistent/program"],
+        &["-n", "2", "no-such-program-madrun-test"],
+        &["-n", "2", "--channel", "video", "true"],
+        &["-n", "2", "--progress", "sometimes", "true"],
+        &["-n", "2", "--bogus", "true"],
+    ] {
+        let (o, _) = madrun(args, &[], Duration::from_secs(30));
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&o.stderr).starts_with("madrun: "),
+            "{args:?}: {}",
+            text(&o.stderr)
+        );
+    }
+}
+
+fn gather_lines(out: &str, tag: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.contains(&format!("GATHER {tag} ")))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn allgather_across_four_processes() {
+    let (o, _) = run_children("4", "allgather", &[]);
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{}", text(&o.stderr));
+    for (tag, want) in [("first", "r0,r1,r2,r3"), ("second", "s0,s10,s20,s30")] {
+        let lines = gather_lines(&out, tag);
+        assert_eq!(lines.len(), 4, "{out}");
+        for r in 0..4 {
+            assert!(
+                lines.contains(&format!("[{r}] GATHER {tag} {want}")),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_stranger_is_refused_and_the_job_completes() {
+    let (o, _) = run_children("3", "allgather", &[("MADRUN_TEST_STRANGER", "1")]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    assert!(out.contains("[0] STRANGER refused"), "{out}");
+    assert!(
+        err.lines().any(
+            |l| l.starts_with("madrun: refused bootstrap connection from 127.0.0.1:")
+                && l.contains("wrong session secret")
+        ),
+        "{err}"
+    );
+    assert_eq!(gather_lines(&out, "first").len(), 3, "{out}");
+}
+
+#[test]
+fn a_dead_rank_fails_pending_allgathers() {
+    let (o, t) = run_children("4", "dead", &[]);
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{}", text(&o.stderr));
+    for r in 0..3 {
+        assert!(out.contains(&format!("[{r}] DEAD-OK rank 3")), "{out}");
+    }
+    assert!(t < Duration::from_secs(30));
+}
+
+fn stranger(addr: &str) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rd = FrameReader::new();
+    let Some(Frame::Challenge { nonce }) = rd.read_frame(&mut s).unwrap() else {
+        panic!("no challenge")
+    };
+    let wrong = Secret::random().unwrap();
+    let nc = [5u8; 16];
+    let proof = wrong.proof(b"madrun-client", &nonce, &nc, &0u32.to_le_bytes());
+    s.write_all(
+        &Frame::Hello {
+            rank: 0,
+            nonce: nc,
+            proof,
+        }
+        .encode()
+        .unwrap(),
+    )
+    .unwrap();
+    match rd.read_frame(&mut s) {
+        Ok(Some(Frame::Failed { .. })) | Ok(None) => println!("\nSTRANGER refused"),
+        other => println!("STRANGER accepted?! {other:?}"),
+    }
+}
+
+/// The child side of the tests above (a no-op unless `MADRUN_TEST_CHILD` is set).
+#[test]
+fn child_role() {
+    let Ok(role) = std::env::var("MADRUN_TEST_CHILD") else {
+        return;
+    };
+    let rank: usize = std::env::var("MAD_RANK").unwrap().parse().unwrap();
+    if rank == 0 && std::env::var("MADRUN_TEST_STRANGER").is_ok() {
+        stranger(&std::env::var("MAD_BOOTSTRAP").unwrap());
+    }
+    let b = MadrunBootstrap::from_env()
+        .unwrap()
+        .expect("started by madrun");
+    assert_eq!(b.rank(), rank);
+    assert_eq!(b.kind(), "madrun");
+    match role.as_str() {
+        "allgather" => {
+            let join = |v: Vec<Vec<u8>>| v.iter().map(|x| text(x)).collect::<Vec<_>>().join(",");
+            let a = b.allgather("first", format!("r{rank}").as_bytes()).unwrap();
+            let c = b
+                .allgather("second", format!("s{}", rank * 10).as_bytes())
+                .unwrap();
+            println!("\nGATHER first {}", join(a));
+            println!("GATHER second {}", join(c));
+        }
+        "dead" => {
+            if rank == b.size() - 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                std::process::exit(0);
+            }
+            match b.allgather("never", b"x") {
+                Err(Error::ConnectionLost { rank: r, source }) if r == b.size() - 1 => {
+                    println!("\nDEAD-OK rank {r}: {source}")
+                }
+                other => {
+                    println!("\nDEAD-BAD {other:?}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        "bench" => {
+            // Not a test: a measurement helper, run by hand (see the launcher's NOTES.md).
+            let iters: u32 = std::env::var("MADRUN_TEST_ITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1000);
+            let size: usize = std::env::var("MADRUN_TEST_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(8);
+            let v = vec![rank as u8; size];
+            b.barrier("warmup").unwrap();
+            let t = Instant::now();
+            for i in 0..iters {
+                let got = b.allgather(&format!("bench{i}"), &v).unwrap();
+                assert_eq!(got.len(), b.size());
+            }
+            let per = t.elapsed() / iters;
+            if rank == 0 {
+                println!(
+                    "\nBENCH ranks={} bytes={size} iters={iters} allgather={per:?}",
+                    b.size()
+                );
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+    let _ = wire::MAX_FRAME;
+}
