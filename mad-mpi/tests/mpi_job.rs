@@ -372,8 +372,55 @@ fn run() -> Result<()> {
     let mut mm = open(&d, &bs, "mismatch", "mpi")?;
     t_mismatch(&bs, &mut mm)?;
     bs.barrier("t/end")?;
+    drop((mm, other, ch));
+    conformance(me)?;
     if me == 0 {
         println!("mpi_job: all checks passed on {} ranks", bs.size());
+    }
+    Ok(())
+}
+
+/// Every case of the kit but `peer_closes`: MPI does not report a dead peer
+/// (`capabilities().detects_peer_death` is false). `MAD_KIT_CASES` overrides the list.
+const KIT_CASES: &[&str] = &[
+    "empty",
+    "sizes",
+    "modes",
+    "later",
+    "later_express",
+    "safer_reuse",
+    "many_pieces",
+    "unaligned",
+    "figure1",
+    "random",
+    "in_flight",
+    "any_source",
+    "two_channels",
+    "threads",
+    "checked_mismatch",
+];
+
+/// The core's conformance kit over an MPI channel, in a `Session` built on a second
+/// `MpiBootstrap` (MPI itself is initialised once and shared).
+fn conformance(me: usize) -> Result<()> {
+    use mad_core::conformance::{run_rank, KitOptions};
+    let session = mad_core::Session::builder()
+        .driver(MpiDriver::new())
+        .bootstrap(Box::new(MpiBootstrap::new()?))
+        .build()?;
+    let spec = std::env::var("MAD_MPI_KIT_SPEC").unwrap_or_else(|_| "mpi".into());
+    let mut opts = KitOptions::new(&spec);
+    if opts.cases.is_none() {
+        // MPI does not report a dead peer (capabilities().detects_peer_death is false).
+        opts.cases = Some(KIT_CASES.iter().map(|n| n.to_string()).collect());
+    }
+    let ran = run_rank(&session, &opts)?;
+    if me == 0 {
+        println!(
+            "mpi_job: conformance kit over `{spec}`: {} cases passed: {}",
+            ran.len(),
+            ran.join(" ")
+        );
     }
     Ok(())
 }
