@@ -21,7 +21,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
@@ -558,11 +558,17 @@ fn run() -> i32 {
             return 1;
         }
     };
-    if let Err(e) = sys::install_handlers(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP]) {
+    // SIGCHLD is recorded too: it tells the main loop when to look for ended children.
+    let handled = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD];
+    if let Err(e) = sys::install_handlers(&handled) {
         eprintln!("madrun: cannot install signal handlers: {e}");
         return 1;
     }
 
+    // The children run in their own process group, which is never the terminal's foreground
+    // group: a child reading the terminal would be stopped (SIGTTIN). So rank 0 gets madrun's
+    // stdin only when it is a file or a pipe.
+    let stdin_to_rank0 = !std::io::stdin().is_terminal();
     let mut ranks: Vec<Rank> = Vec::with_capacity(opts.n);
     let mut sources = Vec::new();
     let mut pgid = 0u32;
@@ -577,7 +583,7 @@ fn run() -> i32 {
             .env(vars::LOCAL_SIZE, opts.n.to_string())
             .env(vars::JOB, &job)
             .process_group(pgid as i32)
-            .stdin(if r == 0 {
+            .stdin(if r == 0 && stdin_to_rank0 {
                 Stdio::inherit()
             } else {
                 Stdio::null()
@@ -653,8 +659,16 @@ fn run() -> i32 {
     let mut killed = false;
     let mut timed_out = false;
     let mut signals_seen = 0;
+    // Scan the children when SIGCHLD says one ended, and every half second regardless.
+    let mut last_scan: Option<Instant> = None;
+    let mut running = ranks.len();
     loop {
+        let mut child_ended = false;
         for sig in sys::take_signals() {
+            if sig == libc::SIGCHLD {
+                child_ended = true;
+                continue;
+            }
             signals_seen += 1;
             if signals_seen == 1 {
                 kill_all(pgid, sig);
@@ -664,16 +678,17 @@ fn run() -> i32 {
                 killed = true;
             }
         }
-        let mut running = 0;
+        let scan =
+            child_ended || last_scan.map_or(true, |t| t.elapsed() >= Duration::from_millis(500));
         for (r, rk) in ranks.iter_mut().enumerate() {
+            if !scan {
+                break;
+            }
             if rk.exit.is_some() {
                 continue;
             }
             let e = match sys::peek_exit(rk.pid) {
-                Ok(None) => {
-                    running += 1;
-                    continue;
-                }
+                Ok(None) => continue,
                 Ok(Some(e)) => e,
                 Err(err) => {
                     eprintln!("madrun: cannot wait for rank {r}: {err}");
@@ -681,6 +696,7 @@ fn run() -> i32 {
                 }
             };
             rk.exit = Some(e);
+            running -= 1;
             if teardown.is_some() {
                 continue; // ended by our own teardown: not counted
             }
@@ -695,6 +711,9 @@ fn run() -> i32 {
                 teardown = Some(Instant::now() + opts.grace);
                 kill_all(pgid, libc::SIGTERM);
             }
+        }
+        if scan {
+            last_scan = Some(Instant::now());
         }
         if running == 0 {
             break;

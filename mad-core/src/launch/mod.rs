@@ -268,7 +268,7 @@ impl MadrunBootstrap {
         };
         let mut conn = Conn {
             stream,
-            reader: FrameReader::new(),
+            reader: FrameReader::with_limit(wire::MAX_MESSAGE + 64),
         };
         let left = deadline.saturating_duration_since(Instant::now());
         let io = |e| Error::io("madrun bootstrap handshake", e);
@@ -327,6 +327,7 @@ impl MadrunBootstrap {
             }
         }
         conn.stream.set_read_timeout(None).map_err(io)?;
+        conn.reader.set_limit(wire::MAX_FRAME);
         Ok(MadrunBootstrap {
             env,
             conn: Mutex::new(conn),
@@ -554,6 +555,35 @@ mod tests {
             .unwrap()
             .iter()
             .any(|l| l.contains("refused bootstrap connection from 127.0.0.1:")));
+    }
+
+    #[test]
+    fn garbage_and_oversized_connections_are_refused_without_harm() {
+        use std::io::{Read, Write};
+        let secret = Secret::random().unwrap();
+        let (srv, log) = server(1, &secret);
+        let addr = srv.local_addr();
+        for junk in [
+            &u32::MAX.to_le_bytes()[..],
+            &1000u32.to_le_bytes()[..],
+            b"\x05\0\0\0\x63abcd",
+            b"GET / HTTP/1.0\r\n\r\n",
+        ] {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(junk).unwrap();
+            // The server answers (challenge, then refusal) and closes: read to EOF.
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink);
+        }
+        let b = MadrunBootstrap::connect(env_for(addr, 0, 1, &secret)).unwrap();
+        assert_eq!(b.allgather("t", b"v").unwrap(), vec![b"v".to_vec()]);
+        let log = log.lock().unwrap();
+        assert_eq!(
+            log.iter().filter(|l| l.contains("refused")).count(),
+            4,
+            "{log:?}"
+        );
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub type ConnId = u64;
 pub enum Action {
     /// Write this frame to the connection.
     Send(ConnId, Frame),
+    /// Write this frame to each of these connections (encoded once).
+    Broadcast(Vec<ConnId>, Frame),
     /// Close the connection (after the frames queued before this action).
     Close(ConnId),
     /// Print this diagnostic line on the launcher's stderr.
@@ -223,11 +225,8 @@ impl Coordinator {
         } else {
             Frame::Gathered { tag, values }
         };
-        self.rank_conn
-            .iter()
-            .flatten()
-            .map(|&rc| Action::Send(rc, reply.clone()))
-            .collect()
+        let to = self.rank_conn.iter().flatten().copied().collect();
+        vec![Action::Broadcast(to, reply)]
     }
 
     /// Bytes on connection `c` could not be decoded (or the handshake timed out).
@@ -251,11 +250,14 @@ impl Coordinator {
         }
         let mut out = Vec::new();
         for (tag, g) in std::mem::take(&mut self.gathers) {
-            let f = self.departed_failure(rank, &tag);
-            for (r, v) in g.values.iter().enumerate() {
-                if let (Some(_), Some(rc)) = (v, self.rank_conn[r]) {
-                    out.push(Action::Send(rc, f.clone()));
-                }
+            let to: Vec<ConnId> = g
+                .values
+                .iter()
+                .zip(&self.rank_conn)
+                .filter_map(|(v, rc)| v.as_ref().and(*rc))
+                .collect();
+            if !to.is_empty() {
+                out.push(Action::Broadcast(to, self.departed_failure(rank, &tag)));
             }
         }
         out
@@ -275,6 +277,8 @@ fn kind(f: &Frame) -> &'static str {
 
 /// How long a new connection may take to authenticate before it is refused.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest frame accepted from a connection that has not authenticated yet.
+pub const HANDSHAKE_FRAME_LIMIT: usize = 256;
 /// Bound on a single write to a client (a rank that stops reading cannot stall the job forever).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -299,26 +303,34 @@ impl Shared {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn send(&self, inner: &mut Inner, to: &[ConnId], f: &Frame) {
+        let bytes = match f.encode() {
+            Ok(b) => Some(b),
+            Err(e) => {
+                (self.log)(&format!("madrun: cannot encode a bootstrap frame: {e}"));
+                None
+            }
+        };
+        for c in to {
+            let Some(s) = inner.streams.get_mut(c) else {
+                continue;
+            };
+            let ok = bytes
+                .as_ref()
+                .is_some_and(|b| s.write_all(b).and_then(|()| s.flush()).is_ok());
+            if !ok {
+                // The reader thread sees the shutdown and reports the close.
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
     fn run(&self, inner: &mut Inner, actions: Vec<Action>) {
         for a in actions {
             match a {
                 Action::Log(s) => (self.log)(&s),
-                Action::Send(c, f) => {
-                    let Some(s) = inner.streams.get_mut(&c) else {
-                        continue;
-                    };
-                    let ok = match f.encode() {
-                        Ok(b) => s.write_all(&b).and_then(|()| s.flush()).is_ok(),
-                        Err(e) => {
-                            (self.log)(&format!("madrun: cannot encode a bootstrap frame: {e}"));
-                            false
-                        }
-                    };
-                    if !ok {
-                        // The reader thread sees the shutdown and reports the close.
-                        let _ = s.shutdown(Shutdown::Both);
-                    }
-                }
+                Action::Send(c, f) => self.send(inner, &[c], &f),
+                Action::Broadcast(to, f) => self.send(inner, &to, &f),
                 Action::Close(c) => {
                     if let Some(s) = inner.streams.get(&c) {
                         let _ = s.shutdown(Shutdown::Both);
@@ -467,9 +479,15 @@ fn serve(id: ConnId, stream: TcpStream, peer: SocketAddr, sh: Arc<Shared>) {
             return;
         }
     }
-    let mut reader = FrameReader::new();
+    let mut reader = FrameReader::with_limit(HANDSHAKE_FRAME_LIMIT);
     let mut authenticated = false;
+    let deadline = std::time::Instant::now() + HANDSHAKE_TIMEOUT;
     loop {
+        if !authenticated {
+            // One deadline for the whole handshake, however slowly the bytes trickle in.
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let _ = rd.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+        }
         let got = reader.read_frame(&mut rd);
         let mut inner = sh.lock();
         let actions = match got {
@@ -483,9 +501,17 @@ fn serve(id: ConnId, stream: TcpStream, peer: SocketAddr, sh: Arc<Shared>) {
                 inner.coord.malformed(id, &format!("no valid HELLO ({e})"))
             }
         };
+        // Once the coordinator closes this connection, read nothing more from it.
+        let closing = actions
+            .iter()
+            .any(|a| matches!(a, Action::Close(c) if *c == id));
         sh.run(&mut inner, actions);
+        if closing {
+            break;
+        }
         if !authenticated && inner.coord.is_authenticated(id) {
             authenticated = true;
+            reader.set_limit(MAX_FRAME);
             let _ = rd.set_read_timeout(None);
         }
     }
@@ -540,19 +566,17 @@ mod tests {
         };
         assert!(co.received(2, ag("x", b"one")).is_empty());
         let out = co.received(1, ag("x", b"zero"));
-        assert_eq!(out.len(), 2);
-        for a in out {
-            let Action::Send(_, Frame::Gathered { values, .. }) = a else {
-                panic!()
-            };
-            assert_eq!(values, vec![b"zero".to_vec(), b"one".to_vec()]);
-        }
+        let [Action::Broadcast(to, Frame::Gathered { values, .. })] = &out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(to.len(), 2);
+        assert_eq!(values, &vec![b"zero".to_vec(), b"one".to_vec()]);
         // A rank leaves: the pending gather fails naming it, and so do later ones.
         assert!(co.received(1, ag("y", b"")).is_empty());
         let out = co.closed(2);
         assert!(matches!(
             &out[..],
-            [Action::Send(1, Frame::Failed { rank: Some(1), .. })]
+            [Action::Broadcast(to, Frame::Failed { rank: Some(1), .. })] if to == &vec![1]
         ));
         assert!(matches!(
             &co.received(1, ag("z", b""))[..],

@@ -309,15 +309,37 @@ pub fn decode_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
 }
 
 /// Accumulates bytes from a stream and yields whole frames.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FrameReader {
     buf: Vec<u8>,
+    limit: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl FrameReader {
-    /// An empty reader.
+    /// An empty reader accepting frames up to [`MAX_FRAME`].
     pub fn new() -> Self {
-        Self::default()
+        Self::with_limit(MAX_FRAME)
+    }
+
+    /// An empty reader refusing frames longer than `limit` (at most [`MAX_FRAME`]) as soon as
+    /// their header arrives: used before a peer has authenticated, so that a stranger cannot
+    /// make the reader buffer a large frame.
+    pub fn with_limit(limit: usize) -> Self {
+        FrameReader {
+            buf: Vec::new(),
+            limit: limit.min(MAX_FRAME),
+        }
+    }
+
+    /// Change the frame-size limit (at most [`MAX_FRAME`]).
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit.min(MAX_FRAME);
     }
 
     /// Read from `r` until one whole frame is available and return it; `Ok(None)` on a clean
@@ -326,6 +348,10 @@ impl FrameReader {
     pub fn read_frame<R: std::io::Read>(&mut self, r: &mut R) -> Result<Option<Frame>> {
         let mut chunk = [0u8; 64 * 1024];
         loop {
+            if let Some(h) = self.buf.get(..4) {
+                let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+                check_len("frame", len, self.limit)?;
+            }
             if let Some((f, used)) = decode_frame(&self.buf)? {
                 self.buf.drain(..used);
                 return Ok(Some(f));
@@ -517,6 +543,16 @@ mod tests {
         assert_eq!(r.read_frame(&mut src).unwrap(), None);
         let mut r = FrameReader::new();
         let mut src = &bytes[..5];
+        assert!(r.read_frame(&mut src).is_err());
+        // A small limit refuses a big frame from its header alone.
+        let big = Frame::Allgather {
+            tag: "t".into(),
+            value: vec![0; 1000],
+        }
+        .encode()
+        .unwrap();
+        let mut r = FrameReader::with_limit(256);
+        let mut src = &big[..4];
         assert!(r.read_frame(&mut src).is_err());
     }
 }
