@@ -1,2 +1,426 @@
-//! MPI channel benchmark (being written).
-fn main() {}
+//! MPI channel benchmark: the `mpi` Madeleine channel against raw rsmpi in the same job.
+//!
+//! ```text
+//! MPICC=mpicc.mpich CARGO_TARGET_DIR=target-mpich cargo build --release -p mad-mpi --example mpi_bench
+//! mpiexec.mpich -bind-to core -n 2 target-mpich/release/examples/mpi_bench [all|lat|bw|rpc|sweep]
+//! ```
+//!
+//! Every figure is a one-way time (half a round trip) or a one-way bandwidth from a ping-pong
+//! between ranks 0 and 1; each measurement runs 3 times, raw MPI and channel interleaved, and
+//! prints min / median. Raw MPI uses blocking `MPI_Send`/`MPI_Recv` on `MPI_COMM_WORLD`.
+
+use std::time::Instant;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use mad_core::{Channel, ChannelConfig, RecvMode, Result, SendMode, Session};
+use mad_mpi::{MpiBootstrap, MpiDriver};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+const RUNS: usize = 3;
+
+fn iters_for(bytes: usize) -> usize {
+    (256_000_000 / bytes.max(1)).clamp(20, 20_000)
+}
+
+/// Time `iters` round trips (0 sends first); returns the one-way time in µs.
+fn pingpong(
+    world: &SimpleCommunicator,
+    me: usize,
+    iters: usize,
+    send: &mut dyn FnMut() -> Result<()>,
+    recv: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    let round = |n: usize,
+                 send: &mut dyn FnMut() -> Result<()>,
+                 recv: &mut dyn FnMut() -> Result<()>|
+     -> Result<()> {
+        for _ in 0..n {
+            if me == 0 {
+                send()?;
+                recv()?;
+            } else {
+                recv()?;
+                send()?;
+            }
+        }
+        Ok(())
+    };
+    world.barrier();
+    round((iters / 10).max(2), send, recv)?;
+    world.barrier();
+    let t = Instant::now();
+    round(iters, send, recv)?;
+    Ok(t.elapsed().as_secs_f64() * 1e6 / (2.0 * iters as f64))
+}
+
+fn stats(v: &mut [f64]) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[0], v[v.len() / 2])
+}
+
+struct Bench<'a> {
+    world: SimpleCommunicator,
+    me: usize,
+    peer: usize,
+    session: &'a Session,
+}
+
+impl Bench<'_> {
+    fn open(&self, name: &str, spec: &str) -> Result<Channel> {
+        self.session
+            .open_channel_with(ChannelConfig::parse(name, spec)?)
+    }
+
+    fn raw_pp(&self, n: usize) -> Result<f64> {
+        let buf = vec![1u8; n];
+        let mut rbuf = vec![0u8; n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                p.send(&buf[..]);
+                Ok(())
+            },
+            &mut || {
+                p.receive_into(&mut rbuf[..]);
+                Ok(())
+            },
+        )
+    }
+
+    fn chan_pp(&self, ch: &Channel, n: usize) -> Result<f64> {
+        let buf = vec![1u8; n];
+        let mut rbuf = vec![0u8; n];
+        let peer = self.peer;
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                let mut pk = ch.begin_packing(peer)?;
+                pk.pack(&buf, RecvMode::Cheaper)?;
+                pk.end_packing()
+            },
+            &mut || {
+                let mut u = ch.begin_unpacking_from(peer)?;
+                u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                u.end_unpacking()
+            },
+        )
+    }
+
+    /// Raw RPC, one packed message: header and body copied into one buffer; the receiver
+    /// matches it with MPI_Mprobe, reads its size and receives it.
+    fn raw_rpc_packed(&self, n: usize) -> Result<f64> {
+        let body = vec![2u8; n];
+        let mut sbuf = vec![0u8; 8 + n];
+        let mut rbuf = vec![0u8; 8 + n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                sbuf[..8].copy_from_slice(&(n as u64).to_le_bytes());
+                sbuf[8..].copy_from_slice(&body);
+                p.send(&sbuf[..]);
+                Ok(())
+            },
+            &mut || {
+                let (msg, st) = p.matched_probe();
+                let c = st.count(u8::equivalent_datatype()) as usize;
+                msg.matched_receive_into(&mut rbuf[..c]);
+                let len = u64::from_le_bytes(rbuf[..8].try_into().unwrap_or_default());
+                assert_eq!(len as usize, c - 8);
+                Ok(())
+            },
+        )
+    }
+
+    /// Raw RPC, two messages: the header, then the body of the size it announces.
+    fn raw_rpc_two(&self, n: usize) -> Result<f64> {
+        let body = vec![2u8; n];
+        let mut rbuf = vec![0u8; n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                p.send(&(n as u64));
+                p.send(&body[..]);
+                Ok(())
+            },
+            &mut || {
+                let (len, _) = p.receive::<u64>();
+                p.receive_into(&mut rbuf[..len as usize]);
+                Ok(())
+            },
+        )
+    }
+
+    /// Channel RPC: 8-byte EXPRESS header, CHEAPER body.
+    fn chan_rpc(&self, ch: &Channel, n: usize) -> Result<f64> {
+        let body = vec![2u8; n];
+        let mut rbuf = vec![0u8; n];
+        let peer = self.peer;
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                let mut pk = ch.begin_packing(peer)?;
+                pk.pack_value(&(n as u64), RecvMode::Express)?;
+                pk.pack(&body, RecvMode::Cheaper)?;
+                pk.end_packing()
+            },
+            &mut || {
+                let mut u = ch.begin_unpacking_from(peer)?;
+                let len: u64 = u.unpack_value(SendMode::Cheaper)?;
+                u.unpack(&mut rbuf[..len as usize], SendMode::Cheaper)?;
+                u.end_unpacking()
+            },
+        )
+    }
+
+    /// A message of `k` CHEAPER slices of `s` bytes each.
+    fn chan_group(&self, ch: &Channel, k: usize, s: usize) -> Result<f64> {
+        let slices: Vec<Vec<u8>> = (0..k).map(|i| vec![i as u8; s]).collect();
+        let mut rs: Vec<Vec<u8>> = (0..k).map(|_| vec![0u8; s]).collect();
+        let peer = self.peer;
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(k * s),
+            &mut || {
+                let mut pk = ch.begin_packing(peer)?;
+                for sl in &slices {
+                    pk.pack(sl, RecvMode::Cheaper)?;
+                }
+                pk.end_packing()
+            },
+            &mut || {
+                let mut u = ch.begin_unpacking_from(peer)?;
+                for r in rs.iter_mut() {
+                    u.unpack(r, SendMode::Cheaper)?;
+                }
+                u.end_unpacking()
+            },
+        )
+    }
+
+    /// The driver alone (links driven by the test mini-engine, no core): 8 B ping-pong.
+    fn drv_lat(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("drv", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut ch = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let link = ch.links[self.peer]
+            .as_mut()
+            .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+        let link = std::cell::RefCell::new(link);
+        let buf = [1u8; 8];
+        let mut rbuf = [0u8; 8];
+        let (mut raw, mut drv) = (Vec::new(), Vec::new());
+        for _ in 0..RUNS {
+            raw.push(self.raw_pp(8)?);
+            drv.push(pingpong(
+                &self.world,
+                self.me,
+                iters_for(8),
+                &mut || common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&buf)]),
+                &mut || {
+                    common::recv(
+                        link.borrow_mut().rx.as_mut(),
+                        &mut [common::Dest::Copy(&mut rbuf)],
+                    )
+                },
+            )?);
+        }
+        let (rmin, rmed) = stats(&mut raw);
+        let (cmin, cmed) = stats(&mut drv);
+        self.say(format!(
+            "driver only, latency 8 B: raw MPI {rmin:.3} / {rmed:.3} us, driver links {cmin:.3} / {cmed:.3} us, ratio (median) {:.2}x",
+            cmed / rmed
+        ));
+        Ok(())
+    }
+
+    fn say(&self, line: String) {
+        if self.me == 0 {
+            println!("{line}");
+        }
+    }
+
+    fn lat_bw(&self) -> Result<()> {
+        let ch = self.open("bench", "mpi")?;
+        for (what, n) in [("latency 8 B", 8usize), ("bandwidth 4 MiB", 4 << 20)] {
+            let (mut raw, mut chan) = (Vec::new(), Vec::new());
+            for _ in 0..RUNS {
+                raw.push(self.raw_pp(n)?);
+                chan.push(self.chan_pp(&ch, n)?);
+            }
+            let (rmin, rmed) = stats(&mut raw);
+            let (cmin, cmed) = stats(&mut chan);
+            if n == 8 {
+                self.say(format!(
+                    "{what}: raw MPI {rmin:.3} / {rmed:.3} us, mpi channel {cmin:.3} / {cmed:.3} us, ratio (median) {:.2}x (min) {:.2}x",
+                    cmed / rmed,
+                    cmin / rmin
+                ));
+            } else {
+                let gb = |us: f64| n as f64 / us / 1e3;
+                self.say(format!(
+                    "{what}: raw MPI {:.2} / {:.2} GB/s, mpi channel {:.2} / {:.2} GB/s, ratio (median) {:.3} (best) {:.3}",
+                    gb(rmin),
+                    gb(rmed),
+                    gb(cmin),
+                    gb(cmed),
+                    gb(cmed) / gb(rmed),
+                    gb(cmin) / gb(rmin)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn rpc(&self) -> Result<()> {
+        let ch = self.open("bench-rpc", "mpi")?;
+        self.say("RPC (8 B EXPRESS header + CHEAPER body), one-way us, min / median:".into());
+        self.say(format!(
+            "{:>9} {:>17} {:>17} {:>17}",
+            "body", "MPI packed", "MPI 2 messages", "mpi channel"
+        ));
+        for n in [
+            1usize << 10,
+            4 << 10,
+            16 << 10,
+            64 << 10,
+            256 << 10,
+            1 << 20,
+        ] {
+            let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..RUNS {
+                a.push(self.raw_rpc_packed(n)?);
+                b.push(self.raw_rpc_two(n)?);
+                c.push(self.chan_rpc(&ch, n)?);
+            }
+            let (a, b, c) = (stats(&mut a), stats(&mut b), stats(&mut c));
+            self.say(format!(
+                "{:>9} {:>8.2} / {:>6.2} {:>8.2} / {:>6.2} {:>8.2} / {:>6.2}",
+                n, a.0, a.1, b.0, b.1, c.0, c.1
+            ));
+        }
+        Ok(())
+    }
+
+    fn sweep(&self) -> Result<()> {
+        self.say("sweep 1: one piece of n bytes, eager (copy) vs direct (zero-copy), one-way us min / median".into());
+        let copy = self.open("sweep-copy", "mpi,tm.eager=max")?;
+        let direct = self.open("sweep-direct", "mpi,tm.eager=0")?;
+        for n in [
+            512usize,
+            1 << 10,
+            2 << 10,
+            4 << 10,
+            8 << 10,
+            16 << 10,
+            32 << 10,
+            64 << 10,
+            128 << 10,
+        ] {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for _ in 0..RUNS {
+                a.push(self.chan_pp(&copy, n)?);
+                b.push(self.chan_pp(&direct, n)?);
+            }
+            let (a, b) = (stats(&mut a), stats(&mut b));
+            self.say(format!(
+                "  {n:>7} B: eager {:.2} / {:.2}, direct {:.2} / {:.2}",
+                a.0, a.1, b.0, b.1
+            ));
+        }
+        self.say("sweep 2: group of k slices of s bytes (all direct), hindexed datatype vs separate sends".into());
+        let dt = self.open("sweep-dt", "mpi,tm.eager=0,gather=datatype")?;
+        let sep = self.open("sweep-sep", "mpi,tm.eager=0,gather=separate")?;
+        for k in [2usize, 8] {
+            for s in [64usize, 1 << 10, 16 << 10, 64 << 10, 256 << 10] {
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                for _ in 0..RUNS {
+                    a.push(self.chan_group(&dt, k, s)?);
+                    b.push(self.chan_group(&sep, k, s)?);
+                }
+                let (a, b) = (stats(&mut a), stats(&mut b));
+                self.say(format!(
+                    "  k={k} s={s:>7} B (total {:>8}): datatype {:.2} / {:.2}, separate {:.2} / {:.2}",
+                    k * s,
+                    a.0,
+                    a.1,
+                    b.0,
+                    b.1
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run() -> Result<()> {
+    let Some(bs) = MpiBootstrap::from_env()? else {
+        println!("mpi_bench: start me with mpiexec/mpirun -n 2");
+        return Ok(());
+    };
+    let me = mad_core::bootstrap::Bootstrap::rank(&bs);
+    let size = mad_core::bootstrap::Bootstrap::size(&bs);
+    if size != 2 {
+        return Err(mad_core::Error::BadConfig(
+            "mpi_bench runs on exactly 2 ranks".into(),
+        ));
+    }
+    if me == 0 {
+        println!("mpi_bench: {}", bs.library());
+    }
+    let session = Session::builder()
+        .driver(MpiDriver::new())
+        .bootstrap(Box::new(bs))
+        .build()?;
+    let b = Bench {
+        world: SimpleCommunicator::world(),
+        me,
+        peer: 1 - me,
+        session: &session,
+    };
+    let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    if what == "all" || what == "lat" || what == "bw" {
+        b.lat_bw()?;
+    }
+    if what == "all" || what == "drv" {
+        b.drv_lat()?;
+    }
+    if what == "all" || what == "rpc" {
+        b.rpc()?;
+    }
+    if what == "all" || what == "sweep" {
+        b.sweep()?;
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("mpi_bench failed: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# MPI checks for mad-mpi: install MPICH and Open MPI (Debian 12, idempotent), then build and run
+# the MPI job test (own checks + the core conformance kit over an MPI channel) under both MPIs
+# with 2 and 4 ranks, plus the wrong-launcher check. Each MPI has its own target directory
+# because the `mpi` crate's build script does not rebuild when MPICC changes.
+#
+# Usage: .ci/mpi.sh            (from the repository root; about 3-5 minutes on 2 cores)
+#        MPI_CI_SKIP_INSTALL=1 .ci/mpi.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+need_install=0
+for b in mpicc.mpich mpiexec.mpich mpicc.openmpi mpirun.openmpi; do
+    command -v "$b" >/dev/null 2>&1 || need_install=1
+done
+dpkg -s libclang-dev >/dev/null 2>&1 || need_install=1
+if [ "$need_install" = 1 ] && [ "${MPI_CI_SKIP_INSTALL:-0}" != 1 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    if ! $SUDO apt-get install -y libmpich-dev mpich libopenmpi-dev openmpi-bin libclang-dev; then
+        $SUDO apt-get update
+        $SUDO apt-get install -y libmpich-dev mpich libopenmpi-dev openmpi-bin libclang-dev
+    fi
+fi
+
+# Open MPI as root needs these; --oversubscribe lets 4 ranks run on 2 cores.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+OMPI_RUN=(mpirun.openmpi --allow-run-as-root --oversubscribe)
+MPICH_RUN=(mpiexec.mpich)
+
+build() { # $1 = mpich|openmpi
+    export CARGO_TARGET_DIR="$ROOT/target-$1" MPICC="mpicc.$1"
+    cargo build -p mad-mpi --tests --examples >&2
+    cargo test -p mad-mpi >&2   # unit tests, doc tests, and the "not under a launcher" path
+    # The newest mpi_job test binary of this target directory.
+    ls -t "$CARGO_TARGET_DIR"/debug/deps/mpi_job-* | grep -v '\.d$' | head -1
+}
+
+run() { # $1 = label, rest = command
+    local label=$1; shift
+    echo "== $label"
+    if ! timeout 300 "$@"; then
+        echo "FAILED: $label" >&2
+        exit 1
+    fi
+}
+
+MPICH_BIN=$(build mpich)
+OMPI_BIN=$(build openmpi)
+
+for n in 2 4; do
+    run "MPICH, $n ranks" "${MPICH_RUN[@]}" -n "$n" "$MPICH_BIN"
+    run "Open MPI, $n ranks" "${OMPI_RUN[@]}" -n "$n" "$OMPI_BIN"
+done
+
+# A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
+# separate one-process jobs.
+echo "== wrong launcher (MPICH build under Open MPI's mpirun) must fail"
+if out=$(timeout 120 "${OMPI_RUN[@]}" -n 2 "$MPICH_BIN" 2>&1); then
+    echo "FAILED: the MPICH build ran under mpirun.openmpi" >&2
+    exit 1
+fi
+echo "$out" | grep -q "different MPI than the launcher" || { echo "$out" >&2; echo "FAILED: wrong-launcher message" >&2; exit 1; }
+echo "== wrong launcher (Open MPI build under MPICH's mpiexec) must fail"
+if out=$(timeout 120 "${MPICH_RUN[@]}" -n 2 "$OMPI_BIN" 2>&1); then
+    echo "FAILED: the Open MPI build ran under mpiexec.mpich" >&2
+    exit 1
+fi
+echo "$out" | grep -q "different MPI than the launcher" || { echo "$out" >&2; echo "FAILED: wrong-launcher message" >&2; exit 1; }
+echo "mpi.sh: all MPI checks passed"
