@@ -118,6 +118,30 @@ mod sys {
         }
     }
 
+    /// Raise the soft limit on open files towards `want` (never above the hard limit);
+    /// returns the resulting soft limit.
+    pub fn raise_fd_limit(want: u64) -> io::Result<u64> {
+        let mut rl = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `rl` is a valid, exclusively borrowed rlimit for the call.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let cur = rl.rlim_cur as u64;
+        if cur >= want {
+            return Ok(cur);
+        }
+        rl.rlim_cur = want.min(rl.rlim_max as u64) as libc::rlim_t;
+        // SAFETY: `rl` is a valid rlimit; lowering nothing, raising the soft limit within the
+        // hard limit is always permitted.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(rl.rlim_cur as u64)
+    }
+
     /// Send `sig` to every process of the process group `pgid`.
     pub fn kill_group(pgid: u32, sig: i32) -> io::Result<()> {
         let Ok(pg) = libc::pid_t::try_from(pgid) else {
@@ -532,6 +556,17 @@ fn run() -> i32 {
         );
         return 2;
     };
+    // Per rank: two output pipes plus the bootstrap connection (two descriptors per accepted
+    // socket in the server). Children inherit the raised soft limit, which is harmless.
+    let want = 6 * opts.n as u64 + 64;
+    match sys::raise_fd_limit(want) {
+        Ok(have) if have < want => eprintln!(
+            "madrun: warning: open-file limit {have} may be too low for {} ranks (want {want})",
+            opts.n
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("madrun: warning: cannot read or raise the open-file limit: {e}"),
+    }
     let secret = match Secret::random() {
         Ok(s) => s,
         Err(e) => {
