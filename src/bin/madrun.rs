@@ -120,7 +120,7 @@ mod sys {
 
     /// Raise the soft limit on open files towards `want` (never above the hard limit);
     /// returns the resulting soft limit.
-    pub fn raise_fd_limit(want: u64) -> io::Result<u64> {
+    pub fn raise_fd_limit(want: libc::rlim_t) -> io::Result<libc::rlim_t> {
         let mut rl = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -129,17 +129,17 @@ mod sys {
         if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        let cur = rl.rlim_cur as u64;
+        let cur = rl.rlim_cur;
         if cur >= want {
             return Ok(cur);
         }
-        rl.rlim_cur = want.min(rl.rlim_max as u64) as libc::rlim_t;
+        rl.rlim_cur = want.min(rl.rlim_max);
         // SAFETY: `rl` is a valid rlimit; lowering nothing, raising the soft limit within the
         // hard limit is always permitted.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(rl.rlim_cur as u64)
+        Ok(rl.rlim_cur)
     }
 
     /// Send `sig` to every process of the process group `pgid`.
@@ -558,7 +558,7 @@ fn run() -> i32 {
     };
     // Per rank: two output pipes plus the bootstrap connection (two descriptors per accepted
     // socket in the server). Children inherit the raised soft limit, which is harmless.
-    let want = 6 * opts.n as u64 + 64;
+    let want = 6 * opts.n as libc::rlim_t + 64;
     match sys::raise_fd_limit(want) {
         Ok(have) if have < want => eprintln!(
             "madrun: warning: open-file limit {have} may be too low for {} ranks (want {want})",
