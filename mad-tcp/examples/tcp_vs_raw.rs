@@ -1,0 +1,330 @@
+//! Side-by-side: raw TCP ping-pong / streaming versus Madeleine over the tcp driver, in the
+//! same progress mode, in one run (two threads, real loopback sockets).
+//!
+//! ```text
+//! cargo run --release -p mad-tcp --example tcp_vs_raw -- [--mode poll|block] [--reps 5]
+//!           [--iters 20000] [--sweep]
+//! ```
+//!
+//! `poll`: raw side uses non-blocking `recv`/`send` in a busy loop, Madeleine `progress=poll`.
+//! `block`: raw side uses blocking reads/writes, Madeleine `progress=block`.
+//! `--sweep` also times one-piece ping-pongs of 256 B..64 KiB with every piece through the
+//! copy TM (`tm.small=max`) and through the gather TM (`tm.small=0`): the threshold sweep.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::{Channel, ChannelConfig, RecvMode, SendMode, Session};
+use mad_tcp::TcpDriver;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Poll,
+    Block,
+}
+
+struct Args {
+    mode: Mode,
+    reps: usize,
+    iters: usize,
+    sweep: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        mode: Mode::Poll,
+        reps: 5,
+        iters: 20_000,
+        sweep: false,
+    };
+    let v: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < v.len() {
+        match v[i].as_str() {
+            "--mode" => {
+                i += 1;
+                a.mode = if v.get(i).map(String::as_str) == Some("block") {
+                    Mode::Block
+                } else {
+                    Mode::Poll
+                };
+            }
+            "--reps" => {
+                i += 1;
+                a.reps = v.get(i).and_then(|s| s.parse().ok()).unwrap_or(5);
+            }
+            "--iters" => {
+                i += 1;
+                a.iters = v.get(i).and_then(|s| s.parse().ok()).unwrap_or(20_000);
+            }
+            "--sweep" => a.sweep = true,
+            _ => {}
+        }
+        i += 1;
+    }
+    a
+}
+
+// ---------- raw TCP ----------
+
+fn raw_pair(mode: Mode) -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    for s in [&a, &b] {
+        s.set_nodelay(true).unwrap();
+        s.set_nonblocking(mode == Mode::Poll).unwrap();
+    }
+    (a, b)
+}
+
+fn read_full(s: &mut TcpStream, mut buf: &mut [u8]) {
+    while !buf.is_empty() {
+        match s.read(buf) {
+            Ok(0) => panic!("raw peer closed"),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => panic!("raw read: {e}"),
+        }
+    }
+}
+
+fn write_full(s: &mut TcpStream, mut buf: &[u8]) {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => panic!("raw write: {e}"),
+        }
+    }
+}
+
+/// One-way latency (µs) of `iters` ping-pongs of `size` bytes.
+fn raw_pingpong(mode: Mode, size: usize, iters: usize) -> f64 {
+    let (mut a, mut b) = raw_pair(mode);
+    let t = thread::spawn(move || {
+        let mut buf = vec![0u8; size];
+        for _ in 0..iters + 100 {
+            read_full(&mut b, &mut buf);
+            write_full(&mut b, &buf);
+        }
+    });
+    let mut buf = vec![1u8; size];
+    let mut start = Instant::now();
+    for i in 0..iters + 100 {
+        if i == 100 {
+            start = Instant::now();
+        }
+        write_full(&mut a, &buf);
+        read_full(&mut a, &mut buf);
+    }
+    let el = start.elapsed();
+    t.join().unwrap();
+    el.as_secs_f64() * 1e6 / (2.0 * iters as f64)
+}
+
+/// Streaming bandwidth (GB/s) of `count` blocks of `size` bytes, then a 1-byte ack.
+fn raw_stream(mode: Mode, size: usize, count: usize) -> f64 {
+    let (mut a, mut b) = raw_pair(mode);
+    let t = thread::spawn(move || {
+        let mut buf = vec![0u8; size];
+        for _ in 0..count + 2 {
+            read_full(&mut b, &mut buf);
+        }
+        write_full(&mut b, &[1]);
+    });
+    let buf = vec![1u8; size];
+    write_full(&mut a, &buf);
+    write_full(&mut a, &buf);
+    let start = Instant::now();
+    for _ in 0..count {
+        write_full(&mut a, &buf);
+    }
+    read_full(&mut a, &mut [0u8; 1]);
+    let el = start.elapsed();
+    t.join().unwrap();
+    (size * count) as f64 / el.as_secs_f64() / 1e9
+}
+
+// ---------- Madeleine over tcp ----------
+
+fn mad_pair(spec: &str) -> (Channel, Channel, Session, Session) {
+    let mut boots = ThreadBootstrap::group(2);
+    let b1 = boots.pop().unwrap();
+    let b0 = boots.pop().unwrap();
+    let spec1 = spec.to_string();
+    let t = thread::spawn(move || {
+        let s = Session::builder()
+            .driver(TcpDriver::new())
+            .bootstrap(Box::new(b1))
+            .build()
+            .unwrap();
+        let ch = s
+            .open_channel_with(ChannelConfig::parse("bench", &spec1).unwrap())
+            .unwrap();
+        (ch, s)
+    });
+    let s0 = Session::builder()
+        .driver(TcpDriver::new())
+        .bootstrap(Box::new(b0))
+        .build()
+        .unwrap();
+    let c0 = s0
+        .open_channel_with(ChannelConfig::parse("bench", spec).unwrap())
+        .unwrap();
+    let (c1, s1) = t.join().unwrap();
+    (c0, c1, s0, s1)
+}
+
+fn spec(mode: Mode, extra: &str) -> String {
+    let m = if mode == Mode::Poll { "poll" } else { "block" };
+    format!("tcp,progress={m}{extra}")
+}
+
+fn mad_pingpong(mode: Mode, extra: &str, size: usize, iters: usize) -> f64 {
+    let (c0, c1, _s0, _s1) = mad_pair(&spec(mode, extra));
+    let go = Arc::new(Barrier::new(2));
+    let go2 = go.clone();
+    let t = thread::spawn(move || {
+        let mut buf = vec![0u8; size];
+        go2.wait();
+        for _ in 0..iters + 100 {
+            let mut u = c1.begin_unpacking().unwrap();
+            u.unpack(&mut buf, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            let mut p = c1.begin_packing(0).unwrap();
+            p.pack(&buf, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        }
+        c1
+    });
+    let mut buf = vec![1u8; size];
+    go.wait();
+    let mut start = Instant::now();
+    for i in 0..iters + 100 {
+        if i == 100 {
+            start = Instant::now();
+        }
+        let mut p = c0.begin_packing(1).unwrap();
+        p.pack(&buf, RecvMode::Cheaper).unwrap();
+        p.end_packing().unwrap();
+        let mut u = c0.begin_unpacking().unwrap();
+        u.unpack(&mut buf, SendMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+    }
+    let el = start.elapsed();
+    drop(t.join().unwrap());
+    el.as_secs_f64() * 1e6 / (2.0 * iters as f64)
+}
+
+fn mad_stream(mode: Mode, size: usize, count: usize) -> f64 {
+    let (c0, c1, _s0, _s1) = mad_pair(&spec(mode, ""));
+    let t = thread::spawn(move || {
+        let mut buf = vec![0u8; size];
+        for _ in 0..count + 2 {
+            let mut u = c1.begin_unpacking().unwrap();
+            u.unpack(&mut buf, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+        }
+        let mut p = c1.begin_packing(0).unwrap();
+        p.pack(&[1u8], RecvMode::Cheaper).unwrap();
+        p.end_packing().unwrap();
+        c1
+    });
+    let buf = vec![1u8; size];
+    let send = |c: &Channel| {
+        let mut p = c.begin_packing(1).unwrap();
+        p.pack(&buf, RecvMode::Cheaper).unwrap();
+        p.end_packing().unwrap();
+    };
+    send(&c0);
+    send(&c0);
+    let start = Instant::now();
+    for _ in 0..count {
+        send(&c0);
+    }
+    let mut ack = [0u8; 1];
+    let mut u = c0.begin_unpacking().unwrap();
+    u.unpack(&mut ack, SendMode::Cheaper).unwrap();
+    u.end_unpacking().unwrap();
+    let el = start.elapsed();
+    drop(t.join().unwrap());
+    (size * count) as f64 / el.as_secs_f64() / 1e9
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (v[0], v[v.len() / 2])
+}
+
+fn main() {
+    let a = args();
+    let mname = if a.mode == Mode::Poll {
+        "poll"
+    } else {
+        "block"
+    };
+    let lat_iters = if a.mode == Mode::Poll {
+        a.iters
+    } else {
+        a.iters / 4
+    };
+    let (mut rl, mut ml, mut rb, mut mb) = (vec![], vec![], vec![], vec![]);
+    let mb_size = 4 << 20;
+    let count = 256; // 1 GiB per bandwidth run
+    for _ in 0..a.reps {
+        // Interleave raw and Madeleine so drift and neighbours hit both alike.
+        rl.push(raw_pingpong(a.mode, 8, lat_iters));
+        ml.push(mad_pingpong(a.mode, "", 8, lat_iters));
+        rb.push(raw_stream(a.mode, mb_size, count));
+        mb.push(mad_stream(a.mode, mb_size, count));
+    }
+    let (rl_min, rl_med) = stats(rl.clone());
+    let (ml_min, ml_med) = stats(ml.clone());
+    let (rb_max, rb_med) = stats(rb.iter().map(|x| -x).collect());
+    let (mb_max, mb_med) = stats(mb.iter().map(|x| -x).collect());
+    // Ratio per pair (same repetition), then the median of the ratios.
+    let (_, lat_ratio) = stats(ml.iter().zip(&rl).map(|(m, r)| m / r).collect());
+    let (_, bw_ratio) = stats(mb.iter().zip(&rb).map(|(m, r)| m / r).collect());
+    println!("mode {mname}, {} reps, {lat_iters} ping-pongs per latency run, {count} x 4 MiB per bandwidth run", a.reps);
+    println!("| what | raw tcp min / median | madeleine tcp min / median | ratio (median of paired ratios) |");
+    println!("|---|---|---|---|");
+    println!("| 8 B one-way latency (µs) | {rl_min:.2} / {rl_med:.2} | {ml_min:.2} / {ml_med:.2} | {lat_ratio:.3} |");
+    println!(
+        "| 4 MiB bandwidth (GB/s) | {:.2} / {:.2} | {:.2} / {:.2} | {bw_ratio:.3} |",
+        -rb_max, -rb_med, -mb_max, -mb_med
+    );
+    if a.sweep {
+        println!();
+        println!(
+            "threshold sweep, one piece per message, one-way µs (median of {} runs)",
+            a.reps
+        );
+        println!("| size | raw tcp | copy TM (tm.small=max) | gather TM (tm.small=0) |");
+        println!("|---|---|---|---|");
+        for size in [256usize, 1024, 2048, 4096, 8192, 16384, 32768, 65536] {
+            let it = (lat_iters / 2).max(1000);
+            let mut r = vec![];
+            let mut c = vec![];
+            let mut g = vec![];
+            for _ in 0..a.reps {
+                r.push(raw_pingpong(a.mode, size, it));
+                c.push(mad_pingpong(a.mode, ",tm.small=max", size, it));
+                g.push(mad_pingpong(a.mode, ",tm.small=0", size, it));
+            }
+            println!(
+                "| {size} | {:.2} | {:.2} | {:.2} |",
+                stats(r).1,
+                stats(c).1,
+                stats(g).1
+            );
+        }
+    }
+    let _ = Duration::ZERO;
+}
