@@ -17,6 +17,19 @@
 //! (HMAC challenge-response, see [`crate::auth`]) and checks the server's counter-proof, so a
 //! rank only ever talks to its own launcher. The protocol is described in [`wire`]; the
 //! server's logic is the sans-I/O [`server::Coordinator`].
+//!
+//! ```no_run
+//! use mad_core::bootstrap::Bootstrap;
+//! use mad_core::launch::MadrunBootstrap;
+//! # fn main() -> mad_core::Result<()> {
+//! // `None` when the program was not started by madrun.
+//! if let Some(b) = MadrunBootstrap::from_env()? {
+//!     let me = format!("endpoint of rank {}", b.rank());
+//!     let all = b.allgather("endpoints", me.as_bytes())?; // one value per rank, in rank order
+//!     assert_eq!(all.len(), b.size());
+//! }
+//! # Ok(()) }
+//! ```
 
 pub mod server;
 pub mod wire;
