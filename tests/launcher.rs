@@ -367,6 +367,66 @@ fn a_dead_rank_fails_pending_allgathers() {
     assert!(t < Duration::from_secs(30));
 }
 
+/// A real session over the tcp driver between madrun-started processes: rank 0 sends a
+/// length (express) and a 300 kB payload (cheaper) to every other rank, which checks it and
+/// answers with a checksum.
+#[cfg(feature = "tcp")]
+#[test]
+fn tcp_session_across_processes() {
+    let (o, _) = run_children("3", "tcp", &[]);
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("[0] TCP-OK replies=2"), "{out}");
+    for r in 1..3 {
+        assert!(
+            out.contains(&format!("[{r}] TCP-OK received=300000")),
+            "{out}"
+        );
+    }
+}
+
+#[cfg(feature = "tcp")]
+fn tcp_role(b: MadrunBootstrap) -> mad_core::Result<()> {
+    use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
+    let s = Session::builder()
+        .driver(mad_tcp::TcpDriver::new())
+        .bootstrap(Box::new(b))
+        .build()?;
+    let ch = s.open_channel_with(ChannelConfig::parse("e2e", "tcp,timeout_ms=30000")?)?;
+    let pattern = |i: usize| (i * 7 + 3) as u8;
+    let sum = |d: &[u8]| d.iter().map(|&x| x as u64).sum::<u64>();
+    if s.rank() == 0 {
+        let data: Vec<u8> = (0..300_000).map(pattern).collect();
+        for r in 1..s.size() {
+            let mut p = ch.begin_packing(r)?;
+            p.pack_value(&(data.len() as u64), RecvMode::Express)?;
+            p.pack(&data, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        }
+        for r in 1..s.size() {
+            let mut u = ch.begin_unpacking_from(r)?;
+            let got: u64 = u.unpack_value(SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            assert_eq!(got, sum(&data), "checksum from rank {r}");
+        }
+        println!("\nTCP-OK replies={}", s.size() - 1);
+    } else {
+        let mut u = ch.begin_unpacking()?;
+        let n: u64 = u.unpack_value(SendMode::Cheaper)?;
+        let mut buf = vec![0u8; n as usize];
+        u.unpack(&mut buf, SendMode::Cheaper)?;
+        u.end_unpacking()?;
+        assert!(buf.iter().enumerate().all(|(i, &x)| x == pattern(i)));
+        let mut p = ch.begin_packing(0)?;
+        p.pack_value(&sum(&buf), RecvMode::Express)?;
+        p.end_packing()?;
+        println!("\nTCP-OK received={n}");
+    }
+    // Nobody closes its channel while another rank still needs it.
+    s.bootstrap().barrier("e2e-done")?;
+    Ok(())
+}
+
 fn stranger(addr: &str) {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -432,6 +492,14 @@ fn child_role() {
                     std::process::exit(1);
                 }
             }
+        }
+        #[cfg(feature = "tcp")]
+        "tcp" => {
+            if let Err(e) = tcp_role(b) {
+                println!("\nTCP-FAILED {e}");
+                std::process::exit(1);
+            }
+            return;
         }
         "bench" => {
             // Not a test: a measurement helper, run by hand (see the launcher's NOTES.md).
