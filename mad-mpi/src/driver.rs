@@ -34,7 +34,7 @@ use mad_core::driver::{
 };
 use mad_core::{Error, Result};
 
-use crate::sys::{self, Comm, GatherOp, Matched, OwnedRecv, OwnedSend};
+use crate::sys::{self, Comm, GatherOp, OwnedSend, Preposted};
 
 /// The one tag data messages use on a channel's communicator.
 const DATA_TAG: i32 = 7;
@@ -43,9 +43,10 @@ const DATA_TAG: i32 = 7;
 pub const EAGER_MAX: usize = 16 * 1024;
 /// Size of one eager buffer (one MPI message at most this long).
 pub const EAGER_BUF: usize = 64 * 1024;
-/// Eager messages up to this size are received with a blocking `MPI_Mrecv` once matched
-/// (they are complete when matched: both MPIs send them eagerly).
-pub const MRECV_MAX: usize = 4096;
+/// Eager messages up to this size leave with a blocking `MPI_Send`, which both MPIs complete
+/// at once for messages this small (eager protocol: the bytes are copied out, the receiver is
+/// not waited for); one MPI call instead of `MPI_Isend` + `MPI_Test`.
+pub const SEND_INLINE_MAX: usize = 1024;
 /// Most slices per `direct` group.
 pub const GROUP_MAX: usize = 32;
 /// Eager buffers in flight per connection before `with_buffer` reports back-pressure.
@@ -222,10 +223,14 @@ impl Driver for MpiDriver {
                 )));
             }
         }
-        let comm = Arc::new(if identity {
+        let comm = if identity {
             world.dup()?
         } else {
             world.reorder(me)?
+        };
+        let ch = Arc::new(ChanShared {
+            pre: Preposted::new(&comm, bs.size()),
+            comm,
         });
         let mut links = Vec::with_capacity(bs.size());
         for peer in 0..bs.size() {
@@ -234,8 +239,8 @@ impl Driver for MpiDriver {
                 continue;
             }
             links.push(Some(LinkPair {
-                tx: Box::new(MpiTx::new(comm.clone(), peer, p)),
-                rx: Box::new(MpiRx::new(comm.clone(), peer, p)),
+                tx: Box::new(MpiTx::new(ch.clone(), peer, p)),
+                rx: Box::new(MpiRx::new(ch.clone(), peer, p)?),
             }));
         }
         let notes = vec![
@@ -259,7 +264,7 @@ impl Driver for MpiDriver {
         Ok(OpenedChannel {
             links,
             incoming: Box::new(MpiIncoming {
-                comm,
+                ch,
                 woken: AtomicBool::new(false),
             }),
             notes,
@@ -302,7 +307,7 @@ fn lost(rank: usize, e: Error) -> Error {
 
 /// The sending half of an MPI connection.
 struct MpiTx {
-    comm: Arc<Comm>,
+    ch: Arc<ChanShared>,
     peer: usize,
     p: Params,
     /// The eager buffer being filled, and how much of it is filled.
@@ -316,9 +321,9 @@ struct MpiTx {
 }
 
 impl MpiTx {
-    fn new(comm: Arc<Comm>, peer: usize, p: Params) -> Self {
+    fn new(ch: Arc<ChanShared>, peer: usize, p: Params) -> Self {
         MpiTx {
-            comm,
+            ch,
             peer,
             p,
             cur: None,
@@ -346,8 +351,20 @@ impl MpiTx {
         if self.fill == 0 {
             return Ok(());
         }
+        if self.fill <= SEND_INLINE_MAX && self.inflight.is_empty() {
+            if let Some(buf) = self.cur.as_ref() {
+                self.ch
+                    .comm
+                    .send_small(&buf[..self.fill], self.peer, DATA_TAG)
+                    .map_err(|e| lost(self.peer, e))?;
+                self.sent_any = true;
+                self.fill = 0;
+                return Ok(());
+            }
+        }
         if let Some(buf) = self.cur.take() {
             let s = self
+                .ch
                 .comm
                 .isend_owned(buf, self.fill, self.peer, DATA_TAG)
                 .map_err(|e| lost(self.peer, e))?;
@@ -439,6 +456,7 @@ impl TxLink for MpiTx {
             let total: usize = iov.iter().map(|s| s.len()).sum();
             let dt = use_datatype(self.p.policy, iov.len(), total);
             let op = self
+                .ch
                 .comm
                 .gather_send(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
@@ -510,34 +528,34 @@ impl TxLink for MpiTx {
 
 /// The receiving half of an MPI connection.
 struct MpiRx {
-    comm: Arc<Comm>,
+    ch: Arc<ChanShared>,
     peer: usize,
-    /// A message matched by `MPI_Improbe`, not yet received.
-    matched: Option<Matched>,
-    /// The eager buffer (None while an `MPI_Imrecv` owns it) and its unread window.
+    /// The eager buffer in hand (None while posted) and its unread window.
     buf: Option<Vec<u8>>,
     len: usize,
     pos: usize,
-    pending: Option<OwnedRecv>,
+    /// Whether an eager receive from this peer is posted in `ch.pre`.
+    posted: bool,
     gather: Option<GatherOp>,
     p: Params,
     broken: Option<String>,
 }
 
 impl MpiRx {
-    fn new(comm: Arc<Comm>, peer: usize, p: Params) -> Self {
-        MpiRx {
-            comm,
+    fn new(ch: Arc<ChanShared>, peer: usize, p: Params) -> Result<Self> {
+        // Every message starts with eager data: keep a receive posted for it.
+        ch.pre.post(peer, vec![0u8; p.eager_buf], DATA_TAG)?;
+        Ok(MpiRx {
+            ch,
             peer,
-            matched: None,
-            buf: Some(vec![0u8; p.eager_buf]),
+            buf: None,
             len: 0,
             pos: 0,
-            pending: None,
+            posted: true,
             gather: None,
             p,
             broken: None,
-        }
+        })
     }
 
     fn usable(&self) -> Result<()> {
@@ -550,14 +568,21 @@ impl MpiRx {
         }
     }
 
-    fn probe(&mut self) -> Result<bool> {
-        if self.matched.is_none() {
-            self.matched = self
-                .comm
-                .improbe(self.peer, DATA_TAG)
+    fn post(&mut self) -> Result<()> {
+        if !self.posted {
+            let b = self
+                .buf
+                .take()
+                .unwrap_or_else(|| vec![0u8; self.p.eager_buf]);
+            self.len = 0;
+            self.pos = 0;
+            self.ch
+                .pre
+                .post(self.peer, b, DATA_TAG)
                 .map_err(|e| lost(self.peer, e))?;
+            self.posted = true;
         }
-        Ok(self.matched.is_some())
+        Ok(())
     }
 
     /// Make eager bytes available; Pending when none has arrived yet.
@@ -565,45 +590,24 @@ impl MpiRx {
         if self.pos < self.len {
             return Ok(Poll::Ready(()));
         }
-        if let Some(r) = self.pending.as_mut() {
-            match r.test().map_err(|e| lost(self.peer, e))? {
-                Some((b, n)) => {
-                    self.pending = None;
-                    self.buf = Some(b);
-                    self.len = n;
-                    self.pos = 0;
-                    return Ok(Poll::Ready(()));
+        self.post()?;
+        match self
+            .ch
+            .pre
+            .take(self.peer)
+            .map_err(|e| lost(self.peer, e))?
+        {
+            None => Ok(Poll::Pending),
+            Some((b, n)) => {
+                self.posted = false;
+                self.buf = Some(b);
+                self.len = n;
+                self.pos = 0;
+                if n == 0 {
+                    return Err(self.poison("empty eager message".into()));
                 }
-                None => return Ok(Poll::Pending),
+                Ok(Poll::Ready(()))
             }
-        }
-        if !self.probe()? {
-            return Ok(Poll::Pending);
-        }
-        let Some(m) = self.matched.take() else {
-            return Ok(Poll::Pending);
-        };
-        if m.count > self.p.eager_buf {
-            return Err(self.poison(format!(
-                "eager message of {} B exceeds the {} B eager buffer (a gather group arrived where copy data was expected)",
-                m.count, self.p.eager_buf
-            )));
-        }
-        if m.count == 0 {
-            return Err(self.poison("empty eager message".into()));
-        }
-        let Some(mut buf) = self.buf.take() else {
-            return Err(self.poison("eager buffer lost".into()));
-        };
-        if m.count <= MRECV_MAX {
-            let r = m.recv_into(&mut buf);
-            self.buf = Some(buf);
-            self.len = r.map_err(|e| lost(self.peer, e))?;
-            self.pos = 0;
-            Ok(Poll::Ready(()))
-        } else {
-            self.pending = Some(m.irecv(buf).map_err(|e| lost(self.peer, e))?);
-            self.fill()
         }
     }
 
@@ -616,11 +620,7 @@ impl MpiRx {
 impl RxLink for MpiRx {
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.usable()?;
-        if self.pos < self.len || self.pending.is_some() || self.probe()? {
-            Ok(Poll::Ready(()))
-        } else {
-            Ok(Poll::Pending)
-        }
+        self.fill()
     }
 
     fn with_data(
@@ -655,14 +655,16 @@ impl RxLink for MpiRx {
             ));
         }
         if self.gather.is_none() {
-            if self.pos < self.len || self.matched.is_some() || self.pending.is_some() {
+            if self.pos < self.len || self.posted {
                 return Err(self.poison(
-                    "copy data left unread before a gather group (unpack sequence differs from pack)".into(),
+                    "copy data left unread before a gather group (unpack sequence differs from pack)"
+                        .into(),
                 ));
             }
             let total: usize = iov.iter().map(|s| s.len()).sum();
             let dt = use_datatype(self.p.policy, iov.len(), total);
             let op = self
+                .ch
                 .comm
                 .scatter_recv(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
@@ -692,12 +694,16 @@ impl RxLink for MpiRx {
     }
 
     fn end_message(&mut self) -> Result<()> {
-        self.checkout(0)
+        self.checkout(0)?;
+        // Post the receive for the next message's eager data now.
+        self.post()
     }
 
     fn abort_message(&mut self) {
         // Cancels and waits for an unfinished scatter receive before the user memory goes.
         self.gather = None;
+        self.ch.pre.cancel(self.peer);
+        self.posted = false;
         self.broken = Some("a message was abandoned midway; the stream is out of step".into());
     }
 
@@ -706,26 +712,27 @@ impl RxLink for MpiRx {
             if let Some(op) = self.gather.as_mut() {
                 return op.test().map_err(|e| lost(self.peer, e));
             }
-            if self.pending.is_some() {
-                return Ok(self.fill()?.is_ready());
-            }
-            Ok(self.pos < self.len || self.matched.is_some() || self.probe()?)
+            Ok(self.fill()?.is_ready())
         })
     }
 }
 
-/// Any-source readiness: `MPI_Iprobe(MPI_ANY_SOURCE)` on the channel's communicator.
+/// Channel state shared by the links and the any-source readiness. Field order is drop
+/// order: the posted receives are cancelled before the communicator is freed.
+struct ChanShared {
+    pre: Preposted,
+    comm: Comm,
+}
+
+/// Any-source readiness: `MPI_Testsome` over the posted eager receives of the channel.
 struct MpiIncoming {
-    comm: Arc<Comm>,
+    ch: Arc<ChanShared>,
     woken: AtomicBool,
 }
 
 impl Incoming for MpiIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        if let Some(p) = self.comm.iprobe(None, DATA_TAG)? {
-            ready(p.source);
-        }
-        Ok(())
+        self.ch.pre.poll_any(ready)
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
@@ -733,7 +740,9 @@ impl Incoming for MpiIncoming {
             if self.woken.swap(false, Ordering::AcqRel) {
                 return Ok(true);
             }
-            Ok(self.comm.iprobe(None, DATA_TAG)?.is_some())
+            let mut any = false;
+            self.ch.pre.poll_any(&mut |_| any = true)?;
+            Ok(any)
         })
     }
 

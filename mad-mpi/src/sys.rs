@@ -7,8 +7,10 @@
 //!   every call of this module takes one process-wide lock ([`guard`]).
 //! * [`Comm`]: a communicator (world, or a duplicate/split that is freed on drop), with the
 //!   collectives the bootstrap needs and the probes the driver needs.
-//! * [`OwnedSend`] / [`OwnedRecv`]: a non-blocking operation on a buffer the request owns;
-//!   dropping one that MPI still uses leaks the buffer instead of freeing memory MPI may touch.
+//! * [`OwnedSend`]: a non-blocking send of a buffer the request owns; dropping one that MPI
+//!   still uses leaks the buffer instead of freeing memory MPI may touch.
+//! * [`Preposted`]: the eager receives kept posted for every peer of a channel, tested one by
+//!   one (`MPI_Test`) or all at once (`MPI_Testsome`, any-source).
 //! * [`GatherOp`]: a non-blocking operation on *user* memory (a group of slices), sent as one
 //!   message with an `MPI_Type_create_hindexed` datatype over absolute addresses from
 //!   `MPI_BOTTOM`, or as one message per slice. Dropping an unfinished one cancels it and
@@ -246,15 +248,6 @@ impl Drop for Comm {
     }
 }
 
-/// Result of a probe: who sent, how many bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Probed {
-    /// Source rank in the communicator.
-    pub source: usize,
-    /// Message size in bytes.
-    pub count: usize,
-}
-
 impl Comm {
     /// `MPI_COMM_WORLD` (not freed on drop).
     pub fn world(rt: &Arc<Runtime>) -> Comm {
@@ -422,51 +415,16 @@ impl Comm {
             .collect())
     }
 
-    /// `MPI_Iprobe(source or ANY_SOURCE, tag)`: a message waiting, without receiving it.
-    pub fn iprobe(&self, source: Option<usize>, tag: i32) -> Result<Option<Probed>> {
-        let src = match source {
-            Some(s) => to_int(s, "rank")?,
-            // SAFETY: reading a link-time constant exported by the rsmpi shim.
-            None => unsafe { ffi::RSMPI_ANY_SOURCE },
-        };
-        let mut flag: c_int = 0;
-        let mut st = zero_status();
+    /// Blocking `MPI_Send` of a small message. Only for messages both MPIs send eagerly (a
+    /// few hundred bytes to 1 KiB): the call returns once the bytes are copied out, without
+    /// waiting for the receiver.
+    pub fn send_small(&self, buf: &[u8], dest: usize, tag: i32) -> Result<()> {
+        let n = to_int(buf.len(), "eager message")?;
+        let dest = to_int(dest, "rank")?;
         let _g = guard();
-        check(
-            // SAFETY: valid communicator and out-pointers.
-            unsafe { ffi::MPI_Iprobe(src, tag, self.raw, &mut flag, &mut st) },
-            "MPI_Iprobe",
-        )?;
-        if flag == 0 {
-            return Ok(None);
-        }
-        Ok(Some(Probed {
-            source: st.MPI_SOURCE.max(0) as usize,
-            count: count_of(&st)?,
-        }))
-    }
-
-    /// `MPI_Improbe(source, tag)`: match the next message from `source`, if one is there. The
-    /// returned [`Matched`] must be received ([`Matched::recv_into`] or [`Matched::irecv`]).
-    pub fn improbe(&self, source: usize, tag: i32) -> Result<Option<Matched>> {
-        let src = to_int(source, "rank")?;
-        let mut flag: c_int = 0;
-        let mut st = zero_status();
-        // SAFETY: reading a link-time constant exported by the rsmpi shim.
-        let mut msg = unsafe { ffi::RSMPI_MESSAGE_NULL };
-        let _g = guard();
-        check(
-            // SAFETY: valid communicator and out-pointers.
-            unsafe { ffi::MPI_Improbe(src, tag, self.raw, &mut flag, &mut msg, &mut st) },
-            "MPI_Improbe",
-        )?;
-        if flag == 0 {
-            return Ok(None);
-        }
-        Ok(Some(Matched {
-            raw: msg,
-            count: count_of(&st)?,
-        }))
+        // SAFETY: `buf` is valid for `n` bytes for the duration of the blocking call.
+        let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dest, tag, self.raw) };
+        check(rc, "MPI_Send")
     }
 
     /// Start sending `buf[..len]` (owned) to `dest`.
@@ -706,85 +664,183 @@ fn cancel_and_wait(req: &mut ffi::MPI_Request) {
     }
 }
 
-/// A message matched by [`Comm::improbe`], not yet received.
-#[derive(Debug)]
-pub struct Matched {
-    raw: ffi::MPI_Message,
-    /// Its size in bytes.
-    pub count: usize,
+/// Pre-posted eager receives of one channel, one slot per peer, behind one lock.
+///
+/// Each receiving link keeps an `MPI_Irecv` posted for the next eager message of its peer
+/// (every Madeleine message starts with eager data), so an arriving message lands in place
+/// and "is a message there?" is one `MPI_Test`. A posted receive is invisible to
+/// `MPI_Iprobe`, so any-source readiness tests all slots at once with `MPI_Testsome`
+/// ([`poll_any`](Self::poll_any)). The lock also keeps two threads from testing one request.
+pub struct Preposted {
+    comm: ffi::MPI_Comm,
+    inner: Mutex<PreInner>,
 }
 
-// SAFETY: an MPI_Message handle may be received from any thread (THREAD_MULTIPLE, or the
-// process-wide lock otherwise).
-unsafe impl Send for Matched {}
+struct PreInner {
+    reqs: Vec<ffi::MPI_Request>,
+    bufs: Vec<Option<Vec<u8>>>,
+    caps: Vec<usize>,
+    done: Vec<Option<(Vec<u8>, usize)>>,
+    scratch_idx: Vec<c_int>,
+    scratch_st: Vec<ffi::MPI_Status>,
+}
 
-impl Matched {
-    /// Receive the message into `buf[..count]` with a blocking `MPI_Mrecv`: for small messages,
-    /// which are complete once matched (eager protocol).
-    pub fn recv_into(mut self, buf: &mut [u8]) -> Result<usize> {
-        if buf.len() < self.count {
-            return Err(Error::protocol(
-                0,
-                format!(
-                    "message of {} B exceeds the {} B buffer",
-                    self.count,
-                    buf.len()
-                ),
-            ));
+// SAFETY: the communicator handle is a plain identifier usable from any thread (see `Comm`);
+// every request and buffer is behind the mutex.
+unsafe impl Send for Preposted {}
+// SAFETY: as for `Send`: all mutable state is behind the mutex.
+unsafe impl Sync for Preposted {}
+
+impl std::fmt::Debug for Preposted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Preposted")
+    }
+}
+
+impl Preposted {
+    /// Slots for `n` peers of `comm` (which must outlive this set: the driver keeps both in
+    /// the same `Arc`-shared channel state, this set dropped first).
+    pub fn new(comm: &Comm, n: usize) -> Self {
+        Preposted {
+            comm: comm.raw,
+            inner: Mutex::new(PreInner {
+                reqs: vec![request_null(); n],
+                bufs: (0..n).map(|_| None).collect(),
+                caps: vec![0; n],
+                done: (0..n).map(|_| None).collect(),
+                scratch_idx: vec![0; n],
+                scratch_st: (0..n).map(|_| zero_status()).collect(),
+            }),
         }
-        let n = self.count as c_int;
-        let _g = guard();
-        check(
-            // SAFETY: `buf` holds at least `count` bytes for the duration of the blocking call;
-            // `raw` is a matched message handle, consumed here.
-            unsafe {
-                ffi::MPI_Mrecv(
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PreInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Post a receive of at most `buf.len()` bytes from `peer` into `buf`.
+    pub fn post(&self, peer: usize, buf: Vec<u8>, tag: i32) -> Result<()> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        if peer >= st.reqs.len() || st.reqs[peer] != request_null() || st.done[peer].is_some() {
+            return Err(Error::protocol(peer, "eager receive posted twice"));
+        }
+        let mut buf = buf;
+        let n = to_int(buf.len(), "eager buffer")?;
+        let src = to_int(peer, "rank")?;
+        let mut req = request_null();
+        {
+            let _g = guard();
+            // SAFETY: `buf` moves into the slot below and stays there (its heap storage does
+            // not move) until the request completes or is cancelled and waited for in `drop`.
+            let rc = unsafe {
+                ffi::MPI_Irecv(
                     buf.as_mut_ptr().cast(),
                     n,
                     byte(),
-                    &mut self.raw,
-                    ffi::RSMPI_STATUS_IGNORE,
-                )
-            },
-            "MPI_Mrecv",
-        )?;
-        Ok(self.count)
-    }
-
-    /// Start receiving the message into the owned `buf` (`MPI_Imrecv`).
-    pub fn irecv(mut self, buf: Vec<u8>) -> Result<OwnedRecv> {
-        let mut buf = buf;
-        if buf.len() < self.count {
-            return Err(Error::protocol(
-                0,
-                format!(
-                    "message of {} B exceeds the {} B buffer",
-                    self.count,
-                    buf.len()
-                ),
-            ));
-        }
-        let mut req = request_null();
-        let _g = guard();
-        check(
-            // SAFETY: `buf` moves into the OwnedRecv (its heap storage does not move) and stays
-            // alive until completion, or is leaked if dropped before.
-            unsafe {
-                ffi::MPI_Imrecv(
-                    buf.as_mut_ptr().cast(),
-                    self.count as c_int,
-                    byte(),
-                    &mut self.raw,
+                    src,
+                    tag,
+                    self.comm,
                     &mut req,
                 )
-            },
-            "MPI_Imrecv",
-        )?;
-        Ok(OwnedRecv {
-            req,
-            buf: Some(buf),
-            count: self.count,
-        })
+            };
+            check(rc, "MPI_Irecv(eager)")?;
+        }
+        st.reqs[peer] = req;
+        st.caps[peer] = buf.len();
+        st.bufs[peer] = Some(buf);
+        Ok(())
+    }
+
+    /// The completed receive of `peer`, if it has completed: its buffer and byte count.
+    pub fn take(&self, peer: usize) -> Result<Option<(Vec<u8>, usize)>> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        if peer >= st.reqs.len() {
+            return Ok(None);
+        }
+        if let Some(d) = st.done[peer].take() {
+            return Ok(Some(d));
+        }
+        if st.reqs[peer] == request_null() {
+            return Ok(None);
+        }
+        let mut flag: c_int = 0;
+        let mut status = zero_status();
+        {
+            let _g = guard();
+            // SAFETY: an active request of this set; out-pointers valid.
+            let rc = unsafe { ffi::MPI_Test(&mut st.reqs[peer], &mut flag, &mut status) };
+            check(rc, "MPI_Test(eager)")?;
+        }
+        if flag == 0 {
+            return Ok(None);
+        }
+        let n = count_of(&status)?;
+        let buf = st.bufs[peer].take().unwrap_or_default();
+        Ok(Some((buf, n.min(st.caps[peer]))))
+    }
+
+    /// Any-source: test every posted receive at once (`MPI_Testsome`) and call `ready(peer)`
+    /// for each peer whose receive has completed and not been taken.
+    pub fn poll_any(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let n = st.reqs.len();
+        let mut out: c_int = 0;
+        {
+            let _g = guard();
+            // SAFETY: `reqs`, `scratch_idx` and `scratch_st` all hold `n` entries; inactive
+            // entries are REQUEST_NULL, which MPI_Testsome ignores.
+            let rc = unsafe {
+                ffi::MPI_Testsome(
+                    n as c_int,
+                    st.reqs.as_mut_ptr(),
+                    &mut out,
+                    st.scratch_idx.as_mut_ptr(),
+                    st.scratch_st.as_mut_ptr(),
+                )
+            };
+            check(rc, "MPI_Testsome")?;
+        }
+        if out > 0 {
+            for k in 0..(out as usize).min(n) {
+                let i = st.scratch_idx[k];
+                if i < 0 || i as usize >= n {
+                    continue;
+                }
+                let i = i as usize;
+                let c = count_of(&st.scratch_st[k])?;
+                let buf = st.bufs[i].take().unwrap_or_default();
+                st.done[i] = Some((buf, c.min(st.caps[i])));
+            }
+        }
+        for (i, d) in st.done.iter().enumerate() {
+            if d.is_some() {
+                ready(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Cancel the posted receive of `peer` (the link is going away or broke); its buffer is
+    /// dropped once MPI has released it.
+    pub fn cancel(&self, peer: usize) {
+        let mut st = self.lock();
+        if peer < st.reqs.len() {
+            cancel_and_wait(&mut st.reqs[peer]);
+            st.bufs[peer] = None;
+            st.done[peer] = None;
+        }
+    }
+}
+
+impl Drop for Preposted {
+    fn drop(&mut self) {
+        let st = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        for r in &mut st.reqs {
+            cancel_and_wait(r);
+        }
     }
 }
 
@@ -820,36 +876,6 @@ impl Drop for OwnedSend {
             if let Some(b) = self.buf.take() {
                 std::mem::forget(b);
             }
-        }
-    }
-}
-
-/// A receive into an owned buffer in progress.
-#[derive(Debug)]
-pub struct OwnedRecv {
-    req: ffi::MPI_Request,
-    buf: Option<Vec<u8>>,
-    count: usize,
-}
-
-// SAFETY: as for OwnedSend.
-unsafe impl Send for OwnedRecv {}
-
-impl OwnedRecv {
-    /// Once complete: the buffer and the number of bytes received.
-    pub fn test(&mut self) -> Result<Option<(Vec<u8>, usize)>> {
-        if test(&mut self.req, "MPI_Test(recv)")? {
-            Ok(Some((self.buf.take().unwrap_or_default(), self.count)))
-        } else {
-            Ok(None)
-        }
-    }
-}
-
-impl Drop for OwnedRecv {
-    fn drop(&mut self) {
-        if self.req != request_null() {
-            cancel_and_wait(&mut self.req);
         }
     }
 }
