@@ -110,6 +110,20 @@ impl Sock {
             Sock::Unix(s) => s.shutdown(how),
         };
     }
+    fn set_blocking_timeouts(&self, t: Duration) -> std::io::Result<()> {
+        match self {
+            Sock::Tcp(s) => {
+                s.set_nonblocking(false)?;
+                s.set_read_timeout(Some(t))?;
+                s.set_write_timeout(Some(t))
+            }
+            Sock::Unix(s) => {
+                s.set_nonblocking(false)?;
+                s.set_read_timeout(Some(t))?;
+                s.set_write_timeout(Some(t))
+            }
+        }
+    }
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         match self {
             Sock::Tcp(s) => s.as_fd(),
@@ -265,6 +279,53 @@ impl Io {
     }
 }
 
+/// How long a closed connection keeps draining its socket so the peer reads everything.
+const LINGER: Duration = Duration::from_secs(10);
+
+/// Orderly close, off the caller's thread: send what is still queued, send end-of-stream, then
+/// read and discard until the peer closes too (or [`LINGER`] passes). Closing a TCP socket
+/// with unread input makes the kernel send a reset, which would destroy data the peer has not
+/// read yet; draining first avoids that.
+fn linger(sock: Sock, out: Vec<u8>) {
+    let deadline = std::time::Instant::now() + LINGER;
+    let slice = Duration::from_millis(100);
+    if sock.set_blocking_timeouts(slice).is_err() {
+        return;
+    }
+    let mut sock = sock;
+    let mut at = 0;
+    while at < out.len() && std::time::Instant::now() < deadline {
+        match sock.write_vectored(&[IoSlice::new(&out[at..])]) {
+            Ok(0) => break,
+            Ok(n) => at += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    sock.shutdown(std::net::Shutdown::Write);
+    let mut sink = vec![0u8; 64 << 10];
+    while std::time::Instant::now() < deadline {
+        match sock.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => break,
+        }
+    }
+}
+
 /// A tiny fixed-capacity list of `IoSlice`s (frames have a header and at most a few parts).
 mod smallvec_like {
     use std::io::IoSlice;
@@ -307,6 +368,20 @@ pub(crate) struct Conn {
     cts: VecDeque<(u32, u64, u64)>,
     msg_started: bool,
     stats: ConnStats,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.io.eof && self.io.out_pending() == 0 {
+            return;
+        }
+        let out = self.io.out.get(self.io.out_pos..).unwrap_or(&[]).to_vec();
+        if let Ok(s) = self.io.sock.try_clone() {
+            let _ = std::thread::Builder::new()
+                .name("mad-via-linger".into())
+                .spawn(move || linger(s, out));
+        }
+    }
 }
 
 impl Conn {
@@ -1189,24 +1264,6 @@ impl RxLink for SoftRx {
             self.finish();
         }
         Ok(r)
-    }
-
-    fn checkout(&mut self, tm: TmId) -> Result<()> {
-        if tm != TM_SMALL {
-            return Ok(());
-        }
-        let mut c = lock(&self.conn);
-        c.check()?;
-        if let Some(Item::Small { len, .. }) = c.queue.front() {
-            if *len > 0 {
-                let e = Error::protocol(
-                    c.rank,
-                    format!("{len} B of a static buffer left unread at checkout"),
-                );
-                return Err(c.fail(e, Some(wire::ERR_PROTOCOL)));
-            }
-        }
-        Ok(())
     }
 
     fn abort_message(&mut self) {
