@@ -32,6 +32,8 @@ struct Args {
     reps: usize,
     iters: usize,
     sweep: bool,
+    /// `raw`, `mad` or both (empty): for profiling one side.
+    only: String,
 }
 
 fn args() -> Args {
@@ -40,6 +42,7 @@ fn args() -> Args {
         reps: 5,
         iters: 20_000,
         sweep: false,
+        only: String::new(),
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -62,6 +65,10 @@ fn args() -> Args {
                 a.iters = v.get(i).and_then(|s| s.parse().ok()).unwrap_or(20_000);
             }
             "--sweep" => a.sweep = true,
+            "--only" => {
+                i += 1;
+                a.only = v.get(i).cloned().unwrap_or_default();
+            }
             _ => {}
         }
         i += 1;
@@ -278,12 +285,37 @@ fn main() {
     let (mut rl, mut ml, mut rb, mut mb) = (vec![], vec![], vec![], vec![]);
     let mb_size = 4 << 20;
     let count = 256; // 1 GiB per bandwidth run
+    if !a.only.is_empty() {
+        for _ in 0..a.reps {
+            match a.only.as_str() {
+                "raw" => println!(
+                    "raw 8 B one-way: {:.2} µs",
+                    raw_pingpong(a.mode, 8, lat_iters)
+                ),
+                "mad" => println!(
+                    "mad 8 B one-way: {:.2} µs",
+                    mad_pingpong(a.mode, "", 8, lat_iters)
+                ),
+                "raw-bw" => println!("raw 4 MiB: {:.2} GB/s", raw_stream(a.mode, 4 << 20, 256)),
+                _ => println!("mad 4 MiB: {:.2} GB/s", mad_stream(a.mode, 4 << 20, 256)),
+            }
+        }
+        return;
+    }
     for _ in 0..a.reps {
         // Interleave raw and Madeleine so drift and neighbours hit both alike.
-        rl.push(raw_pingpong(a.mode, 8, lat_iters));
-        ml.push(mad_pingpong(a.mode, "", 8, lat_iters));
-        rb.push(raw_stream(a.mode, mb_size, count));
-        mb.push(mad_stream(a.mode, mb_size, count));
+        // Alternate which side runs first.
+        if rl.len() % 2 == 0 {
+            rl.push(raw_pingpong(a.mode, 8, lat_iters));
+            ml.push(mad_pingpong(a.mode, "", 8, lat_iters));
+            rb.push(raw_stream(a.mode, mb_size, count));
+            mb.push(mad_stream(a.mode, mb_size, count));
+        } else {
+            ml.push(mad_pingpong(a.mode, "", 8, lat_iters));
+            rl.push(raw_pingpong(a.mode, 8, lat_iters));
+            mb.push(mad_stream(a.mode, mb_size, count));
+            rb.push(raw_stream(a.mode, mb_size, count));
+        }
     }
     let (rl_min, rl_med) = stats(rl.clone());
     let (ml_min, ml_med) = stats(ml.clone());

@@ -206,9 +206,8 @@ impl Driver for TcpDriver {
             connect_timeout: opts.connect_timeout,
         };
         let streams = setup::connect_all(&params, listener, &addrs)?;
-        let epoll =
-            Arc::new(sys::Epoll::new().map_err(|e| Error::io("tcp: creating the epoll set", e))?);
-        let incoming = TcpIncoming::new(epoll.clone())?;
+        let caps = self.capabilities(ctx.config);
+        let mut incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit)?;
         let mut links = Vec::with_capacity(size);
         for (r, st) in streams.into_iter().enumerate() {
             let Some(st) = st else {
@@ -222,10 +221,10 @@ impl Driver for TcpDriver {
             st.set_nonblocking(true).map_err(cfg)?;
             sys::set_liveness(st.as_raw_fd(), opts.user_timeout).map_err(cfg)?;
             let st = Arc::new(st);
-            TcpIncoming::register(&epoll, st.as_raw_fd(), r)?;
+            let watch = incoming.watch(&st, r)?;
             links.push(Some(LinkPair {
                 tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer)),
-                rx: Box::new(TcpRx::new(st, r, opts.buffer, epoll.clone())),
+                rx: Box::new(TcpRx::new(st, r, opts.buffer, watch)),
             }));
         }
         let notes = vec![format!(

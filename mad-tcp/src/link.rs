@@ -12,6 +12,7 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -80,7 +81,7 @@ impl TcpTx {
     /// Write the queued bytes out; `Ready` once none is left.
     fn flush(&mut self) -> Result<Poll<()>> {
         while self.head < self.tail {
-            match sys::send_vectored(self.fd, &[IoSlice::new(&self.buf[self.head..self.tail])]) {
+            match sys::send(self.fd, &self.buf[self.head..self.tail]) {
                 Ok(n) => {
                     self.started = true;
                     self.head += n;
@@ -209,18 +210,21 @@ pub struct TcpRx {
     tail: usize,
     /// Bytes of the current `recv_refs` group already in place.
     refs_done: usize,
-    epoll: Arc<Epoll>,
-    registered: bool,
+    watch: Watch,
     broken: Option<String>,
 }
 
+/// How a connection is watched for any-source reception, so that a dead one stops being
+/// reported (a level-triggered readiness on a closed socket would never clear).
+pub(crate) struct Watch {
+    /// Set once the connection is over for reading.
+    dead: Arc<AtomicBool>,
+    /// The epoll set the connection is registered in, for channels with many peers.
+    epoll: Option<Arc<Epoll>>,
+}
+
 impl TcpRx {
-    pub(crate) fn new(
-        sock: Arc<TcpStream>,
-        peer: usize,
-        buf_len: usize,
-        epoll: Arc<Epoll>,
-    ) -> Self {
+    pub(crate) fn new(sock: Arc<TcpStream>, peer: usize, buf_len: usize, watch: Watch) -> Self {
         TcpRx {
             fd: sock.as_raw_fd(),
             sock,
@@ -229,17 +233,17 @@ impl TcpRx {
             head: 0,
             tail: 0,
             refs_done: 0,
-            epoll,
-            registered: true,
+            watch,
             broken: None,
         }
     }
 
     /// The connection is over for reading: stop reporting it to any-source receptions.
     fn deregister(&mut self) {
-        if self.registered {
-            self.epoll.remove(self.fd);
-            self.registered = false;
+        if !self.watch.dead.swap(true, Ordering::AcqRel) {
+            if let Some(ep) = &self.watch.epoll {
+                ep.remove(self.fd);
+            }
         }
     }
 
@@ -405,58 +409,129 @@ impl Drop for TcpRx {
     }
 }
 
-/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
-const WAKE_TOKEN: u64 = u64::MAX;
-
-/// Any-source readiness: a level-triggered epoll set over every connection plus an eventfd.
+/// Any-source readiness.
+///
+/// With few peers (at most the direct-poll limit) the core polls each connection itself and
+/// only asks this object to *block*; then a `poll(2)` over the sockets and the wake-up eventfd
+/// is used and the sockets are in no epoll set (an epoll registration costs a callback on
+/// every incoming segment, measurable on the 8-byte latency). With more peers, a
+/// level-triggered epoll set holds every connection.
 pub struct TcpIncoming {
-    epoll: Arc<Epoll>,
+    kind: Kind,
     wake: EventFd,
 }
 
+enum Kind {
+    Epoll(Arc<Epoll>),
+    Poll(Vec<Watched>),
+}
+
+struct Watched {
+    peer: usize,
+    sock: Arc<TcpStream>,
+    dead: Arc<AtomicBool>,
+}
+
+/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
+const WAKE_TOKEN: u64 = u64::MAX;
+
 impl TcpIncoming {
-    pub(crate) fn new(epoll: Arc<Epoll>) -> Result<Self> {
+    /// Readiness for a channel; `use_epoll` for many peers.
+    pub(crate) fn new(use_epoll: bool) -> Result<Self> {
         let wake = EventFd::new().map_err(|e| Error::io("creating the tcp wake-up eventfd", e))?;
-        epoll
-            .add(wake.raw(), WAKE_TOKEN)
-            .map_err(|e| Error::io("registering the tcp wake-up eventfd", e))?;
-        Ok(TcpIncoming { epoll, wake })
+        let kind = if use_epoll {
+            let ep = Epoll::new().map_err(|e| Error::io("tcp: creating the epoll set", e))?;
+            ep.add(wake.raw(), WAKE_TOKEN)
+                .map_err(|e| Error::io("registering the tcp wake-up eventfd", e))?;
+            Kind::Epoll(Arc::new(ep))
+        } else {
+            Kind::Poll(Vec::new())
+        };
+        Ok(TcpIncoming { kind, wake })
     }
 
-    /// Register the connection to `peer` (done once at open).
-    pub(crate) fn register(epoll: &Epoll, fd: RawFd, peer: usize) -> Result<()> {
-        epoll.add(fd, peer as u64).map_err(|e| {
-            Error::io(
-                format!("registering the connection to rank {peer} in epoll"),
-                e,
-            )
+    /// Watch the connection to `peer`; the returned [`Watch`] goes to its receiving half.
+    pub(crate) fn watch(&mut self, sock: &Arc<TcpStream>, peer: usize) -> Result<Watch> {
+        let dead = Arc::new(AtomicBool::new(false));
+        match &mut self.kind {
+            Kind::Epoll(ep) => {
+                ep.add(sock.as_raw_fd(), peer as u64).map_err(|e| {
+                    Error::io(
+                        format!("registering the connection to rank {peer} in epoll"),
+                        e,
+                    )
+                })?;
+                Ok(Watch {
+                    dead,
+                    epoll: Some(ep.clone()),
+                })
+            }
+            Kind::Poll(list) => {
+                list.push(Watched {
+                    peer,
+                    sock: sock.clone(),
+                    dead: dead.clone(),
+                });
+                Ok(Watch { dead, epoll: None })
+            }
+        }
+    }
+
+    fn poll_list(
+        &self,
+        list: &[Watched],
+        timeout: Duration,
+        ready: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        let mut fds: SmallVec<[RawFd; 8]> = SmallVec::new();
+        let mut peers: SmallVec<[usize; 8]> = SmallVec::new();
+        for w in list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
+            fds.push(w.sock.as_raw_fd());
+            peers.push(w.peer);
+        }
+        fds.push(self.wake.raw());
+        let wake_at = fds.len() - 1;
+        let wake = &self.wake;
+        sys::poll_read_many(&fds, timeout, &mut |i| {
+            if i == wake_at {
+                wake.drain();
+            } else {
+                ready(peers[i]);
+            }
         })
+        .map_err(|e| Error::io("poll on the tcp connections", e))
+    }
+
+    fn epoll_wait(
+        ep: &Epoll,
+        wake: &EventFd,
+        timeout: Duration,
+        ready: &mut dyn FnMut(usize),
+    ) -> Result<()> {
+        ep.wait(timeout, &mut |t| {
+            if t == WAKE_TOKEN {
+                wake.drain();
+            } else {
+                ready(t as usize);
+            }
+        })
+        .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
     }
 }
 
 impl Incoming for TcpIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        let wake = &self.wake;
-        self.epoll
-            .wait(Duration::ZERO, &mut |t| {
-                if t == WAKE_TOKEN {
-                    wake.drain();
-                } else {
-                    ready(t as usize);
-                }
-            })
-            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
+        match &self.kind {
+            Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, Duration::ZERO, ready),
+            Kind::Poll(list) => self.poll_list(list, Duration::ZERO, ready),
+        }
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        let wake = &self.wake;
-        self.epoll
-            .wait(timeout, &mut |t| {
-                if t == WAKE_TOKEN {
-                    wake.drain();
-                }
-            })
-            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
+        match &self.kind {
+            Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, timeout, &mut |_| {}),
+            Kind::Poll(list) => self.poll_list(list, timeout, &mut |_| {}),
+        }
     }
 
     fn wake(&self) {

@@ -61,6 +61,9 @@ pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
 /// Returns the number of bytes accepted by the kernel; `WouldBlock` when the buffer is full.
 #[inline]
 pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+    if let [one] = iov {
+        return send(fd, one);
+    }
     let n = iov.len().min(IOV_MAX);
     // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -71,6 +74,30 @@ pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
     loop {
         // SAFETY: `msg` points to `n` valid iovecs borrowed from `iov` for this call only.
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One `send(MSG_NOSIGNAL | MSG_DONTWAIT)` of `buf` (cheaper in the kernel than a one-slice
+/// `sendmsg`: no message header or iovec to import).
+#[inline]
+pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is a live, readable slice of `buf.len()` bytes for this call.
+        let r = unsafe {
+            libc::send(
+                fd,
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
         if r >= 0 {
             return Ok(r as usize);
         }
@@ -155,6 +182,38 @@ pub fn poll_one(fd: RawFd, interest: Interest, timeout: Duration) -> io::Result<
             }
         }
     }
+}
+
+/// `poll(2)` on several descriptors for input; calls `ready(i)` for each ready index.
+pub fn poll_read_many(
+    fds: &[RawFd],
+    timeout: Duration,
+    ready: &mut dyn FnMut(usize),
+) -> io::Result<()> {
+    let mut p: smallvec::SmallVec<[libc::pollfd; 8]> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `p` holds `p.len()` valid pollfds for the duration of the call.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms(timeout)) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok(())
+        } else {
+            Err(e)
+        };
+    }
+    for (i, pf) in p.iter().enumerate() {
+        if pf.revents != 0 {
+            ready(i);
+        }
+    }
+    Ok(())
 }
 
 fn timeout_ms(t: Duration) -> libc::c_int {
