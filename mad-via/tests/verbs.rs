@@ -26,6 +26,7 @@ fn check(e: &Error) {
 
 #[test]
 fn probe_reports_unavailable() {
+    eprintln!("{}", mad_via::verbs::probe().unwrap_err());
     check(&mad_via::verbs::probe().unwrap_err());
 }
 
