@@ -6,7 +6,7 @@
 //! ```
 //!
 //! Every figure is a one-way time (half a round trip) or a one-way bandwidth from a ping-pong
-//! between ranks 0 and 1; each measurement runs 3 times, raw MPI and channel interleaved, and
+//! between ranks 0 and 1; each measurement runs 5 times (`MPI_BENCH_RUNS`), raw MPI and channel interleaved, and
 //! prints min / median. Raw MPI uses blocking `MPI_Send`/`MPI_Recv` on `MPI_COMM_WORLD`.
 
 use std::time::Instant;
@@ -19,7 +19,14 @@ use mad_mpi::{MpiBootstrap, MpiDriver};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-const RUNS: usize = 3;
+/// Runs per measurement (`MPI_BENCH_RUNS`, default 5).
+fn runs() -> usize {
+    std::env::var("MPI_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5)
+        .max(1)
+}
 
 fn iters_for(bytes: usize) -> usize {
     (256_000_000 / bytes.max(1)).clamp(20, 20_000)
@@ -75,6 +82,31 @@ impl Bench<'_> {
     }
 
     fn raw_pp(&self, n: usize) -> Result<f64> {
+        self.raw_pp_n(n, iters_for(n))
+    }
+
+    fn raw_pp_n(&self, n: usize, iters: usize) -> Result<f64> {
+        let buf = vec![1u8; n];
+        let mut rbuf = vec![0u8; n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters,
+            &mut || {
+                p.send(&buf[..]);
+                Ok(())
+            },
+            &mut || {
+                p.receive_into(&mut rbuf[..]);
+                Ok(())
+            },
+        )
+    }
+
+    /// Raw MPI with the receiver in non-blocking style (`MPI_Irecv` + `MPI_Test` loop), the
+    /// style a driver that must not block uses.
+    fn raw_pp_nb(&self, n: usize) -> Result<f64> {
         let buf = vec![1u8; n];
         let mut rbuf = vec![0u8; n];
         let p = self.world.process_at_rank(self.peer as i32);
@@ -87,7 +119,15 @@ impl Bench<'_> {
                 Ok(())
             },
             &mut || {
-                p.receive_into(&mut rbuf[..]);
+                mpi::request::scope(|sc| {
+                    let mut req = p.immediate_receive_into(sc, &mut rbuf[..]);
+                    loop {
+                        match req.test() {
+                            Ok(_) => break,
+                            Err(r) => req = r,
+                        }
+                    }
+                });
                 Ok(())
             },
         )
@@ -218,7 +258,8 @@ impl Bench<'_> {
     fn drv_lat(&self) -> Result<()> {
         use mad_core::driver::{Driver, OpenContext};
         let d = MpiDriver::new();
-        let config = ChannelConfig::parse("drv", "mpi")?;
+        let spec = std::env::var("MPI_BENCH_SPEC").unwrap_or_else(|_| "mpi".into());
+        let config = ChannelConfig::parse("drv", &spec)?;
         let table = d.tm_table(&config)?;
         let progress = mad_core::progress::ProgressPolicy::default();
         let mut ch = d.open(&OpenContext {
@@ -233,9 +274,52 @@ impl Bench<'_> {
         let link = std::cell::RefCell::new(link);
         let buf = [1u8; 8];
         let mut rbuf = [0u8; 8];
-        let (mut raw, mut drv) = (Vec::new(), Vec::new());
-        for _ in 0..RUNS {
+        if let Ok(only) = std::env::var("MPI_BENCH_ONLY") {
+            // For `perf stat`: one kind of ping-pong only, 200 000 round trips.
+            let t = match only.as_str() {
+                "raw" => self.raw_pp_n(8, 200_000)?,
+                "chan" => {
+                    let ch = self.open("only", "mpi")?;
+                    let mut rb = [0u8; 8];
+                    let peer = self.peer;
+                    pingpong(
+                        &self.world,
+                        self.me,
+                        200_000,
+                        &mut || {
+                            let mut pk = ch.begin_packing(peer)?;
+                            pk.pack(&buf, RecvMode::Cheaper)?;
+                            pk.end_packing()
+                        },
+                        &mut || {
+                            let mut u = ch.begin_unpacking_from(peer)?;
+                            u.unpack(&mut rb, SendMode::Cheaper)?;
+                            u.end_unpacking()
+                        },
+                    )?
+                }
+                _ => pingpong(
+                    &self.world,
+                    self.me,
+                    200_000,
+                    &mut || {
+                        common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&buf)])
+                    },
+                    &mut || {
+                        common::recv(
+                            link.borrow_mut().rx.as_mut(),
+                            &mut [common::Dest::Copy(&mut rbuf)],
+                        )
+                    },
+                )?,
+            };
+            self.say(format!("{only}: {t:.3} us"));
+            return Ok(());
+        }
+        let (mut raw, mut drv, mut nb) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..runs() {
             raw.push(self.raw_pp(8)?);
+            nb.push(self.raw_pp_nb(8)?);
             drv.push(pingpong(
                 &self.world,
                 self.me,
@@ -251,10 +335,69 @@ impl Bench<'_> {
         }
         let (rmin, rmed) = stats(&mut raw);
         let (cmin, cmed) = stats(&mut drv);
+        let (nmin, nmed) = stats(&mut nb);
         self.say(format!(
-            "driver only, latency 8 B: raw MPI {rmin:.3} / {rmed:.3} us, driver links {cmin:.3} / {cmed:.3} us, ratio (median) {:.2}x",
+            "driver only, latency 8 B: raw MPI {rmin:.3} / {rmed:.3} us, raw MPI_Irecv+MPI_Test {nmin:.3} / {nmed:.3} us, driver links {cmin:.3} / {cmed:.3} us, ratio to raw (median) {:.2}x",
             cmed / rmed
         ));
+        Ok(())
+    }
+
+    /// Cost of one "nothing arrived" poll: driver `poll_message` vs raw `MPI_Test`.
+    fn costs(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("costs", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut ch = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let n = 1_000_000;
+        if self.me == 0 {
+            let link = ch.links[self.peer]
+                .as_mut()
+                .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+            let t = Instant::now();
+            for _ in 0..n {
+                let _ = link.rx.poll_message()?;
+            }
+            let drv = t.elapsed().as_nanos() as f64 / n as f64;
+            let mut rbuf = [0u8; 8];
+            let p = self.world.process_at_rank(self.peer as i32);
+            let t = Instant::now();
+            mpi::request::scope(|sc| {
+                let mut req = Some(p.immediate_receive_into_with_tag(sc, &mut rbuf[..], 999));
+                for _ in 0..n {
+                    if let Some(r) = req.take() {
+                        match r.test() {
+                            Ok(_) => break,
+                            Err(r) => req = Some(r),
+                        }
+                    }
+                }
+                if let Some(r) = req {
+                    r.cancel();
+                    let _ = r.wait();
+                }
+            });
+            let raw = t.elapsed().as_nanos() as f64 / n as f64;
+            let t = Instant::now();
+            for _ in 0..n {
+                let _ = self.world.any_process().immediate_probe();
+            }
+            let probe = t.elapsed().as_nanos() as f64 / n as f64;
+            let t = Instant::now();
+            for _ in 0..n {
+                ch.incoming.poll(&mut |_| {})?;
+            }
+            let any = t.elapsed().as_nanos() as f64 / n as f64;
+            self.say(format!("idle poll cost: driver poll_message {drv:.0} ns, raw MPI_Test {raw:.0} ns, MPI_Iprobe(ANY) {probe:.0} ns, incoming.poll (Testsome) {any:.0} ns"));
+        }
+        self.world.barrier();
         Ok(())
     }
 
@@ -268,7 +411,7 @@ impl Bench<'_> {
         let ch = self.open("bench", "mpi")?;
         for (what, n) in [("latency 8 B", 8usize), ("bandwidth 4 MiB", 4 << 20)] {
             let (mut raw, mut chan) = (Vec::new(), Vec::new());
-            for _ in 0..RUNS {
+            for _ in 0..runs() {
                 raw.push(self.raw_pp(n)?);
                 chan.push(self.chan_pp(&ch, n)?);
             }
@@ -312,7 +455,7 @@ impl Bench<'_> {
             1 << 20,
         ] {
             let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..RUNS {
+            for _ in 0..runs() {
                 a.push(self.raw_rpc_packed(n)?);
                 b.push(self.raw_rpc_two(n)?);
                 c.push(self.chan_rpc(&ch, n)?);
@@ -342,7 +485,7 @@ impl Bench<'_> {
             128 << 10,
         ] {
             let (mut a, mut b) = (Vec::new(), Vec::new());
-            for _ in 0..RUNS {
+            for _ in 0..runs() {
                 a.push(self.chan_pp(&copy, n)?);
                 b.push(self.chan_pp(&direct, n)?);
             }
@@ -358,7 +501,7 @@ impl Bench<'_> {
         for k in [2usize, 8] {
             for s in [64usize, 1 << 10, 16 << 10, 64 << 10, 256 << 10] {
                 let (mut a, mut b) = (Vec::new(), Vec::new());
-                for _ in 0..RUNS {
+                for _ in 0..runs() {
                     a.push(self.chan_group(&dt, k, s)?);
                     b.push(self.chan_group(&sep, k, s)?);
                 }
@@ -405,6 +548,9 @@ fn run() -> Result<()> {
     let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
     if what == "all" || what == "lat" || what == "bw" {
         b.lat_bw()?;
+    }
+    if what == "costs" {
+        b.costs()?;
     }
     if what == "all" || what == "drv" {
         b.drv_lat()?;
