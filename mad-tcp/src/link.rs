@@ -82,11 +82,11 @@ impl TcpTx {
     fn flush(&mut self) -> Result<Poll<()>> {
         while self.head < self.tail {
             match sys::send(self.fd, &self.buf[self.head..self.tail]) {
-                Ok(n) => {
+                Ok(Some(n)) => {
                     self.started = true;
                     self.head += n;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Ok(None) => return Ok(Poll::Pending),
                 Err(e) => return Err(self.fail(e)),
             }
         }
@@ -159,13 +159,13 @@ impl TxLink for TcpTx {
             let res = sys::send_vectored(self.fd, &v);
             drop(v);
             match res {
-                Ok(n) => {
+                Ok(Some(n)) => {
                     self.started = true;
                     let from_buf = n.min(queued);
                     self.head += from_buf;
                     self.refs_done += n - from_buf;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Ok(None) => return Ok(Poll::Pending),
                 Err(e) => return Err(self.fail(e)),
             }
         }
@@ -273,12 +273,12 @@ impl TcpRx {
         self.head = 0;
         self.tail = 0;
         match sys::recv(self.fd, &mut self.buf) {
-            Ok(0) => Err(self.closed()),
-            Ok(n) => {
+            Ok(Some(0)) => Err(self.closed()),
+            Ok(Some(n)) => {
                 self.tail = n;
                 Ok(Poll::Ready(()))
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Poll::Pending),
+            Ok(None) => Ok(Poll::Pending),
             Err(e) => Err(self.fail(e)),
         }
     }
@@ -370,13 +370,13 @@ impl RxLink for TcpRx {
                 sys::recv_vectored(fd, &mut v)
             };
             match res {
-                Ok(0) => return Err(self.closed()),
-                Ok(n) => {
+                Ok(Some(0)) => return Err(self.closed()),
+                Ok(Some(n)) => {
                     let user = n.min(remaining);
                     self.refs_done += user;
                     self.tail = n - user;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Ok(None) => return Ok(Poll::Pending),
                 Err(e) => return Err(self.fail(e)),
             }
         }

@@ -42,6 +42,24 @@ fn setsockopt_int(
     cvt(r).map(|_| ())
 }
 
+/// Run a byte-moving syscall: `Ok(Some(n))` on success, `Ok(None)` when it would block,
+/// retrying `EINTR`.
+#[inline(always)]
+fn io_op(mut f: impl FnMut() -> isize) -> io::Result<Option<usize>> {
+    loop {
+        let r = f();
+        if r >= 0 {
+            return Ok(Some(r as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN) => return Ok(None),
+            Some(libc::EINTR) => continue,
+            _ => return Err(e),
+        }
+    }
+}
+
 /// Keepalive probing and user timeout for a connected socket: after `user_timeout` without
 /// acknowledgement (or keepalive answer) the kernel fails the connection with `ETIMEDOUT`.
 pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
@@ -58,9 +76,9 @@ pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
 }
 
 /// One `sendmsg(MSG_NOSIGNAL | MSG_DONTWAIT)` of `iov` (at most [`IOV_MAX`] entries are used).
-/// Returns the number of bytes accepted by the kernel; `WouldBlock` when the buffer is full.
+/// Returns the number of bytes accepted by the kernel; `Ok(None)` when the buffer is full.
 #[inline]
-pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<Option<usize>> {
     if let [one] = iov {
         return send(fd, one);
     }
@@ -71,80 +89,40 @@ pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
     // through these pointers.
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = n as _;
-    loop {
-        // SAFETY: `msg` points to `n` valid iovecs borrowed from `iov` for this call only.
-        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: `msg` points to `n` valid iovecs borrowed from `iov` for this call only.
+    io_op(|| unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) })
 }
 
 /// One `send(MSG_NOSIGNAL | MSG_DONTWAIT)` of `buf` (cheaper in the kernel than a one-slice
-/// `sendmsg`: no message header or iovec to import).
+/// `sendmsg`: no message header or iovec to import). `Ok(None)`: the buffer is full.
 #[inline]
-pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is a live, readable slice of `buf.len()` bytes for this call.
-        let r = unsafe {
-            libc::send(
-                fd,
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
-        };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<Option<usize>> {
+    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+    // SAFETY: `buf` is a live, readable slice of `buf.len()` bytes for this call.
+    io_op(|| unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), flags) })
 }
 
-/// One non-blocking `recv` into `buf`. `Ok(0)` means end of stream.
+/// One non-blocking `recv` into `buf`. `Ok(Some(0))` means end of stream, `Ok(None)` that
+/// nothing is there yet.
 #[inline]
-pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes for this call.
-        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    let (p, n) = (buf.as_mut_ptr(), buf.len());
+    // SAFETY: `p` is a live, writable region of `n` bytes (borrowed from `buf`) for this call.
+    io_op(|| unsafe { libc::recv(fd, p.cast(), n, libc::MSG_DONTWAIT) })
 }
 
-/// One non-blocking `recvmsg` scattering into `iov` (at most [`IOV_MAX`] entries). `Ok(0)`
-/// means end of stream (when `iov` is not empty).
+/// One non-blocking `recvmsg` scattering into `iov` (at most [`IOV_MAX`] entries).
+/// `Ok(Some(0))` means end of stream (when `iov` is not empty), `Ok(None)` nothing yet.
 #[inline]
-pub fn recv_vectored(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+pub fn recv_vectored(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<Option<usize>> {
     let n = iov.len().min(IOV_MAX);
     // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     // `IoSliceMut` is documented to be ABI-compatible with `iovec` on Unix.
     msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
     msg.msg_iovlen = n as _;
-    loop {
-        // SAFETY: `msg` points to `n` valid, writable iovecs borrowed mutably from `iov`.
-        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: `msg` points to `n` valid, writable iovecs borrowed mutably from `iov`.
+    io_op(|| unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) })
 }
 
 /// Whether to wait for input or for room to send.
