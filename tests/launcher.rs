@@ -169,6 +169,92 @@ fn output_is_prefixed_by_rank() {
 }
 
 #[test]
+fn long_lines_are_cut_and_every_piece_prefixed() {
+    let (o, _) = madrun(
+        &[
+            "-n",
+            "1",
+            "sh",
+            "-c",
+            "head -c 150000 /dev/zero | tr '\\0' a; echo",
+        ],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let out = text(&o.stdout);
+    let lens: Vec<usize> = out
+        .lines()
+        .map(|l| l.strip_prefix("[0] ").unwrap().len())
+        .collect();
+    assert_eq!(
+        lens,
+        vec![65536, 65536, 150000 - 2 * 65536],
+        "{:?}",
+        &out[..40]
+    );
+}
+
+#[test]
+fn options_reach_the_children_environment() {
+    let (o, _) = madrun(
+        &[
+            "-n2",
+            "--channel",
+            "video-1=shm,checked=1",
+            "--checked",
+            "--progress=poll",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$MAD_CHANNEL_VIDEO_1|$MAD_CHECKED|$MAD_PROGRESS|$MAD_SIZE|$MAD_LOCAL_SIZE|${#MAD_SECRET}|${#MAD_JOB}\"",
+        ],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!("[{r}] shm,checked=1|1|poll|2|2|64|16")),
+            "{out}"
+        );
+    }
+    let (o, _) = madrun(&["--help"], &[], Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(0));
+    assert!(text(&o.stdout).contains("usage: madrun -n N"));
+}
+
+#[test]
+fn children_die_with_a_killed_madrun() {
+    let dir = temp_dir("pdeath");
+    let d = dir.to_string_lossy().into_owned();
+    let mut child = Command::new(MADRUN)
+        .args([
+            "-n",
+            "3",
+            "sh",
+            "-c",
+            "echo $$ > \"$D/pid.$MAD_RANK\"; exec sleep 60",
+        ])
+        .env("D", &d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids_in(&dir).len() < 3 {
+        assert!(Instant::now() < deadline, "children did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL: madrun gets no chance to clean up
+    child.wait().unwrap();
+    // PR_SET_PDEATHSIG does it.
+    assert_all_gone(&pids_in(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn worst_status_is_propagated() {
     let (o, _) = madrun(
         &[
