@@ -176,7 +176,8 @@ fn long_lines_are_cut_and_every_piece_prefixed() {
             "1",
             "sh",
             "-c",
-            "head -c 150000 /dev/zero | tr '\\0' a; echo",
+            "head -c 70000 /dev/zero | tr '\\0' a; sleep 0.1; head -c 80000 /dev/zero | tr '\\0' a; echo; \
+         head -c 65536 /dev/zero | tr '\\0' b; echo",
         ],
         &[],
         Duration::from_secs(30),
@@ -189,7 +190,7 @@ fn long_lines_are_cut_and_every_piece_prefixed() {
         .collect();
     assert_eq!(
         lens,
-        vec![65536, 65536, 150000 - 2 * 65536],
+        vec![65536, 65536, 150000 - 2 * 65536, 65536],
         "{:?}",
         &out[..40]
     );

@@ -442,15 +442,23 @@ fn emit(out: &mut Vec<u8>, rank: usize, line: &[u8]) {
 
 impl Source {
     /// Move the complete lines of `pending` (all of it at end of stream) to `out`, prefixed.
+    /// A line longer than [`MAX_LINE`] bytes is cut into `MAX_LINE`-byte pieces, whatever
+    /// the sizes of the reads that brought it, so the output does not depend on timing.
     fn drain_lines(&mut self, out: &mut Vec<u8>, eof: bool) {
         let mut start = 0;
-        while let Some(i) = self.pending[start..].iter().position(|&b| b == b'\n') {
-            emit(out, self.rank, &self.pending[start..=start + i]);
-            start += i + 1;
-        }
-        while self.pending.len() - start >= MAX_LINE {
-            emit(out, self.rank, &self.pending[start..start + MAX_LINE]);
-            start += MAX_LINE;
+        loop {
+            let rest = &self.pending[start..];
+            match rest.iter().position(|&b| b == b'\n') {
+                Some(i) if i <= MAX_LINE => {
+                    emit(out, self.rank, &rest[..=i]);
+                    start += i + 1;
+                }
+                _ if rest.len() > MAX_LINE => {
+                    emit(out, self.rank, &rest[..MAX_LINE]);
+                    start += MAX_LINE;
+                }
+                _ => break,
+            }
         }
         if eof && start < self.pending.len() {
             emit(out, self.rank, &self.pending[start..]);
