@@ -333,6 +333,38 @@ impl Bench<'_> {
                 },
             )?);
         }
+        let big = vec![3u8; 4 << 20];
+        let mut rbig = vec![0u8; 4 << 20];
+        let (mut rawb, mut drvb) = (Vec::new(), Vec::new());
+        for _ in 0..runs() {
+            rawb.push(self.raw_pp(4 << 20)?);
+            drvb.push(pingpong(
+                &self.world,
+                self.me,
+                iters_for(4 << 20),
+                &mut || {
+                    common::send(
+                        link.borrow_mut().tx.as_mut(),
+                        &[common::Piece::Copy(&buf), common::Piece::Group(vec![&big])],
+                    )
+                },
+                &mut || {
+                    common::recv(
+                        link.borrow_mut().rx.as_mut(),
+                        &mut [
+                            common::Dest::Copy(&mut rbuf),
+                            common::Dest::Group(vec![&mut rbig]),
+                        ],
+                    )
+                },
+            )?);
+        }
+        let gb = |us: f64| (4 << 20) as f64 / us / 1e3;
+        let (a, b) = (stats(&mut rawb), stats(&mut drvb));
+        self.say(format!(
+            "driver only, 4 MiB (8 B copy + 4 MiB group): raw MPI {:.2} / {:.2} GB/s, driver links {:.2} / {:.2} GB/s, ratio (median) {:.3}",
+            gb(a.0), gb(a.1), gb(b.0), gb(b.1), gb(b.1) / gb(a.1)
+        ));
         let (rmin, rmed) = stats(&mut raw);
         let (cmin, cmed) = stats(&mut drv);
         let (nmin, nmed) = stats(&mut nb);
@@ -499,7 +531,16 @@ impl Bench<'_> {
         let dt = self.open("sweep-dt", "mpi,tm.eager=0,gather=datatype")?;
         let sep = self.open("sweep-sep", "mpi,tm.eager=0,gather=separate")?;
         for k in [2usize, 8] {
-            for s in [64usize, 1 << 10, 16 << 10, 64 << 10, 256 << 10] {
+            for s in [
+                64usize,
+                1 << 10,
+                4 << 10,
+                8 << 10,
+                16 << 10,
+                32 << 10,
+                64 << 10,
+                256 << 10,
+            ] {
                 let (mut a, mut b) = (Vec::new(), Vec::new());
                 for _ in 0..runs() {
                     a.push(self.chan_group(&dt, k, s)?);

@@ -40,7 +40,7 @@ use crate::sys::{self, Comm, GatherOp, OwnedSend, Preposted};
 const DATA_TAG: i32 = 7;
 
 /// Largest piece the `eager` TM takes (bigger pieces go `direct`), from the sweep in NOTES.md.
-pub const EAGER_MAX: usize = 16 * 1024;
+pub const EAGER_MAX: usize = 4 * 1024;
 /// Size of one eager buffer (one MPI message at most this long).
 pub const EAGER_BUF: usize = 64 * 1024;
 /// Eager messages up to this size leave with a blocking `MPI_Send`, which both MPIs complete
@@ -79,23 +79,58 @@ impl GatherPolicy {
     }
 }
 
-/// The gather decision, a pure function both ends compute: send a group of `slices` slices
-/// totalling `total` bytes as one hindexed-datatype message?
-///
-/// From the sweep in NOTES.md: with both MPIs one datatype message beats separate sends for
-/// groups of two or more slices while the group is small enough that the per-message cost
-/// dominates; for large groups both are bandwidth-bound and separate sends avoid the
-/// datatype engine's pack/unpack path.
-pub fn use_datatype(policy: GatherPolicy, slices: usize, total: usize) -> bool {
-    match policy {
-        GatherPolicy::Datatype => slices > 1,
-        GatherPolicy::Separate => false,
-        GatherPolicy::Auto => slices > 1 && total <= DATATYPE_MAX_TOTAL,
+/// The MPI implementation family, from `MPI_Get_library_version` (the same on every rank of a
+/// job, so both ends of a connection agree on decisions that depend on it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MpiFamily {
+    /// MPICH and derivatives.
+    Mpich,
+    /// Open MPI.
+    OpenMpi,
+    /// Anything else.
+    Other,
+}
+
+impl MpiFamily {
+    /// Classify a library version string.
+    pub fn from_version(v: &str) -> Self {
+        if v.contains("Open MPI") {
+            MpiFamily::OpenMpi
+        } else if v.contains("MPICH") {
+            MpiFamily::Mpich
+        } else {
+            MpiFamily::Other
+        }
     }
 }
 
-/// Largest group (bytes) sent as one datatype message under [`GatherPolicy::Auto`].
-pub const DATATYPE_MAX_TOTAL: usize = 256 * 1024;
+/// Smallest average slice for which Open MPI gets a group as one hindexed message.
+pub const DATATYPE_MIN_SLICE: usize = 8 * 1024;
+/// Largest average slice for which Open MPI gets a group as one hindexed message.
+pub const DATATYPE_MAX_SLICE: usize = 32 * 1024;
+
+/// The gather decision, a pure function both ends compute: send a group of `slices` slices
+/// totalling `total` bytes as one hindexed-datatype message (else one message per slice)?
+///
+/// From the sweep in NOTES.md: with MPICH 4.0.2 (ch4:ucx) separate sends were as fast or
+/// faster at every point measured, so `Auto` never uses a datatype there. With Open MPI 4.1.4
+/// one datatype message won for groups of medium slices (8–32 KiB on average), lost for tiny
+/// slices (per-message cost is already low, the datatype engine's setup is not) and lost
+/// heavily for large slices (the datatype path packs through bounce buffers instead of a
+/// single CMA copy).
+pub fn use_datatype(policy: GatherPolicy, family: MpiFamily, slices: usize, total: usize) -> bool {
+    if slices < 2 {
+        return false;
+    }
+    match policy {
+        GatherPolicy::Datatype => true,
+        GatherPolicy::Separate => false,
+        GatherPolicy::Auto => {
+            let avg = total / slices;
+            family == MpiFamily::OpenMpi && (DATATYPE_MIN_SLICE..=DATATYPE_MAX_SLICE).contains(&avg)
+        }
+    }
+}
 
 /// The MPI driver.
 #[derive(Debug, Default)]
@@ -132,6 +167,7 @@ pub fn tm_table() -> Result<TmTable> {
 struct Params {
     eager_buf: usize,
     policy: GatherPolicy,
+    family: MpiFamily,
 }
 
 fn params(config: &ChannelConfig) -> Result<Params> {
@@ -147,6 +183,7 @@ fn params(config: &ChannelConfig) -> Result<Params> {
     Ok(Params {
         eager_buf,
         policy: GatherPolicy::parse(config.options.get("gather").map(String::as_str))?,
+        family: MpiFamily::Other,
     })
 }
 
@@ -178,9 +215,10 @@ impl Driver for MpiDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        let p = params(ctx.config)?;
+        let mut p = params(ctx.config)?;
         let bs = ctx.bootstrap;
         let rt = sys::runtime()?;
+        p.family = MpiFamily::from_version(rt.version());
         let world = Comm::world(&rt);
         if world.size() != bs.size() {
             return Err(Error::Unavailable {
@@ -254,11 +292,16 @@ impl Driver for MpiDriver {
                 "MPI_THREAD_MULTIPLE granted".to_string()
             },
             format!(
-                "communicator: {}; eager buffer {} B; gather policy {:?} (datatype for 2+ slices up to {} B)",
+                "communicator: {}; eager buffer {} B; gather policy {:?} ({})",
                 if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
                 p.eager_buf,
                 p.policy,
-                DATATYPE_MAX_TOTAL
+                match (p.policy, p.family) {
+                    (GatherPolicy::Auto, MpiFamily::OpenMpi) => "Open MPI: one hindexed message for groups of 8-32 KiB slices, else one message per slice",
+                    (GatherPolicy::Auto, _) => "one message per slice",
+                    (GatherPolicy::Datatype, _) => "one hindexed message per group",
+                    (GatherPolicy::Separate, _) => "one message per slice",
+                }
             ),
         ];
         Ok(OpenedChannel {
@@ -454,7 +497,7 @@ impl TxLink for MpiTx {
             // TMs; this keeps the order even if it did not).
             self.flush()?;
             let total: usize = iov.iter().map(|s| s.len()).sum();
-            let dt = use_datatype(self.p.policy, iov.len(), total);
+            let dt = use_datatype(self.p.policy, self.p.family, iov.len(), total);
             let op = self
                 .ch
                 .comm
@@ -662,7 +705,7 @@ impl RxLink for MpiRx {
                 ));
             }
             let total: usize = iov.iter().map(|s| s.len()).sum();
-            let dt = use_datatype(self.p.policy, iov.len(), total);
+            let dt = use_datatype(self.p.policy, self.p.family, iov.len(), total);
             let op = self
                 .ch
                 .comm
@@ -774,11 +817,24 @@ mod tests {
 
     #[test]
     fn gather_decision() {
-        assert!(!use_datatype(GatherPolicy::Auto, 1, 100));
-        assert!(use_datatype(GatherPolicy::Auto, 2, 100));
-        assert!(!use_datatype(GatherPolicy::Auto, 2, DATATYPE_MAX_TOTAL + 1));
-        assert!(use_datatype(GatherPolicy::Datatype, 3, usize::MAX));
-        assert!(!use_datatype(GatherPolicy::Separate, 3, 10));
+        use MpiFamily::*;
+        let auto = GatherPolicy::Auto;
+        assert!(!use_datatype(auto, OpenMpi, 1, 16 << 10));
+        assert!(use_datatype(auto, OpenMpi, 2, 32 << 10));
+        assert!(use_datatype(auto, OpenMpi, 8, 8 * (8 << 10)));
+        assert!(!use_datatype(auto, OpenMpi, 2, 2 << 10));
+        assert!(!use_datatype(auto, OpenMpi, 2, 1 << 20));
+        assert!(!use_datatype(auto, Mpich, 2, 32 << 10));
+        assert!(!use_datatype(auto, Other, 2, 32 << 10));
+        assert!(use_datatype(GatherPolicy::Datatype, Mpich, 3, usize::MAX));
+        assert!(!use_datatype(GatherPolicy::Datatype, Mpich, 1, 10));
+        assert!(!use_datatype(GatherPolicy::Separate, OpenMpi, 3, 30 << 10));
+        assert_eq!(
+            MpiFamily::from_version("Open MPI v4.1.4, package: Debian"),
+            OpenMpi
+        );
+        assert_eq!(MpiFamily::from_version("MPICH Version:\t4.0.2"), Mpich);
+        assert_eq!(MpiFamily::from_version("Intel(R) MPI"), Other);
     }
 
     #[test]

@@ -35,6 +35,6 @@ pub mod launcher;
 mod sys;
 
 pub use bootstrap::MpiBootstrap;
-pub use driver::{GatherPolicy, MpiDriver};
+pub use driver::{GatherPolicy, MpiDriver, MpiFamily};
 pub use launcher::{Launcher, LauncherKind};
 pub use sys::Runtime;
