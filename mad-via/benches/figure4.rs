@@ -1,2 +1,203 @@
-//! Figure 4 sweep (placeholder until written).
-fn main() {}
+//! Madeleine II's Figure 4 on `via:soft`: one-way time of a one-piece message ping-pong for
+//! each transfer method forced alone (threshold overrides) and for the adaptive choice.
+//!
+//! ```text
+//! cargo bench -p mad-via --bench figure4            # full sweep, markdown table on stdout
+//! FIG4_REPS=1 FIG4_BUDGET_MS=10 cargo bench -p mad-via --bench figure4   # quick
+//! ```
+//!
+//! Two ranks are two threads of this process with their own sessions and soft NICs, talking
+//! over TCP loopback. Variants (all with the registration cache *off*, so every dynamic
+//! registration pays `mlock`/`munlock`, like the paper's per-message registration):
+//!
+//! * `copy`: `tm.small=max`: static pre-registered buffers only;
+//! * `register`: `tm.small=0,tm.medium=max`: send/receive with on-the-fly registration only;
+//! * `rdma`: `tm.small=0,tm.medium=0`: rendezvous RDMA write only;
+//! * `adaptive`: the default table;
+//! * `adaptive+cache`: the default table with the registration cache on (same buffer reused).
+
+use std::time::{Duration, Instant};
+
+use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::config::ChannelConfig;
+use mad_core::{RecvMode, SendMode, Session};
+use mad_via::ViaDriver;
+
+const SIZES: &[usize] = &[
+    8,
+    512,
+    2 << 10,
+    4 << 10,
+    8 << 10,
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    2 << 20,
+    4 << 20,
+];
+
+fn env_usize(k: &str, d: usize) -> usize {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+/// One round trip of `buf` on `ch` (rank 0 starts).
+fn round(ch: &mad_core::Channel, me: usize, buf: &mut [u8]) {
+    if me == 0 {
+        let mut p = ch.begin_packing(1).expect("pack");
+        p.pack(buf, RecvMode::Cheaper).expect("pack");
+        p.end_packing().expect("end");
+        let mut u = ch.begin_unpacking().expect("unpack");
+        u.unpack(buf, SendMode::Cheaper).expect("unpack");
+        u.end_unpacking().expect("end");
+    } else {
+        let mut u = ch.begin_unpacking().expect("unpack");
+        u.unpack(buf, SendMode::Cheaper).expect("unpack");
+        u.end_unpacking().expect("end");
+        let mut p = ch.begin_packing(0).expect("pack");
+        p.pack(buf, RecvMode::Cheaper).expect("pack");
+        p.end_packing().expect("end");
+    }
+}
+
+/// One-way µs, `[variant][size][rep]`. Every variant is a channel of the same two sessions;
+/// for each size and repetition the variants run back to back, so they share the machine's
+/// noise.
+fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
+    let boots = ThreadBootstrap::group(2);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .map(|b| {
+                s.spawn(move || {
+                    let session = Session::builder()
+                        .driver(ViaDriver::new())
+                        .bootstrap(Box::new(b))
+                        .build()
+                        .expect("session");
+                    let me = session.rank();
+                    let chans: Vec<_> = specs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, spec)| {
+                            let cfg = ChannelConfig::parse(&format!("fig4-{i}"), spec)
+                                .expect("spec")
+                                .op_timeout(Duration::from_secs(60));
+                            session.open_channel_with(cfg).expect("channel")
+                        })
+                        .collect();
+                    let mut out = vec![vec![Vec::new(); SIZES.len()]; specs.len()];
+                    for (k, &size) in SIZES.iter().enumerate() {
+                        let mut buf = vec![1u8; size];
+                        for _ in 0..reps {
+                            for (v, ch) in chans.iter().enumerate() {
+                                for _ in 0..2 {
+                                    round(ch, me, &mut buf);
+                                }
+                                // Rank 0 times one round and tells rank 1 the iteration count.
+                                let n = if me == 0 {
+                                    let t = Instant::now();
+                                    round(ch, me, &mut buf);
+                                    let per = t.elapsed().max(Duration::from_micros(1));
+                                    let n = (budget.as_nanos() / per.as_nanos()).clamp(5, 20_000)
+                                        as u64;
+                                    let mut p = ch.begin_packing(1).expect("pack");
+                                    p.pack_value(&n, RecvMode::Express).expect("pack");
+                                    p.end_packing().expect("end");
+                                    n
+                                } else {
+                                    round(ch, me, &mut buf);
+                                    let mut u = ch.begin_unpacking().expect("unpack");
+                                    let n: u64 = u.unpack_value(SendMode::Cheaper).expect("n");
+                                    u.end_unpacking().expect("end");
+                                    n
+                                };
+                                let t = Instant::now();
+                                for _ in 0..n {
+                                    round(ch, me, &mut buf);
+                                }
+                                out[v][k].push(t.elapsed().as_secs_f64() * 1e6 / (2.0 * n as f64));
+                            }
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        let mut res: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
+        res.swap_remove(0)
+    })
+}
+
+fn min(v: Vec<f64>) -> f64 {
+    v.into_iter().fold(f64::INFINITY, f64::min)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let reps = env_usize("FIG4_REPS", 3).max(1);
+    let budget = Duration::from_millis(env_usize("FIG4_BUDGET_MS", 60) as u64);
+    let variants: &[(&str, &str, usize)] = &[
+        ("copy", "via:soft,regcache=0,tm.small=max", 0),
+        (
+            "register",
+            "via:soft,regcache=0,tm.small=0,tm.medium=max",
+            0,
+        ),
+        ("rdma", "via:soft,regcache=0,tm.small=0,tm.medium=0", 0),
+        ("adaptive", "via:soft,regcache=0", 0),
+        ("adaptive+cache", "via:soft,regcache=64", 64),
+    ];
+    // FIG4_EXTRA=",progress=poll" appends options to every variant's spec.
+    let extra = std::env::var("FIG4_EXTRA").unwrap_or_default();
+    let specs: Vec<String> = variants.iter().map(|v| format!("{}{extra}", v.1)).collect();
+    let all = run(&specs, reps, budget);
+    let med: Vec<Vec<f64>> = all
+        .iter()
+        .map(|per_size| per_size.iter().map(|r| min(r.clone())).collect())
+        .collect();
+    println!(
+        "one-way time in µs (minimum of {reps} runs), {} ms per run; MB/s in parentheses",
+        budget.as_millis()
+    );
+    print!("| size |");
+    for (n, _, _) in variants {
+        print!(" {n} |");
+    }
+    println!(" best fixed | adaptive / best |");
+    print!("|---:|");
+    for _ in variants {
+        print!("---:|");
+    }
+    println!("---|---:|");
+    let mut worst: f64 = 0.0;
+    for (k, &size) in SIZES.iter().enumerate() {
+        let label = if size >= 1 << 20 {
+            format!("{} MiB", size >> 20)
+        } else if size >= 1024 {
+            format!("{} KiB", size >> 10)
+        } else {
+            format!("{size} B")
+        };
+        print!("| {label} |");
+        for m in &med {
+            print!(" {:.1} ({:.0}) |", m[k], size as f64 / m[k]);
+        }
+        let (bi, best) = (0..3)
+            .map(|i| (i, med[i][k]))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .unwrap_or((0, f64::NAN));
+        let ratio = med[3][k] / best;
+        worst = worst.max(ratio);
+        println!(" {} | {:.3} |", variants[bi].0, ratio);
+    }
+    println!("worst adaptive / best fixed ratio: {worst:.3}");
+}

@@ -56,9 +56,9 @@ pub use reg::{Pd, RegStats, RegisteredBuffer};
 pub use soft::{ConnStats, Endpoint, SlotConfig};
 
 /// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
-pub const SMALL_MAX: usize = 16 << 10;
+pub const SMALL_MAX: usize = 64 << 10;
 /// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
-pub const MEDIUM_MAX: usize = 256 << 10;
+pub const MEDIUM_MAX: usize = 1 << 20;
 
 /// Which provider a channel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,13 +169,13 @@ pub fn default_table() -> Result<TmTable> {
         TmSpec::copy(
             "small",
             SMALL_MAX,
-            "copy into pre-registered static buffers, credit flow control (<= 16 KiB from the Figure 4 sweep)",
+            "copy into pre-registered static buffers, credit flow control (<= 64 KiB: Figure 4 sweep, NOTES.md)",
         ),
         TmSpec::gather(
             "medium",
             MEDIUM_MAX,
             16,
-            "send/recv of user memory registered on the fly, LRU registration cache (<= 256 KiB from the sweep)",
+            "send/recv of user memory registered on the fly, LRU registration cache (<= 1 MiB: Figure 4 sweep)",
         ),
         TmSpec::gather(
             "large",
@@ -221,7 +221,13 @@ impl Driver for ViaDriver {
             Backend::Verbs => verbs::open(ctx, &self.pd),
             Backend::Soft => {
                 let cfg = Self::slot_config(ctx.config)?;
-                let eps = setup::open_soft(ctx, &self.pd, cfg)?;
+                // `regcache=<entries>` gives the channel its own protection domain with that
+                // cache size (registered buffers of the driver's handle are not found there).
+                let pd = match ctx.config.option_parsed::<usize>("regcache")? {
+                    Some(n) => Pd::new(n),
+                    None => self.pd.clone(),
+                };
+                let eps = setup::open_soft(ctx, &pd, cfg)?;
                 let mut links = Vec::with_capacity(eps.len());
                 let mut all = Vec::new();
                 for (r, ep) in eps.into_iter().enumerate() {
@@ -234,7 +240,7 @@ impl Driver for ViaDriver {
                     }
                 }
                 let incoming = Box::new(soft::SoftIncoming::new(all)?);
-                let st = self.pd.stats();
+                let st = pd.stats();
                 Ok(OpenedChannel {
                     links,
                     incoming,

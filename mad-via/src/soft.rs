@@ -40,6 +40,8 @@ pub const TM_LARGE: TmId = 2;
 pub const UNEXPECTED_LIMIT: usize = 8 << 20;
 /// Queued outgoing bytes past which new data frames wait.
 const OUT_LIMIT: usize = 512 << 10;
+/// Socket send and receive buffer size asked of the kernel.
+const SOCKET_BUFFER: usize = 4 << 20;
 /// Longest a `wait` blocks in `poll(2)` before re-checking (another thread may have pumped).
 const WAIT_SLICE: Duration = Duration::from_millis(1);
 
@@ -396,6 +398,14 @@ impl Conn {
                 .set_nonblocking(true)
                 .map_err(|e| Error::io("configuring a via:soft socket", e))?,
         }
+        // A NIC-sized socket buffer: with the default (16 KiB initial send buffer on Linux)
+        // every message above that size costs extra wake-ups of both ends before it is out.
+        {
+            use nix::sys::socket::{setsockopt, sockopt};
+            let fd = sock.fd();
+            let _ = setsockopt(&fd, sockopt::SndBuf, &SOCKET_BUFFER);
+            let _ = setsockopt(&fd, sockopt::RcvBuf, &SOCKET_BUFFER);
+        }
         let slots = cfg.slots.max(1);
         Ok(Conn {
             rank,
@@ -590,6 +600,13 @@ impl Conn {
             | Frame::Error { credits, .. } => credits,
         };
         *credits = credits.saturating_add(piggy as usize);
+        // Both ends have the same number of slots (checked at connection time).
+        if *credits > rx_slots.len() {
+            return Err(proto(format!(
+                "peer returned credits for more than its {} buffers",
+                rx_slots.len()
+            )));
+        }
         match frame {
             Frame::Small { data, .. } => {
                 let Some(slot) = rx_free.pop() else {
@@ -663,7 +680,7 @@ impl Conn {
                         placed,
                         done,
                     }) if *k == key && !**done => {
-                        let off = (addr - *base) as usize;
+                        let off = addr.wrapping_sub(*base) as usize;
                         let Some(dst) = buf.get_mut(off..off + data.len()) else {
                             return Err(proto("RDMA write outside the posted region".into()));
                         };
@@ -1526,16 +1543,26 @@ impl mad_core::driver::Incoming for SoftIncoming {
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        for (_, c, _) in &self.conns {
-            if let Ok(c) = c.try_lock() {
-                if !c.queue.is_empty() || c.failed.is_some() || c.io.eof {
-                    return Ok(());
+        // Connections that failed or reached end of stream were reported by `poll`; leave
+        // them out (an EOF socket is always readable and would turn this wait into a spin).
+        let mut live = Vec::with_capacity(self.conns.len());
+        for (r, c, _) in &self.conns {
+            match c.try_lock() {
+                Ok(c) => {
+                    if !c.queue.is_empty() {
+                        return Ok(());
+                    }
+                    if c.failed.is_none() && !c.io.eof {
+                        live.push(*r);
+                    }
                 }
+                Err(_) => live.push(*r),
             }
         }
         let mut fds: Vec<PollFd<'_>> = self
             .conns
             .iter()
+            .filter(|(r, _, _)| live.contains(r))
             .map(|(_, _, s)| PollFd::new(s.fd(), PollFlags::POLLIN))
             .collect();
         fds.push(PollFd::new(self.wake_rx.as_fd(), PollFlags::POLLIN));
