@@ -353,3 +353,78 @@ pub fn ensure_nofile(need: u64) -> io::Result<u64> {
     cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) })?;
     Ok(rl.rlim_cur)
 }
+
+/// Read an integer socket option (used by tests to check what [`set_liveness`] applied).
+pub fn sockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are valid out-pointers sized for one c_int.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    #[test]
+    fn liveness_options_are_applied() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        set_liveness(s.as_raw_fd(), Duration::from_millis(6000)).unwrap();
+        let fd = s.as_raw_fd();
+        assert_eq!(
+            sockopt_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE).unwrap(),
+            1
+        );
+        assert_eq!(
+            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT).unwrap(),
+            6000
+        );
+        assert_eq!(
+            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE).unwrap(),
+            2
+        );
+        assert_eq!(
+            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL).unwrap(),
+            1
+        );
+        assert_eq!(
+            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT).unwrap(),
+            3
+        );
+    }
+
+    #[test]
+    fn eintr_free_would_block_and_eof() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let mut buf = [0u8; 4];
+        assert_eq!(recv(b.as_raw_fd(), &mut buf).unwrap(), None);
+        assert_eq!(send(a.as_raw_fd(), b"hi").unwrap(), Some(2));
+        assert!(poll_one(b.as_raw_fd(), Interest::Read, Duration::from_secs(5)).unwrap());
+        assert_eq!(recv(b.as_raw_fd(), &mut buf).unwrap(), Some(2));
+        drop(a);
+        assert_eq!(recv(b.as_raw_fd(), &mut buf).unwrap(), Some(0));
+        assert!(!poll_one(b.as_raw_fd(), Interest::Write, Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn nofile_and_interfaces() {
+        assert!(ensure_nofile(64).unwrap() >= 64);
+        assert!(interface_addrs("lo")
+            .unwrap()
+            .contains(&IpAddr::from([127, 0, 0, 1])));
+        assert!(interface_addrs("no-such-if0").unwrap().is_empty());
+    }
+}
