@@ -114,7 +114,6 @@ pub struct ShmTx {
     gather: TxGather,
     cma_posted: u64,
     msg_start: u64,
-    batch: u64,
     need: u64,
     broken: Option<String>,
 }
@@ -129,7 +128,6 @@ impl ShmTx {
         cma_tm: Option<TmId>,
         path: GatherPath,
     ) -> Self {
-        let batch = ring.cap() / 4;
         let prod = Producer::new(ring);
         let cma_posted = prod.view().cma_done().load(Ordering::Acquire);
         ShmTx {
@@ -142,7 +140,6 @@ impl ShmTx {
             path,
             gather: TxGather::Idle,
             cma_posted,
-            batch,
             need: 1,
             broken: None,
         }
@@ -237,14 +234,12 @@ impl ShmTx {
                     k
                 })
                 .map_err(|c| corrupt(self.peer, c))?;
-            if n == 0 {
+            let Some(n) = n else {
                 self.gather = TxGather::Stream { slice, off };
                 return self.pending(1);
-            }
+            };
             off += n;
-            if self.prod.unpublished() >= self.batch {
-                self.publish();
-            }
+            self.publish();
         }
         self.gather = TxGather::Idle;
         self.publish();
@@ -272,16 +267,17 @@ impl TxLink for ShmTx {
                 format!("shm: TM {tm} is not a copy TM"),
             ));
         }
-        let n = self
+        let lent = self
             .prod
             .lend(usize::MAX, fill)
             .map_err(|c| corrupt(self.peer, c))?;
-        if n == 0 && self.prod.free(1).map_err(|c| corrupt(self.peer, c))? == 0 {
+        if lent.is_none() {
             return self.pending(1);
         }
-        if self.prod.unpublished() >= self.batch {
-            self.publish();
-        }
+        // Publish at once: bytes of a message still under construction must be visible, or a
+        // receiver waiting for them on this connection while the sender blocks on another
+        // connection would deadlock (the kit's `two_channels` case). A publish is one store.
+        self.publish();
         Ok(Poll::Ready(()))
     }
 
@@ -507,13 +503,13 @@ impl ShmRx {
                     k
                 })
                 .map_err(|c| corrupt(self.peer, c))?;
-            if n == 0 {
+            let Some(n) = n else {
                 self.stream = Some((slice, off));
                 if got_any {
                     self.consumed();
                 }
                 return self.pending(1);
-            }
+            };
             got_any = true;
             off += n;
         }
@@ -546,10 +542,7 @@ impl RxLink for ShmRx {
             ));
         }
         let n = self.cons.take(take).map_err(|c| corrupt(self.peer, c))?;
-        if n == 0 {
-            if self.avail(1)? > 0 {
-                return Ok(Poll::Ready(()));
-            }
+        if n.is_none() {
             return self.pending(1);
         }
         self.consumed();

@@ -321,13 +321,14 @@ impl Producer {
         Ok(cap - u)
     }
 
-    /// Lend the contiguous free run (at most `max` bytes) to `fill`, which returns how many
-    /// bytes it wrote. Returns that count (0 when the ring is full).
+    /// Lend the contiguous free run (at most `max` bytes, `max > 0`) to `fill`, which returns
+    /// how many bytes it wrote. Returns that count, or `None` when the ring is full (`fill`
+    /// not called).
     pub fn lend(
         &mut self,
         max: usize,
         fill: &mut dyn FnMut(&mut [u8]) -> usize,
-    ) -> Result<usize, Corrupt> {
+    ) -> Result<Option<usize>, Corrupt> {
         self.free(1)?;
         let (pos, run) =
             index::free_run(self.head, self.tail_cache, self.v.cap).ok_or(Corrupt {
@@ -336,7 +337,7 @@ impl Producer {
             })?;
         let run = run.min(max);
         if run == 0 {
-            return Ok(0);
+            return Ok(None);
         }
         // SAFETY: `[pos, pos + run)` lies in the data area (`free_run` keeps it below `cap`)
         // and is free space: the reader has released it (tail) and will not read it before we
@@ -344,7 +345,7 @@ impl Producer {
         let buf = unsafe { std::slice::from_raw_parts_mut(self.v.data(pos), run) };
         let n = fill(buf).min(run);
         self.head += n as u64;
-        Ok(n)
+        Ok(Some(n))
     }
 
     /// Write all of `bytes` (wrapping around the end) if there is room for all of them;
@@ -427,9 +428,10 @@ impl Consumer {
         Ok(a)
     }
 
-    /// Lend the contiguous readable run (possibly empty) to `take`, which returns how many
-    /// bytes it consumed; the tail is advanced locally (see [`release`](Self::release)).
-    pub fn take(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize, Corrupt> {
+    /// Lend the contiguous readable run to `take`, which returns how many bytes it consumed;
+    /// the tail is advanced locally (see [`release`](Self::release)). `None` when nothing is
+    /// readable (`take` not called).
+    pub fn take(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Option<usize>, Corrupt> {
         self.available(1)?;
         let (pos, run) =
             index::data_run(self.head_cache, self.tail, self.v.cap).ok_or(Corrupt {
@@ -437,7 +439,7 @@ impl Consumer {
                 tail: self.tail,
             })?;
         if run == 0 {
-            return Ok(0);
+            return Ok(None);
         }
         // SAFETY: `[pos, pos + run)` is inside the data area and holds published bytes: the
         // writer wrote them before its Release store of head (our Acquire load) and will not
@@ -445,7 +447,7 @@ impl Consumer {
         let buf = unsafe { std::slice::from_raw_parts(self.v.data(pos).cast_const(), run) };
         let n = take(buf).min(run);
         self.tail += n as u64;
-        Ok(n)
+        Ok(Some(n))
     }
 
     /// Copy `out.len()` bytes from the read position without consuming them, if available.
@@ -525,7 +527,7 @@ mod tests {
         p.publish();
         let mut got = 0;
         while got < 4000 {
-            got += c.take(&mut |b: &[u8]| b.len()).unwrap();
+            got += c.take(&mut |b: &[u8]| b.len()).unwrap().unwrap_or(0);
         }
         c.release();
         // Now the write wraps.
@@ -556,7 +558,8 @@ mod tests {
                         }
                         b.len()
                     })
-                    .unwrap();
+                    .unwrap()
+                    .unwrap_or(0);
                 sent += n;
                 p.publish();
                 if n == 0 {
@@ -573,7 +576,8 @@ mod tests {
                     }
                     b.len()
                 })
-                .unwrap();
+                .unwrap()
+                .unwrap_or(0);
             got += n;
             c.release();
             if n == 0 {

@@ -1,0 +1,91 @@
+//! The mad-core conformance kit over shm: 2, 4 and 8 ranks (threads of this process, real
+//! shared mappings), with the default adaptive progress, `progress=block` and `progress=poll`,
+//! and with CMA disabled or replaced by the ring fallback.
+
+use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::Session;
+use mad_shm::ShmDriver;
+
+fn kit(ranks: usize, spec: &str) {
+    let opts = KitOptions::new(spec);
+    // Like `conformance::run_threads`, but reporting every rank's outcome.
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = ThreadBootstrap::group(ranks)
+            .into_iter()
+            .map(|b| {
+                let opts = &opts;
+                s.spawn(move || {
+                    let session = Session::builder()
+                        .driver(ShmDriver::new())
+                        .bootstrap(Box::new(b))
+                        .build()?;
+                    run_rank(&session, opts)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join()).collect()
+    });
+    let mut failed = false;
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(Ok(cases)) => eprintln!("{spec} x{ranks} rank {r}: {} cases passed", cases.len()),
+            Ok(Err(e)) => {
+                failed = true;
+                eprintln!("{spec} x{ranks} rank {r}: {e}");
+            }
+            Err(_) => {
+                failed = true;
+                eprintln!("{spec} x{ranks} rank {r}: panicked");
+            }
+        }
+    }
+    assert!(!failed, "{spec} x{ranks}: conformance failed (see above)");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n.starts_with(&format!("mad-shm-{}-", std::process::id())))
+        .collect();
+    assert!(left.is_empty(), "leftover segments: {left:?}");
+}
+
+#[test]
+fn kit_2_adaptive() {
+    kit(2, "shm");
+}
+
+#[test]
+fn kit_2_block() {
+    kit(2, "shm,progress=block");
+}
+
+#[test]
+fn kit_2_cma_off() {
+    kit(2, "shm,cma=off,ring=8192");
+}
+
+#[test]
+fn kit_2_cma_ring_fallback() {
+    kit(2, "shm,cma=ring");
+}
+
+#[test]
+fn kit_4_adaptive() {
+    kit(4, "shm");
+}
+
+#[test]
+fn kit_4_block_cma_off() {
+    kit(4, "shm,progress=block,cma=off");
+}
+
+#[test]
+fn kit_8_adaptive() {
+    kit(8, "shm");
+}
+
+#[test]
+fn kit_8_block() {
+    kit(8, "shm,progress=block");
+}
