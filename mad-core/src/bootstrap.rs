@@ -44,7 +44,9 @@ pub struct SingleBootstrap {
 impl SingleBootstrap {
     /// A one-process session with a fresh random secret.
     pub fn new() -> Result<Self> {
-        Ok(SingleBootstrap { secret: Secret::random()? })
+        Ok(SingleBootstrap {
+            secret: Secret::random()?,
+        })
     }
 }
 
@@ -93,14 +95,19 @@ struct GatherSlot {
 
 impl std::fmt::Debug for ThreadBootstrap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ThreadBootstrap(rank {} of {})", self.rank, self.shared.size)
+        write!(
+            f,
+            "ThreadBootstrap(rank {} of {})",
+            self.rank, self.shared.size
+        )
     }
 }
 
 impl ThreadBootstrap {
     /// One handle per rank of an `n`-rank in-process session sharing a fresh secret.
     pub fn group(n: usize) -> Vec<ThreadBootstrap> {
-        let secret = Secret::random().unwrap_or_else(|_| Secret::from_bytes([7; crate::auth::SECRET_LEN]));
+        let secret =
+            Secret::random().unwrap_or_else(|_| Secret::from_bytes([7; crate::auth::SECRET_LEN]));
         let shared = std::sync::Arc::new(ThreadShared {
             size: n,
             secret,
@@ -108,7 +115,12 @@ impl ThreadBootstrap {
             cond: Default::default(),
             timeout: std::time::Duration::from_secs(60),
         });
-        (0..n).map(|rank| ThreadBootstrap { rank, shared: shared.clone() }).collect()
+        (0..n)
+            .map(|rank| ThreadBootstrap {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
     }
 }
 
@@ -125,7 +137,10 @@ impl Bootstrap for ThreadBootstrap {
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let sh = &*self.shared;
         let rank = self.rank;
-        let poisoned = move || crate::Error::Protocol { rank, what: "bootstrap lock poisoned".into() };
+        let poisoned = move || crate::Error::Protocol {
+            rank,
+            what: "bootstrap lock poisoned".into(),
+        };
         let mut st = sh.state.lock().map_err(|_| poisoned())?;
         {
             let slot = st.entry(tag.to_string()).or_default();
@@ -133,16 +148,25 @@ impl Bootstrap for ThreadBootstrap {
                 slot.values = vec![None; sh.size];
             }
             if slot.values[self.rank].is_some() {
-                return Err(crate::Error::BadConfig(format!("rank {} entered allgather `{tag}` twice", self.rank)));
+                return Err(crate::Error::BadConfig(format!(
+                    "rank {} entered allgather `{tag}` twice",
+                    self.rank
+                )));
             }
             slot.values[self.rank] = Some(value.to_vec());
         }
         sh.cond.notify_all();
         let deadline = std::time::Instant::now() + sh.timeout;
         loop {
-            let slot = st.get_mut(tag).ok_or_else(|| crate::Error::protocol(self.rank, "allgather slot vanished"))?;
+            let slot = st
+                .get_mut(tag)
+                .ok_or_else(|| crate::Error::protocol(self.rank, "allgather slot vanished"))?;
             if slot.values.iter().all(Option::is_some) {
-                let out: Vec<Vec<u8>> = slot.values.iter().map(|v| v.clone().unwrap_or_default()).collect();
+                let out: Vec<Vec<u8>> = slot
+                    .values
+                    .iter()
+                    .map(|v| v.clone().unwrap_or_default())
+                    .collect();
                 slot.taken += 1;
                 if slot.taken == sh.size {
                     st.remove(tag);
@@ -153,7 +177,11 @@ impl Bootstrap for ThreadBootstrap {
             if now >= deadline {
                 return Err(crate::Error::Timeout(sh.timeout));
             }
-            st = sh.cond.wait_timeout(st, deadline - now).map_err(|_| poisoned())?.0;
+            st = sh
+                .cond
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| poisoned())?
+                .0;
         }
     }
     fn kind(&self) -> &'static str {

@@ -83,25 +83,28 @@ impl ProgressPolicy {
         }
     }
 
-    /// Run `attempt` until it is ready, waiting between attempts as the policy says;
-    /// `block(t)` blocks in the driver for at most `t`.
+    /// Run `attempt(state)` until it is ready, waiting between attempts as the policy says;
+    /// `block(state, t)` blocks in the driver for at most `t`.
     #[inline]
-    pub fn drive<T>(
+    pub fn drive<S: ?Sized, T>(
         &self,
-        mut attempt: impl FnMut() -> Result<Poll<T>>,
-        block: impl FnMut(Duration) -> Result<()>,
+        state: &mut S,
+        mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
+        block: impl FnMut(&mut S, Duration) -> Result<()>,
     ) -> Result<T> {
-        if let Poll::Ready(v) = attempt()? {
+        if let Poll::Ready(v) = attempt(state)? {
             return Ok(v);
         }
-        self.drive_slow(attempt, block)
+        self.drive_slow(state, attempt, block)
     }
 
     #[cold]
-    fn drive_slow<T>(
+    #[inline(never)]
+    fn drive_slow<S: ?Sized, T>(
         &self,
-        mut attempt: impl FnMut() -> Result<Poll<T>>,
-        mut block: impl FnMut(Duration) -> Result<()>,
+        state: &mut S,
+        mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
+        mut block: impl FnMut(&mut S, Duration) -> Result<()>,
     ) -> Result<T> {
         let start = Instant::now();
         let deadline = self.op_timeout.map(|t| start + t);
@@ -143,7 +146,7 @@ impl ProgressPolicy {
                             Some(d) => d.saturating_duration_since(now).min(BLOCK_SLICE),
                             None => BLOCK_SLICE,
                         };
-                        block(slice)?;
+                        block(state, slice)?;
                     }
                 } else if self.mode == ProgressMode::Poll && self.oversubscribed && i % 4096 == 0 {
                     std::thread::yield_now();
@@ -151,7 +154,7 @@ impl ProgressPolicy {
             } else {
                 std::hint::spin_loop();
             }
-            if let Poll::Ready(v) = attempt()? {
+            if let Poll::Ready(v) = attempt(state)? {
                 return Ok(v);
             }
         }
@@ -193,8 +196,9 @@ mod tests {
         };
         let mut blocks = 0;
         let r: Result<()> = p.drive(
-            || Ok(Poll::Pending),
-            |t| {
+            &mut (),
+            |_| Ok(Poll::Pending),
+            |_, t| {
                 blocks += 1;
                 std::thread::sleep(t.min(Duration::from_millis(5)));
                 Ok(())
@@ -211,17 +215,18 @@ mod tests {
             ..Default::default()
         };
         let mut n = 0;
-        let v = p
+        let v: i32 = p
             .drive(
-                || {
-                    n += 1;
-                    Ok(if n == 3 {
+                &mut n,
+                |n| {
+                    *n += 1;
+                    Ok(if *n == 3 {
                         Poll::Ready(42)
                     } else {
                         Poll::Pending
                     })
                 },
-                |_| Ok(()),
+                |_, _| Ok(()),
             )
             .unwrap();
         assert_eq!(v, 42);

@@ -1,0 +1,525 @@
+//! Channels and connections.
+//!
+//! A [`Channel`] is bound to one driver and one adapter. It holds one *connection* per peer
+//! (a [`LinkPair`](crate::driver::LinkPair): a sending and a receiving half, each behind its own
+//! mutex, so a connection carries one message at a time in each direction while different
+//! connections work in parallel). Order is guaranteed per connection, never across channels.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::task::Poll;
+use std::time::Duration;
+
+use crate::config::ChannelConfig;
+use crate::driver::{Bmm, Capabilities, Incoming, RxLink, TmTable, TxLink, MAX_TMS};
+use crate::error::{Error, Result};
+use crate::modes::{RecvMode, SendMode};
+use crate::pack::Packer;
+use crate::progress::ProgressPolicy;
+use crate::unpack::Unpacker;
+
+pub(crate) struct TxState {
+    pub(crate) link: Box<dyn TxLink>,
+    pub(crate) seq: u32,
+    pub(crate) broken: Option<String>,
+}
+
+pub(crate) struct RxState {
+    pub(crate) link: Box<dyn RxLink>,
+    pub(crate) seq: u32,
+    pub(crate) broken: Option<String>,
+    /// Whether the failure in `broken` was already reported by an any-source receive.
+    pub(crate) reported: bool,
+}
+
+pub(crate) struct Conn {
+    pub(crate) tx: Mutex<TxState>,
+    pub(crate) rx: Mutex<RxState>,
+    /// Any-source hint: this connection may have a message.
+    pub(crate) hint: AtomicBool,
+}
+
+/// Per-channel counters, updated once per message.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) msgs_sent: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) msgs_recv: AtomicU64,
+    pub(crate) bytes_recv: AtomicU64,
+    pub(crate) pieces_sent: [AtomicU64; MAX_TMS],
+    pub(crate) pieces_recv: [AtomicU64; MAX_TMS],
+}
+
+/// A snapshot of a channel's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChannelStats {
+    /// Messages sent (completed `end_packing`).
+    pub messages_sent: u64,
+    /// Payload bytes sent (pieces only, no headers).
+    pub bytes_sent: u64,
+    /// Messages received (completed `end_unpacking`).
+    pub messages_received: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
+    /// Pieces sent through each TM, indexed like the TM table.
+    pub pieces_sent: Vec<(String, u64)>,
+    /// Pieces received through each TM.
+    pub pieces_received: Vec<(String, u64)>,
+}
+
+pub(crate) struct ChannelInner {
+    pub(crate) config: ChannelConfig,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) table: TmTable,
+    pub(crate) caps: Capabilities,
+    pub(crate) progress: ProgressPolicy,
+    pub(crate) conns: Vec<Option<Conn>>,
+    pub(crate) peers: Vec<usize>,
+    pub(crate) incoming: Box<dyn Incoming>,
+    pub(crate) counters: Counters,
+    pub(crate) notes: Vec<String>,
+    rr: AtomicUsize,
+    waiters: AtomicUsize,
+    released: Mutex<u64>,
+    released_cv: Condvar,
+}
+
+/// A communication channel: one protocol, one adapter, connections to every reachable peer.
+///
+/// Cheap to clone (an `Arc`); `Send + Sync`, so threads share it.
+#[derive(Clone)]
+pub struct Channel {
+    pub(crate) inner: Arc<ChannelInner>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Channel({} = {}{}, rank {} of {})",
+            self.inner.config.name,
+            self.inner.config.driver,
+            self.inner
+                .config
+                .adapter
+                .as_deref()
+                .map(|a| format!(":{a}"))
+                .unwrap_or_default(),
+            self.inner.rank,
+            self.inner.size
+        )
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a connection lock leaves the connection in an unknown state; the
+    // `broken` field is set by the drop paths of Packer/Unpacker, so taking the data is safe.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ChannelInner {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: ChannelConfig,
+        rank: usize,
+        size: usize,
+        table: TmTable,
+        caps: Capabilities,
+        progress: ProgressPolicy,
+        links: Vec<Option<crate::driver::LinkPair>>,
+        incoming: Box<dyn Incoming>,
+        notes: Vec<String>,
+    ) -> Self {
+        let mut peers = Vec::new();
+        let conns = links
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                l.map(|l| {
+                    peers.push(r);
+                    Conn {
+                        tx: Mutex::new(TxState {
+                            link: l.tx,
+                            seq: 0,
+                            broken: None,
+                        }),
+                        rx: Mutex::new(RxState {
+                            link: l.rx,
+                            seq: 0,
+                            broken: None,
+                            reported: false,
+                        }),
+                        hint: AtomicBool::new(false),
+                    }
+                })
+            })
+            .collect();
+        ChannelInner {
+            config,
+            rank,
+            size,
+            table,
+            caps,
+            progress,
+            conns,
+            peers,
+            incoming,
+            counters: Counters::default(),
+            notes,
+            rr: AtomicUsize::new(0),
+            waiters: AtomicUsize::new(0),
+            released: Mutex::new(0),
+            released_cv: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn conn(&self, remote: usize) -> Result<&Conn> {
+        match self.conns.get(remote) {
+            Some(Some(c)) => Ok(c),
+            Some(None) if remote != self.rank => Err(Error::BadConfig(format!(
+                "channel `{}` ({}) has no connection to rank {remote} (e.g. an intra-node driver and a remote rank)",
+                self.config.name, self.config.driver
+            ))),
+            _ => Err(Error::BadRank { rank: remote, size: self.size, me: self.rank }),
+        }
+    }
+
+    /// Called when an Unpacker releases a connection: wake any-source waiters.
+    pub(crate) fn released(&self, remote: usize) {
+        if let Some(Some(c)) = self.conns.get(remote) {
+            c.hint.store(true, Ordering::Release);
+        }
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            *lock(&self.released) += 1;
+            self.released_cv.notify_all();
+            self.incoming.wake();
+        }
+    }
+
+    /// Try to start receiving from `remote` without waiting.
+    fn try_peer<'b>(&self, remote: usize, busy: &mut bool) -> Result<Option<Unpacker<'_, 'b>>> {
+        let Some(Some(conn)) = self.conns.get(remote) else {
+            return Ok(None);
+        };
+        let mut rx = match conn.rx.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                *busy = true;
+                return Ok(None);
+            }
+        };
+        if let Some(cause) = rx.broken.clone() {
+            if rx.reported {
+                return Ok(None);
+            }
+            rx.reported = true;
+            return Err(Error::Poisoned {
+                rank: remote,
+                cause,
+            });
+        }
+        match rx.link.poll_message() {
+            Ok(Poll::Pending) => Ok(None),
+            Ok(Poll::Ready(())) => Unpacker::start(self, remote, rx).map(Some),
+            Err(e) => {
+                rx.broken = Some(e.to_string());
+                rx.reported = true;
+                rx.link.abort_message();
+                // A peer that closed cleanly between two messages simply leaves the any-source
+                // set (clients come and go); anything else is reported once.
+                if matches!(e, Error::PeerClosed { .. }) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    fn all_broken(&self) -> bool {
+        self.peers.iter().all(|&p| match &self.conns[p] {
+            Some(c) => match c.rx.try_lock() {
+                Ok(g) => g.broken.is_some() && g.reported,
+                Err(_) => false,
+            },
+            None => true,
+        })
+    }
+
+    fn try_any<'b>(&self, busy: &mut bool) -> Result<Poll<Unpacker<'_, 'b>>> {
+        *busy = false;
+        let n = self.peers.len();
+        if n == 0 {
+            return Err(Error::BadConfig(format!(
+                "channel `{}` has no peers to receive from (session of {} process)",
+                self.config.name, self.size
+            )));
+        }
+        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        if n <= self.caps.direct_poll_limit {
+            for i in 0..n {
+                let p = self.peers[(start + i) % n];
+                if let Some(u) = self.try_peer(p, busy)? {
+                    return Ok(Poll::Ready(u));
+                }
+            }
+        } else {
+            let conns = &self.conns;
+            self.incoming.poll(&mut |r| {
+                if let Some(Some(c)) = conns.get(r) {
+                    c.hint.store(true, Ordering::Relaxed);
+                }
+            })?;
+            for i in 0..n {
+                let p = self.peers[(start + i) % n];
+                let Some(c) = &self.conns[p] else { continue };
+                if c.hint.swap(false, Ordering::AcqRel) {
+                    match self.try_peer(p, busy) {
+                        Ok(Some(u)) => return Ok(Poll::Ready(u)),
+                        Ok(None) => {
+                            if *busy {
+                                // Keep the hint for whoever can take it later.
+                                c.hint.store(true, Ordering::Relaxed);
+                            }
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        if self.all_broken() {
+            return Err(Error::Poisoned {
+                rank: self.peers[0],
+                cause: "every peer of this channel has closed its connection or failed".into(),
+            });
+        }
+        Ok(Poll::Pending)
+    }
+
+    fn block_any(&self, busy: bool, t: Duration) -> Result<()> {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let r = if busy {
+            // A message is ready on a connection another thread is unpacking: wait for it to be
+            // released rather than spinning on a readiness that is not ours.
+            let g = lock(&self.released);
+            let _ = self
+                .released_cv
+                .wait_timeout(g, t.min(Duration::from_millis(2)));
+            Ok(())
+        } else {
+            self.incoming.wait(t)
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+}
+
+impl Channel {
+    /// Start a message to `remote`. Blocks while another thread sends to the same peer on this
+    /// channel (a connection carries one message at a time in each direction).
+    pub fn begin_packing<'b>(&self, remote: usize) -> Result<Packer<'_, 'b>> {
+        Packer::start(&self.inner, remote)
+    }
+
+    /// Start receiving the next message from any peer; [`Unpacker::remote`] says which.
+    ///
+    /// Several threads may wait here at once: each gets a different whole message. A peer
+    /// that closes its connection cleanly between two messages just leaves the set of peers
+    /// (clients come and go); a connection that fails otherwise (reset, protocol violation,
+    /// closed in the middle of a message) is reported by one call ([`Error::ConnectionLost`],
+    /// [`Error::Protocol`], ...), and later calls keep serving the other peers. When no peer
+    /// is left, the call fails with [`Error::Poisoned`].
+    pub fn begin_unpacking<'b>(&self) -> Result<Unpacker<'_, 'b>> {
+        let inner = &*self.inner;
+        let mut busy = false;
+        inner.progress.drive(
+            &mut busy,
+            |busy| inner.try_any(busy),
+            |busy, t| inner.block_any(*busy, t),
+        )
+    }
+
+    /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
+    pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
+        let mut busy = false;
+        match self.inner.try_any(&mut busy)? {
+            Poll::Ready(u) => Ok(Some(u)),
+            Poll::Pending => Ok(None),
+        }
+    }
+
+    /// Start receiving the next message from `remote`.
+    pub fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<Unpacker<'_, 'b>> {
+        let inner = &*self.inner;
+        let conn = inner.conn(remote)?;
+        let mut rx = lock(&conn.rx);
+        if let Some(cause) = &rx.broken {
+            return Err(Error::Poisoned {
+                rank: remote,
+                cause: cause.clone(),
+            });
+        }
+        let r = inner.progress.drive(
+            &mut *rx,
+            |rx| rx.link.poll_message(),
+            |rx, t| rx.link.wait(t),
+        );
+        if let Err(e) = r {
+            rx.broken = Some(e.to_string());
+            rx.link.abort_message();
+            return Err(e);
+        }
+        Unpacker::start(inner, remote, rx)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of processes in the session.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// Ranks this channel can reach.
+    pub fn peers(&self) -> &[usize] {
+        &self.inner.peers
+    }
+
+    /// The channel's configuration.
+    pub fn config(&self) -> &ChannelConfig {
+        &self.inner.config
+    }
+
+    /// The channel's TM table (after threshold overrides).
+    pub fn tm_table(&self) -> &TmTable {
+        &self.inner.table
+    }
+
+    /// The driver's capabilities.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.inner.caps
+    }
+
+    /// A snapshot of the channel's counters.
+    pub fn stats(&self) -> ChannelStats {
+        let c = &self.inner.counters;
+        let tms = self.inner.table.tms();
+        ChannelStats {
+            messages_sent: c.msgs_sent.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            messages_received: c.msgs_recv.load(Ordering::Relaxed),
+            bytes_received: c.bytes_recv.load(Ordering::Relaxed),
+            pieces_sent: tms
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.to_string(), c.pieces_sent[i].load(Ordering::Relaxed)))
+                .collect(),
+            pieces_received: tms
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.to_string(), c.pieces_recv[i].load(Ordering::Relaxed)))
+                .collect(),
+        }
+    }
+
+    /// A printable selection table: which TM and BMM serve which sizes and modes (as
+    /// `UCX_PROTO_INFO` does for UCX). Printed at open when `MAD_PROTO_INFO=1`.
+    pub fn selection_table(&self) -> String {
+        selection_table(&self.inner)
+    }
+}
+
+pub(crate) fn selection_table(ch: &ChannelInner) -> String {
+    let t = &ch.table;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "channel `{}`: driver {}{}, progress {:?}{}, checked mode {}",
+        ch.config.name,
+        ch.config.driver,
+        ch.config
+            .adapter
+            .as_deref()
+            .map(|a| format!(":{a}"))
+            .unwrap_or_default(),
+        ch.progress.mode,
+        if ch.progress.oversubscribed {
+            " (oversubscribed host: short spin)"
+        } else {
+            ""
+        },
+        if ch.config.checked { "on" } else { "off" }
+    );
+    let _ = writeln!(
+        s,
+        "  {:<3} {:<10} {:<7} {:>12} {:<8} how",
+        "tm", "name", "bmm", "max len", "group"
+    );
+    for (i, tm) in t.tms().iter().enumerate() {
+        let max = if tm.max_len == usize::MAX {
+            "∞".to_string()
+        } else {
+            tm.max_len.to_string()
+        };
+        let grp = if tm.bmm == Bmm::Gather {
+            tm.max_group.to_string()
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            s,
+            "  {:<3} {:<10} {:<7} {:>12} {:<8} {}",
+            i,
+            tm.name,
+            format!("{:?}", tm.bmm),
+            max,
+            grp,
+            tm.how
+        );
+    }
+    let sizes: [usize; 10] = [
+        0,
+        8,
+        64,
+        512,
+        4 << 10,
+        16 << 10,
+        64 << 10,
+        256 << 10,
+        1 << 20,
+        64 << 20,
+    ];
+    let _ = write!(s, "  {:<17}", "send/recv \\ size");
+    for n in sizes {
+        let _ = write!(s, " {:>6}", human(n));
+    }
+    let _ = writeln!(s);
+    for sm in SendMode::ALL {
+        for rm in RecvMode::ALL {
+            let _ = write!(s, "  {:<17}", format!("{sm:?}/{rm:?}"));
+            for n in sizes {
+                let _ = write!(s, " {:>6}", t.tms()[t.select(n, sm, rm) as usize].name);
+            }
+            let _ = writeln!(s);
+        }
+    }
+    for n in &ch.notes {
+        let _ = writeln!(s, "  note: {n}");
+    }
+    s
+}
+
+fn human(n: usize) -> String {
+    if n >= 1 << 20 {
+        format!("{}M", n >> 20)
+    } else if n >= 1 << 10 {
+        format!("{}K", n >> 10)
+    } else {
+        n.to_string()
+    }
+}

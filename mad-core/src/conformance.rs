@@ -1,0 +1,881 @@
+//! The driver conformance kit: one suite every driver runs, over real threads or processes.
+//!
+//! A driver crate calls [`run_threads`] from a test (every rank is a thread of the test
+//! process, with a [`ThreadBootstrap`]) or [`run_rank`] from a program started under
+//! `madrun` / `mpiexec` (every rank a process). Each case opens its own channel from the
+//! driver spec, so a case that breaks a connection on purpose does not disturb the next.
+//!
+//! Cases (each skips itself when the session or the driver cannot run it):
+//! `sizes` (0, 1, 7, every TM threshold ±1, 1 MiB; 64 MiB with `big`), `modes` (every send ×
+//! receive mode), `later`, `safer_reuse`, `many_pieces`, `unaligned`, `figure1`, `later_express`,
+//! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces), `in_flight`,
+//! `any_source`, `two_channels`, `threads`, `checked_mismatch`, `peer_closes`.
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::{Bootstrap, ThreadBootstrap};
+use crate::config::ChannelConfig;
+use crate::error::{Error, Result};
+use crate::modes::{RecvMode, SendMode};
+use crate::{Channel, Session};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct KitOptions {
+    /// Driver spec used for every channel (`tcp`, `shm,progress=block`, ...).
+    pub spec: String,
+    /// Only these cases (all when `None`).
+    pub cases: Option<Vec<String>>,
+    /// Include the 64 MiB pieces.
+    pub big: bool,
+    /// Number of messages for `in_flight` and rounds for `threads`.
+    pub volume: usize,
+}
+
+impl KitOptions {
+    /// Defaults for a spec: every case, no 64 MiB pieces, moderate volume. `MAD_KIT_CASES`
+    /// (comma-separated) restricts the cases, `MAD_KIT_BIG=1` adds the 64 MiB pieces.
+    pub fn new(spec: &str) -> Self {
+        KitOptions {
+            spec: spec.to_string(),
+            cases: std::env::var("MAD_KIT_CASES")
+                .ok()
+                .map(|v| v.split(',').map(|s| s.trim().to_string()).collect()),
+            big: std::env::var("MAD_KIT_BIG")
+                .map(|v| v == "1")
+                .unwrap_or(false),
+            volume: 200,
+        }
+    }
+}
+
+type Case = fn(&Ctx<'_>) -> Result<()>;
+
+/// The list of cases, in the order they run.
+const CASES: &[(&str, Case)] = &[
+    ("empty", case_empty),
+    ("sizes", case_sizes),
+    ("modes", case_modes),
+    ("later", case_later),
+    ("later_express", case_later_express),
+    ("safer_reuse", case_safer_reuse),
+    ("many_pieces", case_many_pieces),
+    ("unaligned", case_unaligned),
+    ("figure1", case_figure1),
+    ("random", case_random),
+    ("in_flight", case_in_flight),
+    ("any_source", case_any_source),
+    ("two_channels", case_two_channels),
+    ("threads", case_threads),
+    ("checked_mismatch", case_checked_mismatch),
+    ("peer_closes", case_peer_closes),
+];
+
+struct Ctx<'s> {
+    session: &'s Session,
+    opts: &'s KitOptions,
+    case: &'static str,
+}
+
+impl Ctx<'_> {
+    fn rank(&self) -> usize {
+        self.session.rank()
+    }
+    fn size(&self) -> usize {
+        self.session.size()
+    }
+    fn open(&self, suffix: &str, extra: &str) -> Result<Channel> {
+        let name = format!("kit-{}{}", self.case, suffix);
+        let spec = if extra.is_empty() {
+            self.opts.spec.clone()
+        } else {
+            format!("{},{extra}", self.opts.spec)
+        };
+        self.session
+            .open_channel_with(ChannelConfig::parse(&name, &spec)?)
+    }
+    fn barrier(&self, what: &str) -> Result<()> {
+        self.session
+            .bootstrap()
+            .barrier(&format!("kit/{}/{what}", self.case))
+    }
+}
+
+fn fail(what: impl Into<String>) -> Error {
+    Error::Protocol {
+        rank: usize::MAX,
+        what: format!("conformance: {}", what.into()),
+    }
+}
+
+/// A deterministic byte for position `i` of a piece identified by `tag`.
+#[inline]
+fn pat(tag: u64, i: usize) -> u8 {
+    let x =
+        tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    (x >> 56) as u8 ^ (i as u8)
+}
+
+fn fill(tag: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pat(tag, i);
+    }
+}
+
+fn check(tag: u64, buf: &[u8], what: &str) -> Result<()> {
+    for (i, b) in buf.iter().enumerate() {
+        if *b != pat(tag, i) {
+            return Err(fail(format!(
+                "{what}: byte {i} of {} is {b:#04x}, expected {:#04x}",
+                buf.len(),
+                pat(tag, i)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// splitmix64: small, seedable, identical on both sides.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+fn send_piece<'b>(
+    p: &mut crate::Packer<'_, 'b>,
+    data: &'b [u8],
+    s: SendMode,
+    r: RecvMode,
+    later: Option<&'b [Cell<u8>]>,
+) -> Result<()> {
+    match s {
+        SendMode::Cheaper => p.pack(data, r),
+        SendMode::Safer => p.pack_safer(data, r),
+        SendMode::Later => p.pack_later(later.ok_or_else(|| fail("LATER needs cells"))?, r),
+    }
+}
+
+/// One message of one piece of `len` bytes with modes (s, r), from `from` to `to`, checked.
+fn one_piece(
+    ch: &Channel,
+    from: usize,
+    to: usize,
+    len: usize,
+    s: SendMode,
+    r: RecvMode,
+    tag: u64,
+) -> Result<()> {
+    let me = ch.rank();
+    if me == from {
+        let mut data = vec![0u8; len];
+        fill(tag, &mut data);
+        let mut later_buf = data.clone();
+        let cells = Cell::from_mut(&mut later_buf[..]).as_slice_of_cells();
+        let mut p = ch.begin_packing(to)?;
+        send_piece(&mut p, &data, s, r, Some(cells))?;
+        p.end_packing()?;
+    } else if me == to {
+        let mut buf = vec![0xAAu8; len];
+        let mut u = ch.begin_unpacking_from(from)?;
+        match r {
+            RecvMode::Express => {
+                u.unpack_express(&mut buf, s)?;
+                u.end_unpacking()?;
+            }
+            RecvMode::Cheaper => {
+                u.unpack(&mut buf, s)?;
+                u.end_unpacking()?;
+            }
+        }
+        check(tag, &buf, &format!("{len} B piece, {s:?}/{r:?}"))?;
+    }
+    Ok(())
+}
+
+fn case_empty(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for _ in 0..3 {
+        if c.rank() == 0 {
+            ch.begin_packing(1)?.end_packing()?;
+        } else if c.rank() == 1 {
+            let u = ch.begin_unpacking()?;
+            if u.remote() != 0 {
+                return Err(fail("empty message from the wrong rank"));
+            }
+            u.end_unpacking()?;
+        }
+    }
+    Ok(())
+}
+
+fn interesting_sizes(ch: &Channel, big: bool) -> Vec<usize> {
+    let mut v = vec![0, 1, 7, 8, 100, 4096, 65536 + 3, 1 << 20];
+    for tm in ch.tm_table().tms() {
+        if tm.max_len != usize::MAX && tm.max_len < (256 << 20) {
+            v.extend([tm.max_len.saturating_sub(1), tm.max_len, tm.max_len + 1]);
+        }
+    }
+    if big {
+        v.push(64 << 20);
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn case_sizes(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for (i, len) in interesting_sizes(&ch, c.opts.big).into_iter().enumerate() {
+        one_piece(
+            &ch,
+            0,
+            1,
+            len,
+            SendMode::Cheaper,
+            RecvMode::Cheaper,
+            i as u64,
+        )?;
+        one_piece(
+            &ch,
+            1,
+            0,
+            len,
+            SendMode::Safer,
+            RecvMode::Express,
+            1000 + i as u64,
+        )?;
+    }
+    Ok(())
+}
+
+fn case_modes(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let sizes = interesting_sizes(&ch, false);
+    let mut tag = 0;
+    for s in SendMode::ALL {
+        for r in RecvMode::ALL {
+            for &len in &sizes {
+                tag += 1;
+                one_piece(&ch, 0, 1, len, s, r, tag)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn case_later(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for len in [4usize, 5000, 300_000] {
+        if c.rank() == 0 {
+            let mut buf = vec![1u8; len];
+            let head = [9u8; 3];
+            {
+                let cells = Cell::from_mut(&mut buf[..]).as_slice_of_cells();
+                let mut p = ch.begin_packing(1)?;
+                p.pack_later(cells, RecvMode::Cheaper)?;
+                p.pack(&head, RecvMode::Express)?;
+                // Changes made between pack and end_packing are sent.
+                for (i, cell) in cells.iter().enumerate() {
+                    cell.set(pat(len as u64, i));
+                }
+                p.end_packing()?;
+            }
+        } else if c.rank() == 1 {
+            let mut buf = vec![0u8; len];
+            let mut head = [0u8; 3];
+            let mut u = ch.begin_unpacking()?;
+            u.unpack(&mut buf, SendMode::Later)?;
+            u.unpack_express(&mut head, SendMode::Cheaper)?;
+            if head != [9; 3] {
+                return Err(fail("piece after a LATER piece corrupted"));
+            }
+            u.end_unpacking()?;
+            check(len as u64, &buf, "LATER piece (changed after pack)")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_later_express(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for len in [8usize, 70_000] {
+        if c.rank() == 0 {
+            let mut size = [0u8; 8];
+            let body: Vec<u8> = (0..len).map(|i| pat(5, i)).collect();
+            let mut safer = vec![3u8; 100];
+            let cells = Cell::from_mut(&mut size[..]).as_slice_of_cells();
+            let mut p = ch.begin_packing(1)?;
+            p.pack_later(cells, RecvMode::Express)?;
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.pack_safer(&safer, RecvMode::Express)?;
+            safer.fill(0); // SAFER in hold mode: the value at pack time is sent
+            for (i, c) in (len as u64).to_le_bytes().iter().enumerate() {
+                cells[i].set(*c);
+            }
+            p.end_packing()?;
+        } else if c.rank() == 1 {
+            let mut size = [0u8; 8];
+            let mut u = ch.begin_unpacking()?;
+            u.unpack_express(&mut size, SendMode::Later)?;
+            let n = u64::from_le_bytes(size) as usize;
+            if n != len {
+                return Err(fail(format!("LATER+EXPRESS size: got {n}, expected {len}")));
+            }
+            let mut body = vec![0u8; n];
+            let mut safer = vec![0u8; 100];
+            u.unpack(&mut body, SendMode::Cheaper)?;
+            u.unpack_express(&mut safer, SendMode::Safer)?;
+            if safer != vec![3u8; 100] {
+                return Err(fail(
+                    "SAFER piece packed in hold mode was not the value at pack time",
+                ));
+            }
+            u.end_unpacking()?;
+            check(5, &body, "body after LATER+EXPRESS")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_safer_reuse(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let sizes = [16usize, 3000, 200_000, 2 << 20];
+    if c.rank() == 0 {
+        let mut p = ch.begin_packing(1)?;
+        let mut scratch = Vec::new();
+        for (i, &len) in sizes.iter().enumerate() {
+            scratch.resize(len, 0);
+            fill(i as u64, &mut scratch);
+            p.pack_safer(&scratch, RecvMode::Cheaper)?;
+            scratch.fill(0xEE); // reuse at once
+        }
+        p.end_packing()?;
+    } else if c.rank() == 1 {
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let mut u = ch.begin_unpacking()?;
+        for b in bufs.iter_mut() {
+            u.unpack(b, SendMode::Safer)?;
+        }
+        u.end_unpacking()?;
+        for (i, b) in bufs.iter().enumerate() {
+            check(i as u64, b, "SAFER piece reused after pack")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_many_pieces(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let lens: Vec<usize> = (0..300)
+        .map(|i| [1usize, 8, 33, 0, 500, 4100, 70_000][i % 7])
+        .collect();
+    if c.rank() == 0 {
+        let data: Vec<Vec<u8>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| pat(i as u64, j)).collect())
+            .collect();
+        let mut p = ch.begin_packing(1)?;
+        for d in &data {
+            p.pack(d, RecvMode::Cheaper)?;
+        }
+        p.end_packing()?;
+    } else if c.rank() == 1 {
+        let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+        let mut u = ch.begin_unpacking()?;
+        for b in bufs.iter_mut() {
+            u.unpack(b, SendMode::Cheaper)?;
+        }
+        u.end_unpacking()?;
+        for (i, b) in bufs.iter().enumerate() {
+            check(i as u64, b, "one of 300 pieces")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_unaligned(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for (k, &len) in [13usize, 4097, 100_003].iter().enumerate() {
+        if c.rank() == 0 {
+            let mut raw = vec![0u8; len + 8];
+            fill(k as u64, &mut raw[3..3 + len]);
+            let mut p = ch.begin_packing(1)?;
+            p.pack(&raw[3..3 + len], RecvMode::Cheaper)?;
+            p.pack(&raw[1..2], RecvMode::Express)?;
+            p.end_packing()?;
+        } else if c.rank() == 1 {
+            let mut raw = vec![0u8; len + 8];
+            let mut one = [0u8; 1];
+            let mut u = ch.begin_unpacking()?;
+            u.unpack(&mut raw[5..5 + len], SendMode::Cheaper)?;
+            u.unpack_express(&mut one, SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            check(k as u64, &raw[5..5 + len], "unaligned piece")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_figure1(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    for (k, &len) in [0usize, 10, 5000, 1 << 20].iter().enumerate() {
+        if c.rank() == 0 {
+            let array: Vec<u8> = (0..len).map(|i| pat(k as u64, i)).collect();
+            let mut p = ch.begin_packing(1)?;
+            p.pack_value(&(len as u32), RecvMode::Express)?;
+            p.pack(&array, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        } else if c.rank() == 1 {
+            let mut u = ch.begin_unpacking()?;
+            let n: u32 = u.unpack_value(SendMode::Safer)?;
+            let mut array = vec![0u8; n as usize];
+            u.unpack(&mut array, SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            check(k as u64, &array, "Figure 1 array")?;
+        }
+    }
+    Ok(())
+}
+
+fn random_msg(seed: u64) -> Vec<(usize, SendMode, RecvMode)> {
+    let mut rng = Rng(seed);
+    let n = 8 + rng.below(8) as usize;
+    (0..n)
+        .map(|_| {
+            let len = match rng.below(4) {
+                0 => rng.below(16) as usize,
+                1 => rng.below(2048) as usize,
+                2 => rng.below(100_000) as usize,
+                _ => rng.below(600_000) as usize,
+            };
+            let s = SendMode::ALL[rng.below(3) as usize];
+            let r = RecvMode::ALL[rng.below(2) as usize];
+            (len, s, r)
+        })
+        .collect()
+}
+
+fn case_random(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    for checked in [false, true] {
+        let ch = c.open(
+            if checked { "-checked" } else { "" },
+            if checked { "checked=true" } else { "" },
+        )?;
+        let seed0 = 0x5eed_0000 + checked as u64;
+        let msgs = 8 + Rng(seed0).below(8);
+        for m in 0..msgs {
+            let seed = seed0 * 1000 + m;
+            let pieces = random_msg(seed);
+            if c.rank() == 0 {
+                let data: Vec<Vec<u8>> = pieces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(n, ..))| (0..n).map(|j| pat(seed + i as u64, j)).collect())
+                    .collect();
+                let mut later: Vec<Vec<u8>> = pieces.iter().map(|&(n, ..)| vec![0u8; n]).collect();
+                let cells: Vec<&[Cell<u8>]> = later
+                    .iter_mut()
+                    .map(|v| Cell::from_mut(&mut v[..]).as_slice_of_cells())
+                    .collect();
+                let mut p = ch.begin_packing(1)?;
+                for (i, &(_, s, r)) in pieces.iter().enumerate() {
+                    send_piece(&mut p, &data[i], s, r, Some(cells[i]))?;
+                }
+                // LATER pieces get their value now.
+                for (i, &(_, s, _)) in pieces.iter().enumerate() {
+                    if s == SendMode::Later {
+                        for (j, cell) in cells[i].iter().enumerate() {
+                            cell.set(data[i][j]);
+                        }
+                    }
+                }
+                p.end_packing()?;
+            } else if c.rank() == 1 {
+                let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|&(n, ..)| vec![0u8; n]).collect();
+                let mut u = ch.begin_unpacking()?;
+                for (i, (b, &(_, s, r))) in bufs.iter_mut().zip(&pieces).enumerate() {
+                    match r {
+                        RecvMode::Express => {
+                            u.unpack_express(b, s)?;
+                            check(
+                                seed + i as u64,
+                                b,
+                                &format!("random msg {m} piece {i} (EXPRESS, at unpack)"),
+                            )?;
+                        }
+                        RecvMode::Cheaper => u.unpack(b, s)?,
+                    }
+                }
+                u.end_unpacking()?;
+                for (i, b) in bufs.iter().enumerate() {
+                    check(
+                        seed + i as u64,
+                        b,
+                        &format!("random msg {m} piece {i} {:?}", pieces[i]),
+                    )?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn case_in_flight(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let n = c.opts.volume * 5;
+    if c.rank() == 0 {
+        for i in 0..n as u64 {
+            let mut p = ch.begin_packing(1)?;
+            p.pack_value(&i, RecvMode::Express)?;
+            let body = [(i % 251) as u8; 100];
+            p.pack_safer(&body, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        }
+    } else if c.rank() == 1 {
+        for i in 0..n as u64 {
+            let mut u = ch.begin_unpacking()?;
+            let v: u64 = u.unpack_value(SendMode::Safer)?;
+            let mut body = [0u8; 100];
+            u.unpack_express(&mut body, SendMode::Safer)?;
+            u.end_unpacking()?;
+            if v != i || body != [(i % 251) as u8; 100] {
+                return Err(fail(format!(
+                    "message {i} of {n} out of order or corrupt (got {v})"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn case_any_source(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let per = 20u64;
+    if c.rank() == 0 {
+        let mut next = vec![0u64; c.size()];
+        for _ in 0..per * (c.size() as u64 - 1) {
+            let mut u = ch.begin_unpacking()?;
+            let from = u.remote();
+            let (r, i): (u64, u64) = (
+                u.unpack_value(SendMode::Safer)?,
+                u.unpack_value(SendMode::Safer)?,
+            );
+            let mut body = vec![0u8; 3000];
+            u.unpack(&mut body, SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            if r != from as u64 || i != next[from] {
+                return Err(fail(format!(
+                    "any-source: from {from} got (rank {r}, #{i}), expected #{}",
+                    next[from]
+                )));
+            }
+            check(r * 1000 + i, &body, "any-source body")?;
+            next[from] += 1;
+        }
+    } else {
+        for i in 0..per {
+            let body: Vec<u8> = (0..3000)
+                .map(|j| pat(c.rank() as u64 * 1000 + i, j))
+                .collect();
+            let mut p = ch.begin_packing(0)?;
+            p.pack_value(&(c.rank() as u64), RecvMode::Express)?;
+            p.pack_value(&i, RecvMode::Express)?;
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        }
+    }
+    c.barrier("done")
+}
+
+fn case_two_channels(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let a = c.open("-a", "")?;
+    let b = c.open("-b", "")?;
+    for i in 0..20u64 {
+        if c.rank() == 0 {
+            let big: Vec<u8> = (0..200_000).map(|j| pat(i, j)).collect();
+            let mut pa = a.begin_packing(1)?;
+            pa.pack_value(&i, RecvMode::Express)?;
+            let mut pb = b.begin_packing(1)?; // two messages under construction at once
+            pb.pack_value(&(i + 100), RecvMode::Express)?;
+            pa.pack(&big, RecvMode::Cheaper)?;
+            pb.end_packing()?;
+            pa.end_packing()?;
+        } else if c.rank() == 1 {
+            let mut ub = b.begin_unpacking()?;
+            let vb: u64 = ub.unpack_value(SendMode::Safer)?;
+            ub.end_unpacking()?;
+            let mut ua = a.begin_unpacking()?;
+            let va: u64 = ua.unpack_value(SendMode::Safer)?;
+            let mut big = vec![0u8; 200_000];
+            ua.unpack(&mut big, SendMode::Cheaper)?;
+            ua.end_unpacking()?;
+            if va != i || vb != i + 100 {
+                return Err(fail("channels mixed up"));
+            }
+            check(i, &big, "two channels")?;
+        }
+    }
+    Ok(())
+}
+
+fn case_threads(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    let (rank, size) = (c.rank(), c.size());
+    let rounds = (c.opts.volume / 4).max(10) as u64;
+    // Every rank: 2 sender threads (each to every other rank) and 2 receiver threads waiting
+    // in begin_unpacking on the same channel; each receiver must get whole messages.
+    let total_in = 2 * rounds * (size as u64 - 1);
+    let got = Arc::new(std::sync::Mutex::new(vec![0u64; size * 2]));
+    std::thread::scope(|s| -> Result<()> {
+        let mut hs = Vec::new();
+        for t in 0..2u64 {
+            let ch = &ch;
+            hs.push(s.spawn(move || -> Result<()> {
+                for i in 0..rounds {
+                    for peer in (0..size).filter(|&p| p != rank) {
+                        let body: Vec<u8> = (0..1000 + (i as usize % 5) * 7000)
+                            .map(|j| pat(i * 10 + t, j))
+                            .collect();
+                        let mut p = ch.begin_packing(peer)?;
+                        p.pack_value(&[t, i, body.len() as u64], RecvMode::Express)?;
+                        p.pack(&body, RecvMode::Cheaper)?;
+                        p.end_packing()?;
+                    }
+                }
+                Ok(())
+            }));
+        }
+        let remaining = Arc::new(std::sync::atomic::AtomicU64::new(total_in));
+        for _ in 0..2 {
+            let (ch, got, remaining) = (&ch, got.clone(), remaining.clone());
+            hs.push(s.spawn(move || -> Result<()> {
+                loop {
+                    // Claim one message before waiting, so no thread waits for a message that
+                    // will never come.
+                    let prev = remaining.fetch_update(
+                        std::sync::atomic::Ordering::AcqRel,
+                        std::sync::atomic::Ordering::Acquire,
+                        |v| v.checked_sub(1),
+                    );
+                    if prev.is_err() {
+                        return Ok(());
+                    }
+                    let mut u = ch.begin_unpacking()?;
+                    let from = u.remote();
+                    let [t, i, n]: [u64; 3] = u.unpack_value(SendMode::Safer)?;
+                    let mut body = vec![0u8; n as usize];
+                    u.unpack(&mut body, SendMode::Cheaper)?;
+                    u.end_unpacking()?;
+                    check(i * 10 + t, &body, "threads body")?;
+                    let mut g = got.lock().map_err(|_| fail("lock"))?;
+                    g[from * 2 + t as usize] += 1;
+                }
+            }));
+        }
+        for h in hs {
+            h.join().map_err(|_| fail("thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    let g = got.lock().map_err(|_| fail("lock"))?;
+    for from in (0..size).filter(|&p| p != rank) {
+        for t in 0..2 {
+            if g[from * 2 + t] != rounds {
+                return Err(fail(format!(
+                    "threads: got {} messages from rank {from} thread {t}, expected {rounds}",
+                    g[from * 2 + t]
+                )));
+            }
+        }
+    }
+    c.barrier("done")
+}
+
+fn case_checked_mismatch(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "checked=true")?;
+    if c.rank() == 0 {
+        let mut p = ch.begin_packing(1)?;
+        p.pack_safer(&[1u8; 8], RecvMode::Express)?;
+        p.pack_safer(&[2u8; 8], RecvMode::Express)?;
+        p.end_packing()?;
+    } else if c.rank() == 1 {
+        let mut u = ch.begin_unpacking()?;
+        let mut a = [0u8; 8];
+        u.unpack_express(&mut a, SendMode::Safer)?;
+        let mut b = [0u8; 16];
+        match u.unpack_express(&mut b, SendMode::Safer) {
+            Err(Error::UnpackMismatch { sent, expected, .. }) => {
+                let ok = matches!(sent, crate::error::PieceOrEnd::Piece(p) if p.len == 8 && p.index == 1)
+                    && matches!(expected, crate::error::PieceOrEnd::Piece(p) if p.len == 16 && p.index == 1);
+                if !ok {
+                    return Err(fail(format!(
+                        "mismatch reported with wrong descriptors: {sent} vs {expected}"
+                    )));
+                }
+            }
+            Err(e) => return Err(fail(format!("expected UnpackMismatch, got {e}"))),
+            Ok(()) => {
+                return Err(fail(
+                    "a 16-byte unpack of an 8-byte piece was accepted in checked mode",
+                ))
+            }
+        }
+    }
+    c.barrier("done")
+}
+
+fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    if c.rank() == 1 {
+        let mut p = ch.begin_packing(0)?;
+        p.pack_safer(&[7u8; 64], RecvMode::Express)?;
+        drop(p); // abandoned midway
+        drop(ch); // and the process (here: its channel) goes away
+    } else if c.rank() == 0 {
+        let start = Instant::now();
+        let r = (|| -> Result<()> {
+            let mut u = ch.begin_unpacking_from(1)?;
+            let mut head = [0u8; 64];
+            u.unpack_express(&mut head, SendMode::Safer)?;
+            let mut rest = vec![0u8; 4 << 20];
+            u.unpack_express(&mut rest, SendMode::Safer)?;
+            u.end_unpacking()
+        })();
+        if r.is_ok() {
+            return Err(fail("a message abandoned midway was delivered as complete"));
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(fail("peer failure took more than 30 s to report"));
+        }
+        // Later receives on that connection report the failure at once.
+        if ch.begin_unpacking_from(1).is_ok() {
+            return Err(fail(
+                "connection still usable after the peer abandoned a message",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Run the kit on this rank of an already built session (every rank calls it).
+pub fn run_rank(session: &Session, opts: &KitOptions) -> Result<Vec<&'static str>> {
+    let mut ran = Vec::new();
+    for (name, case) in CASES {
+        if let Some(only) = &opts.cases {
+            if !only.iter().any(|c| c == name) {
+                continue;
+            }
+        }
+        let ctx = Ctx {
+            session,
+            opts,
+            case: name,
+        };
+        ctx.barrier("start")?;
+        case(&ctx).map_err(|e| fail(format!("case `{name}` on rank {}: {e}", session.rank())))?;
+        ctx.barrier("end")?;
+        ran.push(*name);
+    }
+    Ok(ran)
+}
+
+/// Run the kit with `ranks` threads, each with its own session built by `build` from a
+/// [`ThreadBootstrap`]. Returns the cases that ran; the first failure is returned as an error
+/// naming the case and rank.
+pub fn run_threads<F>(ranks: usize, opts: KitOptions, build: F) -> Result<Vec<&'static str>>
+where
+    F: Fn(Box<dyn Bootstrap>) -> Result<Session> + Send + Sync,
+{
+    let boots = ThreadBootstrap::group(ranks);
+    let build = &build;
+    let opts = &opts;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .map(|b| {
+                s.spawn(move || -> Result<Vec<&'static str>> {
+                    let session = build(Box::new(b))?;
+                    run_rank(&session, opts)
+                })
+            })
+            .collect();
+        let mut ran = Vec::new();
+        let mut errors = Vec::new();
+        for (rank, h) in hs.into_iter().enumerate() {
+            match h.join().unwrap_or_else(|_| Err(fail("a rank panicked"))) {
+                Ok(v) => ran = v,
+                Err(e) => errors.push(format!("rank {rank}: {e}")),
+            }
+        }
+        if errors.is_empty() {
+            Ok(ran)
+        } else {
+            Err(fail(errors.join("\n")))
+        }
+    })
+}
+
+/// The names of every case, in the order they run.
+pub fn case_names() -> Vec<&'static str> {
+    CASES.iter().map(|(n, _)| *n).collect()
+}

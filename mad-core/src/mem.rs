@@ -1,0 +1,554 @@
+//! `mem`: an in-process driver between the threads of one process.
+//!
+//! It exists for three reasons: unit-testing the engine without a network (it is *strict*:
+//! it checks that the receiver's copy buffers and gather groups have exactly the shape the
+//! sender produced, so any asymmetry in the switch, the BMMs or commit/checkout is reported as
+//! an error instead of being hidden by a byte stream); measuring the engine's own overhead;
+//! and serving as the smallest complete example of the driver contract. Use it with
+//! [`ThreadBootstrap`](crate::bootstrap::ThreadBootstrap).
+//!
+//! Spec: `mem[,buf=<bytes>][,frames=<n>][,copy_max=<bytes>]`. TMs: `copy` (Bmm::Copy, buffers
+//! of `buf` bytes, default 4096) up to `copy_max` (default 1024), then `gather` (Bmm::Gather,
+//! groups of up to 8 slices). Each direction holds at most `frames` frames (default 64): a
+//! sender that finds it full gets `Poll::Pending` (back-pressure).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::task::Poll;
+use std::time::Duration;
+
+use crate::channel::lock;
+use crate::config::ChannelConfig;
+use crate::driver::{
+    AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
+    TmId, TmSpec, TmTable, TxLink,
+};
+use crate::error::{Error, Result};
+
+enum Frame {
+    Buf {
+        tm: TmId,
+        data: Vec<u8>,
+    },
+    Group {
+        tm: TmId,
+        data: Vec<u8>,
+        lens: Vec<usize>,
+    },
+}
+
+struct PipeState {
+    frames: VecDeque<Frame>,
+    free: Vec<Vec<u8>>,
+    free_lens: Vec<Vec<usize>>,
+    closed: bool,
+}
+
+struct Pipe {
+    st: Mutex<PipeState>,
+    cv: Condvar,
+    max_frames: usize,
+    doorbell: Arc<Doorbell>,
+}
+
+#[derive(Default)]
+struct Doorbell {
+    n: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Doorbell {
+    fn ring(&self) {
+        *lock(&self.n) += 1;
+        self.cv.notify_all();
+    }
+}
+
+struct Fabric {
+    /// `pipes[src * size + dst]`
+    pipes: Vec<Arc<Pipe>>,
+    bells: Vec<Arc<Doorbell>>,
+}
+
+fn fabrics() -> &'static Mutex<HashMap<String, Arc<Fabric>>> {
+    static F: OnceLock<Mutex<HashMap<String, Arc<Fabric>>>> = OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+/// The in-process driver (see the module documentation).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MemDriver;
+
+struct Params {
+    buf: usize,
+    frames: usize,
+    copy_max: usize,
+}
+
+fn params(c: &ChannelConfig) -> Result<Params> {
+    let buf = c.option_parsed::<usize>("buf")?.unwrap_or(4096);
+    let frames = c.option_parsed::<usize>("frames")?.unwrap_or(64);
+    let copy_max = c.option_parsed::<usize>("copy_max")?.unwrap_or(1024);
+    if buf == 0 || frames == 0 {
+        return Err(Error::BadConfig(format!(
+            "channel `{}`: mem buf and frames must be positive",
+            c.name
+        )));
+    }
+    Ok(Params {
+        buf,
+        frames,
+        copy_max,
+    })
+}
+
+impl Driver for MemDriver {
+    fn name(&self) -> &'static str {
+        "mem"
+    }
+
+    fn describe(&self) -> String {
+        "in-process, threads of one process only (tests)".into()
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        let p = params(config)?;
+        TmTable::new([
+            TmSpec::copy("copy", p.copy_max, "copied into fixed-size frames"),
+            TmSpec::gather(
+                "gather",
+                usize::MAX,
+                8,
+                "one frame per group, shape checked",
+            ),
+        ])
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities {
+            direct_poll_limit: 64,
+            detects_peer_death: true,
+            intra_node_only: true,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let p = params(ctx.config)?;
+        let b = ctx.bootstrap;
+        let (rank, size) = (b.rank(), b.size());
+        // Rank 0 names the fabric; everybody learns the name from the bootstrap.
+        let key = format!("{}/{}", ctx.tag("mem"), b.secret().to_hex());
+        let names = b.allgather(&ctx.tag("mem-open"), key.as_bytes())?;
+        if names.iter().any(|n| n.as_slice() != key.as_bytes()) {
+            return Err(Error::BadConfig(
+                "mem driver: ranks disagree on the channel (not one process?)".into(),
+            ));
+        }
+        let fabric = {
+            let mut f = lock(fabrics());
+            f.entry(key.clone())
+                .or_insert_with(|| {
+                    let bells: Vec<Arc<Doorbell>> =
+                        (0..size).map(|_| Arc::new(Doorbell::default())).collect();
+                    let pipes = (0..size * size)
+                        .map(|i| {
+                            Arc::new(Pipe {
+                                st: Mutex::new(PipeState {
+                                    frames: VecDeque::with_capacity(p.frames),
+                                    free: Vec::new(),
+                                    free_lens: Vec::new(),
+                                    closed: false,
+                                }),
+                                cv: Condvar::new(),
+                                max_frames: p.frames,
+                                doorbell: bells[i % size].clone(),
+                            })
+                        })
+                        .collect();
+                    Arc::new(Fabric { pipes, bells })
+                })
+                .clone()
+        };
+        b.barrier(&ctx.tag("mem-ready"))?;
+        if rank == 0 {
+            lock(fabrics()).remove(&key);
+        }
+        let links = (0..size)
+            .map(|peer| {
+                (peer != rank).then(|| LinkPair {
+                    tx: Box::new(MemTx {
+                        peer,
+                        pipe: fabric.pipes[rank * size + peer].clone(),
+                        buf: vec![0; p.buf],
+                        used: 0,
+                        tm: 0,
+                        msg: 0,
+                        pushed: false,
+                    }) as Box<dyn TxLink>,
+                    rx: Box::new(MemRx {
+                        pipe: fabric.pipes[peer * size + rank].clone(),
+                        cur: None,
+                        off: 0,
+                        peer,
+                    }) as Box<dyn RxLink>,
+                })
+            })
+            .collect();
+        let inbound = (0..size)
+            .filter(|&s| s != rank)
+            .map(|s| (s, fabric.pipes[s * size + rank].clone()))
+            .collect();
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(MemIncoming {
+                inbound,
+                bell: fabric.bells[rank].clone(),
+            }),
+            notes: vec![format!(
+                "mem: {} B frames, at most {} frames per direction",
+                p.buf, p.frames
+            )],
+        })
+    }
+}
+
+struct MemTx {
+    peer: usize,
+    pipe: Arc<Pipe>,
+    buf: Vec<u8>,
+    used: usize,
+    tm: TmId,
+    msg: u64,
+    pushed: bool,
+}
+
+impl MemTx {
+    /// Push the current copy buffer as a frame; `Pending` if the pipe is full.
+    fn push_buf(&mut self) -> Result<Poll<()>> {
+        if self.used == 0 {
+            return Ok(Poll::Ready(()));
+        }
+        let mut st = lock(&self.pipe.st);
+        if st.closed {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        if st.frames.len() >= self.pipe.max_frames {
+            return Ok(Poll::Pending);
+        }
+        let mut data = st.free.pop().unwrap_or_default();
+        data.clear();
+        data.extend_from_slice(&self.buf[..self.used]);
+        st.frames.push_back(Frame::Buf { tm: self.tm, data });
+        drop(st);
+        self.used = 0;
+        self.pushed = true;
+        self.pipe.cv.notify_all();
+        self.pipe.doorbell.ring();
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl TxLink for MemTx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.msg += 1;
+        self.pushed = false;
+        Ok(())
+    }
+
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        if ((tm != self.tm && self.used > 0) || self.used == self.buf.len())
+            && self.push_buf()?.is_pending()
+        {
+            return Ok(Poll::Pending);
+        }
+        self.tm = tm;
+        let n = fill(&mut self.buf[self.used..]);
+        self.used += n.min(self.buf.len() - self.used);
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        // Order: a copy buffer still open goes first.
+        if self.push_buf()?.is_pending() {
+            return Ok(Poll::Pending);
+        }
+        let mut st = lock(&self.pipe.st);
+        if st.closed {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        if st.frames.len() >= self.pipe.max_frames {
+            return Ok(Poll::Pending);
+        }
+        let mut data = st.free.pop().unwrap_or_default();
+        let mut lens = st.free_lens.pop().unwrap_or_default();
+        data.clear();
+        lens.clear();
+        for s in iov {
+            data.extend_from_slice(s);
+            lens.push(s.len());
+        }
+        st.frames.push_back(Frame::Group { tm, data, lens });
+        drop(st);
+        self.pushed = true;
+        self.pipe.cv.notify_all();
+        self.pipe.doorbell.ring();
+        Ok(Poll::Ready(()))
+    }
+
+    fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
+        self.push_buf()
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.push_buf()
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        self.used = 0;
+        if self.pushed {
+            lock(&self.pipe.st).closed = true;
+            self.pipe.cv.notify_all();
+            self.pipe.doorbell.ring();
+            AbortOutcome::Broken
+        } else {
+            AbortOutcome::Discarded
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let st = lock(&self.pipe.st);
+        if st.frames.len() >= self.pipe.max_frames && !st.closed {
+            let _ = self.pipe.cv.wait_timeout(st, timeout);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MemTx {
+    fn drop(&mut self) {
+        lock(&self.pipe.st).closed = true;
+        self.pipe.cv.notify_all();
+        self.pipe.doorbell.ring();
+    }
+}
+
+struct MemRx {
+    pipe: Arc<Pipe>,
+    cur: Option<(TmId, Vec<u8>)>,
+    off: usize,
+    peer: usize,
+}
+
+impl MemRx {
+    fn recycle(&mut self) {
+        if let Some((_, data)) = self.cur.take() {
+            lock(&self.pipe.st).free.push(data);
+        }
+        self.off = 0;
+    }
+
+    fn pop(&mut self) -> Result<Option<Frame>> {
+        let mut st = lock(&self.pipe.st);
+        match st.frames.pop_front() {
+            Some(f) => {
+                drop(st);
+                self.pipe.cv.notify_all();
+                Ok(Some(f))
+            }
+            None if st.closed => Err(Error::PeerClosed { rank: self.peer }),
+            None => Ok(None),
+        }
+    }
+}
+
+impl RxLink for MemRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        if let Some((_, d)) = &self.cur {
+            if self.off < d.len() {
+                return Ok(Poll::Ready(()));
+            }
+        }
+        let st = lock(&self.pipe.st);
+        if !st.frames.is_empty() {
+            Ok(Poll::Ready(()))
+        } else if st.closed {
+            Err(Error::PeerClosed { rank: self.peer })
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        let exhausted = match &self.cur {
+            Some((_, d)) => self.off >= d.len(),
+            None => true,
+        };
+        if exhausted {
+            self.recycle();
+            match self.pop()? {
+                None => return Ok(Poll::Pending),
+                Some(Frame::Buf { tm: ftm, data }) => {
+                    if ftm != tm {
+                        return Err(Error::protocol(
+                            self.peer,
+                            format!(
+                                "mem: receiver reads copy TM {tm} but the sender filled TM {ftm}"
+                            ),
+                        ));
+                    }
+                    self.cur = Some((ftm, data));
+                }
+                Some(Frame::Group { tm: ftm, lens, .. }) => {
+                    return Err(Error::protocol(
+                        self.peer,
+                        format!("mem: receiver reads copy TM {tm} but the sender sent a TM {ftm} group {lens:?}"),
+                    ));
+                }
+            }
+        }
+        let Some((ftm, d)) = &self.cur else {
+            return Ok(Poll::Pending);
+        };
+        if *ftm != tm {
+            return Err(Error::protocol(
+                self.peer,
+                format!("mem: copy TM {tm} read inside a TM {ftm} buffer"),
+            ));
+        }
+        let n = take(&d[self.off..]);
+        self.off += n;
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        if let Some((_, d)) = &self.cur {
+            if self.off < d.len() {
+                return Err(Error::protocol(
+                    self.peer,
+                    format!(
+                        "mem: gather receive while {} bytes of a copy buffer are unread",
+                        d.len() - self.off
+                    ),
+                ));
+            }
+        }
+        self.recycle();
+        match self.pop()? {
+            None => Ok(Poll::Pending),
+            Some(Frame::Group { tm: ftm, data, lens }) => {
+                let mine: Vec<usize> = iov.iter().map(|s| s.len()).collect();
+                if ftm != tm || lens != mine {
+                    return Err(Error::protocol(
+                        self.peer,
+                        format!("mem: sender's group TM {ftm} {lens:?} differs from receiver's TM {tm} {mine:?}"),
+                    ));
+                }
+                let mut off = 0;
+                for s in iov.iter_mut() {
+                    let n = s.len();
+                    s.copy_from_slice(&data[off..off + n]);
+                    off += n;
+                }
+                let mut st = lock(&self.pipe.st);
+                st.free.push(data);
+                st.free_lens.push(lens);
+                Ok(Poll::Ready(()))
+            }
+            Some(Frame::Buf { tm: ftm, data, .. }) => Err(Error::protocol(
+                self.peer,
+                format!("mem: receiver expects a TM {tm} group but the sender sent a {} B TM {ftm} buffer", data.len()),
+            )),
+        }
+    }
+
+    fn checkout(&mut self, tm: TmId) -> Result<()> {
+        if let Some((ftm, d)) = &self.cur {
+            if *ftm == tm && self.off < d.len() {
+                return Err(Error::protocol(
+                    self.peer,
+                    format!(
+                        "mem: checkout of TM {tm} with {} bytes unread (sender/receiver disagree)",
+                        d.len() - self.off
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn end_message(&mut self) -> Result<()> {
+        if let Some((_, d)) = &self.cur {
+            if self.off < d.len() {
+                return Err(Error::protocol(
+                    self.peer,
+                    "mem: end of message with unread bytes",
+                ));
+            }
+        }
+        self.recycle();
+        Ok(())
+    }
+
+    fn abort_message(&mut self) {
+        self.recycle();
+        lock(&self.pipe.st).closed = true;
+        self.pipe.cv.notify_all();
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let st = lock(&self.pipe.st);
+        if st.frames.is_empty() && !st.closed {
+            let _ = self.pipe.cv.wait_timeout(st, timeout);
+        }
+        Ok(())
+    }
+}
+
+struct MemIncoming {
+    inbound: Vec<(usize, Arc<Pipe>)>,
+    bell: Arc<Doorbell>,
+}
+
+impl Incoming for MemIncoming {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        for (r, p) in &self.inbound {
+            let st = lock(&p.st);
+            if !st.frames.is_empty() || st.closed {
+                ready(*r);
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        // Check under the doorbell lock so a frame pushed after the core's last poll is not
+        // missed (pushers ring the bell after releasing their pipe lock).
+        let g = lock(&self.bell.n);
+        if self
+            .inbound
+            .iter()
+            .any(|(_, p)| !lock(&p.st).frames.is_empty())
+        {
+            return Ok(());
+        }
+        let seen = *g;
+        let _ = self.bell.cv.wait_timeout_while(g, timeout, |n| *n == seen);
+        Ok(())
+    }
+
+    fn wake(&self) {
+        self.bell.ring();
+    }
+}

@@ -1,0 +1,496 @@
+//! The sending side of the engine: `begin_packing`, `pack`, `end_packing`.
+//!
+//! For each piece the **switch** ([`TmTable::select`](crate::driver::TmTable::select)) picks a
+//! transmission module from (length, send mode, receive mode); when the TM changes, the
+//! previous one is flushed (**commit**). The piece then goes through the TM's
+//! buffer-management module: copied into driver-lent buffers (`Bmm::Copy`, aggregating and
+//! splitting) or referenced in a gather group (`Bmm::Gather`).
+//!
+//! Madeleine's ordering rules, as implemented here (the receiver computes the same):
+//! * a LATER piece received CHEAPER is deferred to the *tail* of the message: it is read and
+//!   sent at `end_packing`, after every other piece;
+//! * a LATER piece received EXPRESS puts the packer in *hold* mode: it and every later piece
+//!   are sent in order at `end_packing` (SAFER pieces are copied aside meanwhile);
+//! * a gather group ends when the TM changes, after a SAFER piece, after an EXPRESS piece,
+//!   when it is full, and at the end.
+
+use std::cell::Cell;
+use std::io::IoSlice;
+use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
+
+use crate::channel::{lock, ChannelInner, TxState};
+use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
+use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
+use crate::lists::{InlineList, RefList};
+use crate::modes::{RecvMode, SendMode};
+use crate::wire;
+
+/// A message under construction, to one peer on one channel.
+///
+/// `'c` borrows the channel; `'b` borrows every piece packed
+/// with [`pack`](Packer::pack) (send CHEAPER) or [`pack_later`](Packer::pack_later) (send
+/// LATER): the borrow checker keeps that memory untouched, or mutable only through `Cell`,
+/// until [`end_packing`](Packer::end_packing) consumes the packer.
+///
+/// Dropping a packer before `end_packing` abandons the message: if nothing of it had left,
+/// it is discarded and the connection stays usable; otherwise the driver breaks the
+/// connection so the peer gets an error instead of half a message, and later sends to that
+/// peer on this channel return [`Error::Poisoned`].
+///
+/// ```compile_fail
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use mad_core::RecvMode;
+/// let mut data = vec![1u8; 16];
+/// let mut p = ch.begin_packing(1)?;
+/// p.pack(&data, RecvMode::Cheaper)?;   // CHEAPER: borrowed until end_packing
+/// data[0] = 2;                         // error: cannot assign to `data` while borrowed
+/// p.end_packing()?;
+/// # Ok(()) }
+/// ```
+///
+/// SAFER holds no borrow past the call:
+///
+/// ```
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use mad_core::RecvMode;
+/// let mut data = vec![1u8; 16];
+/// let mut p = ch.begin_packing(1)?;
+/// p.pack_safer(&data, RecvMode::Cheaper)?;
+/// data[0] = 2;                         // fine: the value 1 was taken
+/// p.end_packing()?;
+/// # Ok(()) }
+/// ```
+///
+/// LATER reads the value at `end_packing`; changes go through `Cell`:
+///
+/// ```
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use std::cell::Cell;
+/// use mad_core::RecvMode;
+/// let mut buf = [0u8; 4];
+/// let cells = Cell::from_mut(&mut buf[..]).as_slice_of_cells();
+/// let mut p = ch.begin_packing(1)?;
+/// p.pack_later(cells, RecvMode::Cheaper)?;
+/// cells[0].set(42);                    // sent as 42
+/// p.end_packing()?;
+/// # Ok(()) }
+/// ```
+pub struct Packer<'c, 'b> {
+    st: PackState<'c>,
+    group: RefList<'b>,
+    tail: InlineList<&'b [Cell<u8>], 8>,
+    held: Vec<Held<'b>>,
+}
+
+enum Held<'b> {
+    Cheaper(&'b [u8], RecvMode),
+    Safer(Vec<u8>, RecvMode),
+    Later(&'b [Cell<u8>], RecvMode),
+    Desc([u8; wire::DESC_LEN]),
+}
+
+/// The part of a packer that holds the connection; its `Drop` abandons an unfinished message.
+struct PackState<'c> {
+    ch: &'c ChannelInner,
+    remote: usize,
+    tx: MutexGuard<'c, TxState>,
+    cur: TmId,
+    holding: bool,
+    checked: bool,
+    /// Finished (successfully or not): nothing left to abandon.
+    done: bool,
+    index: u32,
+    counts: [u32; MAX_TMS],
+    bytes: u64,
+}
+
+/// View LATER data as bytes for the duration of `end_packing`.
+#[allow(unsafe_code)]
+mod later {
+    use std::cell::Cell;
+
+    /// # Safety
+    /// Nobody may write through any `Cell` aliasing `c` while the returned slice is alive. The
+    /// engine only calls this inside `end_packing`, which runs no user code; `Cell` is `!Sync`,
+    /// so no other thread can hold a reference to these cells.
+    pub(super) unsafe fn bytes(c: &[Cell<u8>]) -> &[u8] {
+        // SAFETY: `Cell<u8>` has the same layout as `u8` (it is `repr(transparent)`), the
+        // pointer and length come from a valid slice, and the caller guarantees no writes
+        // happen while the shared byte view is alive.
+        unsafe { std::slice::from_raw_parts(c.as_ptr() as *const u8, c.len()) }
+    }
+}
+
+impl PackState<'_> {
+    fn commit(&mut self) -> Result<()> {
+        let cur = self.cur;
+        self.ch.progress.drive(
+            &mut *self.tx,
+            |tx| tx.link.commit(cur),
+            |tx, t| tx.link.wait(t),
+        )
+    }
+
+    fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>]) -> Result<()> {
+        self.ch.progress.drive(
+            &mut *self.tx,
+            |tx| tx.link.send_refs(tm, group),
+            |tx, t| tx.link.wait(t),
+        )
+    }
+
+    #[inline]
+    fn copy_in(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
+        let mut off = 0;
+        while off < data.len() {
+            let rest = &data[off..];
+            let n = self.ch.progress.drive(
+                &mut *self.tx,
+                |tx| {
+                    let mut wrote = 0usize;
+                    let r = tx.link.with_buffer(tm, rest.len(), &mut |buf: &mut [u8]| {
+                        let n = buf.len().min(rest.len());
+                        buf[..n].copy_from_slice(&rest[..n]);
+                        wrote = n;
+                        n
+                    })?;
+                    Ok(r.map(|()| wrote))
+                },
+                |tx, t| tx.link.wait(t),
+            )?;
+            if n == 0 {
+                return Err(Error::protocol(
+                    self.ch.rank,
+                    "driver lent an empty buffer (driver bug)",
+                ));
+            }
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// Abandon the message after an error or a drop.
+    fn fail(&mut self, why: &str) {
+        self.done = true;
+        if let AbortOutcome::Broken = self.tx.link.abort_message() {
+            self.tx.broken = Some(why.to_string());
+        }
+    }
+}
+
+impl Drop for PackState<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.fail("a Packer was dropped after part of its message had left; the connection was closed");
+        }
+    }
+}
+
+impl<'c, 'b> Packer<'c, 'b> {
+    pub(crate) fn start(ch: &'c ChannelInner, remote: usize) -> Result<Packer<'c, 'b>> {
+        let conn = ch.conn(remote)?;
+        let mut tx = lock(&conn.tx);
+        if let Some(cause) = &tx.broken {
+            return Err(Error::Poisoned {
+                rank: remote,
+                cause: cause.clone(),
+            });
+        }
+        if let Err(e) = tx.link.begin_message() {
+            tx.broken = Some(format!("begin_message failed: {e}"));
+            return Err(e);
+        }
+        let hdr = wire::encode_header(wire::Header {
+            checked: ch.config.checked,
+            seq: tx.seq,
+        });
+        let mut st = PackState {
+            ch,
+            remote,
+            tx,
+            cur: 0,
+            holding: false,
+            checked: ch.config.checked,
+            done: false,
+            index: 0,
+            counts: [0; MAX_TMS],
+            bytes: 0,
+        };
+        if let Err(e) = st.copy_in(0, &hdr) {
+            st.fail(&format!("sending the message header failed: {e}"));
+            return Err(e);
+        }
+        Ok(Packer {
+            st,
+            group: RefList::new(IoSlice::new(&[])),
+            tail: InlineList::new(&[]),
+            held: Vec::new(),
+        })
+    }
+
+    #[inline]
+    fn alive(&self) -> Result<()> {
+        if self.st.done {
+            Err(Error::Protocol {
+                rank: self.st.remote,
+                what: "this Packer already failed; its message was abandoned".into(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    #[inline]
+    fn check(&mut self, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            if !self.st.done {
+                self.st.fail(&format!("pack failed: {e}"));
+            }
+        }
+        r
+    }
+
+    #[inline]
+    fn switch_to(&mut self, tm: TmId) -> Result<()> {
+        if tm == self.st.cur {
+            return Ok(());
+        }
+        self.flush_group()?;
+        self.st.commit()?;
+        self.st.cur = tm;
+        Ok(())
+    }
+
+    fn flush_group(&mut self) -> Result<()> {
+        if self.group.is_empty() {
+            return Ok(());
+        }
+        let tm = self.st.cur;
+        self.st.send_group(tm, self.group.as_slice())?;
+        self.group.clear();
+        Ok(())
+    }
+
+    #[inline]
+    fn emit_desc(&mut self, d: &[u8; wire::DESC_LEN]) -> Result<()> {
+        self.switch_to(0)?;
+        self.st.copy_in(0, d)
+    }
+
+    #[inline]
+    fn account(&mut self, tm: TmId, len: usize) {
+        self.st.counts[tm as usize] += 1;
+        self.st.bytes += len as u64;
+    }
+
+    #[inline]
+    fn emit_ref(&mut self, d: &'b [u8], s: SendMode, r: RecvMode) -> Result<()> {
+        let tm = self.st.ch.table.select(d.len(), s, r);
+        self.switch_to(tm)?;
+        self.account(tm, d.len());
+        match self.st.ch.table.bmm(tm) {
+            Bmm::Copy => self.st.copy_in(tm, d),
+            Bmm::Gather => {
+                self.group.push(IoSlice::new(d));
+                if r == RecvMode::Express || self.group.len() >= self.st.ch.table.max_group(tm) {
+                    self.flush_group()
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn emit_safer(&mut self, d: &[u8], r: RecvMode) -> Result<()> {
+        let tm = self.st.ch.table.select(d.len(), SendMode::Safer, r);
+        self.switch_to(tm)?;
+        self.account(tm, d.len());
+        match self.st.ch.table.bmm(tm) {
+            Bmm::Copy => self.st.copy_in(tm, d),
+            Bmm::Gather => {
+                // The memory is only ours for this call: send the group now.
+                let mut tmp: RefList<'_> = RefList::new(IoSlice::new(&[]));
+                for s in self.group.as_slice() {
+                    tmp.push(*s);
+                }
+                tmp.push(IoSlice::new(d));
+                self.st.send_group(tm, tmp.as_slice())?;
+                self.group.clear();
+                Ok(())
+            }
+        }
+    }
+
+    #[inline]
+    fn descriptor(&mut self, len: usize, s: SendMode, r: RecvMode) -> Result<()> {
+        if self.st.checked {
+            let d = wire::encode_desc(PieceOrEnd::Piece(PieceDesc {
+                index: self.st.index,
+                len: len as u64,
+                send: s,
+                recv: r,
+            }));
+            if self.st.holding {
+                self.held.push(Held::Desc(d));
+            } else {
+                self.emit_desc(&d)?;
+            }
+        }
+        self.st.index = self.st.index.wrapping_add(1);
+        Ok(())
+    }
+
+    #[inline]
+    fn pack_cheaper_inner(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        self.alive()?;
+        self.descriptor(data.len(), SendMode::Cheaper, r)?;
+        if self.st.holding {
+            self.held.push(Held::Cheaper(data, r));
+            Ok(())
+        } else {
+            self.emit_ref(data, SendMode::Cheaper, r)
+        }
+    }
+
+    #[inline]
+    fn pack_safer_inner(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        self.alive()?;
+        self.descriptor(data.len(), SendMode::Safer, r)?;
+        if self.st.holding {
+            self.held.push(Held::Safer(data.to_vec(), r));
+            Ok(())
+        } else {
+            self.emit_safer(data, r)
+        }
+    }
+
+    #[inline]
+    fn pack_later_inner(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
+        self.alive()?;
+        self.descriptor(data.len(), SendMode::Later, r)?;
+        match r {
+            RecvMode::Cheaper => self.tail.push(data),
+            RecvMode::Express => {
+                self.st.holding = true;
+                self.held.push(Held::Later(data, r));
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(unsafe_code)]
+    fn finish_inner(&mut self) -> Result<()> {
+        self.alive()?;
+        let held = std::mem::take(&mut self.held);
+        self.st.holding = false;
+        for h in &held {
+            match h {
+                Held::Cheaper(d, r) => self.emit_ref(d, SendMode::Cheaper, *r)?,
+                Held::Safer(v, r) => self.emit_safer(v, *r)?,
+                Held::Later(c, r) => {
+                    // SAFETY: we are inside end_packing, which runs no user code, and `Cell` is
+                    // `!Sync`: nobody writes these cells while the byte view is alive.
+                    let bytes = unsafe { later::bytes(c) };
+                    self.emit_ref(bytes, SendMode::Later, *r)?
+                }
+                Held::Desc(d) => self.emit_desc(d)?,
+            }
+        }
+        if self.st.checked {
+            self.emit_desc(&wire::encode_desc(PieceOrEnd::End {
+                pieces: self.st.index,
+            }))?;
+        }
+        for i in 0..self.tail.len() {
+            let c = self.tail.as_slice()[i];
+            // SAFETY: as above: inside end_packing, no user code runs, cells are `!Sync`.
+            let bytes = unsafe { later::bytes(c) };
+            self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
+        }
+        self.flush_group()?;
+        self.st.commit()?;
+        let st = &mut self.st;
+        st.ch.progress.drive(
+            &mut *st.tx,
+            |tx| tx.link.end_message(),
+            |tx, t| tx.link.wait(t),
+        )?;
+        Ok(())
+    }
+
+    /// The peer this message goes to.
+    pub fn remote(&self) -> usize {
+        self.st.remote
+    }
+
+    /// Pack `data` in send mode **CHEAPER** (the default): the library chooses how to send it;
+    /// `data` stays borrowed, untouched, until `end_packing`.
+    #[inline]
+    pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        let res = self.pack_cheaper_inner(data, r);
+        self.check(res)
+    }
+
+    /// Pack `data` in send mode **SAFER**: the caller may change or free `data` as soon as this
+    /// returns (it is copied or sent before returning).
+    #[inline]
+    pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        let res = self.pack_safer_inner(data, r);
+        self.check(res)
+    }
+
+    /// Pack `data` in send mode **LATER**: its value is read at `end_packing`, so changes made
+    /// through the cells before then are sent. Get cells from a buffer with
+    /// `Cell::from_mut(&mut buf[..]).as_slice_of_cells()`.
+    ///
+    /// Received CHEAPER, the piece travels at the end of the message; received EXPRESS, it and
+    /// every piece after it wait for `end_packing` (EXPRESS data must arrive in order).
+    #[inline]
+    pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
+        let res = self.pack_later_inner(data, r);
+        self.check(res)
+    }
+
+    /// Pack a plain value (an integer, a `#[repr(C)]` struct deriving `bytemuck::NoUninit`)
+    /// in send mode SAFER, native byte order.
+    #[inline]
+    pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
+        self.pack_safer(bytemuck::bytes_of(v), r)
+    }
+
+    /// Pack a slice of plain values in send mode CHEAPER (borrowed until `end_packing`).
+    #[inline]
+    pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
+        self.pack(bytemuck::cast_slice(v), r)
+    }
+
+    /// Finish the message: LATER values are read now, everything still buffered is sent, and
+    /// when this returns every CHEAPER piece's memory is released.
+    pub fn end_packing(mut self) -> Result<()> {
+        let r = self.finish_inner();
+        match r {
+            Ok(()) => {
+                let st = &mut self.st;
+                st.done = true;
+                st.tx.seq = st.tx.seq.wrapping_add(1);
+                let c = &st.ch.counters;
+                c.msgs_sent.fetch_add(1, Ordering::Relaxed);
+                c.bytes_sent.fetch_add(st.bytes, Ordering::Relaxed);
+                for (i, n) in st.counts.iter().enumerate().take(st.ch.table.tms().len()) {
+                    if *n != 0 {
+                        c.pieces_sent[i].fetch_add(*n as u64, Ordering::Relaxed);
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if !self.st.done {
+                    self.st.fail(&format!("end_packing failed: {e}"));
+                }
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! The receiving side of the engine: `begin_unpacking`, `unpack`, `end_unpacking`.
+//!
+//! Symmetric to [`pack`](crate::pack): the switch runs on each unpack and selects the same
+//! sequence of TMs as the sender; **checkout** (dual of commit) flushes the previous TM when
+//! it changes. CHEAPER destinations of gather TMs are collected and filled in one scatter
+//! receive at checkout; EXPRESS data is in place before `unpack_express` returns.
+
+use std::io::IoSliceMut;
+use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
+
+use crate::channel::{ChannelInner, RxState};
+use crate::driver::{Bmm, TmId, MAX_TMS};
+use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
+use crate::lists::MutList;
+use crate::modes::{RecvMode, SendMode};
+use crate::wire;
+
+/// A message being received from one peer on one channel.
+///
+/// `'c` borrows the channel; `'b` borrows every destination given to
+/// [`unpack`](Unpacker::unpack) (receive CHEAPER): those buffers are filled at the latest by
+/// [`end_unpacking`](Unpacker::end_unpacking), and the borrow checker forbids reading them
+/// before:
+///
+/// ```compile_fail
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use mad_core::SendMode;
+/// let mut buf = vec![0u8; 16];
+/// let mut u = ch.begin_unpacking()?;
+/// u.unpack(&mut buf, SendMode::Cheaper)?;   // CHEAPER: filled by end_unpacking
+/// println!("{}", buf[0]);                   // error: `buf` is still mutably borrowed
+/// u.end_unpacking()?;
+/// # Ok(()) }
+/// ```
+///
+/// EXPRESS data can be used at once (here, to size the next destination: the paper's Figure 1):
+///
+/// ```
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use mad_core::SendMode;
+/// let mut u = ch.begin_unpacking()?;
+/// let n: u64 = u.unpack_value(SendMode::Cheaper)?;      // EXPRESS
+/// let mut array = vec![0u8; n as usize];
+/// u.unpack(&mut array, SendMode::Cheaper)?;              // CHEAPER
+/// u.end_unpacking()?;
+/// assert_eq!(array.len() as u64, n);
+/// # Ok(()) }
+/// ```
+///
+/// Dropping an unpacker before `end_unpacking`, or an error while unpacking, leaves the rest
+/// of the message in the stream: the connection's receiving side is closed and later receives
+/// from that peer on this channel return [`Error::Poisoned`].
+pub struct Unpacker<'c, 'b> {
+    st: UnpackState<'c>,
+    group: MutList<'b>,
+    tail: MutList<'b>,
+}
+
+/// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
+/// if the message was not finished.
+struct UnpackState<'c> {
+    ch: &'c ChannelInner,
+    remote: usize,
+    rx: Option<MutexGuard<'c, RxState>>,
+    cur: TmId,
+    checked: bool,
+    done: bool,
+    index: u32,
+    counts: [u32; MAX_TMS],
+    bytes: u64,
+}
+
+impl UnpackState<'_> {
+    #[inline]
+    fn rx(&mut self) -> &mut RxState {
+        // The guard is only taken out by `release`, after which the state is never used.
+        self.rx
+            .as_deref_mut()
+            .expect("receive state used after release")
+    }
+
+    fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
+        let progress = self.ch.progress;
+        progress.drive(
+            self.rx(),
+            |rx| rx.link.recv_refs(tm, group),
+            |rx, t| rx.link.wait(t),
+        )
+    }
+
+    #[inline]
+    fn copy_out(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
+        let progress = self.ch.progress;
+        let remote = self.remote;
+        let rx = self.rx();
+        let mut off = 0;
+        while off < buf.len() {
+            let rest = &mut buf[off..];
+            let n = progress.drive(
+                &mut *rx,
+                |rx| {
+                    let mut got = 0usize;
+                    let r = rx.link.with_data(tm, rest.len(), &mut |src: &[u8]| {
+                        let n = src.len().min(rest.len());
+                        rest[..n].copy_from_slice(&src[..n]);
+                        got = n;
+                        n
+                    })?;
+                    Ok(r.map(|()| got))
+                },
+                |rx, t| rx.link.wait(t),
+            )?;
+            if n == 0 {
+                return Err(Error::protocol(
+                    remote,
+                    "driver lent no received bytes (driver bug)",
+                ));
+            }
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, why: String) {
+        self.done = true;
+        if let Some(rx) = self.rx.as_deref_mut() {
+            rx.link.abort_message();
+            rx.broken = Some(why);
+            rx.reported = true;
+        }
+    }
+
+    /// Unlock the connection and tell any-source waiters.
+    fn release(&mut self) {
+        if self.rx.take().is_some() {
+            self.ch.released(self.remote);
+        }
+    }
+}
+
+impl Drop for UnpackState<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.fail("an Unpacker was dropped before end_unpacking; the rest of its message was left unread".into());
+        }
+        self.release();
+    }
+}
+
+impl<'c, 'b> Unpacker<'c, 'b> {
+    pub(crate) fn start(
+        ch: &'c ChannelInner,
+        remote: usize,
+        rx: MutexGuard<'c, RxState>,
+    ) -> Result<Unpacker<'c, 'b>> {
+        let mut st = UnpackState {
+            ch,
+            remote,
+            rx: Some(rx),
+            cur: 0,
+            checked: false,
+            done: false,
+            index: 0,
+            counts: [0; MAX_TMS],
+            bytes: 0,
+        };
+        let mut h = [0u8; wire::HEADER_LEN];
+        let r = st.copy_out(0, &mut h).and_then(|()| {
+            let hdr = wire::decode_header(&h).map_err(|w| Error::protocol(remote, w))?;
+            let expect = st.rx().seq;
+            if hdr.seq != expect {
+                return Err(Error::protocol(
+                    remote,
+                    format!(
+                        "message sequence number {} where {expect} was expected",
+                        hdr.seq
+                    ),
+                ));
+            }
+            Ok(hdr)
+        });
+        match r {
+            Ok(hdr) => {
+                st.checked = hdr.checked;
+                Ok(Unpacker {
+                    st,
+                    group: MutList::new(),
+                    tail: MutList::new(),
+                })
+            }
+            Err(e) => {
+                st.fail(format!("bad message start: {e}"));
+                Err(e)
+            }
+        }
+    }
+
+    #[inline]
+    fn alive(&self) -> Result<()> {
+        if self.st.done {
+            Err(Error::Protocol {
+                rank: self.st.remote,
+                what: "this Unpacker already failed; its message was abandoned".into(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    #[inline]
+    fn check(&mut self, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            if !self.st.done {
+                self.st.fail(format!("unpack failed: {e}"));
+                self.group.clear();
+                self.tail.clear();
+                self.st.release();
+            }
+        }
+        r
+    }
+
+    #[inline]
+    fn switch_to(&mut self, tm: TmId) -> Result<()> {
+        if tm == self.st.cur {
+            return Ok(());
+        }
+        self.flush_group()?;
+        let cur = self.st.cur;
+        self.st.rx().link.checkout(cur)?;
+        self.st.cur = tm;
+        Ok(())
+    }
+
+    fn flush_group(&mut self) -> Result<()> {
+        if self.group.is_empty() {
+            return Ok(());
+        }
+        let tm = self.st.cur;
+        self.st.recv_group(tm, self.group.as_mut_slice())?;
+        self.group.clear();
+        Ok(())
+    }
+
+    fn read_desc(&mut self) -> Result<PieceOrEnd> {
+        self.switch_to(0)?;
+        let mut b = [0u8; wire::DESC_LEN];
+        self.st.copy_out(0, &mut b)?;
+        wire::decode_desc(&b).map_err(|w| Error::protocol(self.st.remote, w))
+    }
+
+    #[inline]
+    fn descriptor(&mut self, len: usize, s: SendMode, r: RecvMode) -> Result<()> {
+        if self.st.checked {
+            let expected = PieceOrEnd::Piece(PieceDesc {
+                index: self.st.index,
+                len: len as u64,
+                send: s,
+                recv: r,
+            });
+            let sent = self.read_desc()?;
+            if sent != expected {
+                return Err(Error::UnpackMismatch {
+                    rank: self.st.remote,
+                    sent,
+                    expected,
+                });
+            }
+        }
+        self.st.index = self.st.index.wrapping_add(1);
+        Ok(())
+    }
+
+    #[inline]
+    fn account(&mut self, tm: TmId, len: usize) {
+        self.st.counts[tm as usize] += 1;
+        self.st.bytes += len as u64;
+    }
+
+    #[inline]
+    fn recv_ref(&mut self, mut buf: IoSliceMut<'b>, s: SendMode) -> Result<()> {
+        let tm = self.st.ch.table.select(buf.len(), s, RecvMode::Cheaper);
+        self.switch_to(tm)?;
+        self.account(tm, buf.len());
+        match self.st.ch.table.bmm(tm) {
+            Bmm::Copy => self.st.copy_out(tm, &mut buf),
+            Bmm::Gather => {
+                self.group.push(buf);
+                if s == SendMode::Safer || self.group.len() >= self.st.ch.table.max_group(tm) {
+                    self.flush_group()
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn recv_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        let tm = self.st.ch.table.select(buf.len(), s, RecvMode::Express);
+        self.switch_to(tm)?;
+        self.account(tm, buf.len());
+        match self.st.ch.table.bmm(tm) {
+            Bmm::Copy => self.st.copy_out(tm, buf),
+            Bmm::Gather => {
+                // The group ends with this piece (the sender flushed it after an EXPRESS piece).
+                let mut tmp: MutList<'_> = MutList::new();
+                self.group.drain_into(&mut tmp);
+                tmp.push(IoSliceMut::new(buf));
+                self.st.recv_group(tm, tmp.as_mut_slice())
+            }
+        }
+    }
+
+    fn unpack_inner(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
+        self.alive()?;
+        self.descriptor(buf.len(), s, RecvMode::Cheaper)?;
+        if s == SendMode::Later {
+            self.tail.push(IoSliceMut::new(buf));
+            Ok(())
+        } else {
+            self.recv_ref(IoSliceMut::new(buf), s)
+        }
+    }
+
+    fn unpack_express_inner(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        self.alive()?;
+        self.descriptor(buf.len(), s, RecvMode::Express)?;
+        self.recv_express(buf, s)
+    }
+
+    fn finish_inner(&mut self) -> Result<()> {
+        self.alive()?;
+        // No flush here: the sender's last gather group may continue with tail pieces.
+        if self.st.checked {
+            let sent = self.read_desc()?;
+            let expected = PieceOrEnd::End {
+                pieces: self.st.index,
+            };
+            if sent != expected {
+                return Err(Error::UnpackMismatch {
+                    rank: self.st.remote,
+                    sent,
+                    expected,
+                });
+            }
+        }
+        let mut tail = std::mem::replace(&mut self.tail, MutList::new());
+        for b in tail.take_all() {
+            self.recv_ref(b, SendMode::Later)?;
+        }
+        self.flush_group()?;
+        let cur = self.st.cur;
+        let rx = self.st.rx();
+        rx.link.checkout(cur)?;
+        rx.link.end_message()
+    }
+
+    /// The peer this message comes from.
+    pub fn remote(&self) -> usize {
+        self.st.remote
+    }
+
+    /// Whether the sender packed this message in checked mode.
+    pub fn is_checked(&self) -> bool {
+        self.st.checked
+    }
+
+    /// Unpack into `buf` in receive mode **CHEAPER**: `buf` is filled at the latest by
+    /// `end_unpacking` and stays borrowed until then. `s` is the send mode the sender used.
+    #[inline]
+    pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
+        let res = self.unpack_inner(buf, s);
+        self.check(res)
+    }
+
+    /// Unpack into `buf` in receive mode **EXPRESS**: the data is in `buf` when this returns.
+    /// `s` is the send mode the sender used.
+    #[inline]
+    pub fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        let res = self.unpack_express_inner(buf, s);
+        self.check(res)
+    }
+
+    /// Unpack a plain value in receive mode EXPRESS (native byte order).
+    #[inline]
+    pub fn unpack_value<T: bytemuck::Pod>(&mut self, s: SendMode) -> Result<T> {
+        let mut v = T::zeroed();
+        self.unpack_express(bytemuck::bytes_of_mut(&mut v), s)?;
+        Ok(v)
+    }
+
+    /// Unpack a slice of plain values in receive mode CHEAPER.
+    #[inline]
+    pub fn unpack_slice<T: bytemuck::Pod>(&mut self, v: &'b mut [T], s: SendMode) -> Result<()> {
+        self.unpack(bytemuck::cast_slice_mut(v), s)
+    }
+
+    /// Finish the message: every CHEAPER destination is filled when this returns.
+    pub fn end_unpacking(mut self) -> Result<()> {
+        let r = self.finish_inner();
+        match r {
+            Ok(()) => {
+                let st = &mut self.st;
+                st.done = true;
+                let rx = st.rx();
+                rx.seq = rx.seq.wrapping_add(1);
+                let c = &st.ch.counters;
+                c.msgs_recv.fetch_add(1, Ordering::Relaxed);
+                c.bytes_recv.fetch_add(st.bytes, Ordering::Relaxed);
+                for (i, n) in st.counts.iter().enumerate().take(st.ch.table.tms().len()) {
+                    if *n != 0 {
+                        c.pieces_recv[i].fetch_add(*n as u64, Ordering::Relaxed);
+                    }
+                }
+                st.release();
+                Ok(())
+            }
+            Err(e) => {
+                if !self.st.done {
+                    self.st.fail(format!("end_unpacking failed: {e}"));
+                }
+                self.st.release();
+                Err(e)
+            }
+        }
+    }
+}
