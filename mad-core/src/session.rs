@@ -84,12 +84,8 @@ impl SessionBuilder {
 }
 
 fn detect_bootstrap() -> Result<Box<dyn Bootstrap>> {
-    if std::env::var_os("MAD_BOOTSTRAP").is_some() {
-        // Wired to `crate::launch::MadrunBootstrap` once the launcher client lands.
-        return Err(Error::Unavailable {
-            driver: "madrun bootstrap".into(),
-            reason: "this build cannot join a madrun session yet".into(),
-        });
+    if let Some(b) = crate::launch::MadrunBootstrap::from_env()? {
+        return Ok(Box::new(b));
     }
     Ok(Box::new(SingleBootstrap::new()?))
 }
