@@ -58,13 +58,13 @@ done
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
 echo "== wrong launcher (MPICH build under Open MPI's mpirun) must fail"
-if out=$(timeout 120 "${OMPI_RUN[@]}" -n 2 "$MPICH_BIN" 2>&1); then
+if out=$(timeout 120 "${OMPI_RUN[@]}" -n 2 "$MPICH_BIN" 2>&1 | tr -d '\000'); then
     echo "FAILED: the MPICH build ran under mpirun.openmpi" >&2
     exit 1
 fi
 echo "$out" | grep -q "different MPI than the launcher" || { echo "$out" >&2; echo "FAILED: wrong-launcher message" >&2; exit 1; }
 echo "== wrong launcher (Open MPI build under MPICH's mpiexec) must fail"
-if out=$(timeout 120 "${MPICH_RUN[@]}" -n 2 "$OMPI_BIN" 2>&1); then
+if out=$(timeout 120 "${MPICH_RUN[@]}" -n 2 "$OMPI_BIN" 2>&1 | tr -d '\000'); then
     echo "FAILED: the Open MPI build ran under mpiexec.mpich" >&2
     exit 1
 fi

@@ -8,17 +8,22 @@
 //! Transmission modules:
 //!
 //! * TM 0 `eager` ([`Bmm::Copy`]): the core copies pieces into a driver buffer of
-//!   [`EAGER_BUF`] bytes; the buffer leaves as one `MPI_Isend` when full, at commit and at the
-//!   end of the message. The receiver matches it with `MPI_Improbe` and receives it with
-//!   `MPI_Mrecv` (small) or `MPI_Imrecv`, then lends the bytes to the core.
+//!   [`EAGER_BUF`] bytes; the buffer leaves as one MPI message when full, at commit and at
+//!   the end of the message. The receiver gets it in its pre-posted receive and lends the
+//!   bytes to the core.
 //! * TM 1 `direct` ([`Bmm::Gather`]): a group of user slices leaves as ONE message described by
 //!   an `MPI_Type_create_hindexed` datatype over absolute addresses from `MPI_BOTTOM` when
 //!   [`use_datatype`] says so, else as one message per slice; the receiver posts the mirror
 //!   scatter receive (both ends compute the same groups and the same decision).
 //!
-//! Everything is non-blocking (`MPI_Isend`/`MPI_Irecv` + `MPI_Test`); an operation MPI has
-//! not finished is `Poll::Pending`. MPI has no file descriptor to block on, so `wait` spins
-//! briefly then sleeps with an exponential backoff (1 µs doubling to 256 µs).
+//! Everything is non-blocking (`MPI_Isend`/`MPI_Irecv` + `MPI_Test`) except eager messages up
+//! to [`SEND_INLINE_MAX`] bytes, which leave with one `MPI_Send` (both MPIs complete it at
+//! once); an operation MPI has not finished is `Poll::Pending`. Each receiving link keeps an
+//! `MPI_Irecv` posted for its peer's next eager message, so polling is one `MPI_Test` and
+//! any-source readiness one `MPI_Testsome` over the channel's posted receives. MPI has no file
+//! descriptor to block on and progresses only inside MPI calls, so `wait` keeps testing
+//! (yielding the processor between tests) for [`WAIT_POLL`], then sleeps with an exponential
+//! backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -105,16 +110,16 @@ impl MpiFamily {
 }
 
 /// Smallest average slice for which Open MPI gets a group as one hindexed message.
-pub const DATATYPE_MIN_SLICE: usize = 8 * 1024;
+pub const DATATYPE_MIN_SLICE: usize = 4 * 1024;
 /// Largest average slice for which Open MPI gets a group as one hindexed message.
-pub const DATATYPE_MAX_SLICE: usize = 32 * 1024;
+pub const DATATYPE_MAX_SLICE: usize = 16 * 1024;
 
 /// The gather decision, a pure function both ends compute: send a group of `slices` slices
 /// totalling `total` bytes as one hindexed-datatype message (else one message per slice)?
 ///
 /// From the sweep in NOTES.md: with MPICH 4.0.2 (ch4:ucx) separate sends were as fast or
 /// faster at every point measured, so `Auto` never uses a datatype there. With Open MPI 4.1.4
-/// one datatype message won for groups of medium slices (8–32 KiB on average), lost for tiny
+/// one datatype message won for groups of medium slices (4–16 KiB on average), lost for tiny
 /// slices (per-message cost is already low, the datatype engine's setup is not) and lost
 /// heavily for large slices (the datatype path packs through bounce buffers instead of a
 /// single CMA copy).
@@ -297,7 +302,7 @@ impl Driver for MpiDriver {
                 p.eager_buf,
                 p.policy,
                 match (p.policy, p.family) {
-                    (GatherPolicy::Auto, MpiFamily::OpenMpi) => "Open MPI: one hindexed message for groups of 8-32 KiB slices, else one message per slice",
+                    (GatherPolicy::Auto, MpiFamily::OpenMpi) => "Open MPI: one hindexed message for groups of 4-16 KiB slices, else one message per slice",
                     (GatherPolicy::Auto, _) => "one message per slice",
                     (GatherPolicy::Datatype, _) => "one hindexed message per group",
                     (GatherPolicy::Separate, _) => "one message per slice",
@@ -315,14 +320,32 @@ impl Driver for MpiDriver {
     }
 }
 
-/// Wait until `ready()` or `timeout`: spin a little, then sleep with exponential backoff.
+/// How long `wait` keeps calling into MPI (yielding the processor between calls) before it
+/// starts sleeping. MPI progresses only inside MPI calls: a rendezvous transfer (the
+/// receiver's single copy, the sender's completion) stalls while both ends sleep, so the
+/// first part of a wait keeps testing. 4 MiB at 10 GB/s take about 400 µs.
+pub const WAIT_POLL: Duration = Duration::from_micros(500);
+/// Longest single sleep of the backoff phase.
+pub const WAIT_MAX_NAP: Duration = Duration::from_micros(100);
+
+/// Wait until `ready()` or `timeout`: poll (yielding the processor between tests) for
+/// [`WAIT_POLL`], then sleep with an exponential backoff from 1 µs to [`WAIT_MAX_NAP`], testing
+/// after each sleep.
 fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
     let start = Instant::now();
-    for _ in 0..64 {
+    let poll_for = WAIT_POLL.min(timeout);
+    let mut i: u32 = 0;
+    loop {
         if ready()? {
             return Ok(());
         }
-        std::hint::spin_loop();
+        i = i.wrapping_add(1);
+        if i % 16 == 0 {
+            if start.elapsed() >= poll_for {
+                break;
+            }
+            std::thread::yield_now();
+        }
     }
     let mut nap = Duration::from_micros(1);
     loop {
@@ -334,7 +357,7 @@ fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> R
         if ready()? {
             return Ok(());
         }
-        nap = (nap * 2).min(Duration::from_micros(256));
+        nap = (nap * 2).min(WAIT_MAX_NAP);
     }
 }
 
@@ -822,6 +845,7 @@ mod tests {
         assert!(!use_datatype(auto, OpenMpi, 1, 16 << 10));
         assert!(use_datatype(auto, OpenMpi, 2, 32 << 10));
         assert!(use_datatype(auto, OpenMpi, 8, 8 * (8 << 10)));
+        assert!(!use_datatype(auto, OpenMpi, 2, 64 << 10));
         assert!(!use_datatype(auto, OpenMpi, 2, 2 << 10));
         assert!(!use_datatype(auto, OpenMpi, 2, 1 << 20));
         assert!(!use_datatype(auto, Mpich, 2, 32 << 10));
