@@ -2,6 +2,9 @@
 //! shared mappings), with the default adaptive progress, `progress=block` and `progress=poll`,
 //! and with CMA disabled or replaced by the ring fallback.
 
+// Real mappings, futexes and processes: nothing here runs under miri.
+#![cfg(not(miri))]
+
 use mad_core::bootstrap::ThreadBootstrap;
 use mad_core::conformance::{run_rank, KitOptions};
 use mad_core::Session;
@@ -88,4 +91,9 @@ fn kit_8_adaptive() {
 #[test]
 fn kit_8_block() {
     kit(8, "shm,progress=block");
+}
+
+#[test]
+fn kit_8_poll() {
+    kit(8, "shm,progress=poll");
 }

@@ -1,6 +1,9 @@
 //! Peer death across real processes: the test binary re-executes itself as a child rank,
 //! which is killed with SIGKILL in the middle of a message.
 
+// Real mappings, futexes and processes: nothing here runs under miri.
+#![cfg(not(miri))]
+
 mod common;
 
 use std::os::unix::net::UnixListener;

@@ -1,5 +1,8 @@
 //! Driver-level tests with threads (same process, real `/dev/shm` mappings).
 
+// Real mappings, futexes and processes: nothing here runs under miri.
+#![cfg(not(miri))]
+
 mod common;
 
 use std::io::{IoSlice, IoSliceMut};
