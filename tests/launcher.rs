@@ -454,7 +454,8 @@ fn a_dead_rank_fails_pending_allgathers() {
     assert!(t < Duration::from_secs(30));
 }
 
-/// A real session over the tcp driver between madrun-started processes: rank 0 sends a
+/// A real session over the tcp driver between madrun-started processes (the session detects the
+/// madrun bootstrap by itself): rank 0 sends a
 /// length (express) and a 300 kB payload (cheaper) to every other rank, which checks it and
 /// answers with a checksum.
 #[cfg(feature = "tcp")]
@@ -473,12 +474,14 @@ fn tcp_session_across_processes() {
 }
 
 #[cfg(feature = "tcp")]
-fn tcp_role(b: MadrunBootstrap) -> mad_core::Result<()> {
+fn tcp_role() -> mad_core::Result<()> {
     use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
+    // No explicit bootstrap: the session finds madrun's in the environment.
     let s = Session::builder()
         .driver(mad_tcp::TcpDriver::new())
-        .bootstrap(Box::new(b))
         .build()?;
+    assert_eq!(s.bootstrap().kind(), "madrun");
+    assert_eq!(s.size(), 3);
     let ch = s.open_channel_with(ChannelConfig::parse("e2e", "tcp,timeout_ms=30000")?)?;
     let pattern = |i: usize| (i * 7 + 3) as u8;
     let sum = |d: &[u8]| d.iter().map(|&x| x as u64).sum::<u64>();
@@ -550,6 +553,15 @@ fn child_role() {
     if rank == 0 && std::env::var("MADRUN_TEST_STRANGER").is_ok() {
         stranger(&std::env::var("MAD_BOOTSTRAP").unwrap());
     }
+    // A rank connects to its launcher once: the session of this role does it itself.
+    #[cfg(feature = "tcp")]
+    if role == "tcp" {
+        if let Err(e) = tcp_role() {
+            println!("\nTCP-FAILED {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let b = MadrunBootstrap::from_env()
         .unwrap()
         .expect("started by madrun");
@@ -581,13 +593,6 @@ fn child_role() {
             }
         }
         #[cfg(feature = "tcp")]
-        "tcp" => {
-            if let Err(e) = tcp_role(b) {
-                println!("\nTCP-FAILED {e}");
-                std::process::exit(1);
-            }
-            return;
-        }
         "bench" => {
             // Not a test: a measurement helper, run by hand (see the launcher's NOTES.md).
             let iters: u32 = std::env::var("MADRUN_TEST_ITERS")
