@@ -681,7 +681,10 @@ impl Conn {
                         done,
                     }) if *k == key && !**done => {
                         let off = addr.wrapping_sub(*base) as usize;
-                        let Some(dst) = buf.get_mut(off..off + data.len()) else {
+                        let Some(dst) = off
+                            .checked_add(data.len())
+                            .and_then(|end| buf.get_mut(off..end))
+                        else {
                             return Err(proto("RDMA write outside the posted region".into()));
                         };
                         dst.copy_from_slice(data);

@@ -64,3 +64,49 @@ fn every_tm_through_the_core() {
         }
     });
 }
+
+#[test]
+fn registered_buffers_travel_without_registration() {
+    let f = |b: ThreadBootstrap| {
+        let via = ViaDriver::new();
+        let handle = via.handle();
+        let session = Session::builder()
+            .driver(via)
+            .bootstrap(Box::new(b))
+            .build()
+            .unwrap();
+        let cfg = ChannelConfig::parse("r", "via:soft")
+            .unwrap()
+            .op_timeout(Duration::from_secs(20));
+        let ch = session.open_channel_with(cfg).unwrap();
+        let len = mad_via::SMALL_MAX * 2; // a medium piece
+        let mut buf = handle.request_buffer(len);
+        let before = handle.stats();
+        for round in 0..3u8 {
+            if session.rank() == 0 {
+                buf.fill(round);
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack(&buf, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+            } else {
+                let mut u = ch.begin_unpacking().unwrap();
+                u.unpack(&mut buf, SendMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert!(buf.iter().all(|&x| x == round));
+            }
+        }
+        let after = handle.stats();
+        assert_eq!(after.registrations, before.registrations, "no registration");
+        assert_eq!(after.owned_hits - before.owned_hits, 3);
+        drop(buf); // release: back to the pool, still registered
+        let again = handle.request_buffer(len);
+        assert_eq!(handle.stats().registrations, after.registrations);
+        drop(again);
+    };
+    let f = &f;
+    std::thread::scope(|s| {
+        for b in ThreadBootstrap::group(2) {
+            s.spawn(move || f(b));
+        }
+    });
+}
