@@ -1,2 +1,78 @@
-//! madeleine: see the README.
+//! # madeleine: a Madeleine II-style multi-protocol communication runtime
+//!
+//! This crate re-exports the core ([`mad_core`]: sessions, channels, `pack`/`unpack`, the
+//! driver contract) and every driver enabled by a cargo feature (`tcp`, `shm`, `via`,
+//! `sisci` by default; `mpi` and `verbs` on request), and builds sessions with all of them
+//! registered:
+//!
+//! ```no_run
+//! # fn main() -> madeleine::Result<()> {
+//! use madeleine::{RecvMode, SendMode};
+//! let session = madeleine::session()?;          // rank and size from madrun / mpiexec, or alone
+//! let ch = session.open_channel("default")?;    // MAD_CHANNEL_DEFAULT=shm, tcp:10.0.0.1, ...
+//! if session.rank() == 0 {
+//!     let mut p = ch.begin_packing(1)?;
+//!     p.pack_value(&42u64, RecvMode::Express)?;
+//!     p.end_packing()?;
+//! } else if session.rank() == 1 {
+//!     let mut u = ch.begin_unpacking()?;
+//!     let v: u64 = u.unpack_value(SendMode::Safer)?;
+//!     u.end_unpacking()?;
+//!     assert_eq!(v, 42);
+//! }
+//! # Ok(()) }
+//! ```
+
+#![deny(unsafe_code)]
+
+mod local;
+pub use local::{in_session, run_local_if_alone};
+
 pub use mad_core::*;
+#[cfg(feature = "mpi")]
+pub use mad_mpi;
+#[cfg(feature = "shm")]
+pub use mad_shm;
+#[cfg(feature = "sisci")]
+pub use mad_sisci;
+#[cfg(feature = "tcp")]
+pub use mad_tcp;
+#[cfg(feature = "via")]
+pub use mad_via;
+
+/// A session builder with every driver of this build registered (`mem` always; `tcp`, `shm`,
+/// `via`, `sisci`, `mpi` as enabled by features).
+pub fn builder() -> SessionBuilder {
+    #[allow(unused_mut)]
+    let mut b = Session::builder().driver(mad_core::mem::MemDriver);
+    #[cfg(feature = "tcp")]
+    {
+        b = b.driver(mad_tcp::TcpDriver::new());
+    }
+    #[cfg(feature = "shm")]
+    {
+        b = b.driver(mad_shm::ShmDriver::new());
+    }
+    #[cfg(feature = "via")]
+    {
+        b = b.driver(mad_via::ViaDriver::new());
+    }
+    #[cfg(feature = "mpi")]
+    {
+        b = b.driver(mad_mpi::MpiDriver::new());
+    }
+    b
+}
+
+/// Build the session of this process with every driver of this build: under `mpiexec` /
+/// `mpirun` / `srun` (with the `mpi` feature) the MPI bootstrap, under `madrun` the madrun
+/// bootstrap, otherwise a one-process session.
+pub fn session() -> Result<Session> {
+    #[cfg(feature = "mpi")]
+    {
+        if let Some(b) = mad_mpi::MpiBootstrap::from_env()? {
+            return builder().bootstrap(Box::new(b)).build();
+        }
+    }
+    builder().build()
+}
