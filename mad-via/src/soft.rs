@@ -369,6 +369,9 @@ pub(crate) struct Conn {
     rx_free: Vec<usize>,
     cts: VecDeque<(u32, u64, u64)>,
     msg_started: bool,
+    /// Receive-side pump: leave a medium send in the input buffer (the receive that will post
+    /// its destination is coming) instead of copying it to the unexpected queue.
+    hold: bool,
     stats: ConnStats,
 }
 
@@ -431,6 +434,7 @@ impl Conn {
             rx_free: (0..slots).rev().collect(),
             cts: VecDeque::new(),
             msg_started: false,
+            hold: false,
             stats: ConnStats::default(),
         })
     }
@@ -498,6 +502,9 @@ impl Conn {
                         ))
                     }
                 };
+                if self.hold && dest.is_none() && matches!(frame, Frame::Medium { .. }) {
+                    return self.io.flush(self.rank);
+                }
                 if self.queued_bytes >= UNEXPECTED_LIMIT
                     && matches!(frame, Frame::Medium { .. } | Frame::RdmaWrite { .. })
                     && dest.is_none()
@@ -720,6 +727,24 @@ impl Conn {
             }
         }
         Ok(())
+    }
+
+    /// Pump on behalf of a receive that waits for small-TM data: a medium send at the head
+    /// of the stream stays in the input buffer, to land directly in the posted receive later.
+    fn pump_rx(&mut self) -> Result<()> {
+        self.hold = true;
+        let r = self.pump(None);
+        self.hold = false;
+        r
+    }
+
+    /// A medium send waits in the input buffer while nothing is queued before it.
+    fn held_medium(&self) -> bool {
+        self.queue.is_empty()
+            && matches!(
+                Header::decode(&self.io.inbuf[self.io.in_start..self.io.in_end]),
+                Ok(Some(h)) if h.kind == Kind::Medium
+            )
     }
 
     // ---- small TM (send side) ----
@@ -1185,8 +1210,12 @@ impl RxLink for SoftRx {
         let mut c = lock(&self.conn);
         c.check()?;
         if c.queue.is_empty() {
-            let r = c.pump(None);
+            let r = c.pump_rx();
             c.guard(r)?;
+        }
+        if c.held_medium() {
+            let e = Error::protocol(c.rank, "a message starts with a medium send");
+            return Err(c.fail(e, Some(wire::ERR_PROTOCOL)));
         }
         if !c.queue.is_empty() {
             Ok(Poll::Ready(()))
@@ -1209,8 +1238,12 @@ impl RxLink for SoftRx {
             return Err(Error::protocol(c.rank, format!("TM {tm} is not a copy TM")));
         }
         if c.queue.is_empty() {
-            let r = c.pump(None);
+            let r = c.pump_rx();
             c.guard(r)?;
+            if c.held_medium() {
+                let e = Error::protocol(c.rank, "expected small-TM data, got a medium send");
+                return Err(c.fail(e, Some(wire::ERR_PROTOCOL)));
+            }
         }
         let (slot, off, len) = match c.queue.front() {
             None if c.io.eof => return Err(Error::PeerClosed { rank: c.rank }),

@@ -322,3 +322,36 @@ fn rdma_write_out_of_bounds_and_unadvertised_are_refused() {
     assert_eq!(dst, vec![0u8; 10]);
     let _ = &mut dst;
 }
+
+#[test]
+fn medium_where_small_expected_is_a_protocol_error() {
+    let (_a, _b, mut la, mut lb) = pair(4, 256);
+    let data = vec![5u8; 1000];
+    let deadline = Instant::now() + LIMIT;
+    while send_all(&mut *la.tx, TM_MEDIUM, &data).is_pending() {
+        assert!(Instant::now() < deadline);
+    }
+    while la.tx.end_message().unwrap().is_pending() {
+        assert!(Instant::now() < deadline);
+    }
+    let e = loop {
+        match lb.rx.poll_message() {
+            Err(e) => break e,
+            Ok(Poll::Ready(())) => panic!("a medium send taken for the start of a message"),
+            Ok(Poll::Pending) => {}
+        }
+        assert!(Instant::now() < deadline, "mismatch never detected");
+        lb.rx.wait(Duration::from_millis(5)).unwrap();
+    };
+    assert!(matches!(e, Error::Protocol { .. }), "{e}");
+    // The connection is poisoned afterwards; the sender hears about it too.
+    assert!(lb.rx.poll_message().is_err());
+    let e = loop {
+        if let Err(e) = la.tx.end_message() {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "sender never told");
+        la.tx.wait(Duration::from_millis(5)).unwrap();
+    };
+    assert!(e.to_string().contains("medium send"), "{e}");
+}
