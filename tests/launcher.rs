@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
 use mad_core::bootstrap::Bootstrap;
-use mad_core::launch::wire::{self, Frame, FrameReader};
+use mad_core::launch::wire::{Frame, FrameReader};
 use mad_core::launch::MadrunBootstrap;
 use mad_core::Error;
 
@@ -620,5 +620,4 @@ fn child_role() {
         }
         other => panic!("unknown role {other}"),
     }
-    let _ = wire::MAX_FRAME;
 }
