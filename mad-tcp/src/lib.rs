@@ -45,13 +45,17 @@ use mad_core::{ChannelConfig, Error, Result};
 pub use link::{TcpIncoming, TcpRx, TcpTx};
 
 /// Default largest piece sent through the `small` (copy) TM; chosen by the sweep in NOTES.md.
-pub const DEFAULT_SMALL_MAX: usize = 4096;
+pub const DEFAULT_SMALL_MAX: usize = 8192;
 /// Default size of each per-connection static buffer (send and receive).
 pub const DEFAULT_BUFFER: usize = 64 * 1024;
 /// Default bound on channel setup.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default `TCP_USER_TIMEOUT` (and keepalive horizon).
 pub const DEFAULT_USER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bytes a message's first read takes beyond the copy threshold (header, descriptors).
+const FIRST_READ_SLACK: usize = 512;
+/// Smallest first read of a message.
+const MIN_FIRST_READ: usize = 4096;
 /// Most slices in one gather group (one slice of the `iovec` array goes to the queued bytes).
 pub const MAX_GROUP: usize = sys::IOV_MAX - 1;
 
@@ -206,6 +210,12 @@ impl Driver for TcpDriver {
             connect_timeout: opts.connect_timeout,
         };
         let streams = setup::connect_all(&params, listener, &addrs)?;
+        // A message's first read covers a header, descriptors and small pieces up to the copy
+        // threshold; larger (gather) pieces are then read straight into place.
+        let small_max = ctx.table.tms().first().map_or(0, |t| t.max_len);
+        let first_read = small_max
+            .saturating_add(FIRST_READ_SLACK)
+            .max(MIN_FIRST_READ);
         let caps = self.capabilities(ctx.config);
         let mut incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit)?;
         let mut links = Vec::with_capacity(size);
@@ -224,7 +234,7 @@ impl Driver for TcpDriver {
             let watch = incoming.watch(&st, r)?;
             links.push(Some(LinkPair {
                 tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer)),
-                rx: Box::new(TcpRx::new(st, r, opts.buffer, watch)),
+                rx: Box::new(TcpRx::new(st, r, opts.buffer, first_read, watch)),
             }));
         }
         let notes = vec![format!(

@@ -210,6 +210,8 @@ pub struct TcpRx {
     tail: usize,
     /// Bytes of the current `recv_refs` group already in place.
     refs_done: usize,
+    /// Most bytes `poll_message` reads at the start of a message.
+    first_read: usize,
     watch: Watch,
     broken: Option<String>,
 }
@@ -224,7 +226,13 @@ pub(crate) struct Watch {
 }
 
 impl TcpRx {
-    pub(crate) fn new(sock: Arc<TcpStream>, peer: usize, buf_len: usize, watch: Watch) -> Self {
+    pub(crate) fn new(
+        sock: Arc<TcpStream>,
+        peer: usize,
+        buf_len: usize,
+        first_read: usize,
+        watch: Watch,
+    ) -> Self {
         TcpRx {
             fd: sock.as_raw_fd(),
             sock,
@@ -233,6 +241,7 @@ impl TcpRx {
             head: 0,
             tail: 0,
             refs_done: 0,
+            first_read: first_read.clamp(64, buf_len.max(64)),
             watch,
             broken: None,
         }
@@ -267,12 +276,13 @@ impl TcpRx {
         lost(self.peer, e)
     }
 
-    /// One non-blocking `recv` into the (empty) buffer.
+    /// One non-blocking `recv` of at most `limit` bytes into the (empty) buffer.
     #[inline]
-    fn fill(&mut self) -> Result<Poll<()>> {
+    fn fill(&mut self, limit: usize) -> Result<Poll<()>> {
         self.head = 0;
         self.tail = 0;
-        match sys::recv(self.fd, &mut self.buf) {
+        let n = limit.min(self.buf.len());
+        match sys::recv(self.fd, &mut self.buf[..n]) {
             Ok(Some(0)) => Err(self.closed()),
             Ok(Some(n)) => {
                 self.tail = n;
@@ -312,7 +322,10 @@ impl RxLink for TcpRx {
         if self.head < self.tail {
             return Ok(Poll::Ready(()));
         }
-        self.fill()
+        // The start of a message: read only what small messages need, so that a large gather
+        // piece that follows lands straight in user memory instead of being copied out of
+        // the buffer.
+        self.fill(self.first_read)
     }
 
     #[inline]
@@ -323,7 +336,7 @@ impl RxLink for TcpRx {
         take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check()?;
-        if self.head == self.tail && self.fill()?.is_pending() {
+        if self.head == self.tail && self.fill(usize::MAX)?.is_pending() {
             return Ok(Poll::Pending);
         }
         let avail = self.tail - self.head;
