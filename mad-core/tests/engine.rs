@@ -1,0 +1,450 @@
+//! Unit tests of the engine's sending side (switch, BMMs, commit, LATER/SAFER/EXPRESS rules)
+//! against a recording driver: every call the engine makes to the driver is logged and
+//! compared with what the Madeleine rules require. The receiving side's symmetry is checked
+//! by the strict `mem` driver in `kit_mem.rs`.
+
+use std::cell::Cell;
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
+use mad_core::config::ChannelConfig;
+use mad_core::driver::*;
+use mad_core::modes::ModeSet;
+use mad_core::{Error, RecvMode, Result, SendMode, Session};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Ev {
+    /// Bytes copied into a lent buffer of a TM.
+    Copy(TmId, Vec<u8>),
+    /// A gather group: TM and the slices' contents.
+    Refs(TmId, Vec<Vec<u8>>),
+    Commit(TmId),
+    End,
+}
+
+type Log = Arc<Mutex<Vec<Ev>>>;
+
+struct RecTx {
+    log: Log,
+    buf_size: usize,
+    used: usize,
+}
+
+impl TxLink for RecTx {
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        if self.used == self.buf_size {
+            self.used = 0; // "transmit" the full buffer
+        }
+        let mut b = vec![0u8; self.buf_size - self.used];
+        let n = fill(&mut b);
+        self.used += n;
+        self.log.lock().unwrap().push(Ev::Copy(tm, b[..n].to_vec()));
+        Ok(Poll::Ready(()))
+    }
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(Ev::Refs(tm, iov.iter().map(|s| s.to_vec()).collect()));
+        Ok(Poll::Ready(()))
+    }
+    fn commit(&mut self, tm: TmId) -> Result<Poll<()>> {
+        self.used = 0;
+        self.log.lock().unwrap().push(Ev::Commit(tm));
+        Ok(Poll::Ready(()))
+    }
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.used = 0;
+        self.log.lock().unwrap().push(Ev::End);
+        Ok(Poll::Ready(()))
+    }
+    fn abort_message(&mut self) -> AbortOutcome {
+        AbortOutcome::Discarded
+    }
+    fn wait(&mut self, _t: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+struct NoRx;
+impl RxLink for NoRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        Ok(Poll::Pending)
+    }
+    fn with_data(
+        &mut self,
+        _: TmId,
+        _: usize,
+        _: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        Ok(Poll::Pending)
+    }
+    fn recv_refs(&mut self, _: TmId, _: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        Ok(Poll::Pending)
+    }
+    fn wait(&mut self, t: Duration) -> Result<()> {
+        std::thread::sleep(t.min(Duration::from_millis(1)));
+        Ok(())
+    }
+}
+
+struct NoIncoming;
+impl Incoming for NoIncoming {
+    fn poll(&self, _: &mut dyn FnMut(usize)) -> Result<()> {
+        Ok(())
+    }
+    fn wait(&self, t: Duration) -> Result<()> {
+        std::thread::sleep(t.min(Duration::from_millis(1)));
+        Ok(())
+    }
+    fn wake(&self) {}
+}
+
+/// TMs: 0 `small` copy ≤ 64 B, 1 `big` gather (groups of 4).
+struct RecDriver {
+    log: Log,
+    buf_size: usize,
+}
+
+impl Driver for RecDriver {
+    fn name(&self) -> &'static str {
+        "rec"
+    }
+    fn describe(&self) -> String {
+        "recording test driver".into()
+    }
+    fn tm_table(&self, _c: &ChannelConfig) -> Result<TmTable> {
+        TmTable::new([
+            TmSpec::copy("small", 64, "copy"),
+            TmSpec::gather("big", usize::MAX, 4, "gather"),
+        ])
+    }
+    fn capabilities(&self, _c: &ChannelConfig) -> Capabilities {
+        Capabilities::default()
+    }
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let me = ctx.bootstrap.rank();
+        let links = (0..ctx.bootstrap.size())
+            .map(|p| {
+                (p != me).then(|| LinkPair {
+                    tx: Box::new(RecTx {
+                        log: self.log.clone(),
+                        buf_size: self.buf_size,
+                        used: 0,
+                    }) as Box<dyn TxLink>,
+                    rx: Box::new(NoRx) as Box<dyn RxLink>,
+                })
+            })
+            .collect();
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(NoIncoming),
+            notes: vec![],
+        })
+    }
+}
+
+/// Open a 2-rank channel over the recording driver and run `f` on rank 0's channel; returns
+/// the events after the message header.
+fn record(
+    spec: &str,
+    buf_size: usize,
+    f: impl FnOnce(&mad_core::Channel) -> Result<()> + Send,
+) -> Vec<Ev> {
+    let log: Log = Arc::default();
+    let boots = ThreadBootstrap::group(2);
+    let spec = spec.to_string();
+    std::thread::scope(|s| {
+        let mut hs = Vec::new();
+        let mut f = Some(f);
+        for b in boots {
+            let log = log.clone();
+            let spec = spec.clone();
+            let f = if b.rank() == 0 { f.take() } else { None };
+            hs.push(s.spawn(move || {
+                let session = Session::builder()
+                    .driver(RecDriver { log, buf_size })
+                    .bootstrap(Box::new(b) as Box<dyn Bootstrap>)
+                    .build()
+                    .unwrap();
+                let ch = session
+                    .open_channel_with(ChannelConfig::parse("t", &spec).unwrap())
+                    .unwrap();
+                if let Some(f) = f {
+                    f(&ch).unwrap();
+                }
+            }));
+        }
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+    let ev = log.lock().unwrap().clone();
+    // Drop the 8-byte header (first copy into TM 0).
+    match ev.first() {
+        Some(Ev::Copy(0, h)) if h.len() == 8 && &h[..2] == b"M2" => ev[1..].to_vec(),
+        _ => panic!("first event is not the message header: {ev:?}"),
+    }
+}
+
+#[test]
+fn switch_is_a_pure_table_lookup() {
+    let t = TmTable::new([
+        TmSpec::copy("small", 64, "copy"),
+        TmSpec::gather("big", usize::MAX, 4, "gather").with_modes(ModeSet::ANY),
+    ])
+    .unwrap();
+    for s in SendMode::ALL {
+        for r in RecvMode::ALL {
+            assert_eq!(t.select(0, s, r), 0);
+            assert_eq!(t.select(64, s, r), 0);
+            assert_eq!(t.select(65, s, r), 1);
+            assert_eq!(t.select(usize::MAX, s, r), 1);
+        }
+    }
+    // A TM restricted to some modes is skipped for the others.
+    let t2 = TmTable::new([
+        TmSpec::copy("small", 64, "copy"),
+        TmSpec::gather("rdv", usize::MAX, 1, "r").with_modes(ModeSet::CHEAPER_CHEAPER),
+        TmSpec::copy("rest", usize::MAX, "c"),
+    ])
+    .unwrap();
+    assert_eq!(t2.select(1000, SendMode::Cheaper, RecvMode::Cheaper), 1);
+    assert_eq!(t2.select(1000, SendMode::Safer, RecvMode::Express), 2);
+    assert_ne!(t.fingerprint(), t2.fingerprint());
+}
+
+#[test]
+fn tables_are_validated() {
+    // TM 0 must be a copy TM accepting every mode.
+    assert!(TmTable::new([TmSpec::gather("g", usize::MAX, 4, "")]).is_err());
+    // Every mode pair needs an unbounded TM.
+    assert!(TmTable::new([TmSpec::copy("a", 10, "")]).is_err());
+    assert!(TmTable::new([
+        TmSpec::copy("a", 10, ""),
+        TmSpec::gather("g", usize::MAX, 4, "").with_modes(ModeSet::CHEAPER_CHEAPER)
+    ])
+    .is_err());
+    // Duplicate names.
+    assert!(TmTable::new([TmSpec::copy("a", 10, ""), TmSpec::copy("a", usize::MAX, "")]).is_err());
+    // Overrides re-validate and change the fingerprint.
+    let mut t = TmTable::new([
+        TmSpec::copy("small", 64, ""),
+        TmSpec::gather("big", usize::MAX, 4, ""),
+    ])
+    .unwrap();
+    let f = t.fingerprint();
+    t.set_max_len("small", 128).unwrap();
+    assert_eq!(t.select(100, SendMode::Cheaper, RecvMode::Cheaper), 0);
+    assert_ne!(t.fingerprint(), f);
+    assert!(matches!(t.set_max_len("nope", 1), Err(Error::BadConfig(_))));
+    assert!(
+        t.set_max_len("big", 5).is_err(),
+        "the last TM must stay unbounded"
+    );
+}
+
+#[test]
+fn small_pieces_aggregate_into_one_buffer_and_one_flush() {
+    let data: Vec<[u8; 4]> = (0..16u8).map(|i| [i; 4]).collect();
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        for d in &data {
+            p.pack(d, RecvMode::Cheaper)?;
+        }
+        p.end_packing()
+    });
+    // 16 copies into TM 0, no gather send, one commit, one end.
+    assert_eq!(ev.len(), 18, "{ev:?}");
+    assert!(ev[..16]
+        .iter()
+        .enumerate()
+        .all(|(i, e)| *e == Ev::Copy(0, vec![i as u8; 4])));
+    assert_eq!(ev[16..], [Ev::Commit(0), Ev::End]);
+}
+
+#[test]
+fn big_safer_piece_in_a_copy_tm_is_split_across_buffers() {
+    let big: Vec<u8> = (0..10_000).map(|i| i as u8).collect();
+    // Raise the copy TM's threshold so a 10 000-byte SAFER piece goes through 4096-byte buffers.
+    let ev = record("rec,tm.small=max,tm.big=max", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack_safer(&big, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    let copies: Vec<&Vec<u8>> = ev
+        .iter()
+        .filter_map(|e| {
+            if let Ev::Copy(0, b) = e {
+                Some(b)
+            } else {
+                None
+            }
+        })
+        .collect();
+    // The header took 8 bytes of the first buffer.
+    assert_eq!(
+        copies.iter().map(|b| b.len()).collect::<Vec<_>>(),
+        vec![4088, 4096, 1816]
+    );
+    assert_eq!(
+        copies.into_iter().flatten().copied().collect::<Vec<u8>>(),
+        big
+    );
+}
+
+#[test]
+fn tm_change_commits_the_previous_tm_and_groups_gather() {
+    let (a, b, c, d) = ([1u8; 8], vec![2u8; 100], vec![3u8; 200], [4u8; 8]);
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&a, RecvMode::Cheaper)?;
+        p.pack(&b, RecvMode::Cheaper)?;
+        p.pack(&c, RecvMode::Cheaper)?;
+        p.pack(&d, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, a.to_vec()),
+            Ev::Commit(0),
+            Ev::Refs(1, vec![b.clone(), c.clone()]), // one group: flushed when the TM changes back
+            Ev::Commit(1),
+            Ev::Copy(0, d.to_vec()),
+            Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+}
+
+#[test]
+fn gather_groups_end_after_express_safer_and_when_full() {
+    let big: Vec<Vec<u8>> = (0..7u8).map(|i| vec![i; 100]).collect();
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&big[0], RecvMode::Cheaper)?;
+        p.pack(&big[1], RecvMode::Express)?; // ends the group
+        p.pack_safer(&big[2], RecvMode::Cheaper)?; // sent alone, at once
+        for b in &big[3..7] {
+            p.pack(b, RecvMode::Cheaper)?; // 4 = max_group: flushed when full
+        }
+        p.end_packing()
+    });
+    let groups: Vec<usize> = ev
+        .iter()
+        .filter_map(|e| {
+            if let Ev::Refs(1, g) = e {
+                Some(g.len())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(groups, vec![2, 1, 4], "{ev:?}");
+}
+
+#[test]
+fn later_reads_the_value_at_end_packing_and_travels_last() {
+    let mut v = [0u8; 4];
+    let head = [9u8; 2];
+    let ev = record("rec", 4096, |ch| {
+        let cells = Cell::from_mut(&mut v[..]).as_slice_of_cells();
+        let mut p = ch.begin_packing(1)?;
+        p.pack_later(cells, RecvMode::Cheaper)?;
+        p.pack(&head, RecvMode::Express)?;
+        cells[0].set(7);
+        cells[3].set(8);
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, vec![9, 9]),
+            Ev::Copy(0, vec![7, 0, 0, 8]),
+            Ev::Commit(0),
+            Ev::End
+        ]
+    );
+}
+
+#[test]
+fn later_express_holds_the_rest_of_the_message_until_end_packing() {
+    let mut size = [0u8; 8];
+    let body = vec![5u8; 500];
+    let mut scratch = vec![6u8; 10];
+    let ev = record("rec", 4096, move |ch| {
+        let cells = Cell::from_mut(&mut size[..]).as_slice_of_cells();
+        let mut p = ch.begin_packing(1)?;
+        p.pack_later(cells, RecvMode::Express)?;
+        p.pack(&body, RecvMode::Cheaper)?;
+        p.pack_safer(&scratch, RecvMode::Cheaper)?;
+        scratch.fill(0); // SAFER: the value at pack time is what leaves
+        cells[0].set(42);
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, vec![42, 0, 0, 0, 0, 0, 0, 0]),
+            Ev::Commit(0),
+            Ev::Refs(1, vec![vec![5u8; 500]]),
+            Ev::Commit(1),
+            Ev::Copy(0, vec![6u8; 10]),
+            Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+}
+
+#[test]
+fn zero_piece_and_zero_length_messages() {
+    let ev = record("rec", 4096, |ch| {
+        ch.begin_packing(1)?.end_packing()?;
+        Ok(())
+    });
+    assert_eq!(ev, vec![Ev::Commit(0), Ev::End]);
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&[], RecvMode::Express)?;
+        p.end_packing()
+    });
+    assert_eq!(ev, vec![Ev::Commit(0), Ev::End]);
+}
+
+#[test]
+fn bad_ranks_and_unknown_drivers_are_clear_errors() {
+    let boots = ThreadBootstrap::group(1);
+    let session = Session::builder()
+        .driver(RecDriver {
+            log: Arc::default(),
+            buf_size: 64,
+        })
+        .bootstrap(Box::new(boots.into_iter().next().unwrap()))
+        .build()
+        .unwrap();
+    let e = session
+        .open_channel_with(ChannelConfig::parse("x", "carrier-pigeon").unwrap())
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("unknown driver `carrier-pigeon`") && e.to_string().contains("rec"),
+        "{e}"
+    );
+    let ch = session
+        .open_channel_with(ChannelConfig::parse("x", "rec").unwrap())
+        .unwrap();
+    assert!(matches!(ch.begin_packing(0), Err(Error::BadRank { .. })));
+    assert!(matches!(ch.begin_packing(5), Err(Error::BadRank { .. })));
+    let e = session
+        .open_channel_with(ChannelConfig::parse("y", "rec,tm.nope=5").unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("no TM named `nope`"), "{e}");
+}
