@@ -4,8 +4,9 @@
 # with 2 and 4 ranks, plus the wrong-launcher check. Each MPI has its own target directory
 # because the `mpi` crate's build script does not rebuild when MPICC changes.
 #
-# Usage: .ci/mpi.sh            (from the repository root; about 3-5 minutes on 2 cores)
-#        MPI_CI_SKIP_INSTALL=1 .ci/mpi.sh
+# Usage: .ci/mpi.sh            (from the repository root)
+#        MPI_CI_SKIP_INSTALL=1 .ci/mpi.sh                 (never call apt-get)
+#        MPI_CI_TARGET_PREFIX=/tmp/t- .ci/mpi.sh          (target dirs /tmp/t-mpich, /tmp/t-openmpi)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -31,7 +32,7 @@ OMPI_RUN=(mpirun.openmpi --allow-run-as-root --oversubscribe)
 MPICH_RUN=(mpiexec.mpich)
 
 build() { # $1 = mpich|openmpi
-    export CARGO_TARGET_DIR="$ROOT/target-$1" MPICC="mpicc.$1"
+    export CARGO_TARGET_DIR="${MPI_CI_TARGET_PREFIX:-$ROOT/target-}$1" MPICC="mpicc.$1"
     cargo build -p mad-mpi --tests --examples >&2
     cargo test -p mad-mpi >&2   # unit tests, doc tests, and the "not under a launcher" path
     # The newest mpi_job test binary of this target directory.
