@@ -380,30 +380,10 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// Every case of the kit but `peer_closes`: MPI does not report a dead peer
-/// (`capabilities().detects_peer_death` is false). `MAD_KIT_CASES` overrides the list.
-const KIT_CASES: &[&str] = &[
-    "empty",
-    "sizes",
-    "modes",
-    "later",
-    "later_express",
-    "safer_reuse",
-    "many_pieces",
-    "unaligned",
-    "figure1",
-    "random",
-    "in_flight",
-    "any_source",
-    "two_channels",
-    "threads",
-    "checked_mismatch",
-];
-
 /// The core's conformance kit over an MPI channel, in a `Session` built on a second
 /// `MpiBootstrap` (MPI itself is initialised once and shared).
 fn conformance(me: usize) -> Result<()> {
-    use mad_core::conformance::{run_rank, KitOptions};
+    use mad_core::conformance::{case_names, run_rank, KitOptions};
     let session = mad_core::Session::builder()
         .driver(MpiDriver::new())
         .bootstrap(Box::new(MpiBootstrap::new()?))
@@ -412,7 +392,15 @@ fn conformance(me: usize) -> Result<()> {
     let mut opts = KitOptions::new(&spec);
     if opts.cases.is_none() {
         // MPI does not report a dead peer (capabilities().detects_peer_death is false).
-        opts.cases = Some(KIT_CASES.iter().map(|n| n.to_string()).collect());
+        // Every case but `peer_closes`: MPI does not report a dead peer
+        // (`capabilities().detects_peer_death` is false). `MAD_KIT_CASES` overrides the list.
+        opts.cases = Some(
+            case_names()
+                .into_iter()
+                .filter(|n| *n != "peer_closes")
+                .map(String::from)
+                .collect(),
+        );
     }
     let ran = run_rank(&session, &opts)?;
     if me == 0 {
