@@ -51,11 +51,12 @@ fn io_op(mut f: impl FnMut() -> isize) -> io::Result<Option<usize>> {
         if r >= 0 {
             return Ok(Some(r as usize));
         }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EAGAIN) => return Ok(None),
-            Some(libc::EINTR) => continue,
-            _ => return Err(e),
+        // SAFETY: `__errno_location` returns this thread's errno slot, always valid to read.
+        let errno = unsafe { *libc::__errno_location() };
+        match errno {
+            libc::EAGAIN => return Ok(None),
+            libc::EINTR => continue,
+            _ => return Err(io::Error::from_raw_os_error(errno)),
         }
     }
 }
