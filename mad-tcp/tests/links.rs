@@ -491,3 +491,16 @@ fn single_rank_channel_opens() {
     let chans = open_group(1, cfg("solo"));
     assert!(chans[0].links.iter().all(Option::is_none));
 }
+
+/// 64 ranks in one process: 4032 sockets, descriptor limit raised if needed. Ignored by
+/// default (heavy on a 2-core machine); run with `--ignored`.
+#[test]
+#[ignore]
+fn sixty_four_ranks_open() {
+    let t0 = Instant::now();
+    let chans = open_group(64, cfg("sixtyfour"));
+    assert!(chans
+        .iter()
+        .all(|c| c.links.iter().filter(|l| l.is_some()).count() == 63));
+    eprintln!("64-rank all-to-all setup: {:?}", t0.elapsed());
+}
