@@ -56,6 +56,13 @@ for n in 2 4; do
     run "Open MPI, $n ranks" "${OMPI_RUN[@]}" -n "$n" "$OMPI_BIN"
 done
 
+# The kit again through the other paths: every gather group as one hindexed-datatype message,
+# and blocking progress (every wait goes through the driver's poll-then-sleep `wait`).
+for spec in "mpi,gather=datatype" "mpi,progress=block"; do
+    run "MPICH, 2 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+    run "Open MPI, 4 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
+done
+
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
 echo "== wrong launcher (MPICH build under Open MPI's mpirun) must fail"
