@@ -373,7 +373,6 @@ fn lost(rank: usize, e: Error) -> Error {
 
 /// The sending half of an MPI connection.
 struct MpiTx {
-    ch: Arc<ChanShared>,
     peer: usize,
     p: Params,
     /// The eager buffer being filled, and how much of it is filled.
@@ -384,6 +383,8 @@ struct MpiTx {
     gather: Option<GatherOp>,
     sent_any: bool,
     broken: Option<String>,
+    /// Last field: dropped after the requests above, so MPI is still alive for them.
+    ch: Arc<ChanShared>,
 }
 
 impl MpiTx {
@@ -594,7 +595,6 @@ impl TxLink for MpiTx {
 
 /// The receiving half of an MPI connection.
 struct MpiRx {
-    ch: Arc<ChanShared>,
     peer: usize,
     /// The eager buffer in hand (None while posted) and its unread window.
     buf: Option<Vec<u8>>,
@@ -605,6 +605,8 @@ struct MpiRx {
     gather: Option<GatherOp>,
     p: Params,
     broken: Option<String>,
+    /// Last field: dropped after the requests above, so MPI is still alive for them.
+    ch: Arc<ChanShared>,
 }
 
 impl MpiRx {
