@@ -40,6 +40,7 @@ use std::time::Duration;
 use mad_core::driver::{
     Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
 };
+use mad_core::progress::ProgressMode;
 use mad_core::{ChannelConfig, Error, Result};
 
 pub use link::{TcpIncoming, TcpRx, TcpTx};
@@ -216,6 +217,7 @@ impl Driver for TcpDriver {
         let first_read = small_max
             .saturating_add(FIRST_READ_SLACK)
             .max(MIN_FIRST_READ);
+        let bulk_blocking = ctx.progress.mode == ProgressMode::Block;
         let caps = self.capabilities(ctx.config);
         let mut incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit)?;
         let mut links = Vec::with_capacity(size);
@@ -225,16 +227,26 @@ impl Driver for TcpDriver {
                 continue;
             };
             let cfg = |e| Error::io(format!("tcp: configuring the connection to rank {r}"), e);
-            st.set_read_timeout(None).map_err(cfg)?;
-            st.set_write_timeout(None).map_err(cfg)?;
+            // The socket stays in blocking mode: every non-blocking call passes MSG_DONTWAIT,
+            // and in block mode gather sends/receives wait in the kernel, bounded by the
+            // operation timeout (SO_SNDTIMEO/SO_RCVTIMEO) and by peer death (user timeout).
+            st.set_read_timeout(ctx.progress.op_timeout).map_err(cfg)?;
+            st.set_write_timeout(ctx.progress.op_timeout).map_err(cfg)?;
             st.set_nodelay(true).map_err(cfg)?;
-            st.set_nonblocking(true).map_err(cfg)?;
+            st.set_nonblocking(false).map_err(cfg)?;
             sys::set_liveness(st.as_raw_fd(), opts.user_timeout).map_err(cfg)?;
             let st = Arc::new(st);
             let watch = incoming.watch(&st, r)?;
             links.push(Some(LinkPair {
-                tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer)),
-                rx: Box::new(TcpRx::new(st, r, opts.buffer, first_read, watch)),
+                tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer, bulk_blocking)),
+                rx: Box::new(TcpRx::new(
+                    st,
+                    r,
+                    opts.buffer,
+                    first_read,
+                    bulk_blocking,
+                    watch,
+                )),
             }));
         }
         let notes = vec![format!(

@@ -45,12 +45,20 @@ pub struct TcpTx {
     refs_done: usize,
     /// Some byte of the current message has left.
     started: bool,
+    /// Block mode: gather sends wait in the kernel until everything is queued.
+    bulk_blocking: bool,
     broken: Option<String>,
 }
 
 impl TcpTx {
-    pub(crate) fn new(sock: Arc<TcpStream>, peer: usize, buf_len: usize) -> Self {
+    pub(crate) fn new(
+        sock: Arc<TcpStream>,
+        peer: usize,
+        buf_len: usize,
+        bulk_blocking: bool,
+    ) -> Self {
         TcpTx {
+            bulk_blocking,
             fd: sock.as_raw_fd(),
             sock,
             peer,
@@ -156,7 +164,7 @@ impl TxLink for TcpTx {
                 v.push(IoSlice::new(&s[skip..]));
                 skip = 0;
             }
-            let res = sys::send_vectored(self.fd, &v);
+            let res = sys::send_vectored(self.fd, &v, self.bulk_blocking);
             drop(v);
             match res {
                 Ok(Some(n)) => {
@@ -212,6 +220,8 @@ pub struct TcpRx {
     refs_done: usize,
     /// Most bytes `poll_message` reads at the start of a message.
     first_read: usize,
+    /// Block mode: gather receives wait in the kernel for the whole group.
+    bulk_blocking: bool,
     watch: Watch,
     broken: Option<String>,
 }
@@ -231,9 +241,11 @@ impl TcpRx {
         peer: usize,
         buf_len: usize,
         first_read: usize,
+        bulk_blocking: bool,
         watch: Watch,
     ) -> Self {
         TcpRx {
+            bulk_blocking,
             fd: sock.as_raw_fd(),
             sock,
             peer,
@@ -379,8 +391,14 @@ impl RxLink for TcpRx {
                     v.push(IoSliceMut::new(&mut s[skip..]));
                     skip = 0;
                 }
-                v.push(IoSliceMut::new(&mut self.buf[..]));
-                sys::recv_vectored(fd, &mut v)
+                if self.bulk_blocking {
+                    // Block mode: wait in the kernel for the whole group, like a blocking
+                    // read loop would (the next message stays in the socket).
+                    sys::recv_vectored(fd, &mut v, true)
+                } else {
+                    v.push(IoSliceMut::new(&mut self.buf[..]));
+                    sys::recv_vectored(fd, &mut v, false)
+                }
             };
             match res {
                 Ok(Some(0)) => return Err(self.closed()),

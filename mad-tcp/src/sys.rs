@@ -78,10 +78,18 @@ pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
 
 /// One `sendmsg(MSG_NOSIGNAL | MSG_DONTWAIT)` of `iov` (at most [`IOV_MAX`] entries are used).
 /// Returns the number of bytes accepted by the kernel; `Ok(None)` when the buffer is full.
+/// With `block`, without `MSG_DONTWAIT`: on a blocking socket the kernel then queues
+/// everything before returning (or the send timeout passes: `Ok(None)`).
 #[inline]
-pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<Option<usize>> {
+pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>], block: bool) -> io::Result<Option<usize>> {
+    let flags = if block {
+        libc::MSG_NOSIGNAL
+    } else {
+        libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT
+    };
     if let [one] = iov {
-        return send(fd, one);
+        // SAFETY: `one` is a live, readable slice for this call.
+        return io_op(|| unsafe { libc::send(fd, one.as_ptr().cast(), one.len(), flags) });
     }
     let n = iov.len().min(IOV_MAX);
     // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
@@ -91,7 +99,7 @@ pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<Option<usize>
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = n as _;
     // SAFETY: `msg` points to `n` valid iovecs borrowed from `iov` for this call only.
-    io_op(|| unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) })
+    io_op(|| unsafe { libc::sendmsg(fd, &msg, flags) })
 }
 
 /// One `send(MSG_NOSIGNAL | MSG_DONTWAIT)` of `buf` (cheaper in the kernel than a one-slice
@@ -114,8 +122,20 @@ pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
 
 /// One non-blocking `recvmsg` scattering into `iov` (at most [`IOV_MAX`] entries).
 /// `Ok(Some(0))` means end of stream (when `iov` is not empty), `Ok(None)` nothing yet.
+/// With `wait_all`, `MSG_WAITALL` instead of `MSG_DONTWAIT`: on a blocking socket the kernel
+/// fills every slice before returning (or end of stream, an error, a signal or the receive
+/// timeout cuts it short).
 #[inline]
-pub fn recv_vectored(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<Option<usize>> {
+pub fn recv_vectored(
+    fd: RawFd,
+    iov: &mut [IoSliceMut<'_>],
+    wait_all: bool,
+) -> io::Result<Option<usize>> {
+    let flags = if wait_all {
+        libc::MSG_WAITALL
+    } else {
+        libc::MSG_DONTWAIT
+    };
     let n = iov.len().min(IOV_MAX);
     // SAFETY: an all-zero msghdr is a valid "no address, no control data" header.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -123,7 +143,7 @@ pub fn recv_vectored(fd: RawFd, iov: &mut [IoSliceMut<'_>]) -> io::Result<Option
     msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
     msg.msg_iovlen = n as _;
     // SAFETY: `msg` points to `n` valid, writable iovecs borrowed mutably from `iov`.
-    io_op(|| unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) })
+    io_op(|| unsafe { libc::recvmsg(fd, &mut msg, flags) })
 }
 
 /// Whether to wait for input or for room to send.

@@ -504,3 +504,54 @@ fn sixty_four_ranks_open() {
         .all(|c| c.links.iter().filter(|l| l.is_some()).count() == 63));
     eprintln!("64-rank all-to-all setup: {:?}", t0.elapsed());
 }
+
+#[test]
+fn block_mode_gather_receive_is_bounded_by_the_operation_timeout() {
+    use mad_core::progress::{ProgressMode, ProgressPolicy};
+    let boots: Vec<Box<dyn Bootstrap>> = ThreadBootstrap::group(2)
+        .into_iter()
+        .map(|b| Box::new(b) as Box<dyn Bootstrap>)
+        .collect();
+    let tables = (0..2)
+        .map(|_| mad_tcp::tm_table(mad_tcp::DEFAULT_SMALL_MAX).unwrap())
+        .collect();
+    let policy = ProgressPolicy {
+        mode: ProgressMode::Block,
+        oversubscribed: false,
+        op_timeout: Some(Duration::from_millis(300)),
+    };
+    let mut res = common::open_with_policy(boots, cfg("blocktimeout"), tables, policy);
+    let mut c1 = res.pop().unwrap().unwrap();
+    let mut c0 = res.pop().unwrap().unwrap();
+    let mut a = take(&mut c0, 1);
+    let mut b = take(&mut c1, 0);
+    // Half of a 1 MiB gather piece, then silence.
+    let half = pattern(512 << 10, 9);
+    a.tx.begin_message().unwrap();
+    copy_in(&mut *a.tx, b"hdr");
+    drive(|| a.tx.send_refs(1, &[IoSlice::new(&half)])).unwrap();
+    drive(|| a.tx.end_message()).unwrap();
+    drive(|| b.rx.poll_message()).unwrap();
+    let mut hdr = [0u8; 3];
+    copy_out(&mut *b.rx, &mut hdr).unwrap();
+    let mut body = vec![0u8; 1 << 20];
+    let t0 = Instant::now();
+    let mut iov = [IoSliceMut::new(&mut body)];
+    // The blocking receive takes what there is and gives up at the operation timeout.
+    assert!(
+        b.rx.recv_refs(1, &mut iov).unwrap().is_pending(),
+        "half a piece reported complete"
+    );
+    assert!(b.rx.recv_refs(1, &mut iov).unwrap().is_pending());
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "blocked {:?}",
+        t0.elapsed()
+    );
+    // The rest arrives: the same call completes with the bytes in order.
+    drive(|| a.tx.send_refs(1, &[IoSlice::new(&half)])).unwrap();
+    drive(|| b.rx.recv_refs(1, &mut iov)).unwrap();
+    drop(iov);
+    assert_eq!(&body[..512 << 10], &half[..]);
+    assert_eq!(&body[512 << 10..], &half[..]);
+}

@@ -55,13 +55,22 @@ pub fn open_with(
     config: ChannelConfig,
     tables: Vec<TmTable>,
 ) -> Vec<Result<OpenedChannel>> {
+    open_with_policy(boots, config, tables, ProgressPolicy::default())
+}
+
+/// [`open_with`] under a given progress policy.
+pub fn open_with_policy(
+    boots: Vec<Box<dyn Bootstrap>>,
+    config: ChannelConfig,
+    tables: Vec<TmTable>,
+    progress: ProgressPolicy,
+) -> Vec<Result<OpenedChannel>> {
     let handles: Vec<_> = boots
         .into_iter()
         .zip(tables)
         .map(|(b, table)| {
             let config = config.clone();
             thread::spawn(move || {
-                let progress = ProgressPolicy::default();
                 let ctx = OpenContext {
                     config: &config,
                     bootstrap: &*b,
