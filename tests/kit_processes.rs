@@ -1,0 +1,108 @@
+//! The conformance kit over real processes started by `madrun`, for every driver that runs on
+//! this host. The test binary re-executes itself: `kit_child` (ignored in normal runs) is the
+//! rank program, selected with `--ignored --exact kit_child`.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use mad_core::conformance::{run_rank, KitOptions};
+
+fn kit_in_processes(n: usize, spec: &str, extra_env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().unwrap();
+    let start = Instant::now();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_madrun"));
+    cmd.args(["-n", &n.to_string(), "--timeout", "240", "--"])
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "kit_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("MAD_KIT_SPEC", spec);
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "kit over `{spec}` with {n} processes failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    // Every rank ran every case.
+    for r in 0..n {
+        assert!(
+            stdout.contains(&format!("kit: rank {r} ran ")),
+            "rank {r} did not report:\n{stdout}\n{stderr}"
+        );
+    }
+    eprintln!(
+        "kit over `{spec}` with {n} processes: {:?}",
+        start.elapsed()
+    );
+    assert!(start.elapsed() < Duration::from_secs(240));
+}
+
+#[test]
+#[ignore = "rank program of the process kit tests (run through madrun)"]
+fn kit_child() {
+    let spec = std::env::var("MAD_KIT_SPEC").expect("MAD_KIT_SPEC");
+    let session = madeleine::session().unwrap();
+    let mut opts = KitOptions::new(&spec);
+    opts.volume = 100;
+    let ran = run_rank(&session, &opts).unwrap_or_else(|e| panic!("rank {}: {e}", session.rank()));
+    println!(
+        "kit: rank {} ran {} cases: {}",
+        session.rank(),
+        ran.len(),
+        ran.join(",")
+    );
+}
+
+#[test]
+fn kit_tcp_2_processes() {
+    kit_in_processes(2, "tcp", &[]);
+}
+
+#[test]
+fn kit_tcp_4_processes() {
+    kit_in_processes(4, "tcp", &[]);
+}
+
+#[test]
+fn kit_tcp_2_processes_checked_64mib() {
+    kit_in_processes(
+        2,
+        "tcp,checked=true",
+        &[
+            ("MAD_KIT_BIG", "1"),
+            ("MAD_KIT_CASES", "sizes,random,figure1"),
+        ],
+    );
+}
+
+#[test]
+fn kit_shm_4_processes() {
+    kit_in_processes(4, "shm", &[]);
+}
+
+#[test]
+fn kit_shm_8_processes_oversubscribed() {
+    // 8 processes on our 2 cores: the adaptive progress policy must back off.
+    kit_in_processes(
+        8,
+        "shm",
+        &[(
+            "MAD_KIT_CASES",
+            "empty,figure1,random,any_source,in_flight,threads",
+        )],
+    );
+}
+
+#[test]
+fn kit_via_soft_2_processes() {
+    kit_in_processes(2, "via:soft", &[]);
+}
