@@ -306,6 +306,59 @@ fn t_mismatch(bs: &MpiBootstrap, ch: &mut OpenedChannel) -> Result<()> {
     Ok(())
 }
 
+/// Aborts: a sender that abandons a message before anything left gets `Discarded` and the
+/// connection stays usable; a receiver asked for a gather group while its eager receive is
+/// posted reports a protocol error, and abandoning cancels the posted receive (which never
+/// completes) at once and poisons the link.
+fn t_abort(bs: &MpiBootstrap, ch: &mut OpenedChannel) -> Result<()> {
+    use mad_core::driver::AbortOutcome;
+    use std::io::IoSliceMut;
+    let me = bs.rank();
+    if me > 1 {
+        return Ok(());
+    }
+    let peer = 1 - me;
+    let link = ch.links[peer]
+        .as_mut()
+        .ok_or_else(|| Error::protocol(peer, "no link"))?;
+    if me == 0 {
+        link.tx.begin_message()?;
+        let _ = link.tx.with_buffer(0, 8, &mut |b: &mut [u8]| {
+            b[..8].copy_from_slice(&[9; 8]);
+            8
+        })?;
+        check(
+            link.tx.abort_message() == AbortOutcome::Discarded,
+            "nothing sent: discarded",
+        )?;
+        // The connection is intact: a header-only message goes through.
+        send(link.tx.as_mut(), &[Piece::Copy(&[1, 2, 3])])?;
+    } else {
+        let mut h = [0u8; 3];
+        recv(link.rx.as_mut(), &mut [Dest::Copy(&mut h)])?;
+        check(h == [1, 2, 3], "message after a discarded one")?;
+        // The eager receive for the next message is posted (it never completes: rank 0 sends
+        // nothing more); a gather group here is refused.
+        let mut dst = vec![0u8; 100_000];
+        let mut iov = [IoSliceMut::new(&mut dst)];
+        check(
+            matches!(link.rx.recv_refs(1, &mut iov), Err(Error::Protocol { .. })),
+            "gather group while an eager receive is posted is a protocol error",
+        )?;
+        let t = std::time::Instant::now();
+        link.rx.abort_message();
+        check(
+            t.elapsed() < Duration::from_secs(5),
+            "abort returns promptly",
+        )?;
+        check(
+            matches!(link.rx.poll_message(), Err(Error::Poisoned { .. })),
+            "poisoned after abort",
+        )?;
+    }
+    Ok(())
+}
+
 fn not_available() -> Result<()> {
     check(MpiBootstrap::from_env()?.is_none(), "no launcher detected")?;
     let group = ThreadBootstrap::group(2);
@@ -371,6 +424,10 @@ fn run() -> Result<()> {
     )?;
     let mut mm = open(&d, &bs, "mismatch", "mpi")?;
     t_mismatch(&bs, &mut mm)?;
+    let mut ab = open(&d, &bs, "abort", "mpi")?;
+    t_abort(&bs, &mut ab)?;
+    bs.barrier("t/abort")?;
+    drop(ab);
     bs.barrier("t/end")?;
     drop((mm, other, ch));
     conformance(me)?;
