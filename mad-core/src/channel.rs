@@ -199,7 +199,7 @@ impl ChannelInner {
     }
 
     /// Try to start receiving from `remote` without waiting.
-    fn try_peer<'b>(&self, remote: usize, busy: &mut bool) -> Result<Option<Unpacker<'_, 'b>>> {
+    fn try_peer(&self, remote: usize, busy: &mut bool) -> Result<Option<MutexGuard<'_, RxState>>> {
         let Some(Some(conn)) = self.conns.get(remote) else {
             return Ok(None);
         };
@@ -223,7 +223,7 @@ impl ChannelInner {
         }
         match rx.link.poll_message() {
             Ok(Poll::Pending) => Ok(None),
-            Ok(Poll::Ready(())) => Unpacker::start(self, remote, rx).map(Some),
+            Ok(Poll::Ready(())) => Ok(Some(rx)),
             Err(e) => {
                 rx.broken = Some(e.to_string());
                 rx.reported = true;
@@ -249,7 +249,9 @@ impl ChannelInner {
         })
     }
 
-    fn try_any<'b>(&self, busy: &mut bool) -> Result<Poll<Unpacker<'_, 'b>>> {
+    /// Find a peer with a message; returns its rank and its locked receiving half (a small value:
+    /// the unpacker is built once, after the wait).
+    fn try_any(&self, busy: &mut bool) -> Result<Poll<(usize, MutexGuard<'_, RxState>)>> {
         *busy = false;
         let n = self.peers.len();
         if n == 0 {
@@ -262,8 +264,8 @@ impl ChannelInner {
         if n <= self.caps.direct_poll_limit {
             for i in 0..n {
                 let p = self.peers[(start + i) % n];
-                if let Some(u) = self.try_peer(p, busy)? {
-                    return Ok(Poll::Ready(u));
+                if let Some(rx) = self.try_peer(p, busy)? {
+                    return Ok(Poll::Ready((p, rx)));
                 }
             }
         } else {
@@ -278,7 +280,7 @@ impl ChannelInner {
                 let Some(c) = &self.conns[p] else { continue };
                 if c.hint.swap(false, Ordering::AcqRel) {
                     match self.try_peer(p, busy) {
-                        Ok(Some(u)) => return Ok(Poll::Ready(u)),
+                        Ok(Some(rx)) => return Ok(Poll::Ready((p, rx))),
                         Ok(None) => {
                             if *busy {
                                 // Keep the hint for whoever can take it later.
@@ -335,18 +337,19 @@ impl Channel {
     pub fn begin_unpacking<'b>(&self) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         let mut busy = false;
-        inner.progress.drive(
+        let (remote, rx) = inner.progress.drive(
             &mut busy,
             |busy| inner.try_any(busy),
             |busy, t| inner.block_any(*busy, t),
-        )
+        )?;
+        Unpacker::start(inner, remote, rx)
     }
 
     /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
     pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
-            Poll::Ready(u) => Ok(Some(u)),
+            Poll::Ready((remote, rx)) => Unpacker::start(&self.inner, remote, rx).map(Some),
             Poll::Pending => Ok(None),
         }
     }

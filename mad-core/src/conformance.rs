@@ -581,7 +581,7 @@ fn case_in_flight(c: &Ctx<'_>) -> Result<()> {
             let mut u = ch.begin_unpacking()?;
             let v: u64 = u.unpack_value(SendMode::Safer)?;
             let mut body = [0u8; 100];
-            u.unpack_express(&mut body, SendMode::Safer)?;
+            u.unpack(&mut body, SendMode::Safer)?;
             u.end_unpacking()?;
             if v != i || body != [(i % 251) as u8; 100] {
                 return Err(fail(format!(

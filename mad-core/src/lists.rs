@@ -71,13 +71,13 @@ impl<T: Copy, const N: usize> InlineList<T, N> {
 pub(crate) type RefList<'b> = InlineList<IoSlice<'b>, INLINE>;
 
 /// A list of `IoSliceMut`s (receive-side gather group).
-pub(crate) struct MutList<'b> {
-    inline: [IoSliceMut<'b>; INLINE],
+pub(crate) struct MutList<'b, const N: usize = INLINE> {
+    inline: [IoSliceMut<'b>; N],
     n: usize,
     spill: Vec<IoSliceMut<'b>>,
 }
 
-impl<'b> MutList<'b> {
+impl<'b, const N: usize> MutList<'b, N> {
     pub(crate) fn new() -> Self {
         MutList {
             inline: std::array::from_fn(|_| IoSliceMut::new(&mut [])),
@@ -99,7 +99,7 @@ impl<'b> MutList<'b> {
     }
     #[inline]
     pub(crate) fn push(&mut self, s: IoSliceMut<'b>) {
-        if self.spill.is_empty() && self.n < INLINE {
+        if self.spill.is_empty() && self.n < N {
             self.inline[self.n] = s;
             self.n += 1;
         } else {
@@ -123,7 +123,7 @@ impl<'b> MutList<'b> {
     }
     /// Move every item into `out` (which may have a shorter lifetime), leaving this empty.
     #[inline]
-    pub(crate) fn drain_into<'s>(&mut self, out: &mut MutList<'s>)
+    pub(crate) fn drain_into<'s, const M: usize>(&mut self, out: &mut MutList<'s, M>)
     where
         'b: 's,
     {

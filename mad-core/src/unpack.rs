@@ -54,7 +54,7 @@ use crate::wire;
 pub struct Unpacker<'c, 'b> {
     st: UnpackState<'c>,
     group: MutList<'b>,
-    tail: MutList<'b>,
+    tail: MutList<'b, 4>,
 }
 
 /// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
@@ -305,7 +305,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             Bmm::Copy => self.st.copy_out(tm, buf),
             Bmm::Gather => {
                 // The group ends with this piece (the sender flushed it after an EXPRESS piece).
-                let mut tmp: MutList<'_> = MutList::new();
+                let mut tmp: MutList<'_, 17> = MutList::new();
                 self.group.drain_into(&mut tmp);
                 tmp.push(IoSliceMut::new(buf));
                 self.st.recv_group(tm, tmp.as_mut_slice())
