@@ -3,7 +3,7 @@
 //! A bootstrap gives this process its rank and the session size, the session secret, and a
 //! collective `allgather` that channels use at open time to exchange endpoint information
 //! (listen addresses, segment names, queue-pair numbers). Implementations: the in-process
-//! [`ThreadBootstrap`](crate::bootstrap::ThreadBootstrap) for tests, the `madrun` client
+//! [`ThreadBootstrap`] for tests, the `madrun` client
 //! (`crate::launch`), and the MPI bootstrap in `mad-mpi`.
 
 use crate::auth::Secret;
