@@ -38,7 +38,7 @@ use crate::wire;
 /// connection so the peer gets an error instead of half a message, and later sends to that
 /// peer on this channel return [`Error::Poisoned`].
 ///
-/// ```compile_fail
+/// ```compile_fail,E0506
 /// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
 /// use mad_core::RecvMode;
 /// let mut data = vec![1u8; 16];
@@ -58,6 +58,22 @@ use crate::wire;
 /// let mut p = ch.begin_packing(1)?;
 /// p.pack_safer(&data, RecvMode::Cheaper)?;
 /// data[0] = 2;                         // fine: the value 1 was taken
+/// p.end_packing()?;
+/// # Ok(()) }
+/// ```
+///
+/// LATER data may change before `end_packing`, but only through its cells, never behind the
+/// packer's back with a plain write:
+///
+/// ```compile_fail,E0506
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use std::cell::Cell;
+/// use mad_core::RecvMode;
+/// let mut buf = [0u8; 4];
+/// let cells = Cell::from_mut(&mut buf[..]).as_slice_of_cells();
+/// let mut p = ch.begin_packing(1)?;
+/// p.pack_later(cells, RecvMode::Cheaper)?;
+/// buf[0] = 42;                         // error: `buf` is borrowed by the cells
 /// p.end_packing()?;
 /// # Ok(()) }
 /// ```

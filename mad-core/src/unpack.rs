@@ -23,7 +23,7 @@ use crate::wire;
 /// [`end_unpacking`](Unpacker::end_unpacking), and the borrow checker forbids reading them
 /// before:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0502
 /// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
 /// use mad_core::SendMode;
 /// let mut buf = vec![0u8; 16];
