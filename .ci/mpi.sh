@@ -62,6 +62,9 @@ for spec in "mpi,gather=datatype" "mpi,progress=block"; do
     run "MPICH, 2 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
     run "Open MPI, 4 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
 done
+# The path of an MPI that grants less than THREAD_MULTIPLE: every MPI call behind one lock.
+run "MPICH, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+run "Open MPI, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${OMPI_RUN[@]}" -n 2 "$OMPI_BIN"
 
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.

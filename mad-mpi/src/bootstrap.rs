@@ -118,7 +118,8 @@ impl MpiBootstrap {
         self.rt.version()
     }
 
-    /// Whether MPI granted `MPI_THREAD_MULTIPLE` (otherwise calls are serialised).
+    /// Whether MPI calls run concurrently (`MPI_THREAD_MULTIPLE` granted and the lock not
+    /// forced by `MAD_MPI_SERIALISE=1`); otherwise they are serialised by one lock.
     pub fn thread_multiple(&self) -> bool {
         !self.rt.serialised()
     }

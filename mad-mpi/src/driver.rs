@@ -290,8 +290,13 @@ impl Driver for MpiDriver {
             format!("MPI library: {}", rt.version()),
             if rt.serialised() {
                 format!(
-                    "MPI granted {:?}, not THREAD_MULTIPLE: every MPI call is serialised by one process-wide lock",
-                    rt.threading()
+                    "MPI granted {:?}{}: every MPI call is serialised by one process-wide lock",
+                    rt.threading(),
+                    if rt.threading() == mpi::environment::Threading::Multiple {
+                        " (lock forced by MAD_MPI_SERIALISE=1)"
+                    } else {
+                        ", not THREAD_MULTIPLE"
+                    }
                 )
             } else {
                 "MPI_THREAD_MULTIPLE granted".to_string()

@@ -56,6 +56,7 @@ static RT: Mutex<RtState> = Mutex::new(RtState::Never);
 pub struct Runtime {
     universe: Mutex<Option<mpi::environment::Universe>>,
     threading: Threading,
+    serialised: bool,
     version: String,
 }
 
@@ -72,7 +73,7 @@ impl Runtime {
     }
     /// Whether MPI calls are serialised by a lock (less than `MPI_THREAD_MULTIPLE` granted).
     pub fn serialised(&self) -> bool {
-        self.threading != Threading::Multiple
+        self.serialised
     }
     /// The first line of `MPI_Get_library_version`.
     pub fn version(&self) -> &str {
@@ -128,7 +129,11 @@ pub fn runtime() -> Result<Arc<Runtime>> {
             None => return Err(unavailable("MPI_Init_thread failed")),
         }
     };
-    SERIAL.store(threading != Threading::Multiple, Ordering::Relaxed);
+    // `MAD_MPI_SERIALISE=1` forces the lock even with THREAD_MULTIPLE (tests the path MPIs
+    // that grant less take); read once, at initialisation.
+    let serialised = threading != Threading::Multiple
+        || std::env::var("MAD_MPI_SERIALISE").is_ok_and(|v| v == "1");
+    SERIAL.store(serialised, Ordering::Relaxed);
     {
         let _g = guard();
         // SAFETY: MPI is initialised; COMM_WORLD and ERRORS_RETURN are predefined handles.
@@ -137,6 +142,7 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     let rt = Arc::new(Runtime {
         universe: Mutex::new(universe),
         threading,
+        serialised,
         version: library_version(),
     });
     *st = RtState::Live(Arc::downgrade(&rt));
