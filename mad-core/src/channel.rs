@@ -292,16 +292,18 @@ impl ChannelInner {
                 }
             }
         }
-        if self.all_broken() {
+        Ok(Poll::Pending)
+    }
+
+    /// Wait for any-source readiness (called by the progress policy once spinning is over). It
+    /// is also where a channel whose peers are all gone is noticed, off the polling fast path.
+    fn block_any(&self, busy: bool, t: Duration) -> Result<()> {
+        if !busy && self.all_broken() {
             return Err(Error::Poisoned {
                 rank: self.peers[0],
                 cause: "every peer of this channel has closed its connection or failed".into(),
             });
         }
-        Ok(Poll::Pending)
-    }
-
-    fn block_any(&self, busy: bool, t: Duration) -> Result<()> {
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let r = if busy {
             // A message is ready on a connection another thread is unpacking: wait for it to be

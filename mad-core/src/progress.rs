@@ -148,8 +148,14 @@ impl ProgressPolicy {
                         };
                         block(state, slice)?;
                     }
-                } else if self.mode == ProgressMode::Poll && self.oversubscribed && i % 4096 == 0 {
-                    std::thread::yield_now();
+                } else if self.mode == ProgressMode::Poll && i % 32768 == 0 {
+                    // Busy-polling never blocks, but still lets the driver look at the world
+                    // (peer liveness, a channel whose peers are all gone) about once a
+                    // millisecond, and gives the core away now and then on a crowded host.
+                    block(state, Duration::ZERO)?;
+                    if self.oversubscribed {
+                        std::thread::yield_now();
+                    }
                 }
             } else {
                 std::hint::spin_loop();
