@@ -1,0 +1,348 @@
+//! The links: one non-blocking stream per peer, a copy buffer per direction, `poll(2)` waits.
+
+use std::fs::File;
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
+use std::net::Shutdown;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::task::Poll;
+use std::time::Duration;
+
+use mad_core::driver::{AbortOutcome, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink};
+use mad_core::{Error, Result};
+use nix::fcntl::OFlag;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use smallvec::SmallVec;
+
+use crate::MAX_GROUP;
+
+/// Build the channel from connected streams.
+pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChannel> {
+    let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)
+        .map_err(|e| Error::io("uds: wake pipe", e.into()))?;
+    let mut watched = Vec::new();
+    let mut links = Vec::with_capacity(streams.len());
+    for (peer, s) in streams.into_iter().enumerate() {
+        let Some(s) = s else {
+            links.push(None);
+            continue;
+        };
+        let dup = |s: &UnixStream| s.try_clone().map_err(|e| Error::io("uds: dup", e));
+        watched.push((peer, dup(&s)?));
+        let tx = Tx {
+            peer,
+            s: dup(&s)?,
+            buf: vec![0; buf],
+            len: 0,
+            off: 0,
+            done: 0,
+            wrote: false,
+        };
+        let rx = Rx {
+            peer,
+            s,
+            buf: vec![0; buf],
+            start: 0,
+            end: 0,
+            done: 0,
+        };
+        links.push(Some(LinkPair {
+            tx: Box::new(tx),
+            rx: Box::new(rx),
+        }));
+    }
+    Ok(OpenedChannel {
+        links,
+        incoming: Box::new(Watch {
+            watched,
+            wake_r: File::from(r),
+            wake_w: File::from(w),
+        }),
+        notes: vec![format!("uds: {buf} B copy buffers, poll(2) progress")],
+    })
+}
+
+fn lost(peer: usize, e: std::io::Error) -> Error {
+    match e.kind() {
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => Error::PeerClosed { rank: peer },
+        _ => Error::ConnectionLost {
+            rank: peer,
+            source: e,
+        },
+    }
+}
+
+/// Block in `poll(2)` until `fd` has `ev` (or an error/hang-up) or `timeout` passes.
+fn wait_fd(fd: BorrowedFd<'_>, ev: PollFlags, timeout: Duration) -> Result<()> {
+    let mut fds = [PollFd::new(fd, ev)];
+    match poll(&mut fds, ms(timeout)) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(e) => Err(Error::io("uds: poll", e.into())),
+    }
+}
+
+fn ms(t: Duration) -> PollTimeout {
+    PollTimeout::from(t.as_micros().div_ceil(1000).min(u16::MAX as u128) as u16)
+}
+
+struct Tx {
+    peer: usize,
+    s: UnixStream,
+    /// Copy buffer: `buf[off..len]` is filled but not yet written.
+    buf: Vec<u8>,
+    len: usize,
+    off: usize,
+    /// Bytes of the current gather group already written (partial progress across `Pending`).
+    done: usize,
+    /// Whether any byte of the current message has left.
+    wrote: bool,
+}
+
+impl Tx {
+    /// Write the pending copy bytes, then `iov` from `self.done` on, in one `writev` when
+    /// possible. `Ready` once everything is out.
+    fn push(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        loop {
+            let mut v: SmallVec<[IoSlice<'_>; MAX_GROUP + 1]> = SmallVec::new();
+            if self.off < self.len {
+                v.push(IoSlice::new(&self.buf[self.off..self.len]));
+            }
+            let mut skip = self.done;
+            for s in iov {
+                if skip >= s.len() {
+                    skip -= s.len();
+                } else {
+                    v.push(IoSlice::new(&s[skip..]));
+                    skip = 0;
+                }
+            }
+            if v.is_empty() {
+                self.off = 0;
+                self.len = 0;
+                self.done = 0;
+                return Ok(Poll::Ready(()));
+            }
+            match self.s.write_vectored(&v) {
+                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(mut n) => {
+                    self.wrote = true;
+                    let from_buf = n.min(self.len - self.off);
+                    self.off += from_buf;
+                    n -= from_buf;
+                    self.done += n;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(self.peer, e)),
+            }
+        }
+    }
+}
+
+impl TxLink for Tx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.wrote = false;
+        Ok(())
+    }
+
+    fn with_buffer(
+        &mut self,
+        _tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        if self.len == self.buf.len() && self.push(&[])?.is_pending() {
+            return Ok(Poll::Pending);
+        }
+        let n = fill(&mut self.buf[self.len..]);
+        self.len += n.min(self.buf.len() - self.len);
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, _tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.push(iov)
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.push(&[])
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        self.off = 0;
+        self.len = 0;
+        self.done = 0;
+        if self.wrote {
+            let _ = self.s.shutdown(Shutdown::Write);
+            AbortOutcome::Broken
+        } else {
+            AbortOutcome::Discarded
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        wait_fd(self.s.as_fd(), PollFlags::POLLOUT, timeout)
+    }
+}
+
+impl Drop for Tx {
+    fn drop(&mut self) {
+        // The receive half and the readiness watcher hold duplicates of the descriptor: say
+        // goodbye explicitly so the peer sees end-of-file now.
+        let _ = self.s.shutdown(Shutdown::Write);
+    }
+}
+
+struct Rx {
+    peer: usize,
+    s: UnixStream,
+    /// Read-ahead buffer: `buf[start..end]` is received and not yet consumed.
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// Bytes of the current gather group already in place.
+    done: usize,
+}
+
+impl Rx {
+    /// Read what is available into the buffer; `false` if nothing was.
+    fn fill(&mut self) -> Result<bool> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        loop {
+            match self.s.read(&mut self.buf[self.end..]) {
+                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(self.peer, e)),
+            }
+        }
+    }
+}
+
+impl RxLink for Rx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        if self.start < self.end || self.fill()? {
+            Ok(Poll::Ready(()))
+        } else {
+            Ok(Poll::Pending)
+        }
+    }
+
+    fn with_data(
+        &mut self,
+        _tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        if self.start == self.end && !self.fill()? {
+            return Ok(Poll::Pending);
+        }
+        let n = take(&self.buf[self.start..self.end]);
+        self.start += n.min(self.end - self.start);
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_refs(&mut self, _tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        let total: usize = iov.iter().map(|s| s.len()).sum();
+        loop {
+            // Bytes read ahead into the buffer go first, then `readv` straight into place.
+            let mut skip = self.done;
+            let mut v: SmallVec<[IoSliceMut<'_>; MAX_GROUP]> = SmallVec::new();
+            for s in iov.iter_mut() {
+                if skip >= s.len() {
+                    skip -= s.len();
+                } else {
+                    v.push(IoSliceMut::new(&mut s[skip..]));
+                    skip = 0;
+                }
+            }
+            if v.is_empty() {
+                self.done = 0;
+                return Ok(Poll::Ready(()));
+            }
+            if self.start < self.end {
+                let dst = &mut v[0];
+                let n = dst.len().min(self.end - self.start);
+                dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                self.start += n;
+                self.done += n;
+                continue;
+            }
+            match self.s.read_vectored(&mut v) {
+                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(n) => self.done += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Poll::Pending),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(self.peer, e)),
+            }
+            debug_assert!(self.done <= total);
+        }
+    }
+
+    fn abort_message(&mut self) {
+        self.start = 0;
+        self.end = 0;
+        self.done = 0;
+        let _ = self.s.shutdown(Shutdown::Read);
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        wait_fd(self.s.as_fd(), PollFlags::POLLIN, timeout)
+    }
+}
+
+/// Any-source readiness: `poll(2)` over every peer's descriptor and a wake-up pipe.
+struct Watch {
+    watched: Vec<(usize, UnixStream)>,
+    wake_r: File,
+    wake_w: File,
+}
+
+impl Watch {
+    fn poll_all(&self, timeout: PollTimeout, ready: &mut dyn FnMut(usize)) -> Result<bool> {
+        let mut fds: SmallVec<[PollFd<'_>; 8]> = self
+            .watched
+            .iter()
+            .map(|(_, s)| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+            .collect();
+        fds.push(PollFd::new(self.wake_r.as_fd(), PollFlags::POLLIN));
+        match poll(&mut fds, timeout) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => return Ok(false),
+            Ok(_) => {}
+            Err(e) => return Err(Error::io("uds: poll", e.into())),
+        }
+        for (i, (rank, _)) in self.watched.iter().enumerate() {
+            if fds[i].revents().is_some_and(|r| !r.is_empty()) {
+                ready(*rank);
+            }
+        }
+        Ok(fds[self.watched.len()]
+            .revents()
+            .is_some_and(|r| !r.is_empty()))
+    }
+}
+
+impl Incoming for Watch {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        self.poll_all(PollTimeout::ZERO, ready).map(drop)
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        if self.poll_all(ms(timeout), &mut |_| {})? {
+            // Woken: consume the wake-ups (only waiters do, so `poll` cannot steal one).
+            let mut sink = [0u8; 64];
+            while matches!((&self.wake_r).read(&mut sink), Ok(n) if n > 0) {}
+        }
+        Ok(())
+    }
+
+    fn wake(&self) {
+        let _ = (&self.wake_w).write(&[1]);
+    }
+}
