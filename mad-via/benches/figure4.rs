@@ -38,6 +38,7 @@ const SIZES: &[usize] = &[
     1 << 20,
     2 << 20,
     4 << 20,
+    8 << 20,
 ];
 
 fn env_usize(k: &str, d: usize) -> usize {

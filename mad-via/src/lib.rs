@@ -58,7 +58,7 @@ pub use soft::{ConnStats, Endpoint, SlotConfig};
 /// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
 pub const SMALL_MAX: usize = 64 << 10;
 /// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
-pub const MEDIUM_MAX: usize = 1 << 20;
+pub const MEDIUM_MAX: usize = 4 << 20;
 
 /// Which provider a channel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,7 +175,7 @@ pub fn default_table() -> Result<TmTable> {
             "medium",
             MEDIUM_MAX,
             16,
-            "send/recv of user memory registered on the fly, LRU registration cache (<= 1 MiB: Figure 4 sweep)",
+            "send/recv of user memory registered on the fly, LRU registration cache (<= 4 MiB: Figure 4 sweep)",
         ),
         TmSpec::gather(
             "large",
