@@ -44,7 +44,7 @@ impl std::fmt::Debug for MpiBootstrap {
 
 impl MpiBootstrap {
     /// The bootstrap of a process started by an MPI launcher, or `Ok(None)` when no launcher
-    /// is detected (see [`launcher`](crate::launcher)).
+    /// is detected (see [`crate::launcher`] for the rules).
     ///
     /// Fails with [`Error::BadConfig`] when the launcher's job size differs from
     /// `MPI_COMM_WORLD`'s: the binary was started by the launcher of another MPI

@@ -7,11 +7,11 @@
 //!
 //! Transmission modules:
 //!
-//! * TM 0 `eager` ([`Bmm::Copy`]): the core copies pieces into a driver buffer of
+//! * TM 0 `eager` ([`Bmm::Copy`](mad_core::driver::Bmm::Copy)): the core copies pieces into a driver buffer of
 //!   [`EAGER_BUF`] bytes; the buffer leaves as one MPI message when full, at commit and at
 //!   the end of the message. The receiver gets it in its pre-posted receive and lends the
 //!   bytes to the core.
-//! * TM 1 `direct` ([`Bmm::Gather`]): a group of user slices leaves as ONE message described by
+//! * TM 1 `direct` ([`Bmm::Gather`](mad_core::driver::Bmm::Gather)): a group of user slices leaves as ONE message described by
 //!   an `MPI_Type_create_hindexed` datatype over absolute addresses from `MPI_BOTTOM` when
 //!   [`use_datatype`] says so, else as one message per slice; the receiver posts the mirror
 //!   scatter receive (both ends compute the same groups and the same decision).
