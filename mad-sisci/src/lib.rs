@@ -1,1 +1,387 @@
-//! Madeleine `sisci` driver. **Not yet implemented**: this crate is an empty workspace member; it is filled by its own issue.
+//! # mad-sisci: the Madeleine SCI driver (`sisci`)
+//!
+//! SCI is not message passing: a process *exports* memory segments, its peers *map* them, and
+//! data moves by processor stores into remote memory (PIO) or by DMA. This driver runs the
+//! Madeleine II SISCI protocol over two backends:
+//!
+//! * `sisci:local` (default): each process exports one segment in `/dev/shm` and maps its
+//!   peers' segments ([`segment`]); stores into a peer's mapping stand for SCI remote stores,
+//!   Release fences for `SCIStoreBarrier`. Runs and is tested on any Linux host.
+//! * `sisci:dolphin`: Dolphin's SISCI library, loaded with `dlopen` at run time ([`sys`]).
+//!   Without the library or an adapter, opening a channel fails with
+//!   [`Error::Unavailable`] naming the cause and suggesting `sisci:local`. The data path over
+//!   real SCI mappings is not written yet (see `NOTES.md`): with a library and an adapter the
+//!   open fails with `Unavailable` too, saying so.
+//!
+//! **Write remote, read local** ([`layout`]): a sender stores data, flags and its write offset
+//! into the receiver's segment and reads acknowledgements from its own; the receiver reads its
+//! own segment and stores acknowledgements into the sender's. No control word is polled by both
+//! sides (in mad-shm, both ends poll the ring's head and tail in one shared place).
+//!
+//! Transmission modules ([`link`]):
+//!
+//! | TM | BMM | pieces | how |
+//! |---|---|---|---|
+//! | 0 `short` | copy | ≤ [`DEFAULT_SHORT_MAX`] | 64-byte slots: 56 B of data and its flag word in one cache line; the reader polls the slot |
+//! | 1 `ring` | copy | ≤ [`DEFAULT_RING_MAX`] | a byte ring (64 KiB) with a remote write offset and a remote acknowledgement |
+//! | 2 `dma` | gather | larger | block copies into a large receive area, pipelined in chunks with their own flags |
+//!
+//! Options (`sisci:local,ring=65536,chunk=65536,chunks=8,slots=64,dma=on`, `sisci:dolphin,lib=/opt/DIS/lib64/libsisci.so,adapter_no=0`).
+
+#![deny(unsafe_code)]
+
+pub mod layout;
+pub mod link;
+pub mod segment;
+pub mod sys;
+
+use std::sync::Arc;
+
+use mad_core::config::ChannelConfig;
+use mad_core::driver::{
+    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+};
+use mad_core::{Error, Result};
+
+use layout::Geometry;
+use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
+use segment::Segment;
+
+/// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
+pub const DEFAULT_SHORT_MAX: usize = 112;
+/// Default largest piece of the `ring` TM (from the sweep in `NOTES.md`).
+pub const DEFAULT_RING_MAX: usize = 16 * 1024;
+/// Default short slots per connection.
+pub const DEFAULT_SLOTS: usize = 64;
+/// Default ring bytes per connection.
+pub const DEFAULT_RING: usize = 64 * 1024;
+/// Default DMA chunk size.
+pub const DEFAULT_CHUNK: usize = 64 * 1024;
+/// Default DMA chunks per connection.
+pub const DEFAULT_CHUNKS: usize = 8;
+/// Slices per DMA group.
+pub const DMA_MAX_GROUP: usize = 64;
+/// Default library name for `sisci:dolphin`.
+pub const DEFAULT_LIB: &str = "libsisci.so";
+
+/// Which backend a configuration selects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Shared memory between processes of this host.
+    Local,
+    /// Dolphin SISCI hardware.
+    Dolphin,
+}
+
+/// Parsed options of a `sisci` channel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Backend.
+    pub backend: Backend,
+    /// Segment geometry.
+    pub geom: Geometry,
+    /// Library to `dlopen` for `dolphin`.
+    pub lib: String,
+    /// Local adapter number for `dolphin`.
+    pub adapter_no: u32,
+}
+
+/// Parse a configuration's adapter and options.
+pub fn options(config: &ChannelConfig) -> Result<Options> {
+    let backend = match config.adapter.as_deref() {
+        None | Some("") | Some("local") => Backend::Local,
+        Some("dolphin") => Backend::Dolphin,
+        Some(a) => {
+            return Err(Error::BadConfig(format!(
+                "sisci: unknown backend `{a}` (use sisci:local or sisci:dolphin)"
+            )))
+        }
+    };
+    for k in config.options.keys() {
+        if ![
+            "slots",
+            "ring",
+            "chunk",
+            "chunks",
+            "dma",
+            "lib",
+            "adapter_no",
+        ]
+        .contains(&k.as_str())
+        {
+            return Err(Error::BadConfig(format!(
+                "sisci: unknown option `{k}` (known: slots, ring, chunk, chunks, dma, lib, adapter_no)"
+            )));
+        }
+    }
+    let dma = match config.options.get("dma").map(String::as_str) {
+        None | Some("on") | Some("1") | Some("true") => true,
+        Some("off") | Some("0") | Some("false") => false,
+        Some(v) => return Err(Error::BadConfig(format!("sisci: dma={v}: use on or off"))),
+    };
+    let geom = Geometry {
+        slots: config.option_parsed("slots")?.unwrap_or(DEFAULT_SLOTS),
+        ring: config.option_parsed("ring")?.unwrap_or(DEFAULT_RING),
+        chunk: config.option_parsed("chunk")?.unwrap_or(DEFAULT_CHUNK),
+        chunks: if dma {
+            config.option_parsed("chunks")?.unwrap_or(DEFAULT_CHUNKS)
+        } else {
+            0
+        },
+    };
+    if !geom.valid() || (dma && geom.chunks == 0) {
+        return Err(Error::BadConfig(format!(
+            "sisci: bad geometry {geom:?}: slots a power of two in 2..=65536, ring a power of two \
+             of at least 4096, chunk a multiple of 4096 up to 64 MiB, chunks 1..=1024"
+        )));
+    }
+    Ok(Options {
+        backend,
+        geom,
+        lib: config
+            .options
+            .get("lib")
+            .cloned()
+            .unwrap_or_else(|| DEFAULT_LIB.to_string()),
+        adapter_no: config.option_parsed("adapter_no")?.unwrap_or(0),
+    })
+}
+
+/// The `sisci` driver.
+#[derive(Debug, Default, Clone)]
+pub struct SisciDriver {
+    _priv: (),
+}
+
+impl SisciDriver {
+    /// A new driver instance.
+    pub fn new() -> Self {
+        SisciDriver { _priv: () }
+    }
+}
+
+/// Why `sisci:dolphin` cannot open here: the `dlopen` error, or the failing SISCI call.
+pub fn dolphin_unavailable(o: &Options) -> Error {
+    let reason = match sys::SisciLib::load(&o.lib) {
+        Err(e) => format!("cannot load the SISCI library ({e}); use sisci:local on one host"),
+        Ok(lib) => match lib.probe_adapter(o.adapter_no) {
+            Err(e) => format!("{}: {e}; use sisci:local on one host", o.lib),
+            Ok(node) => format!(
+                "{}: adapter {} answers (node id {node}), but this build has no data path over \
+                 SISCI mappings yet (untested backend); use sisci:local on one host",
+                o.lib, o.adapter_no
+            ),
+        },
+    };
+    Error::Unavailable {
+        driver: "sisci:dolphin".into(),
+        reason,
+    }
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in b {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+struct PeerInfo {
+    pid: u32,
+    fingerprint: u64,
+    name: String,
+}
+
+impl PeerInfo {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(12 + self.name.len());
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.fingerprint.to_le_bytes());
+        v.extend_from_slice(self.name.as_bytes());
+        v
+    }
+
+    fn decode(rank: usize, b: &[u8]) -> Result<Self> {
+        if b.len() < 12 || b.len() > 12 + 255 {
+            return Err(Error::protocol(
+                rank,
+                "sisci: malformed segment announcement",
+            ));
+        }
+        let mut f = [0u8; 8];
+        f.copy_from_slice(&b[4..12]);
+        Ok(PeerInfo {
+            pid: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            fingerprint: u64::from_le_bytes(f),
+            name: std::str::from_utf8(&b[12..])
+                .map_err(|_| Error::protocol(rank, "sisci: segment name is not UTF-8"))?
+                .to_string(),
+        })
+    }
+}
+
+impl Driver for SisciDriver {
+    fn name(&self) -> &'static str {
+        "sisci"
+    }
+
+    fn describe(&self) -> String {
+        "sisci: SCI-style remote-write segments; backends local (shared memory on this host) \
+         and dolphin (libsisci.so, loaded at run time)"
+            .into()
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        let o = options(config)?;
+        if o.geom.chunks == 0 {
+            return TmTable::new([
+                TmSpec::copy(
+                    "short",
+                    DEFAULT_SHORT_MAX,
+                    "56 B + flag per 64-byte slot, reader polls the slot",
+                ),
+                TmSpec::copy(
+                    "ring",
+                    usize::MAX,
+                    "remote-write ring, remote offset and acknowledgement",
+                ),
+            ]);
+        }
+        TmTable::new([
+            TmSpec::copy(
+                "short",
+                DEFAULT_SHORT_MAX,
+                "56 B + flag per 64-byte slot, reader polls the slot",
+            ),
+            TmSpec::copy(
+                "ring",
+                DEFAULT_RING_MAX,
+                "remote-write ring, remote offset and acknowledgement",
+            ),
+            TmSpec::gather(
+                "dma",
+                usize::MAX,
+                DMA_MAX_GROUP,
+                "block copies into the peer's receive area, chunks pipelined with their own flags",
+            ),
+        ])
+    }
+
+    fn capabilities(&self, config: &ChannelConfig) -> Capabilities {
+        let dolphin = options(config)
+            .map(|o| o.backend == Backend::Dolphin)
+            .unwrap_or(false);
+        Capabilities {
+            direct_poll_limit: 1024,
+            detects_peer_death: true,
+            intra_node_only: !dolphin,
+            max_message: None,
+        }
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let o = options(ctx.config)?;
+        if o.backend == Backend::Dolphin {
+            return Err(dolphin_unavailable(&o));
+        }
+        let b = ctx.bootstrap;
+        let (me, n) = (b.rank(), b.size());
+        let local = b.local_ranks();
+        segment::sweep_stale();
+
+        let mut rnd = [0u8; 8];
+        mad_core::auth::fill_random(&mut rnd)?;
+        let pid = std::process::id();
+        let name = format!(
+            "{}{pid}-{:08x}-{me}-{:016x}",
+            segment::PREFIX,
+            fnv(ctx.config.name.as_bytes()) as u32,
+            u64::from_le_bytes(rnd)
+        );
+        let tag = ctx.tag("segs");
+        let proof = b
+            .secret()
+            .proof(b"mad-sisci segment", name.as_bytes(), &[], tag.as_bytes());
+        let mut own = Segment::create(&name, n, o.geom, &proof)?;
+        let info = PeerInfo {
+            pid,
+            fingerprint: ctx.table.fingerprint() ^ fnv(format!("{:?}", o.geom).as_bytes()),
+            name,
+        };
+        let all = b.allgather(&tag, &info.encode())?;
+        if all.len() != n {
+            return Err(Error::protocol(
+                me,
+                "sisci: allgather returned the wrong number of entries",
+            ));
+        }
+        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
+        for &r in &local {
+            if r == me || r >= n {
+                continue;
+            }
+            let pi = PeerInfo::decode(r, &all[r])?;
+            if pi.fingerprint != info.fingerprint {
+                return Err(Error::BadConfig(format!(
+                    "sisci: rank {r} has a different TM table or geometry (options or thresholds differ)"
+                )));
+            }
+            let check = |p: &[u8]| {
+                b.secret().verify(
+                    b"mad-sisci segment",
+                    pi.name.as_bytes(),
+                    &[],
+                    tag.as_bytes(),
+                    p,
+                )
+            };
+            let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
+            peers[r] = Some((pi, Arc::new(seg)));
+        }
+        // Everyone has mapped everyone: remove the files.
+        b.allgather(&ctx.tag("mapped"), &[1])?;
+        own.unlink()?;
+
+        let own = Arc::new(own);
+        let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
+        let mut watched = Vec::new();
+        for (r, p) in peers.into_iter().enumerate() {
+            let Some((pi, seg)) = p else { continue };
+            let pidfd = Arc::new(
+                mad_shm::sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?,
+            );
+            let (Some(l), Some(rm)) = (own.area(r), seg.area(me)) else {
+                return Err(Error::protocol(r, "sisci: segment lacks an area"));
+            };
+            let ends = Ends::new(l.clone(), rm, o.geom)
+                .ok_or_else(|| Error::protocol(r, "sisci: area too small"))?;
+            let shared = Arc::new(RxShared::default());
+            watched.push(Watched {
+                rank: r,
+                local: l,
+                shared: shared.clone(),
+                pidfd: pidfd.clone(),
+            });
+            links[r] = Some(LinkPair {
+                tx: Box::new(SciTx::new(r, ends.clone(), seg, pidfd.clone())),
+                rx: Box::new(SciRx::new(r, ends, own.clone(), pidfd, shared)),
+            });
+        }
+        let notes = vec![format!(
+            "sisci:local: {} slots x 64 B, {} B ring, {} x {} B DMA area per peer; {} local peer(s); \
+             segments unlinked after mapping",
+            o.geom.slots,
+            o.geom.ring,
+            o.geom.chunks,
+            o.geom.chunk,
+            watched.len()
+        )];
+        Ok(OpenedChannel {
+            links,
+            incoming: Box::new(SciIncoming::new(own, o.geom, watched)),
+            notes,
+        })
+    }
+}

@@ -1,0 +1,736 @@
+//! The connection halves. [`SciTx`] stores into the peer's segment (slots, ring, chunks and
+//! their flags/offsets) and reads acknowledgements from this process's segment; [`SciRx`]
+//! reads data and offsets from this process's segment and stores acknowledgements into the
+//! peer's: write remote, read local, as in the SCALE channel protocol.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::{Error, Result};
+use mad_shm::ring::index;
+use mad_shm::sys::{futex_wait, futex_wake, PidFd};
+
+use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
+use crate::segment::Segment;
+use crate::sys::Mem;
+
+/// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
+/// a dead peer while blocked.
+pub const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// How often (at most) a polling loop checks the peer's pidfd.
+const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+
+/// TM numbers.
+pub const TM_SHORT: TmId = 0;
+/// The ring TM.
+pub const TM_RING: TmId = 1;
+/// The DMA TM.
+pub const TM_DMA: TmId = 2;
+
+/// The two areas of one connection: `local` (in this process's segment, written by the peer)
+/// and `remote` (in the peer's segment, written by this process).
+#[derive(Clone)]
+pub struct Ends {
+    /// Area of this process's segment that the peer writes.
+    pub local: Mem,
+    /// Area of the peer's segment that this process writes.
+    pub remote: Mem,
+    /// Geometry of both.
+    pub geom: Geometry,
+}
+
+impl Ends {
+    /// Both areas, if they are large enough for `geom`.
+    pub fn new(local: Mem, remote: Mem, geom: Geometry) -> Option<Self> {
+        let need = geom.area_size()?;
+        (local.len() >= need && remote.len() >= need).then_some(Ends {
+            local,
+            remote,
+            geom,
+        })
+    }
+}
+
+fn w64(m: &Mem, off: usize) -> &AtomicU64 {
+    m.u64_at(off)
+        .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
+}
+
+fn w32(m: &Mem, off: usize) -> &AtomicU32 {
+    m.u32_at(off)
+        .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
+}
+
+fn slot_flag(g: &Geometry, pos: u64) -> usize {
+    g.slots_off() + (pos % g.slots as u64) as usize * SLOT
+}
+
+fn chunk_flag(g: &Geometry, pos: u64) -> usize {
+    g.flags_off() + (pos % g.chunks.max(1) as u64) as usize * 64
+}
+
+fn chunk_data(g: &Geometry, pos: u64) -> usize {
+    g.dma_off() + (pos % g.chunks.max(1) as u64) as usize * g.chunk
+}
+
+fn bad_ack(rank: usize, what: &str) -> Error {
+    Error::protocol(rank, format!("sisci: impossible {what} acknowledgement"))
+}
+
+fn oob(rank: usize) -> Error {
+    Error::protocol(rank, "sisci: access outside the segment")
+}
+
+/// Rate-limited liveness checks of a peer process.
+pub struct Liveness {
+    pidfd: Arc<PidFd>,
+    polls: u32,
+    last: Instant,
+}
+
+impl Liveness {
+    /// Watch the process behind `pidfd`.
+    pub fn new(pidfd: Arc<PidFd>) -> Self {
+        Liveness {
+            pidfd,
+            polls: 0,
+            last: Instant::now(),
+        }
+    }
+    fn maybe_dead(&mut self) -> bool {
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % 64 != 0 {
+            return false;
+        }
+        let now = Instant::now();
+        if now - self.last < POLL_CHECK_EVERY {
+            return false;
+        }
+        self.last = now;
+        self.pidfd.exited()
+    }
+    fn dead_now(&mut self) -> bool {
+        self.last = Instant::now();
+        self.pidfd.exited()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocked {
+    Slot,
+    Ring,
+    Dma,
+}
+
+/// The sending half towards one peer.
+pub struct SciTx {
+    peer: usize,
+    e: Ends,
+    peer_seg: Arc<Segment>,
+    live: Liveness,
+    slot_pos: u64,
+    slot_ack: u64,
+    head: u64,
+    ring_ack: u64,
+    chunk_pos: u64,
+    dma_ack: u64,
+    cursor: Option<(usize, usize)>,
+    used: bool,
+    blocked: Blocked,
+    broken: Option<String>,
+}
+
+impl SciTx {
+    /// The sending half towards `peer`.
+    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, pidfd: Arc<PidFd>) -> Self {
+        SciTx {
+            peer,
+            e,
+            peer_seg,
+            live: Liveness::new(pidfd),
+            slot_pos: 0,
+            slot_ack: 0,
+            head: 0,
+            ring_ack: 0,
+            chunk_pos: 0,
+            dma_ack: 0,
+            cursor: None,
+            used: false,
+            blocked: Blocked::Slot,
+            broken: None,
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(c) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
+        self.blocked = b;
+        if w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0 || self.live.maybe_dead()
+        {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(Poll::Pending)
+    }
+
+    /// The acknowledgement word and our cached value for `b`.
+    fn ack_of(&self, b: Blocked) -> (usize, u64) {
+        match b {
+            Blocked::Slot => (ctl::SHORT_ACK, self.slot_ack),
+            Blocked::Ring => (ctl::RING_ACK, self.ring_ack),
+            Blocked::Dma => (ctl::DMA_ACK, self.dma_ack),
+        }
+    }
+
+    fn free_slots(&mut self) -> Result<bool> {
+        let n = self.e.geom.slots as u64;
+        let f = layout::in_flight(self.slot_pos, self.slot_ack, n)
+            .ok_or_else(|| bad_ack(self.peer, "slot"))?;
+        if f < n {
+            return Ok(true);
+        }
+        self.slot_ack = w64(&self.e.local, ctl::SHORT_ACK).load(Ordering::Acquire);
+        let f = layout::in_flight(self.slot_pos, self.slot_ack, n)
+            .ok_or_else(|| bad_ack(self.peer, "slot"))?;
+        Ok(f < n)
+    }
+
+    fn send_short(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<Poll<()>> {
+        if !self.free_slots()? {
+            return self.pending(Blocked::Slot);
+        }
+        let g = self.e.geom;
+        let off = slot_flag(&g, self.slot_pos);
+        let n = self
+            .e
+            .remote
+            .lend_mut(off + 8, SLOT_DATA, fill)
+            .ok_or_else(|| oob(self.peer))?;
+        if n > 0 {
+            // Data and flag in one line; the Release store is the store barrier.
+            w64(&self.e.remote, off).store(
+                layout::encode_flag(self.slot_pos, g.slots as u64, n),
+                Ordering::Release,
+            );
+            self.slot_pos += 1;
+            self.peer_seg.notify();
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_ring(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<Poll<()>> {
+        let cap = self.e.geom.ring as u64;
+        let mut run = index::free_run(self.head, self.ring_ack, cap)
+            .ok_or_else(|| bad_ack(self.peer, "ring"))?;
+        if run.1 == 0 {
+            self.ring_ack = w64(&self.e.local, ctl::RING_ACK).load(Ordering::Acquire);
+            run = index::free_run(self.head, self.ring_ack, cap)
+                .ok_or_else(|| bad_ack(self.peer, "ring"))?;
+            if run.1 == 0 {
+                return self.pending(Blocked::Ring);
+            }
+        }
+        let n = self
+            .e
+            .remote
+            .lend_mut(self.e.geom.ring_off() + run.0, run.1, fill)
+            .ok_or_else(|| oob(self.peer))?;
+        if n > 0 {
+            self.head += n as u64;
+            w64(&self.e.remote, ctl::HEAD).store(self.head, Ordering::Release);
+            self.peer_seg.notify();
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_dma(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        let g = self.e.geom;
+        let k = g.chunks as u64;
+        let (mut slice, mut off) = self.cursor.take().unwrap_or((0, 0));
+        loop {
+            while slice < iov.len() && off >= iov[slice].len() {
+                slice += 1;
+                off = 0;
+            }
+            if slice >= iov.len() {
+                return Ok(Poll::Ready(()));
+            }
+            let f = layout::in_flight(self.chunk_pos, self.dma_ack, k)
+                .ok_or_else(|| bad_ack(self.peer, "chunk"))?;
+            if f >= k {
+                self.dma_ack = w64(&self.e.local, ctl::DMA_ACK).load(Ordering::Acquire);
+                let f = layout::in_flight(self.chunk_pos, self.dma_ack, k)
+                    .ok_or_else(|| bad_ack(self.peer, "chunk"))?;
+                if f >= k {
+                    self.cursor = Some((slice, off));
+                    return self.pending(Blocked::Dma);
+                }
+            }
+            // One chunk: block copies of consecutive slices (on Dolphin: one DMA transfer).
+            let base = chunk_data(&g, self.chunk_pos);
+            let mut filled = 0usize;
+            while filled < g.chunk && slice < iov.len() {
+                let src = &iov[slice][off..];
+                let n = src.len().min(g.chunk - filled);
+                self.e
+                    .remote
+                    .write(base + filled, &src[..n])
+                    .ok_or_else(|| oob(self.peer))?;
+                filled += n;
+                off += n;
+                if off >= iov[slice].len() {
+                    slice += 1;
+                    off = 0;
+                }
+            }
+            w64(&self.e.remote, chunk_flag(&g, self.chunk_pos)).store(
+                layout::encode_flag(self.chunk_pos, k, filled),
+                Ordering::Release,
+            );
+            self.chunk_pos += 1;
+            self.peer_seg.notify();
+        }
+    }
+}
+
+impl TxLink for SciTx {
+    fn begin_message(&mut self) -> Result<()> {
+        self.check_usable()?;
+        self.used = false;
+        Ok(())
+    }
+
+    fn with_buffer(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check_usable()?;
+        self.used = true;
+        match tm {
+            TM_SHORT => self.send_short(fill),
+            TM_RING => self.send_ring(fill),
+            _ => Err(Error::protocol(
+                self.peer,
+                format!("sisci: TM {tm} is not a copy TM"),
+            )),
+        }
+    }
+
+    fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if tm != TM_DMA || self.e.geom.chunks == 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("sisci: TM {tm} is not a gather TM"),
+            ));
+        }
+        self.used = true;
+        self.send_dma(iov)
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        self.check_usable()?;
+        Ok(Poll::Ready(()))
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        self.cursor = None;
+        if !self.used {
+            return AbortOutcome::Discarded;
+        }
+        self.broken = Some("a message was abandoned midway".into());
+        w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
+        self.peer_seg.notify();
+        AbortOutcome::Broken
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let local = self.e.local.clone();
+        let (ack_off, cached) = self.ack_of(self.blocked);
+        w32(&local, ctl::TX_SLEEP).fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let seq = w32(&local, ctl::TX_SEQ).load(Ordering::SeqCst);
+        let ready = w64(&local, ack_off).load(Ordering::Acquire) != cached
+            || w32(&local, ctl::R_CLOSED).load(Ordering::Acquire) != 0;
+        if !ready {
+            futex_wait(w32(&local, ctl::TX_SEQ), seq, timeout.min(WAIT_SLICE));
+        }
+        w32(&local, ctl::TX_SLEEP).fetch_sub(1, Ordering::SeqCst);
+        if self.live.dead_now() {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SciTx {
+    fn drop(&mut self) {
+        w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
+        self.peer_seg.notify();
+    }
+}
+
+/// Receive position shared with [`SciIncoming`] (which must know which slot to look at).
+#[derive(Debug, Default)]
+pub struct RxShared {
+    /// Next short slot to read.
+    pub slot_pos: AtomicU64,
+}
+
+/// The receiving half from one peer.
+pub struct SciRx {
+    peer: usize,
+    e: Ends,
+    own: Arc<Segment>,
+    live: Liveness,
+    shared: Arc<RxShared>,
+    slot_pos: u64,
+    slot_off: usize,
+    tail: u64,
+    chunk_pos: u64,
+    cursor: Option<(usize, usize, usize)>,
+    broken: Option<String>,
+}
+
+impl SciRx {
+    /// The receiving half from `peer`.
+    pub fn new(
+        peer: usize,
+        e: Ends,
+        own: Arc<Segment>,
+        pidfd: Arc<PidFd>,
+        shared: Arc<RxShared>,
+    ) -> Self {
+        SciRx {
+            peer,
+            e,
+            own,
+            live: Liveness::new(pidfd),
+            shared,
+            slot_pos: 0,
+            slot_off: 0,
+            tail: 0,
+            chunk_pos: 0,
+            cursor: None,
+            broken: None,
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(c) => Err(Error::Poisoned {
+                rank: self.peer,
+                cause: c.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn slot_state(&self) -> Flag {
+        let g = &self.e.geom;
+        let w = w64(&self.e.local, slot_flag(g, self.slot_pos)).load(Ordering::Acquire);
+        layout::decode_flag(w, self.slot_pos, g.slots as u64, SLOT_DATA)
+    }
+
+    fn chunk_state(&self) -> Flag {
+        let g = &self.e.geom;
+        if g.chunks == 0 {
+            return Flag::Empty;
+        }
+        let w = w64(&self.e.local, chunk_flag(g, self.chunk_pos)).load(Ordering::Acquire);
+        layout::decode_flag(w, self.chunk_pos, g.chunks as u64, g.chunk)
+    }
+
+    fn has(&self, b: Blocked) -> bool {
+        match b {
+            Blocked::Slot => self.slot_state() != Flag::Empty,
+            Blocked::Ring => w64(&self.e.local, ctl::HEAD).load(Ordering::Acquire) != self.tail,
+            Blocked::Dma => self.chunk_state() != Flag::Empty,
+        }
+    }
+
+    fn has_any(&self) -> bool {
+        self.has(Blocked::Slot) || self.has(Blocked::Ring) || self.has(Blocked::Dma)
+    }
+
+    fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
+        let closed = w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0;
+        if (closed || self.live.maybe_dead()) && !self.has(b) {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(Poll::Pending)
+    }
+
+    fn corrupt(&self, what: &str) -> Error {
+        Error::protocol(self.peer, format!("sisci: corrupt {what} flag"))
+    }
+
+    /// Wake the peer's sender if it sleeps (a remote read of its sleeper count, then a futex
+    /// wake on its word; on Dolphin this would be a remote interrupt).
+    fn notify_writer(&self) {
+        fence(Ordering::SeqCst);
+        if w32(&self.e.remote, ctl::TX_SLEEP).load(Ordering::Relaxed) != 0 {
+            let seq = w32(&self.e.remote, ctl::TX_SEQ);
+            seq.fetch_add(1, Ordering::SeqCst);
+            futex_wake(seq);
+        }
+    }
+
+    fn recv_short(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
+        let len = match self.slot_state() {
+            Flag::Empty => return self.pending(Blocked::Slot),
+            Flag::Corrupt => return Err(self.corrupt("slot")),
+            Flag::Ready(len) => len,
+        };
+        if self.slot_off >= len {
+            return Err(self.corrupt("slot"));
+        }
+        let off = slot_flag(&self.e.geom, self.slot_pos) + 8 + self.slot_off;
+        let n = self
+            .e
+            .local
+            .lend(off, len - self.slot_off, take)
+            .ok_or_else(|| oob(self.peer))?;
+        self.slot_off += n;
+        if self.slot_off == len {
+            self.slot_pos += 1;
+            self.slot_off = 0;
+            self.shared.slot_pos.store(self.slot_pos, Ordering::Relaxed);
+            w64(&self.e.remote, ctl::SHORT_ACK).store(self.slot_pos, Ordering::Release);
+            self.notify_writer();
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_ring(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
+        let head = w64(&self.e.local, ctl::HEAD).load(Ordering::Acquire);
+        let (pos, run) = index::data_run(head, self.tail, self.e.geom.ring as u64)
+            .ok_or_else(|| self.corrupt("ring offset"))?;
+        if run == 0 {
+            return self.pending(Blocked::Ring);
+        }
+        let n = self
+            .e
+            .local
+            .lend(self.e.geom.ring_off() + pos, run, take)
+            .ok_or_else(|| oob(self.peer))?;
+        if n > 0 {
+            self.tail += n as u64;
+            w64(&self.e.remote, ctl::RING_ACK).store(self.tail, Ordering::Release);
+            self.notify_writer();
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn recv_dma(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        let g = self.e.geom;
+        let total: usize = iov.iter().map(|s| s.len()).sum();
+        let (mut slice, mut off, mut left) = self.cursor.take().unwrap_or((0, 0, total));
+        while left > 0 {
+            let len = match self.chunk_state() {
+                Flag::Empty => {
+                    self.cursor = Some((slice, off, left));
+                    return self.pending(Blocked::Dma);
+                }
+                Flag::Corrupt => return Err(self.corrupt("chunk")),
+                Flag::Ready(len) => len,
+            };
+            if !layout::chunk_fits(len, left, g.chunk) {
+                return Err(Error::protocol(
+                    self.peer,
+                    format!("sisci: chunk of {len} B but {left} B left in the group"),
+                ));
+            }
+            let base = chunk_data(&g, self.chunk_pos);
+            let mut copied = 0usize;
+            while copied < len {
+                while slice < iov.len() && off >= iov[slice].len() {
+                    slice += 1;
+                    off = 0;
+                }
+                let Some(dst) = iov.get_mut(slice) else {
+                    return Err(oob(self.peer));
+                };
+                let dst = &mut dst[off..];
+                let n = dst.len().min(len - copied);
+                self.e
+                    .local
+                    .read(base + copied, &mut dst[..n])
+                    .ok_or_else(|| oob(self.peer))?;
+                copied += n;
+                off += n;
+            }
+            left -= len;
+            self.chunk_pos += 1;
+            w64(&self.e.remote, ctl::DMA_ACK).store(self.chunk_pos, Ordering::Release);
+            self.notify_writer();
+        }
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl RxLink for SciRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.check_usable()?;
+        match self.slot_state() {
+            Flag::Ready(_) => Ok(Poll::Ready(())),
+            Flag::Corrupt => Err(self.corrupt("slot")),
+            Flag::Empty => self.pending(Blocked::Slot),
+        }
+    }
+
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.check_usable()?;
+        match tm {
+            TM_SHORT => self.recv_short(take),
+            TM_RING => self.recv_ring(take),
+            _ => Err(Error::protocol(
+                self.peer,
+                format!("sisci: TM {tm} is not a copy TM"),
+            )),
+        }
+    }
+
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.check_usable()?;
+        if tm != TM_DMA || self.e.geom.chunks == 0 {
+            return Err(Error::protocol(
+                self.peer,
+                format!("sisci: TM {tm} is not a gather TM"),
+            ));
+        }
+        self.recv_dma(iov)
+    }
+
+    fn abort_message(&mut self) {
+        self.cursor = None;
+        self.broken = Some("a message was abandoned midway by the receiver".into());
+        w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
+        self.notify_writer();
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let own = self.own.clone();
+        own.sleep(timeout.min(WAIT_SLICE), &mut || {
+            self.has_any() || w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
+        });
+        if self.live.dead_now() && !self.has_any() {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SciRx {
+    fn drop(&mut self) {
+        w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
+        self.notify_writer();
+    }
+}
+
+/// One watched peer of [`SciIncoming`].
+pub struct Watched {
+    /// Its rank.
+    pub rank: usize,
+    /// The area it writes in this process's segment.
+    pub local: Mem,
+    /// The receiver's slot position.
+    pub shared: Arc<RxShared>,
+    /// Its process.
+    pub pidfd: Arc<PidFd>,
+}
+
+/// Any-source readiness: looks at the next short slot of every peer; blocks on the doorbell.
+pub struct SciIncoming {
+    own: Arc<Segment>,
+    geom: Geometry,
+    peers: Vec<Watched>,
+    dead: Vec<AtomicBool>,
+    polls: AtomicU32,
+    last_check: Mutex<Instant>,
+}
+
+impl SciIncoming {
+    /// Watch `peers` through `own`'s doorbell.
+    pub fn new(own: Arc<Segment>, geom: Geometry, peers: Vec<Watched>) -> Self {
+        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
+        SciIncoming {
+            own,
+            geom,
+            peers,
+            dead,
+            polls: AtomicU32::new(0),
+            last_check: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn ready_at(&self, i: usize) -> bool {
+        let p = &self.peers[i];
+        let pos = p.shared.slot_pos.load(Ordering::Relaxed);
+        let w = w64(&p.local, slot_flag(&self.geom, pos)).load(Ordering::Acquire);
+        layout::decode_flag(w, pos, self.geom.slots as u64, SLOT_DATA) != Flag::Empty
+            || w32(&p.local, ctl::W_CLOSED).load(Ordering::Relaxed) != 0
+            || self.dead[i].load(Ordering::Relaxed)
+    }
+
+    fn check_deaths(&self, force: bool) {
+        if !force && self.polls.fetch_add(1, Ordering::Relaxed) % 64 != 0 {
+            return;
+        }
+        let Ok(mut last) = self.last_check.try_lock() else {
+            return;
+        };
+        let now = Instant::now();
+        if !force && now - *last < POLL_CHECK_EVERY {
+            return;
+        }
+        *last = now;
+        for (i, p) in self.peers.iter().enumerate() {
+            if p.pidfd.exited() {
+                self.dead[i].store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Incoming for SciIncoming {
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        self.check_deaths(false);
+        for i in 0..self.peers.len() {
+            if self.ready_at(i) {
+                ready(self.peers[i].rank);
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        self.own.sleep(timeout.min(WAIT_SLICE), &mut || {
+            (0..self.peers.len()).any(|i| self.ready_at(i))
+        });
+        self.check_deaths(true);
+        Ok(())
+    }
+
+    fn wake(&self) {
+        self.own.ring_bell();
+    }
+}
