@@ -230,7 +230,11 @@ mod tests {
             let _ = in_flight(x, pos, n);
             let _ = chunk_fits(x as usize, pos as usize, n as usize);
         }
-        assert_eq!(decode_flag(u64::MAX, u64::MAX, 0, 0), Flag::Empty, "previous lap");
+        assert_eq!(
+            decode_flag(u64::MAX, u64::MAX, 0, 0),
+            Flag::Empty,
+            "previous lap"
+        );
     }
 
     #[test]

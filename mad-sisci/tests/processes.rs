@@ -1,0 +1,250 @@
+//! Real processes: the test binary re-executes itself as ranks, joined through mad-core's
+//! madrun bootstrap server (started in the test process). The conformance kit over 2 and 4
+//! processes, and peer death: a rank killed with SIGKILL in the middle of a message.
+
+#![cfg(not(miri))]
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mad_core::auth::Secret;
+use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::launch::server::BootstrapServer;
+use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
+use mad_core::{ChannelConfig, Error, RecvMode, SendMode, Session};
+use mad_sisci::SisciDriver;
+
+const ROLE: &str = "MAD_SISCI_TEST_ROLE";
+const SPEC: &str = "MAD_SISCI_TEST_SPEC";
+/// Bound on any child run.
+const CHILD_BOUND: Duration = Duration::from_secs(240);
+/// Bound stated in NOTES.md for noticing a dead peer while blocked (one 50 ms wait slice,
+/// plus scheduling slack on a loaded 2-core machine).
+const DEATH_BOUND: Duration = Duration::from_millis(500);
+
+fn env_of(addr: &str, secret: &Secret, rank: usize, size: usize) -> HashMap<String, String> {
+    HashMap::from([
+        (vars::RANK.to_string(), rank.to_string()),
+        (vars::SIZE.to_string(), size.to_string()),
+        (vars::BOOTSTRAP.to_string(), addr.to_string()),
+        (vars::SECRET.to_string(), secret.to_hex()),
+        (vars::LOCAL_SIZE.to_string(), size.to_string()),
+    ])
+}
+
+fn spawn(test: &str, role: &str, spec: &str, env: &HashMap<String, String>) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            test,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env)
+        .env(ROLE, role)
+        .env(SPEC, spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_bounded(mut c: Child) -> (bool, String) {
+    let end = Instant::now() + CHILD_BOUND;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            let mut out = String::new();
+            if let Some(mut o) = c.stdout.take() {
+                let _ = std::io::Read::read_to_string(&mut o, &mut out);
+            }
+            return (st.success(), out);
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            let _ = c.wait();
+            return (false, "timed out".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn child_session() -> Session {
+    let b = MadrunBootstrap::from_env().unwrap().expect("bootstrap env");
+    Session::builder()
+        .driver(SisciDriver::new())
+        .bootstrap(Box::new(b))
+        .build()
+        .unwrap()
+}
+
+#[test]
+#[ignore = "rank program of the process tests"]
+fn rank_program() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let spec = std::env::var(SPEC).unwrap();
+    let session = child_session();
+    match role.as_str() {
+        "kit" => {
+            let mut opts = KitOptions::new(&spec);
+            opts.volume = 100;
+            let ran = run_rank(&session, &opts)
+                .unwrap_or_else(|e| panic!("rank {}: {e}", session.rank()));
+            println!("kit: rank {} ran {} cases", session.rank(), ran.len());
+        }
+        "half-sender" => {
+            // Send a value and start a big piece; nobody reads it all: hang until killed.
+            let ch = session
+                .open_channel_with(ChannelConfig::parse("crash", &spec).unwrap())
+                .unwrap();
+            let big = vec![7u8; 8 << 20];
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_value(&42u64, RecvMode::Express).unwrap();
+            let _ = p.pack(&big, RecvMode::Cheaper);
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        "deaf" => {
+            // Open the channel and never read.
+            let _ch = session
+                .open_channel_with(ChannelConfig::parse("crash", &spec).unwrap())
+                .unwrap();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        r => panic!("unknown role {r}"),
+    }
+}
+
+fn kit_processes(n: usize, spec: &str) {
+    let secret = Secret::random().unwrap();
+    let server = BootstrapServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        n,
+        secret.clone(),
+        Box::new(|l| eprintln!("{l}")),
+    )
+    .unwrap();
+    let addr = server.advertised_addr().to_string();
+    let kids: Vec<Child> = (0..n)
+        .map(|r| spawn("rank_program", "kit", spec, &env_of(&addr, &secret, r, n)))
+        .collect();
+    for (r, c) in kids.into_iter().enumerate() {
+        let (ok, out) = wait_bounded(c);
+        assert!(ok, "{spec} x{n} processes: rank {r} failed:\n{out}");
+        assert!(out.contains(&format!("kit: rank {r} ran ")), "{out}");
+    }
+}
+
+#[test]
+fn kit_2_processes() {
+    kit_processes(2, "sisci:local");
+}
+
+#[test]
+fn kit_4_processes_small_geometry() {
+    kit_processes(4, "sisci:local,slots=8,ring=8192,chunks=2,chunk=8192");
+}
+
+/// This process is rank 0, the child rank 1 (with `role`).
+fn with_child(role: &str, spec: &str) -> (Child, Session) {
+    let secret = Secret::random().unwrap();
+    let server = BootstrapServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        2,
+        secret.clone(),
+        Box::new(|l| eprintln!("{l}")),
+    )
+    .unwrap();
+    let addr = server.advertised_addr().to_string();
+    let child = spawn("rank_program", role, spec, &env_of(&addr, &secret, 1, 2));
+    let env0 = env_of(&addr, &secret, 0, 2);
+    let env = MadrunEnv::parse(|k| env0.get(k).cloned()).unwrap().unwrap();
+    let b = MadrunBootstrap::connect(env).unwrap();
+    let session = Session::builder()
+        .driver(SisciDriver::new())
+        .bootstrap(Box::new(b))
+        .build()
+        .unwrap();
+    std::mem::forget(server); // serves until the test process exits
+    (child, session)
+}
+
+fn kill_after(mut child: Child, after: Duration) -> std::sync::mpsc::Receiver<Instant> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let _ = tx.send(Instant::now());
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+    });
+    rx
+}
+
+fn is_peer_closed(e: &Error) -> bool {
+    matches!(e, Error::PeerClosed { rank: 1 })
+}
+
+#[test]
+fn killed_sender_mid_message_gives_peer_closed() {
+    for spec in ["sisci:local", "sisci:local,dma=off"] {
+        let (child, session) = with_child("half-sender", spec);
+        let ch = session
+            .open_channel_with(ChannelConfig::parse("crash", spec).unwrap())
+            .unwrap();
+        let mut u = ch.begin_unpacking().unwrap();
+        let v: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        assert_eq!(v, 42);
+        // The sender is now blocked on full areas (or holds the piece until end_packing):
+        // kill it, then read what is there and wait for the rest.
+        let at = kill_after(child, Duration::from_millis(200))
+            .recv()
+            .unwrap();
+        let mut big = vec![0u8; 8 << 20];
+        let r = u
+            .unpack(&mut big, SendMode::Cheaper)
+            .and_then(|_| u.end_unpacking());
+        let noticed = Instant::now();
+        let e = r.expect_err("the rest of the message cannot come");
+        assert!(is_peer_closed(&e), "{spec}: {e:?}");
+        let lag = noticed.saturating_duration_since(at);
+        assert!(lag < DEATH_BOUND, "{spec}: noticed after {lag:?}");
+        eprintln!("{spec}: dead sender noticed after {lag:?}");
+    }
+}
+
+#[test]
+fn sender_blocked_on_killed_receiver_gives_peer_closed() {
+    for spec in ["sisci:local", "sisci:local,dma=off"] {
+        let (child, session) = with_child("deaf", spec);
+        let ch = session
+            .open_channel_with(ChannelConfig::parse("crash", spec).unwrap())
+            .unwrap();
+        let killed = kill_after(child, Duration::from_millis(200));
+        let big = vec![1u8; 16 << 20];
+        let r = ch.begin_packing(1).and_then(|mut p| {
+            p.pack(&big, RecvMode::Cheaper)?;
+            p.end_packing()
+        });
+        let noticed = Instant::now();
+        let e = r.expect_err("nobody reads: the send must fail, not hang");
+        assert!(is_peer_closed(&e), "{spec}: {e:?}");
+        let lag = noticed.saturating_duration_since(killed.recv().unwrap());
+        assert!(lag < DEATH_BOUND, "{spec}: noticed after {lag:?}");
+        eprintln!("{spec}: dead receiver noticed after {lag:?}");
+        // The child's segment went with it: its file was unlinked at open.
+        let left = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("mad-sisci-"))
+            .filter(|e| {
+                let n = e.file_name().to_string_lossy().to_string();
+                mad_sisci::segment::creator_pid(&n)
+                    .map(|p| p == std::process::id())
+                    .unwrap_or(false)
+            })
+            .count();
+        assert_eq!(left, 0, "segments of this process left in /dev/shm");
+    }
+}
