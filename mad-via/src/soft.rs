@@ -1376,6 +1376,22 @@ impl Endpoint {
         ))
     }
 
+    /// An endpoint over an existing Unix stream whose other end is peer `rank` (tests, tools:
+    /// the other end may be anything, e.g. a fault injector writing raw frames).
+    pub fn over_unix(
+        sock: UnixStream,
+        rank: usize,
+        pd: &Arc<Pd>,
+        cfg: SlotConfig,
+    ) -> Result<Endpoint> {
+        Ok(Endpoint::from_conn(Conn::new(
+            rank,
+            Sock::Unix(sock),
+            pd,
+            cfg,
+        )?))
+    }
+
     pub(crate) fn from_conn(c: Conn) -> Endpoint {
         let pd = c.pd.clone();
         Endpoint {
