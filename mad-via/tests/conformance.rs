@@ -6,24 +6,8 @@ use mad_core::conformance::{run_rank, KitOptions};
 use mad_core::Session;
 use mad_via::ViaDriver;
 
-/// Cases in which every rank of a 4-rank session stays busy until the end. In the others,
-/// ranks 2 and 3 return at once and drop their channel; the soft NIC sees the end of stream
-/// and reports `PeerClosed` to rank 1's any-source `begin_unpacking`, which the kit does not
-/// expect (the same holds for tcp). See NOTES.md.
-const FOUR_RANK_CASES: &[&str] = &[
-    "sizes",
-    "modes",
-    "any_source",
-    "threads",
-    "checked_mismatch",
-    "peer_closes",
-];
-
 fn kit(ranks: usize, spec: &str) {
-    let mut opts = KitOptions::new(spec);
-    if ranks > 2 && opts.cases.is_none() {
-        opts.cases = Some(FOUR_RANK_CASES.iter().map(|s| s.to_string()).collect());
-    }
+    let opts = KitOptions::new(spec);
     // Like `run_threads`, but every rank's outcome is reported (the first error of rank 0 is
     // often only the echo of another rank's failure).
     let results: Vec<Result<Vec<&'static str>, String>> = std::thread::scope(|s| {
