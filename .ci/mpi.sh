@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # MPI checks for mad-mpi: install MPICH and Open MPI (Debian 12, idempotent), then build and run
 # the MPI job test (own checks + the core conformance kit over an MPI channel) under both MPIs
-# with 2 and 4 ranks, plus the wrong-launcher check. Each MPI has its own target directory
+# with 2 and 4 ranks, the kit through the datatype, blocking-progress and serialised paths, a
+# mixed job (TCP + shm + MPI channels over the MPI bootstrap), and the wrong-launcher check. Each MPI has its own target directory
 # because the `mpi` crate's build script does not rebuild when MPICC changes.
 #
 # Usage: .ci/mpi.sh            (from the repository root)
@@ -31,8 +32,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 OMPI_RUN=(mpirun.openmpi --allow-run-as-root --oversubscribe)
 MPICH_RUN=(mpiexec.mpich)
 
+CI_PREFIX="${MPI_CI_TARGET_PREFIX:-$ROOT/target-}"
+
 build() { # $1 = mpich|openmpi
-    export CARGO_TARGET_DIR="${MPI_CI_TARGET_PREFIX:-$ROOT/target-}$1" MPICC="mpicc.$1"
+    export CARGO_TARGET_DIR="${CI_PREFIX}$1" MPICC="mpicc.$1"
     cargo build -p mad-mpi --tests --examples >&2
     cargo test -p mad-mpi >&2   # unit tests, doc tests, and the "not under a launcher" path
     # The newest mpi_job test binary of this target directory.
@@ -65,6 +68,10 @@ done
 # The path of an MPI that grants less than THREAD_MULTIPLE: every MPI call behind one lock.
 run "MPICH, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
 run "Open MPI, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${OMPI_RUN[@]}" -n 2 "$OMPI_BIN"
+
+# One MPI job, three drivers: TCP, shm and MPI channels over the MPI bootstrap (the kit each).
+run "MPICH, 2 ranks, mixed tcp+shm+mpi" "${MPICH_RUN[@]}" -n 2 "${CI_PREFIX}mpich/debug/examples/mixed_job"
+run "Open MPI, 4 ranks, mixed tcp+shm+mpi" "${OMPI_RUN[@]}" -n 4 "${CI_PREFIX}openmpi/debug/examples/mixed_job"
 
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
