@@ -1,7 +1,7 @@
 //! # mad-tcp: the Madeleine II driver over TCP sockets
 //!
 //! One TCP connection per peer per channel, set up eagerly and authenticated when the channel
-//! opens ([`setup`], [`handshake`]). Two transmission modules:
+//! opens (`setup.rs`, [`handshake`]). Two transmission modules:
 //!
 //! | TM | BMM | pieces | how |
 //! |---|---|---|---|
@@ -20,9 +20,18 @@
 //! error is [`Error::ConnectionLost`].
 //!
 //! ```no_run
-//! use mad_core::bootstrap::SingleBootstrap;
-//! let driver = mad_tcp::TcpDriver::new();
-//! # let _ = driver;
+//! # fn main() -> mad_core::Result<()> {
+//! use mad_core::{ChannelConfig, RecvMode, Session};
+//! let session = Session::builder().driver(mad_tcp::TcpDriver::new()).build()?;
+//! let ch = session.open_channel_with(ChannelConfig::parse("data", "tcp:127.0.0.1,progress=poll")?)?;
+//! if session.size() > 1 && session.rank() == 0 {
+//!     let body = vec![0u8; 1 << 20];
+//!     let mut p = ch.begin_packing(1)?;
+//!     p.pack_value(&(body.len() as u64), RecvMode::Express)?; // small: copy TM
+//!     p.pack(&body, RecvMode::Cheaper)?; // large: gather TM, same sendmsg
+//!     p.end_packing()?;
+//! }
+//! # Ok(()) }
 //! ```
 
 #![deny(unsafe_code)]
