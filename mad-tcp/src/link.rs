@@ -4,10 +4,13 @@
 //! Sending: TM 0 (`small`, Copy) bytes are copied into a per-connection static buffer and stay
 //! queued (commit is a no-op: the stream keeps order); TM 1 (`large`, Gather) sends the queued
 //! bytes *and* the user's slices in one `sendmsg`. Whatever is still queued at the end of the
-//! message leaves in one `sendmsg`. Receiving: a per-connection buffer absorbs headers and small
-//! pieces; gather pieces are scattered straight into the user's slices, with the receive buffer
-//! appended as the last slice so that bytes of the next message that are already in the socket
-//! come along in the same `recvmsg` instead of costing another system call.
+//! message leaves in one `send`. Receiving: a per-connection buffer absorbs headers and small
+//! pieces (the first read of a message is limited to the copy threshold plus a little, so a large
+//! body stays in the socket); gather pieces are scattered straight into the user's slices, with
+//! the receive buffer appended as the last slice so that bytes of the next message that are
+//! already in the socket come along in the same `recvmsg` instead of costing another system
+//! call. In block mode, gather sends and receives wait in the kernel (no `MSG_DONTWAIT`,
+//! `MSG_WAITALL` on the user's slices only), bounded by the socket timeouts.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
