@@ -110,7 +110,7 @@ fn opts() -> Result<Opts> {
 /// `shm`, `tcp,progress=block`, `sisci:local`: a spec; anything else: a configured channel.
 fn open(session: &Session, name: &str, what: &str) -> Result<Channel> {
     let driver = what.split([',', ':']).next().unwrap_or("");
-    if session.driver_names().contains(&driver) {
+    if what.contains([',', ':']) || session.driver_names().contains(&driver) {
         session.open_channel_with(ChannelConfig::parse(name, what)?)
     } else {
         session.open_channel(what)
@@ -169,14 +169,18 @@ fn run() -> Result<()> {
         );
         for with_video in [false, true] {
             // Every client is listening before the phase starts (latency, not start-up time).
-            session.bootstrap().barrier(&format!("media/{with_video}"))?;
+            session
+                .bootstrap()
+                .barrier(&format!("media/{with_video}"))?;
             serve_phase(&video, &text, &o, with_video)?;
         }
         Ok(())
     } else {
         let mut lines = Vec::new();
         for with_video in [false, true] {
-            session.bootstrap().barrier(&format!("media/{with_video}"))?;
+            session
+                .bootstrap()
+                .barrier(&format!("media/{with_video}"))?;
             lines.push(watch_phase(&video, &text, with_video)?);
         }
         for l in lines {

@@ -208,7 +208,7 @@ fn opts() -> Result<Opts> {
 /// `--channel shm` opens a channel with that spec; `--channel video` the configured channel.
 fn open(session: &Session, what: &str) -> Result<Channel> {
     let driver = what.split([',', ':']).next().unwrap_or("");
-    if session.driver_names().contains(&driver) {
+    if what.contains([',', ':']) || session.driver_names().contains(&driver) {
         session.open_channel_with(ChannelConfig::parse("rpc", what)?)
     } else {
         session.open_channel(what)
