@@ -26,7 +26,7 @@
 //! | 1 `ring` | copy | ≤ [`DEFAULT_RING_MAX`] | a byte ring (64 KiB) with a remote write offset and a remote acknowledgement |
 //! | 2 `dma` | gather | larger | block copies into a large receive area, pipelined in chunks with their own flags |
 //!
-//! Options (`sisci:local,ring=65536,chunk=65536,chunks=8,slots=64,dma=on`, `sisci:dolphin,lib=/opt/DIS/lib64/libsisci.so,adapter_no=0`).
+//! Options (`sisci:local,slots=64,ring=65536,chunk=262144,chunks=4,dma=on`, `sisci:dolphin,lib=/opt/DIS/lib64/libsisci.so,adapter_no=0`).
 
 #![deny(unsafe_code)]
 
@@ -50,15 +50,15 @@ use segment::Segment;
 /// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
 pub const DEFAULT_SHORT_MAX: usize = 112;
 /// Default largest piece of the `ring` TM (from the sweep in `NOTES.md`).
-pub const DEFAULT_RING_MAX: usize = 16 * 1024;
+pub const DEFAULT_RING_MAX: usize = 32 * 1024;
 /// Default short slots per connection.
 pub const DEFAULT_SLOTS: usize = 64;
 /// Default ring bytes per connection.
 pub const DEFAULT_RING: usize = 64 * 1024;
 /// Default DMA chunk size.
-pub const DEFAULT_CHUNK: usize = 64 * 1024;
+pub const DEFAULT_CHUNK: usize = 256 * 1024;
 /// Default DMA chunks per connection.
-pub const DEFAULT_CHUNKS: usize = 8;
+pub const DEFAULT_CHUNKS: usize = 4;
 /// Slices per DMA group.
 pub const DMA_MAX_GROUP: usize = 64;
 /// Default library name for `sisci:dolphin`.
