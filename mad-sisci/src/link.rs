@@ -734,3 +734,154 @@ impl Incoming for SciIncoming {
         self.own.ring_bell();
     }
 }
+
+#[cfg(all(test, not(miri)))]
+mod tests {
+    use super::*;
+
+    const G: Geometry = Geometry {
+        slots: 2,
+        ring: 4096,
+        chunk: 4096,
+        chunks: 2,
+    };
+
+    /// Two segments of one process (ranks 0 and 1) and the link 0 → 1.
+    fn pair(tag: &str) -> (Arc<Segment>, Arc<Segment>, SciTx, SciRx) {
+        let pid = std::process::id();
+        let seg = |r: usize| {
+            let name = format!("{}{pid}-unit{tag}-{r}", crate::segment::PREFIX);
+            Arc::new(Segment::create(&name, 2, G, &[0; 32]).unwrap())
+        };
+        let (a, b) = (seg(0), seg(1));
+        let pidfd = Arc::new(PidFd::open(pid).unwrap());
+        let tx_ends = Ends::new(a.area(1).unwrap(), b.area(0).unwrap(), G).unwrap();
+        let rx_ends = Ends::new(b.area(0).unwrap(), a.area(1).unwrap(), G).unwrap();
+        let tx = SciTx::new(1, tx_ends, b.clone(), pidfd.clone());
+        let rx = SciRx::new(0, rx_ends, b.clone(), pidfd, Arc::default());
+        (a, b, tx, rx)
+    }
+
+    fn put(tx: &mut SciTx, tm: TmId, bytes: &[u8]) -> Result<Poll<()>> {
+        tx.with_buffer(tm, bytes.len(), &mut |b: &mut [u8]| {
+            let k = b.len().min(bytes.len());
+            b[..k].copy_from_slice(&bytes[..k]);
+            k
+        })
+    }
+
+    fn get(rx: &mut SciRx, tm: TmId) -> Result<Poll<Vec<u8>>> {
+        let mut v = Vec::new();
+        let p = rx.with_data(tm, usize::MAX, &mut |b: &[u8]| {
+            v.extend_from_slice(b);
+            b.len()
+        })?;
+        Ok(p.map(|_| v))
+    }
+
+    fn is_protocol(r: &Result<impl std::fmt::Debug>) -> bool {
+        matches!(r, Err(Error::Protocol { .. }))
+    }
+
+    #[test]
+    fn slots_ring_and_chunks_carry_bytes_and_apply_back_pressure() {
+        let (_a, _b, mut tx, mut rx) = pair("ok");
+        assert!(rx.poll_message().unwrap().is_pending());
+        assert!(put(&mut tx, TM_SHORT, b"hello").unwrap().is_ready());
+        assert!(put(&mut tx, TM_SHORT, &[9; 100]).unwrap().is_ready()); // 56 B lent
+        assert!(
+            put(&mut tx, TM_SHORT, b"x").unwrap().is_pending(),
+            "2 slots in flight"
+        );
+        assert!(rx.poll_message().unwrap().is_ready());
+        assert_eq!(
+            get(&mut rx, TM_SHORT).unwrap(),
+            Poll::Ready(b"hello".to_vec())
+        );
+        assert_eq!(get(&mut rx, TM_SHORT).unwrap(), Poll::Ready(vec![9; 56]));
+        assert!(
+            put(&mut tx, TM_SHORT, b"x").unwrap().is_ready(),
+            "acknowledged"
+        );
+        // Ring: fill it, then read it back.
+        assert!(put(&mut tx, TM_RING, &[3; 5000]).unwrap().is_ready());
+        assert!(put(&mut tx, TM_RING, &[3; 10]).unwrap().is_pending());
+        assert_eq!(get(&mut rx, TM_RING).unwrap(), Poll::Ready(vec![3; 4096]));
+        // DMA: 3 chunks through a 2-chunk area.
+        let src: Vec<u8> = (0..3 * 4096 - 5).map(|i| i as u8).collect();
+        assert!(tx
+            .send_refs(TM_DMA, &[IoSlice::new(&src)])
+            .unwrap()
+            .is_pending());
+        let mut dst = vec![0u8; src.len()];
+        let (d1, d2) = dst.split_at_mut(1000);
+        let mut iov = [IoSliceMut::new(d1), IoSliceMut::new(d2)];
+        assert!(rx.recv_refs(TM_DMA, &mut iov).unwrap().is_pending());
+        assert!(tx
+            .send_refs(TM_DMA, &[IoSlice::new(&src)])
+            .unwrap()
+            .is_ready());
+        assert!(rx.recv_refs(TM_DMA, &mut iov).unwrap().is_ready());
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn hostile_words_are_protocol_errors_not_panics() {
+        let (a, b, mut tx, mut rx) = pair("bad");
+        let area_b0 = b.area(0).unwrap();
+        let area_a1 = a.area(1).unwrap();
+        // A slot flag from two laps ahead.
+        w64(&area_b0, slot_flag(&G, 0)).store(layout::encode_flag(4, 2, 8), Ordering::Release);
+        assert!(is_protocol(&rx.poll_message()));
+        assert!(is_protocol(&get(&mut rx, TM_SHORT)));
+        // A ring head beyond the ring.
+        w64(&area_b0, ctl::HEAD).store(1 << 40, Ordering::Release);
+        assert!(is_protocol(&get(&mut rx, TM_RING)));
+        // A chunk longer than what is left of the group.
+        w64(&area_b0, chunk_flag(&G, 0)).store(layout::encode_flag(0, 2, 4096), Ordering::Release);
+        let mut small = [0u8; 100];
+        assert!(is_protocol(
+            &rx.recv_refs(TM_DMA, &mut [IoSliceMut::new(&mut small)])
+        ));
+        // An acknowledgement ahead of what was sent.
+        w64(&area_a1, ctl::SHORT_ACK).store(1000, Ordering::Release);
+        put(&mut tx, TM_SHORT, b"a").unwrap();
+        put(&mut tx, TM_SHORT, b"b").unwrap();
+        assert!(is_protocol(&put(&mut tx, TM_SHORT, b"c")));
+        // Wrong TM numbers.
+        assert!(is_protocol(&put(&mut tx, TM_DMA, b"c")));
+        assert!(is_protocol(&tx.send_refs(TM_RING, &[])));
+    }
+
+    #[test]
+    fn abort_and_close_semantics() {
+        let (_a, _b, mut tx, mut rx) = pair("abort");
+        tx.begin_message().unwrap();
+        assert_eq!(tx.abort_message(), AbortOutcome::Discarded);
+        tx.begin_message().unwrap();
+        put(&mut tx, TM_SHORT, b"half").unwrap();
+        assert_eq!(tx.abort_message(), AbortOutcome::Broken);
+        assert!(matches!(
+            put(&mut tx, TM_SHORT, b"more"),
+            Err(Error::Poisoned { .. })
+        ));
+        // Published bytes are delivered, then the closed side is reported.
+        assert_eq!(
+            get(&mut rx, TM_SHORT).unwrap(),
+            Poll::Ready(b"half".to_vec())
+        );
+        assert!(matches!(
+            get(&mut rx, TM_SHORT),
+            Err(Error::PeerClosed { rank: 0 })
+        ));
+        // A receiver that goes away makes the sender fail once it must wait.
+        let (_a, _b, mut tx, rx) = pair("close");
+        drop(rx);
+        put(&mut tx, TM_SHORT, b"1").unwrap();
+        put(&mut tx, TM_SHORT, b"2").unwrap();
+        assert!(matches!(
+            put(&mut tx, TM_SHORT, b"3"),
+            Err(Error::PeerClosed { rank: 1 })
+        ));
+    }
+}
