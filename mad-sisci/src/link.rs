@@ -845,8 +845,8 @@ mod tests {
         ));
         // An acknowledgement ahead of what was sent.
         w64(&area_a1, ctl::SHORT_ACK).store(1000, Ordering::Release);
-        put(&mut tx, TM_SHORT, b"a").unwrap();
-        put(&mut tx, TM_SHORT, b"b").unwrap();
+        assert!(put(&mut tx, TM_SHORT, b"a").unwrap().is_ready());
+        assert!(put(&mut tx, TM_SHORT, b"b").unwrap().is_ready());
         assert!(is_protocol(&put(&mut tx, TM_SHORT, b"c")));
         // Wrong TM numbers.
         assert!(is_protocol(&put(&mut tx, TM_DMA, b"c")));
@@ -859,7 +859,7 @@ mod tests {
         tx.begin_message().unwrap();
         assert_eq!(tx.abort_message(), AbortOutcome::Discarded);
         tx.begin_message().unwrap();
-        put(&mut tx, TM_SHORT, b"half").unwrap();
+        assert!(put(&mut tx, TM_SHORT, b"half").unwrap().is_ready());
         assert_eq!(tx.abort_message(), AbortOutcome::Broken);
         assert!(matches!(
             put(&mut tx, TM_SHORT, b"more"),
@@ -877,8 +877,8 @@ mod tests {
         // A receiver that goes away makes the sender fail once it must wait.
         let (_a, _b, mut tx, rx) = pair("close");
         drop(rx);
-        put(&mut tx, TM_SHORT, b"1").unwrap();
-        put(&mut tx, TM_SHORT, b"2").unwrap();
+        assert!(put(&mut tx, TM_SHORT, b"1").unwrap().is_ready());
+        assert!(put(&mut tx, TM_SHORT, b"2").unwrap().is_ready());
         assert!(matches!(
             put(&mut tx, TM_SHORT, b"3"),
             Err(Error::PeerClosed { rank: 1 })
