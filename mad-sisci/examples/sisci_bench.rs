@@ -3,7 +3,7 @@
 //! flag, one copy out), in the same run; plus the threshold sweeps of `NOTES.md`.
 //!
 //! ```text
-//! CARGO_TARGET_DIR=target-sisci cargo run --release -p mad-sisci --example sisci_bench [-- compare|sweep|all]
+//! CARGO_TARGET_DIR=target-sisci cargo run --release -p mad-sisci --example sisci_bench [-- compare|compare-poll|sweep|sweep-poll|short|all]
 //! ```
 //!
 //! The program re-executes itself as rank 1 (joined through mad-core's bootstrap server).
@@ -220,10 +220,38 @@ fn main() {
     };
     let mut buf = vec![0x5au8; 8 << 20];
 
-    if what == "sweep" || what == "all" {
+    if what == "short" {
+        // Short slots against the ring, both ranks busy-polling (progress=poll): the protocol
+        // cost whenever both processes are on a CPU.
+        let slots = open("sw-slots-p", "sisci:local,tm.short=4096,progress=poll");
+        let ring = open("sw-ring-p", "sisci:local,tm.short=0,progress=poll");
+        for size in [8usize, 32, 56, 112, 168, 224, 336, 512, 1024] {
+            let mut buf2 = buf.clone();
+            compare(
+                b,
+                "short/poll",
+                size,
+                &mut [
+                    ("slots (tm.short=4096)", &mut || {
+                        engine_pingpong(&slots, me, size, &mut buf)
+                    }),
+                    ("ring (tm.short=0)", &mut || {
+                        engine_pingpong(&ring, me, size, &mut buf2)
+                    }),
+                ],
+            );
+        }
+    }
+
+    if what == "sweep" || what == "sweep-poll" || what == "all" {
+        let poll = if what == "sweep-poll" {
+            ",progress=poll"
+        } else {
+            ""
+        };
         // Short slots against the ring for small pieces.
-        let slots = open("sw-slots", "sisci:local,tm.short=4096");
-        let ring = open("sw-ring", "sisci:local,tm.short=0");
+        let slots = open("sw-slots", &format!("sisci:local,tm.short=4096{poll}"));
+        let ring = open("sw-ring", &format!("sisci:local,tm.short=0{poll}"));
         for size in [8usize, 32, 56, 112, 168, 224, 336, 512, 1024] {
             let mut buf2 = buf.clone();
             compare(
@@ -242,8 +270,8 @@ fn main() {
         }
         drop((slots, ring));
         // Ring against DMA chunks for medium and large pieces.
-        let ring = open("sw-ring2", "sisci:local,tm.ring=1000000000");
-        let dma = open("sw-dma", "sisci:local,tm.ring=112");
+        let ring = open("sw-ring2", &format!("sisci:local,tm.ring=1000000000{poll}"));
+        let dma = open("sw-dma", &format!("sisci:local,tm.ring=112{poll}"));
         for size in [
             1024usize,
             4096,
@@ -272,9 +300,15 @@ fn main() {
         }
         drop((ring, dma));
         // DMA chunk size.
-        let c16 = open("sw-c16", "sisci:local,chunk=16384,chunks=32");
-        let c64 = open("sw-c64", "sisci:local,chunk=65536,chunks=8");
-        let c256 = open("sw-c256", "sisci:local,chunk=262144,chunks=4");
+        let c16 = open(
+            "sw-c16",
+            &format!("sisci:local,chunk=16384,chunks=32{poll}"),
+        );
+        let c64 = open("sw-c64", &format!("sisci:local,chunk=65536,chunks=8{poll}"));
+        let c256 = open(
+            "sw-c256",
+            &format!("sisci:local,chunk=262144,chunks=4{poll}"),
+        );
         for size in [65536usize, 1 << 20, 4 << 20] {
             let mut buf2 = buf.clone();
             let mut buf3 = buf.clone();
@@ -297,9 +331,15 @@ fn main() {
         }
     }
 
-    if what == "compare" || what == "all" {
-        let sisci = open("cmp-sisci", "sisci:local");
-        let shm = open("cmp-shm", "shm");
+    if what == "compare" || what == "compare-poll" || what == "all" {
+        // `compare-poll`: both drivers busy-poll (progress=poll), like the raw buffer.
+        let poll = if what == "compare-poll" {
+            ",progress=poll"
+        } else {
+            ""
+        };
+        let sisci = open("cmp-sisci", &format!("sisci:local{poll}"));
+        let shm = open("cmp-shm", &format!("shm{poll}"));
         let mut raw = raw_open(b);
         for size in [8usize, 64, 1024, 16384, 65536, 1 << 20, 4 << 20] {
             let mut buf2 = buf.clone();
