@@ -42,6 +42,11 @@ fn fake_rank1(b: &ThreadBootstrap, name: &str, spec: &str, strangers: bool) -> T
     let addr: SocketAddr = std::str::from_utf8(&all[0]).unwrap().parse().unwrap();
     if strangers {
         knock(addr, name, b.secret());
+        // The listener is bound to the configured adapter (127.0.0.1 by default), not to
+        // every address: another loopback address on the same port is refused by the kernel.
+        let other = SocketAddr::new("127.0.0.2".parse().unwrap(), addr.port());
+        let e = TcpStream::connect_timeout(&other, LIMIT).expect_err("listener on 0.0.0.0?");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
     }
     handshake_as(addr, name, b.secret(), 1, fp).expect("real handshake accepted")
 }
