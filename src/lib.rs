@@ -57,6 +57,10 @@ pub fn builder() -> SessionBuilder {
     {
         b = b.driver(mad_via::ViaDriver::new());
     }
+    #[cfg(feature = "sisci")]
+    {
+        b = b.driver(mad_sisci::SisciDriver::new());
+    }
     #[cfg(feature = "mpi")]
     {
         b = b.driver(mad_mpi::MpiDriver::new());

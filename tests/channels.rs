@@ -20,7 +20,7 @@ fn unknown_channel_and_driver_are_clear_errors() {
         .open_channel_with(ChannelConfig::parse("x", "carrier-pigeon").unwrap())
         .unwrap_err();
     let msg = e.to_string();
-    for d in ["tcp", "shm", "via", "mem"] {
+    for d in ["tcp", "shm", "via", "sisci", "mem"] {
         assert!(msg.contains(&format!("{d} (")), "`{d}` missing from: {msg}");
     }
     assert!(ChannelConfig::parse("x", "tcp,progress=sometimes").is_err());

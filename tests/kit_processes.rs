@@ -106,3 +106,8 @@ fn kit_shm_8_processes_oversubscribed() {
 fn kit_via_soft_2_processes() {
     kit_in_processes(2, "via:soft", &[]);
 }
+
+#[test]
+fn kit_sisci_local_4_processes() {
+    kit_in_processes(4, "sisci:local", &[]);
+}
