@@ -194,12 +194,35 @@ fn victim(stage: &str, ch: &madeleine::Channel) {
     }
 }
 
+/// A session (joining madrun) with every driver this build has, sisci included.
+fn session() -> madeleine::Session {
+    #[allow(unused_mut)]
+    let mut b = madeleine::Session::builder();
+    #[cfg(feature = "tcp")]
+    {
+        b = b.driver(madeleine::mad_tcp::TcpDriver::new());
+    }
+    #[cfg(feature = "shm")]
+    {
+        b = b.driver(madeleine::mad_shm::ShmDriver::new());
+    }
+    #[cfg(feature = "via")]
+    {
+        b = b.driver(madeleine::mad_via::ViaDriver::new());
+    }
+    #[cfg(feature = "sisci")]
+    {
+        b = b.driver(madeleine::mad_sisci::SisciDriver::new());
+    }
+    b.build().unwrap()
+}
+
 #[test]
 #[ignore = "rank program of the peer-death tests (run through madrun)"]
 fn fault_child() {
     let stage = std::env::var("MAD_FAULT_STAGE").expect("MAD_FAULT_STAGE");
     let spec = std::env::var("MAD_FAULT_SPEC").expect("MAD_FAULT_SPEC");
-    let session = madeleine::session().unwrap();
+    let session = session();
     let ch = session
         .open_channel_with(ChannelConfig::parse("fault", &spec).unwrap())
         .unwrap();
@@ -302,6 +325,14 @@ macro_rules! death_cases {
             case($spec, $stage);
         }
     )*};
+}
+
+#[cfg(feature = "sisci")]
+death_cases! {
+    sisci_local_idle: "sisci:local", "idle";
+    sisci_local_mid: "sisci:local", "mid";
+    sisci_local_large: "sisci:local", "large";
+    sisci_local_recv_dead: "sisci:local", "recv_dead";
 }
 
 death_cases! {
