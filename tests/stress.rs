@@ -12,7 +12,7 @@
 //! time with `begin_unpacking_from`: that deadlocks by design once every sender thread of a
 //! rank is blocked on a peer that waits for someone else, so it is not a library bug.)
 //!
-//! Default: `N = 20` (960 messages, ~85 MiB). `MAD_SOAK=1`: `N = 1042` (100 032 messages).
+//! Default: `N = 20` (960 messages, ~70 MiB). `MAD_SOAK=1`: `N = 2084` (100 032 messages).
 //! `MAD_STRESS_N=k` sets `N` directly.
 
 #![cfg(all(feature = "tcp", feature = "shm"))]
@@ -50,7 +50,7 @@ fn per_pair() -> u64 {
         return n;
     }
     if std::env::var_os("MAD_SOAK").is_some() {
-        1042
+        2084
     } else {
         20
     }
