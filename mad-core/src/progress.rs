@@ -106,8 +106,10 @@ impl ProgressPolicy {
         mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
         mut block: impl FnMut(&mut S, Duration) -> Result<()>,
     ) -> Result<T> {
-        let start = Instant::now();
-        let deadline = self.op_timeout.map(|t| start + t);
+        // Most waits end within a few attempts: read the clock only when it is needed (block
+        // mode, or after 32 attempts), not on entry.
+        let mut start: Option<Instant> = None;
+        let mut deadline: Option<Instant> = None;
         let (spin, yield_for) = match self.mode {
             ProgressMode::Poll => (Duration::MAX, Duration::ZERO),
             ProgressMode::Block => (Duration::ZERO, Duration::ZERO),
@@ -129,6 +131,10 @@ impl ProgressPolicy {
                 None
             };
             if let Some(now) = now {
+                let start = *start.get_or_insert_with(|| {
+                    deadline = self.op_timeout.map(|t| now + t);
+                    now
+                });
                 if let Some(d) = deadline {
                     if now >= d {
                         return Err(Error::Timeout(self.op_timeout.unwrap_or_default()));
