@@ -9,7 +9,7 @@
 //!
 //! | TM | BMM | pieces | how |
 //! |---|---|---|---|
-//! | `copy` | Copy | up to 16 KiB | copied into a per-connection buffer, sent with the next write |
+//! | `copy` | Copy | up to 1 KiB | copied into a per-connection buffer, sent with the next write |
 //! | `gather` | Gather | larger | one `writev` per group of up to 16 slices, `readv` in place |
 //!
 //! Progress blocks in `poll(2)`. No `unsafe` anywhere (std sockets, `nix` for `poll`/`pipe2`).
@@ -24,7 +24,7 @@ use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec,
 use mad_core::{Error, Result};
 
 /// Default largest piece of the `copy` TM (see NOTES.md for the sweep that chose it).
-pub const COPY_MAX: usize = 16 << 10;
+pub const COPY_MAX: usize = 1 << 10;
 /// Default copy buffer per connection and direction.
 pub const BUF: usize = 64 << 10;
 /// Most slices in one `writev` / `readv` group.
