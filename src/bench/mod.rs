@@ -1,0 +1,799 @@
+//! `mad-bench`: the cross-process benchmark suite (see `BENCHMARKS.md`).
+//!
+//! Two processes (under `madrun -n 2`, `mpiexec -n 2`, or started by itself when run alone)
+//! run latency, bandwidth, bidirectional bandwidth, multi-threaded latency and RPC over every
+//! channel type of this build, beside raw baselines measured in the same run; four or more
+//! processes run the message-rate test (`osu_mbw_mr`). `mad-bench report` turns CSV files
+//! into Markdown tables and SVG plots.
+
+mod net;
+mod patterns;
+mod report;
+mod sys;
+
+use std::path::PathBuf;
+
+use mad_core::config::parse_size;
+use mad_core::{Error, Result, Session};
+
+use net::{MadNet, Mode, Net, RawShm, RawTcp, Wait};
+use patterns::Counts;
+use report::Row;
+
+const USAGE: &str = "\
+usage: mad-bench [run] [options]         (under madrun/mpiexec, or alone: starts 2 ranks)
+       mad-bench report --out DIR CSV... (Markdown tables and SVG plots from CSV files)
+
+options of run:
+  --quick              iteration counts / 100, byte budget / 100, one run, sizes
+                       up to 1 MiB (CI smoke test; --max after --quick overrides)
+  --div N              divide iteration counts by N
+  --runs N             runs per figure (median and min-max reported; default 3)
+  --max SIZE           largest message (default 4m)
+  --budget SIZE        at most this many bytes per direction per measurement (default 256m)
+  --time SECONDS       at most about this long per measurement (default 0.2): the OSU count
+                       is lowered from a calibration run (the count used is in the CSV)
+  --bench LIST         latency,bw,bibw,latency_mt,rpc (2 ranks) / mbw_mr (4+ ranks); default all
+  --channels LIST      Madeleine channel specs separated by ';' (default
+                       'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft' [+ ';mpi'])
+  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all)
+  --no-pin             do not pin ranks to cores
+  --csv FILE           append the figures to FILE
+  -n N                 ranks to start when run alone (default 2)";
+
+struct Opts {
+    div: usize,
+    runs: usize,
+    max: usize,
+    budget: usize,
+    time_budget: f64,
+    benches: Vec<String>,
+    channels: Vec<String>,
+    baselines: Vec<String>,
+    pin: bool,
+    csv: Option<PathBuf>,
+    ranks: usize,
+}
+
+fn parse_opts(args: &[String]) -> Result<Opts> {
+    let mut o = Opts {
+        div: 1,
+        runs: 3,
+        max: 4 << 20,
+        budget: 256 << 20,
+        time_budget: 0.2,
+        benches: Vec::new(),
+        channels: default_channels(),
+        baselines: ["raw-tcp-poll", "raw-tcp-block", "raw-shm", "memcpy"]
+            .map(String::from)
+            .to_vec(),
+        pin: true,
+        csv: None,
+        ranks: 2,
+    };
+    let mut it = args.iter();
+    let bad = |a: &str, v: &str| Error::BadConfig(format!("mad-bench: {a} {v}: not valid"));
+    while let Some(a) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| Error::BadConfig(format!("mad-bench: {a} needs a value")))
+        };
+        match a.as_str() {
+            "run" | "--" => {}
+            "--quick" => {
+                o.div = 100;
+                o.budget /= 100;
+                o.time_budget = 0.02;
+                o.runs = 1;
+                o.max = o.max.min(1 << 20);
+            }
+            "--div" => {
+                let v = val()?;
+                o.div = v
+                    .parse()
+                    .ok()
+                    .filter(|&d| d > 0)
+                    .ok_or_else(|| bad(a, &v))?;
+            }
+            "--runs" => {
+                let v = val()?;
+                o.runs = v
+                    .parse()
+                    .ok()
+                    .filter(|&d| d > 0)
+                    .ok_or_else(|| bad(a, &v))?;
+            }
+            "-n" => {
+                let v = val()?;
+                o.ranks = v
+                    .parse()
+                    .ok()
+                    .filter(|&d| d >= 2)
+                    .ok_or_else(|| bad(a, &v))?;
+            }
+            "--max" => {
+                let v = val()?;
+                o.max = parse_size(&v).ok_or_else(|| bad(a, &v))?;
+            }
+            "--budget" => {
+                let v = val()?;
+                o.budget = parse_size(&v)
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| bad(a, &v))?;
+            }
+            "--time" => {
+                let v = val()?;
+                o.time_budget = v
+                    .parse()
+                    .ok()
+                    .filter(|&t: &f64| t > 0.0 && t.is_finite())
+                    .ok_or_else(|| bad(a, &v))?;
+            }
+            "--bench" => o.benches = list(&val()?, ','),
+            "--channels" => o.channels = list(&val()?, ';'),
+            "--baselines" => o.baselines = list(&val()?, ','),
+            "--no-pin" => o.pin = false,
+            "--csv" => o.csv = Some(PathBuf::from(val()?)),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => {
+                return Err(Error::BadConfig(format!(
+                    "mad-bench: unknown option `{a}`\n{USAGE}"
+                )))
+            }
+        }
+    }
+    Ok(o)
+}
+
+fn list(s: &str, sep: char) -> Vec<String> {
+    s.split(sep)
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+fn default_channels() -> Vec<String> {
+    #[allow(unused_mut)]
+    let mut v: Vec<String> = [
+        "tcp,progress=poll",
+        "tcp,progress=block",
+        "tcp",
+        "shm",
+        "via:soft",
+    ]
+    .map(String::from)
+    .to_vec();
+    #[cfg(feature = "mpi")]
+    v.push("mpi".into());
+    v
+}
+
+/// The raw baseline a Madeleine channel is compared with.
+fn baseline_of(spec: &str) -> &'static str {
+    if spec.contains("progress=block") {
+        "raw-tcp-block"
+    } else if spec.starts_with("shm") || spec.starts_with("mpi") || spec.starts_with("mem") {
+        "raw-shm"
+    } else {
+        "raw-tcp-poll"
+    }
+}
+
+/// Entry point of the binary.
+pub fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = if args.first().map(String::as_str) == Some("report") {
+        report_cmd(&args[1..])
+    } else {
+        run_cmd(&args)
+    };
+    if let Err(e) = r {
+        eprintln!("mad-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn report_cmd(args: &[String]) -> Result<()> {
+    let mut out = PathBuf::from("bench/results");
+    let mut files = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--out" {
+            out = PathBuf::from(
+                it.next()
+                    .ok_or_else(|| Error::BadConfig("--out needs a directory".into()))?,
+            );
+        } else {
+            files.push(PathBuf::from(a));
+        }
+    }
+    let mut rows = Vec::new();
+    for f in &files {
+        rows.extend(report::read_csv(f)?);
+    }
+    std::fs::create_dir_all(&out)
+        .map_err(|e| Error::io(format!("creating {}", out.display()), e))?;
+    let mut md = report::markdown(&rows);
+    md.push_str("\nPlots: ");
+    let mut benches: Vec<&str> = Vec::new();
+    for r in &rows {
+        if !benches.contains(&r.bench.as_str()) {
+            benches.push(&r.bench);
+        }
+    }
+    for b in benches {
+        if let Some(svg) = report::svg(b, &rows) {
+            let p = out.join(format!("{b}.svg"));
+            std::fs::write(&p, svg)
+                .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+            md.push_str(&format!("[{b}]({}) ", p.display()));
+        }
+    }
+    md.push('\n');
+    let p = out.join("tables.md");
+    std::fs::write(&p, md).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    println!("wrote {} and the plots in {}", p.display(), out.display());
+    Ok(())
+}
+
+fn run_cmd(args: &[String]) -> Result<()> {
+    let o = parse_opts(args)?;
+    if let Some(code) = madeleine::run_local_if_alone(o.ranks)? {
+        std::process::exit(code);
+    }
+    let session = madeleine::session()?;
+    let (me, n) = (session.rank(), session.size());
+    let cores = sys::cpu_count();
+    let local = session.bootstrap().local_ranks();
+    let pin_core = if o.pin && local.len() <= cores {
+        local.iter().position(|&r| r == me)
+    } else {
+        None
+    };
+    if let Some(c) = pin_core {
+        sys::pin(Some(c))?;
+    }
+    if me == 0 {
+        println!(
+            "mad-bench: {n} ranks, {cores} cores, pinned: {}, runs {}, iterations / {}, budget {} B, drivers {:?}",
+            pin_core.is_some(),
+            o.runs,
+            o.div,
+            o.budget,
+            session.driver_names()
+        );
+    }
+    let rows = if n == 2 {
+        pair_suite(&session, &o, pin_core)?
+    } else if n >= 4 && n % 2 == 0 {
+        mr_suite(&session, &o)?
+    } else {
+        return Err(Error::BadConfig(format!(
+            "mad-bench runs with 2 ranks (pair suite) or an even number >= 4 (message rate), not {n}"
+        )));
+    };
+    if me == 0 {
+        if let Some(p) = &o.csv {
+            report::append_csv(p, &rows)?;
+            println!("\nappended {} rows to {}", rows.len(), p.display());
+        }
+    }
+    session.bootstrap().barrier("bench/done")?;
+    Ok(())
+}
+
+/// OSU iteration counts: 10 000 + 100 warm-up up to 8 KiB, 1 000 + 10 above; divided by
+/// `div`; capped so a measurement moves at most `budget` bytes per direction.
+fn lat_counts(o: &Opts, size: usize) -> Counts {
+    let (iters, warm) = if size <= 8192 {
+        (10_000, 100)
+    } else {
+        (1_000, 10)
+    };
+    let cap = (o.budget / size.max(1)).max(2);
+    Counts {
+        iters: (iters / o.div).clamp(2, cap.max(2)),
+        warm: (warm / o.div).max(1),
+    }
+}
+
+/// OSU bandwidth loop counts: 100 + 10 windows up to 8 KiB, 20 + 2 above; same scaling.
+fn bw_counts(o: &Opts, size: usize) -> Counts {
+    let (iters, warm) = if size <= 8192 { (100, 10) } else { (20, 2) };
+    let cap = (o.budget / (size.max(1) * patterns::WINDOW)).max(1);
+    Counts {
+        iters: (iters / o.div).clamp(1, cap.max(1)),
+        warm: (warm / o.div).max(1),
+    }
+}
+
+/// Seconds one timed iteration of `bench` takes, from the figure it reported.
+fn secs_per_iter(bench: &str, size: usize, v: f64) -> f64 {
+    let bytes = (size.max(1) * patterns::WINDOW) as f64;
+    match bench {
+        "latency" | "latency_mt" => 2.0 * v * 1e-6,
+        "rpc" => v * 1e-6,
+        "bibw" => 2.0 * bytes / (v * 1e6),
+        _ => bytes / (v * 1e6),
+    }
+}
+
+/// The iteration count that fits the time budget, between 2 and the OSU count.
+fn fit(o: &Opts, secs_per_iter: f64, osu: usize) -> usize {
+    if !(secs_per_iter.is_finite() && secs_per_iter > 0.0) {
+        return osu;
+    }
+    ((o.time_budget / secs_per_iter) as usize).clamp(2.min(osu), osu)
+}
+
+/// Every rank adopts rank 0's value (one allgather per measurement).
+fn agree(session: &Session, seq: usize, mine: usize) -> Result<usize> {
+    let all = session
+        .bootstrap()
+        .allgather(&format!("bench/n/{seq}"), &(mine as u64).to_le_bytes())?;
+    all.first()
+        .and_then(|v| v.as_slice().try_into().ok())
+        .map(|b| u64::from_le_bytes(b) as usize)
+        .ok_or_else(|| Error::protocol(0, "bench: bad iteration count"))
+}
+
+fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    if min == 0 {
+        v.push(0);
+    }
+    let mut s = min.max(1);
+    while s <= max {
+        v.push(s);
+        s *= 2;
+    }
+    v
+}
+
+/// One endpoint of an implementation (`None` for memcpy, which needs no peer).
+type Endpoint = Option<Box<dyn Net>>;
+
+/// One implementation under test: two endpoints (for the two-thread patterns).
+struct Imp {
+    name: String,
+    mode: Option<Mode>,
+    baseline: Option<&'static str>,
+    a: Endpoint,
+    b: Endpoint,
+}
+
+impl Imp {
+    fn mode_name(&self) -> String {
+        self.mode.map_or("-".into(), |m| m.name().into())
+    }
+}
+
+fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
+    let mut v = Vec::new();
+    for (i, spec) in o.channels.iter().enumerate() {
+        let a = MadNet::open(session, &format!("bench{i}a"), spec, Mode::Cc)?;
+        let b = MadNet::open(session, &format!("bench{i}b"), spec, Mode::Cc)?;
+        let base = Some(baseline_of(spec));
+        let mut modes = vec![Mode::Cc];
+        if spec == "tcp" || spec == "shm" {
+            modes.extend([Mode::Se, Mode::Multi16]);
+        }
+        for m in modes {
+            v.push(Imp {
+                name: spec.clone(),
+                mode: Some(m),
+                baseline: base,
+                a: Some(Box::new(a.with_mode(m))),
+                b: Some(Box::new(b.with_mode(m))),
+            });
+        }
+    }
+    for (i, raw) in o.baselines.iter().enumerate() {
+        let (a, b): (Endpoint, Endpoint) = match raw.as_str() {
+            "raw-tcp-poll" | "raw-tcp-block" => {
+                let w = if raw.ends_with("poll") {
+                    Wait::Poll
+                } else {
+                    Wait::Block
+                };
+                let a = RawTcp::open(session, &format!("raw{i}a"), w)?;
+                debug_assert_eq!(a.wait(), w);
+                (
+                    Some(Box::new(a)),
+                    Some(Box::new(RawTcp::open(session, &format!("raw{i}b"), w)?)),
+                )
+            }
+            "raw-shm" => (
+                Some(Box::new(RawShm::open(session, &format!("raw{i}a"))?)),
+                Some(Box::new(RawShm::open(session, &format!("raw{i}b"))?)),
+            ),
+            "memcpy" => (None, None),
+            other => {
+                return Err(Error::BadConfig(format!(
+                    "mad-bench: unknown baseline `{other}`"
+                )))
+            }
+        };
+        v.push(Imp {
+            name: raw.clone(),
+            mode: None,
+            baseline: None,
+            a,
+            b,
+        });
+    }
+    Ok(v)
+}
+
+fn pattern_wants(bench: &str, imp: &Imp) -> bool {
+    match (bench, imp.mode) {
+        ("latency", _) => true,
+        ("bw", Some(Mode::Cc) | None) => true,
+        (_, Some(Mode::Cc)) => true,
+        (_, None) => imp.a.is_some(),
+        _ => false,
+    }
+}
+
+fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Vec<Row>> {
+    let me = session.rank();
+    let peer = 1 - me;
+    let init = me == 0;
+    let mut imps = open_imps(session, o)?;
+    let all = ["latency", "bw", "bibw", "latency_mt", "rpc"];
+    let benches: Vec<&str> = all
+        .iter()
+        .copied()
+        .filter(|b| o.benches.is_empty() || o.benches.iter().any(|x| x == b))
+        .collect();
+    let big = o.max.max(16);
+    let s0: Vec<u8> = (0..big).map(|i| (i * 7 + 1) as u8).collect();
+    let s1 = s0.clone();
+    let mut r0 = vec![0u8; big];
+    let mut r1 = vec![0u8; big];
+    let mut rows = Vec::new();
+    let mut seq = 0usize;
+    for bench in benches {
+        let started = std::time::Instant::now();
+        let threaded = bench == "bibw" || bench == "latency_mt";
+        if threaded && pin_core.is_some() {
+            sys::pin(None)?;
+        }
+        let szs = match bench {
+            "latency" | "latency_mt" => sizes(0, o.max),
+            "rpc" => sizes(0, o.max.min(1 << 20)),
+            _ => sizes(1, o.max),
+        };
+        let mut bench_rows = Vec::new();
+        for &size in &szs {
+            let c = if bench == "bw" || bench == "bibw" {
+                bw_counts(o, size)
+            } else {
+                lat_counts(o, size)
+            };
+            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); imps.len()];
+            let mut used = vec![0usize; imps.len()];
+            for _run in 0..o.runs {
+                for (k, imp) in imps.iter_mut().enumerate() {
+                    if !pattern_wants(bench, imp) || (imp.mode == Some(Mode::Multi16) && size < 16)
+                    {
+                        continue;
+                    }
+                    let v = match (imp.a.as_deref_mut(), imp.b.as_deref_mut()) {
+                        (None, _) | (_, None) => {
+                            // memcpy: this process alone.
+                            if !init || !(bench == "latency" || bench == "bw") {
+                                continue;
+                            }
+                            let cal = Counts {
+                                warm: 1,
+                                iters: c.warm.clamp(1, c.iters),
+                            };
+                            let per = patterns::memcpy(size, cal, &s0, &mut r0) * 1e-6;
+                            let iters = fit(o, per, c.iters);
+                            used[k] = used[k].max(iters);
+                            let t = patterns::memcpy(size, Counts { warm: 0, iters }, &s0, &mut r0);
+                            if bench == "latency" {
+                                t
+                            } else {
+                                size as f64 / t
+                            }
+                        }
+                        (Some(a), Some(b)) => {
+                            let mut go = |c: Counts| -> Result<f64> {
+                                let bufs = [(&s0[..], &mut r0[..]), (&s1[..], &mut r1[..])];
+                                match bench {
+                                    "latency" => patterns::latency(
+                                        a, peer, init, size, c, bufs[0].0, bufs[0].1,
+                                    ),
+                                    "rpc" => {
+                                        patterns::rpc(a, peer, init, size, c, bufs[0].0, bufs[0].1)
+                                    }
+                                    "bw" => {
+                                        patterns::bw(a, peer, init, size, c, bufs[0].0, bufs[0].1)
+                                    }
+                                    "bibw" => patterns::bibw(a, b, peer, init, size, c, bufs),
+                                    _ => patterns::latency_mt(a, b, peer, init, size, c, bufs),
+                                }
+                            };
+                            // Calibrate on the warm-up iterations, then agree on rank 0's count
+                            // (no calibration when the count is already tiny).
+                            if c.iters <= 2 {
+                                used[k] = used[k].max(c.iters);
+                                go(c)?
+                            } else {
+                                let v0 = go(Counts {
+                                    warm: 1,
+                                    iters: c.warm.clamp(1, c.iters),
+                                })?;
+                                let per = secs_per_iter(bench, size, v0);
+                                seq += 1;
+                                let iters = agree(session, seq, fit(o, per, c.iters))?;
+                                used[k] = used[k].max(iters);
+                                go(Counts { warm: 0, iters })?
+                            }
+                        }
+                    };
+                    samples[k].push(v);
+                }
+            }
+            if !init {
+                continue;
+            }
+            let unit = if bench == "bw" || bench == "bibw" {
+                "MB/s"
+            } else {
+                "us"
+            };
+            let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
+            for (k, imp) in imps.iter().enumerate() {
+                if samples[k].is_empty() {
+                    continue;
+                }
+                let (median, min, max) = report::stats(&samples[k]);
+                let base_median = imp
+                    .baseline
+                    .and_then(|b| imps.iter().position(|x| x.name == b))
+                    .map_or(f64::NAN, |j| medians[j]);
+                bench_rows.push(Row {
+                    bench: bench.into(),
+                    imp: imp.name.clone(),
+                    mode: imp.mode_name(),
+                    size,
+                    unit: unit.into(),
+                    median,
+                    min,
+                    max,
+                    runs: samples[k].len(),
+                    iters: used[k],
+                    baseline: imp.baseline.unwrap_or("").into(),
+                    base_median,
+                });
+            }
+        }
+        if threaded {
+            if let Some(c) = pin_core {
+                sys::pin(Some(c))?;
+            }
+        }
+        if init {
+            print!("{}", report::text_table(&group_stable(&bench_rows)));
+            println!("({bench}: {:.1} s)", started.elapsed().as_secs_f64());
+            rows.extend(bench_rows);
+        }
+    }
+    Ok(rows)
+}
+
+/// Rows grouped by implementation (stable), sizes ascending inside each group.
+fn group_stable(rows: &[Row]) -> Vec<Row> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for r in rows {
+        let k = (r.imp.clone(), r.mode.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    keys.iter()
+        .flat_map(|(i, m)| rows.iter().filter(move |r| &r.imp == i && &r.mode == m))
+        .cloned()
+        .collect()
+}
+
+/// `osu_mbw_mr`: ranks `0..n/2` each stream windows of 64 messages to `r + n/2`, all pairs at
+/// once; aggregate MB/s and messages/s.
+fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
+    let (me, n) = (session.rank(), session.size());
+    let half = n / 2;
+    let sender = me < half;
+    let peer = if sender { me + half } else { me - half };
+    let b = session.bootstrap();
+    let mut imps = open_imps(session, o)?;
+    imps.retain(|i| i.a.is_some() && i.mode.map_or(true, |m| m == Mode::Cc));
+    let max = o.max.min(1 << 20);
+    let sbuf: Vec<u8> = (0..max.max(1)).map(|i| i as u8).collect();
+    let mut rbuf = vec![0u8; max.max(1)];
+    let mut rows = Vec::new();
+    let mut seq = 0usize;
+    for size in sizes(1, max) {
+        let c = bw_counts(o, size);
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); imps.len()];
+        let mut used = vec![0usize; imps.len()];
+        for _run in 0..o.runs {
+            for (k, imp) in imps.iter_mut().enumerate() {
+                let Some(a) = imp.a.as_deref_mut() else {
+                    continue;
+                };
+                let mut total = |seq: usize, c: Counts| -> Result<f64> {
+                    b.barrier(&format!("bench/mr/{seq}"))?;
+                    let (rate, _) = patterns::window(a, peer, sender, size, c, &sbuf, &mut rbuf)?;
+                    let mine = if sender { rate } else { 0.0 };
+                    let all = b.allgather(&format!("bench/mr/{seq}/r"), &mine.to_le_bytes())?;
+                    Ok(all
+                        .iter()
+                        .filter_map(|v| v.as_slice().try_into().ok().map(f64::from_le_bytes))
+                        .sum())
+                };
+                seq += 1;
+                // Calibration: every rank sees the same total, so the counts agree.
+                let t0 = total(
+                    seq,
+                    Counts {
+                        warm: 1,
+                        iters: c.warm.clamp(1, c.iters),
+                    },
+                )?;
+                let pairs = half as f64;
+                let iters = fit(o, secs_per_iter("bw", size, t0 / pairs), c.iters);
+                used[k] = used[k].max(iters);
+                seq += 1;
+                samples[k].push(total(seq, Counts { warm: 0, iters })?);
+            }
+        }
+        if me != 0 {
+            continue;
+        }
+        let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
+        for (k, imp) in imps.iter().enumerate() {
+            let base_median = imp
+                .baseline
+                .and_then(|bn| imps.iter().position(|x| x.name == bn))
+                .map_or(f64::NAN, |j| medians[j]);
+            let (median, min, max) = report::stats(&samples[k]);
+            let mb = Row {
+                bench: "mbw_mr".into(),
+                imp: imp.name.clone(),
+                mode: imp.mode_name(),
+                size,
+                unit: "MB/s".into(),
+                median,
+                min,
+                max,
+                runs: samples[k].len(),
+                iters: used[k],
+                baseline: imp.baseline.unwrap_or("").into(),
+                base_median,
+            };
+            let per = 1e6 / size as f64;
+            let mr = Row {
+                bench: "msg_rate".into(),
+                unit: "msg/s".into(),
+                median: median * per,
+                min: min * per,
+                max: max * per,
+                base_median: base_median * per,
+                ..mb.clone()
+            };
+            rows.push(mb);
+            rows.push(mr);
+        }
+    }
+    if me == 0 {
+        let mut by_bench: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.bench == "mbw_mr")
+            .cloned()
+            .collect();
+        by_bench.extend(rows.iter().filter(|r| r.bench == "msg_rate").cloned());
+        print!("{}", report::text_table(&group_stable(&by_bench)));
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mad_core::bootstrap::ThreadBootstrap;
+
+    fn tiny(benches: &[&str], max: usize) -> Opts {
+        let mut o = parse_opts(&["--quick".to_string()]).expect("opts");
+        o.div = 10_000;
+        o.max = max;
+        o.pin = false;
+        o.channels = vec!["tcp".into(), "shm".into(), "via:soft,progress=poll".into()];
+        o.benches = benches.iter().map(|b| b.to_string()).collect();
+        o
+    }
+
+    /// Run `f` on every rank of an `n`-thread session (real sockets and shared memory).
+    fn on_threads(n: usize, f: fn(&Session) -> Result<Vec<Row>>) -> Vec<Row> {
+        let hs: Vec<_> = ThreadBootstrap::group(n)
+            .into_iter()
+            .map(|b| {
+                std::thread::spawn(move || {
+                    let s = madeleine::builder().bootstrap(Box::new(b)).build()?;
+                    f(&s)
+                })
+            })
+            .collect();
+        let mut rows = Vec::new();
+        for (r, h) in hs.into_iter().enumerate() {
+            let got = h.join().expect("rank thread").expect("suite");
+            if r == 0 {
+                rows = got;
+            } else {
+                assert!(got.is_empty(), "only rank 0 reports");
+            }
+        }
+        rows
+    }
+
+    #[test]
+    fn pair_suite_runs_every_pattern_with_tiny_counts() {
+        let rows = on_threads(2, |s| {
+            pair_suite(
+                s,
+                &tiny(&["latency", "bw", "bibw", "latency_mt", "rpc"], 4096),
+                None,
+            )
+        });
+        for b in ["latency", "bw", "bibw", "latency_mt", "rpc"] {
+            assert!(rows.iter().any(|r| r.bench == b), "no {b} rows");
+        }
+        for r in &rows {
+            assert!(r.median.is_finite() && r.median > 0.0, "{r:?}");
+            if !r.baseline.is_empty() {
+                assert!(r.base_median.is_finite(), "baseline missing: {r:?}");
+            }
+        }
+        // Every Madeleine mode pair and every baseline shows up in the latency table.
+        for (imp, mode) in [
+            ("shm", "16 pieces"),
+            ("tcp", "safer/express"),
+            ("raw-tcp-block", "-"),
+            ("raw-shm", "-"),
+            ("memcpy", "-"),
+        ] {
+            assert!(
+                rows.iter()
+                    .any(|r| r.bench == "latency" && r.imp == imp && r.mode == mode),
+                "no latency row for {imp} [{mode}]"
+            );
+        }
+    }
+
+    #[test]
+    fn message_rate_suite_with_four_ranks() {
+        let rows = on_threads(4, |s| mr_suite(s, &tiny(&[], 1024)));
+        assert!(rows.iter().any(|r| r.bench == "mbw_mr" && r.imp == "shm"));
+        assert!(rows
+            .iter()
+            .all(|r| r.median.is_finite() && r.median > 0.0));
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(parse_opts(&["--runs".into(), "0".into()]).is_err());
+        assert!(parse_opts(&["--max".into(), "lots".into()]).is_err());
+        assert!(parse_opts(&["--bogus".into()]).is_err());
+        let o = parse_opts(&["--channels".into(), "tcp,progress=poll;shm".into()]).expect("ok");
+        assert_eq!(o.channels, ["tcp,progress=poll", "shm"]);
+        assert_eq!(baseline_of("tcp,progress=block"), "raw-tcp-block");
+        assert_eq!(baseline_of("shm"), "raw-shm");
+    }
+}

@@ -1,0 +1,422 @@
+//! What the patterns run over: Madeleine channels (in a given mode pair) and the raw
+//! baselines (TCP sockets, a shared-memory polled ring, memcpy).
+
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+
+use mad_core::{Channel, ChannelConfig, Error, RecvMode, Result, SendMode, Session};
+
+use super::sys::{Shared, RING_HEADER};
+
+/// One endpoint of a benchmark pattern: sends and receives whole messages to and from peers.
+///
+/// Raw baselines move `max(len, 1)` bytes (a byte stream cannot carry an empty message).
+pub trait Net: Send {
+    /// Send one message of `msg.len()` bytes.
+    fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()>;
+    /// Receive one message of exactly `buf.len()` bytes.
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()>;
+    /// Send an RPC: an 8-byte header giving the body length, then the body.
+    fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()>;
+    /// Receive an RPC into `buf`; returns the body length.
+    fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize>;
+}
+
+/// The mode pair a Madeleine endpoint packs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One piece, send CHEAPER / receive CHEAPER.
+    Cc,
+    /// One piece, send SAFER / receive EXPRESS.
+    Se,
+    /// Sixteen equal pieces (the last takes the remainder), CHEAPER / CHEAPER.
+    Multi16,
+}
+
+impl Mode {
+    /// Short name used in tables and CSV.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Cc => "cheaper/cheaper",
+            Mode::Se => "safer/express",
+            Mode::Multi16 => "16 pieces",
+        }
+    }
+}
+
+/// A Madeleine channel used in one mode pair.
+#[derive(Clone)]
+pub struct MadNet {
+    ch: Channel,
+    mode: Mode,
+}
+
+impl MadNet {
+    /// Open channel `name` with `spec` (collective).
+    pub fn open(session: &Session, name: &str, spec: &str, mode: Mode) -> Result<MadNet> {
+        let ch = session.open_channel_with(ChannelConfig::parse(name, spec)?)?;
+        Ok(MadNet { ch, mode })
+    }
+
+    /// The same channel in another mode pair.
+    pub fn with_mode(&self, mode: Mode) -> MadNet {
+        MadNet {
+            ch: self.ch.clone(),
+            mode,
+        }
+    }
+}
+
+fn pieces(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = len / 16;
+    (0..16).map(move |i| {
+        let start = i * step;
+        let end = if i == 15 { len } else { start + step };
+        start..end
+    })
+}
+
+impl Net for MadNet {
+    fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
+        let mut p = self.ch.begin_packing(peer)?;
+        match self.mode {
+            Mode::Cc => p.pack(msg, RecvMode::Cheaper)?,
+            Mode::Se => p.pack_safer(msg, RecvMode::Express)?,
+            Mode::Multi16 => {
+                for r in pieces(msg.len()) {
+                    p.pack(&msg[r], RecvMode::Cheaper)?;
+                }
+            }
+        }
+        p.end_packing()
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let mut u = self.ch.begin_unpacking_from(peer)?;
+        match self.mode {
+            Mode::Cc => u.unpack(buf, SendMode::Cheaper)?,
+            Mode::Se => u.unpack_express(buf, SendMode::Safer)?,
+            Mode::Multi16 => {
+                let step = buf.len() / 16;
+                let mut rest = buf;
+                for i in 0..16 {
+                    let take = if i == 15 { rest.len() } else { step };
+                    let (piece, tail) = rest.split_at_mut(take);
+                    u.unpack(piece, SendMode::Cheaper)?;
+                    rest = tail;
+                }
+            }
+        }
+        u.end_unpacking()
+    }
+
+    fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
+        let mut p = self.ch.begin_packing(peer)?;
+        p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+        p.pack(body, RecvMode::Cheaper)?;
+        p.end_packing()
+    }
+
+    fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
+        let mut u = self.ch.begin_unpacking_from(peer)?;
+        let n: u64 = u.unpack_value(SendMode::Safer)?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= buf.len())
+            .ok_or_else(|| Error::protocol(peer, format!("RPC body of {n} bytes too large")))?;
+        u.unpack(&mut buf[..n], SendMode::Cheaper)?;
+        u.end_unpacking()?;
+        Ok(n)
+    }
+}
+
+/// How a raw TCP endpoint waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Non-blocking sockets, spinning on `EAGAIN`.
+    Poll,
+    /// Blocking reads and writes.
+    Block,
+}
+
+/// Raw TCP: one `TCP_NODELAY` loopback connection per pair of ranks.
+pub struct RawTcp {
+    socks: Vec<Option<TcpStream>>,
+    wait: Wait,
+}
+
+impl RawTcp {
+    /// Connect every pair of ranks (collective; `tag` must be unique per endpoint set).
+    pub fn open(session: &Session, tag: &str, wait: Wait) -> Result<RawTcp> {
+        let b = session.bootstrap();
+        let (me, n) = (b.rank(), b.size());
+        let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("raw tcp: bind", e))?;
+        let addr = l
+            .local_addr()
+            .map_err(|e| Error::io("raw tcp: local_addr", e))?;
+        let all = b.allgather(&format!("bench/{tag}/addr"), addr.to_string().as_bytes())?;
+        let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        for (peer, a) in all.iter().enumerate().take(me) {
+            let a: SocketAddr = std::str::from_utf8(a)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| Error::protocol(peer, "raw tcp: bad address"))?;
+            let mut s =
+                TcpStream::connect(a).map_err(|e| Error::io(format!("raw tcp: connect {a}"), e))?;
+            s.write_all(&(me as u32).to_le_bytes())
+                .map_err(|e| Error::io("raw tcp: hello", e))?;
+            socks[peer] = Some(s);
+        }
+        for _ in me + 1..n {
+            let (mut s, _) = l.accept().map_err(|e| Error::io("raw tcp: accept", e))?;
+            let mut r = [0u8; 4];
+            s.read_exact(&mut r)
+                .map_err(|e| Error::io("raw tcp: hello", e))?;
+            let peer = u32::from_le_bytes(r) as usize;
+            if peer <= me || peer >= n || socks[peer].is_some() {
+                return Err(Error::protocol(peer, "raw tcp: unexpected hello"));
+            }
+            socks[peer] = Some(s);
+        }
+        for s in socks.iter().flatten() {
+            s.set_nodelay(true)
+                .map_err(|e| Error::io("raw tcp: nodelay", e))?;
+            s.set_nonblocking(wait == Wait::Poll)
+                .map_err(|e| Error::io("raw tcp: nonblocking", e))?;
+        }
+        b.barrier(&format!("bench/{tag}/up"))?;
+        Ok(RawTcp { socks, wait })
+    }
+
+    fn sock(&mut self, peer: usize) -> Result<&mut TcpStream> {
+        self.socks
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::BadConfig(format!("raw tcp: no connection to rank {peer}")))
+    }
+
+    /// Write `parts` in order (one `writev` per attempt; at most two parts).
+    fn write_all(&mut self, peer: usize, parts: [&[u8]; 2]) -> Result<()> {
+        let s = self.sock(peer)?;
+        let (mut first, mut second) = (parts[0], parts[1]);
+        let mut again = 0u32;
+        while !first.is_empty() || !second.is_empty() {
+            let iov = [IoSlice::new(first), IoSlice::new(second)];
+            match s.write_vectored(&iov) {
+                Ok(0) => return Err(Error::PeerClosed { rank: peer }),
+                Ok(k) if k < first.len() => first = &first[k..],
+                Ok(k) => {
+                    second = &second[k - first.len()..];
+                    first = &[];
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::ConnectionLost {
+                        rank: peer,
+                        source: e,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_exact(&mut self, peer: usize, mut buf: &mut [u8]) -> Result<()> {
+        let s = self.sock(peer)?;
+        let mut again = 0u32;
+        while !buf.is_empty() {
+            match s.read(buf) {
+                Ok(0) => return Err(Error::PeerClosed { rank: peer }),
+                Ok(k) => buf = &mut buf[k..],
+                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::ConnectionLost {
+                        rank: peer,
+                        source: e,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How this endpoint waits.
+    pub fn wait(&self) -> Wait {
+        self.wait
+    }
+}
+
+const ONE: [u8; 1] = [0];
+
+/// Busy-poll step: spin, but yield the processor every `EAGAINS_BEFORE_YIELD` failed
+/// attempts so that more polling threads than cores (the two-thread patterns on two cores)
+/// still progress.
+fn backoff(again: &mut u32) {
+    *again += 1;
+    if *again % EAGAINS_BEFORE_YIELD == 0 {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+}
+
+/// Failed non-blocking socket calls between two `sched_yield`s in the busy-poll baseline.
+const EAGAINS_BEFORE_YIELD: u32 = 64;
+
+impl Net for RawTcp {
+    fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
+        let m = if msg.is_empty() { &ONE[..] } else { msg };
+        self.write_all(peer, [m, &[]])
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        if buf.is_empty() {
+            let mut one = [0u8; 1];
+            return self.read_exact(peer, &mut one);
+        }
+        self.read_exact(peer, buf)
+    }
+
+    fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
+        let h = (body.len() as u64).to_le_bytes();
+        self.write_all(peer, [&h, body])
+    }
+
+    fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
+        let mut h = [0u8; 8];
+        self.read_exact(peer, &mut h)?;
+        let n = usize::try_from(u64::from_le_bytes(h))
+            .ok()
+            .filter(|&n| n <= buf.len())
+            .ok_or_else(|| Error::protocol(peer, "raw tcp: RPC body too large"))?;
+        self.read_exact(peer, &mut buf[..n])?;
+        Ok(n)
+    }
+}
+
+/// Bytes of each raw shared-memory ring.
+pub const RING_BYTES: usize = 1 << 20;
+/// Spins on an empty or full ring before yielding the processor once.
+const SPINS_BEFORE_YIELD: u32 = 4096;
+
+/// Raw shared memory: one polled SPSC ring per ordered pair of ranks, in `/dev/shm`.
+///
+/// Rank `r`'s segment holds its incoming rings, one per peer; every rank maps every segment.
+pub struct RawShm {
+    me: usize,
+    segs: Vec<Arc<Shared>>,
+}
+
+impl RawShm {
+    /// Create and map the segments (collective).
+    pub fn open(session: &Session, tag: &str) -> Result<RawShm> {
+        let b = session.bootstrap();
+        let (me, n) = (b.rank(), b.size());
+        let len = n * (RING_HEADER + RING_BYTES);
+        let path = std::path::PathBuf::from(format!(
+            "/dev/shm/mad-bench-{}-{}-{tag}",
+            std::process::id(),
+            me
+        ));
+        let mut own = Shared::create(&path, len)?;
+        let all = b.allgather(
+            &format!("bench/{tag}/shm"),
+            path.to_string_lossy().as_bytes(),
+        )?;
+        let mut segs = Vec::with_capacity(n);
+        for (r, p) in all.iter().enumerate() {
+            if r == me {
+                segs.push(None);
+                continue;
+            }
+            let p = std::str::from_utf8(p)
+                .map_err(|_| Error::protocol(r, "raw shm: bad segment name"))?;
+            segs.push(Some(Arc::new(Shared::open(std::path::Path::new(p), len)?)));
+        }
+        b.barrier(&format!("bench/{tag}/mapped"))?;
+        own.unlink();
+        segs[me] = Some(Arc::new(own));
+        let segs = segs
+            .into_iter()
+            .map(|s| s.ok_or_else(|| Error::BadConfig("raw shm: segment missing".into())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RawShm { me, segs })
+    }
+
+    fn offset(from: usize) -> usize {
+        from * (RING_HEADER + RING_BYTES)
+    }
+
+    fn write_all(&self, peer: usize, mut src: &[u8]) -> Result<()> {
+        let seg = self
+            .segs
+            .get(peer)
+            .ok_or(Error::PeerClosed { rank: peer })?;
+        let ring = seg.ring(Self::offset(self.me), RING_BYTES)?;
+        let mut spins = 0u32;
+        while !src.is_empty() {
+            let k = ring.push(src);
+            src = &src[k..];
+            if k == 0 {
+                spins += 1;
+                if spins % SPINS_BEFORE_YIELD == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_exact(&self, peer: usize, mut dst: &mut [u8]) -> Result<()> {
+        let ring = self.segs[self.me].ring(Self::offset(peer), RING_BYTES)?;
+        let mut spins = 0u32;
+        while !dst.is_empty() {
+            let k = ring.pop(dst);
+            dst = &mut dst[k..];
+            if k == 0 {
+                spins += 1;
+                if spins % SPINS_BEFORE_YIELD == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Net for RawShm {
+    fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
+        self.write_all(peer, if msg.is_empty() { &ONE[..] } else { msg })
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        if buf.is_empty() {
+            let mut one = [0u8; 1];
+            return self.read_exact(peer, &mut one);
+        }
+        self.read_exact(peer, buf)
+    }
+
+    fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
+        self.write_all(peer, &(body.len() as u64).to_le_bytes())?;
+        self.write_all(peer, body)
+    }
+
+    fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
+        let mut h = [0u8; 8];
+        self.read_exact(peer, &mut h)?;
+        let n = usize::try_from(u64::from_le_bytes(h))
+            .ok()
+            .filter(|&n| n <= buf.len())
+            .ok_or_else(|| Error::protocol(peer, "raw shm: RPC body too large"))?;
+        self.read_exact(peer, &mut buf[..n])?;
+        Ok(n)
+    }
+}

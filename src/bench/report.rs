@@ -1,0 +1,512 @@
+//! Results: medians and spreads, the stdout table, the CSV file, Markdown tables and SVG plots.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::Path;
+
+use mad_core::{Error, Result};
+
+/// One reported figure: the median of several runs of one (benchmark, implementation, size).
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// Benchmark (`latency`, `bw`, `bibw`, `latency_mt`, `rpc`, `mbw_mr`, `msg_rate`).
+    pub bench: String,
+    /// Implementation: a Madeleine channel spec or a raw baseline (`raw-tcp-poll`, ...).
+    pub imp: String,
+    /// Mode pair for Madeleine rows, `-` for baselines.
+    pub mode: String,
+    /// Message size in bytes.
+    pub size: usize,
+    /// Unit of the values (`us` or `MB/s` or `msg/s`).
+    pub unit: String,
+    /// Median over runs.
+    pub median: f64,
+    /// Smallest run.
+    pub min: f64,
+    /// Largest run.
+    pub max: f64,
+    /// Number of runs.
+    pub runs: usize,
+    /// Timed iterations per run.
+    pub iters: usize,
+    /// The baseline this row is compared with (empty for baselines).
+    pub baseline: String,
+    /// The baseline's median (NaN when none).
+    pub base_median: f64,
+}
+
+/// The CSV header.
+pub const CSV_HEADER: &str =
+    "bench,impl,mode,size,unit,median,min,max,runs,iters,baseline,baseline_median,ratio";
+
+impl Row {
+    /// Whether smaller values are better (time units).
+    pub fn lower_is_better(&self) -> bool {
+        self.unit == "us"
+    }
+
+    /// Madeleine's cost over the baseline's: above 1 means Madeleine is slower
+    /// (time ratio for latencies, inverse throughput ratio for bandwidths).
+    pub fn ratio(&self) -> f64 {
+        if self.lower_is_better() {
+            self.median / self.base_median
+        } else {
+            self.base_median / self.median
+        }
+    }
+
+    fn csv(&self) -> String {
+        format!(
+            "{},{},{},{},{},{:.4},{:.4},{:.4},{},{},{},{:.4},{:.3}",
+            quote(&self.bench),
+            quote(&self.imp),
+            quote(&self.mode),
+            self.size,
+            self.unit,
+            self.median,
+            self.min,
+            self.max,
+            self.runs,
+            self.iters,
+            quote(&self.baseline),
+            self.base_median,
+            self.ratio()
+        )
+    }
+
+    fn from_csv(line: &str) -> Option<Row> {
+        let f = split_csv(line);
+        if f.len() != 13 {
+            return None;
+        }
+        Some(Row {
+            bench: f[0].clone(),
+            imp: f[1].clone(),
+            mode: f[2].clone(),
+            size: f[3].parse().ok()?,
+            unit: f[4].clone(),
+            median: f[5].parse().ok()?,
+            min: f[6].parse().ok()?,
+            max: f[7].parse().ok()?,
+            runs: f[8].parse().ok()?,
+            iters: f[9].parse().ok()?,
+            baseline: f[10].clone(),
+            base_median: f[11].parse().ok()?,
+        })
+    }
+}
+
+/// A CSV field, double-quoted when it holds a comma or a quote (channel specs do).
+fn quote(s: &str) -> String {
+    if s.contains([',', '"']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// Split one CSV line written by [`quote`].
+fn split_csv(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => out.push(std::mem::take(&mut cur)),
+            _ => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out
+}
+
+/// Median, min and max of `v` (NaN for an empty set).
+pub fn stats(v: &[f64]) -> (f64, f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let m = if s.len() % 2 == 1 {
+        s[s.len() / 2]
+    } else {
+        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
+    };
+    (m, s[0], s[s.len() - 1])
+}
+
+/// Human size: 0, 1, ..., 512, 1K, ..., 4M.
+pub fn size_label(n: usize) -> String {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
+        format!("{}M", n >> 20)
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+        format!("{}K", n >> 10)
+    } else {
+        n.to_string()
+    }
+}
+
+fn num(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else if v >= 1000.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn describe(bench: &str) -> &'static str {
+    match bench {
+        "latency" => "one-way latency (round trip / 2), µs",
+        "latency_mt" => "one-way latency, 2 threads per side, µs",
+        "rpc" => "RPC round trip (EXPRESS size header + CHEAPER body, empty reply), µs",
+        "bw" => "bandwidth, window of 64 then 1-byte ack, MB/s",
+        "bibw" => "bidirectional bandwidth, 2 threads per side, MB/s (both directions)",
+        "mbw_mr" => "aggregate bandwidth of all pairs, window of 64, MB/s",
+        "msg_rate" => "aggregate message rate of all pairs, messages/s",
+        _ => "",
+    }
+}
+
+/// (bench, impl, mode)
+type Key = (String, String, String);
+
+/// Group rows by (bench, impl, mode), keeping first-seen order.
+fn groups(rows: &[Row]) -> Vec<(Key, Vec<&Row>)> {
+    let mut order: Vec<Key> = Vec::new();
+    let mut m: BTreeMap<Key, Vec<&Row>> = BTreeMap::new();
+    for r in rows {
+        let k = (r.bench.clone(), r.imp.clone(), r.mode.clone());
+        if !m.contains_key(&k) {
+            order.push(k.clone());
+        }
+        m.entry(k).or_default().push(r);
+    }
+    order
+        .into_iter()
+        .map(|k| {
+            let v = m.remove(&k).unwrap_or_default();
+            (k, v)
+        })
+        .collect()
+}
+
+/// Plain-text table of one benchmark's rows (stdout).
+pub fn text_table(rows: &[Row]) -> String {
+    let mut out = String::new();
+    for ((bench, imp, mode), rs) in groups(rows) {
+        let base = rs.first().map(|r| r.baseline.clone()).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "\n# {bench}: {imp} [{mode}] — {}{}",
+            describe(&bench),
+            if base.is_empty() {
+                String::new()
+            } else {
+                format!(" — baseline {base}; ratio > 1 = Madeleine slower")
+            }
+        );
+        let _ = writeln!(
+            out,
+            "{:>8} {:>12} {:>21} {:>12} {:>7} {:>7}",
+            "size", "median", "min-max", "baseline", "ratio", "iters"
+        );
+        for r in rs {
+            let _ = writeln!(
+                out,
+                "{:>8} {:>12} {:>21} {:>12} {:>7} {:>7}",
+                size_label(r.size),
+                num(r.median),
+                format!("{}-{}", num(r.min), num(r.max)),
+                num(r.base_median),
+                if r.baseline.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{:.2}", r.ratio())
+                },
+                r.iters
+            );
+        }
+    }
+    out
+}
+
+/// Markdown tables: one per benchmark, a column per implementation (median, and ratio to the
+/// baseline for Madeleine rows).
+pub fn markdown(rows: &[Row]) -> String {
+    let mut out = String::new();
+    let mut benches: Vec<String> = Vec::new();
+    for r in rows {
+        if !benches.contains(&r.bench) {
+            benches.push(r.bench.clone());
+        }
+    }
+    for b in benches {
+        let rs: Vec<&Row> = rows.iter().filter(|r| r.bench == b).collect();
+        let mut cols: Vec<(String, String)> = Vec::new();
+        let mut sizes: Vec<usize> = Vec::new();
+        for r in &rs {
+            let k = (r.imp.clone(), r.mode.clone());
+            if !cols.contains(&k) {
+                cols.push(k);
+            }
+            if !sizes.contains(&r.size) {
+                sizes.push(r.size);
+            }
+        }
+        sizes.sort_unstable();
+        let _ = writeln!(out, "\n#### `{b}`: {}\n", describe(&b));
+        let _ = writeln!(
+            out,
+            "Median of {} runs (spread min–max in the CSV); `×r` = Madeleine cost / baseline cost \
+             (above 1: slower than the baseline).\n",
+            rs.first().map(|r| r.runs).unwrap_or(0)
+        );
+        let mut head = String::from("| size |");
+        let mut sep = String::from("|---:|");
+        for (imp, mode) in &cols {
+            if mode == "-" {
+                let _ = write!(head, " {imp} |");
+            } else {
+                let _ = write!(head, " {imp} [{mode}] |");
+            }
+            sep.push_str("---:|");
+        }
+        let _ = writeln!(out, "{head}\n{sep}");
+        for s in sizes {
+            let mut line = format!("| {} |", size_label(s));
+            for (imp, mode) in &cols {
+                match rs
+                    .iter()
+                    .find(|r| r.size == s && &r.imp == imp && &r.mode == mode)
+                {
+                    Some(r) if !r.baseline.is_empty() && r.base_median.is_finite() => {
+                        let _ = write!(line, " {} (×{:.2}) |", num(r.median), r.ratio());
+                    }
+                    Some(r) => {
+                        let _ = write!(line, " {} |", num(r.median));
+                    }
+                    None => line.push_str(" |"),
+                }
+            }
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    out
+}
+
+/// Append rows to a CSV file (writing the header when the file is new or empty).
+pub fn append_csv(path: &Path, rows: &[Row]) -> Result<()> {
+    let new = std::fs::metadata(path)
+        .map(|m| m.len() == 0)
+        .unwrap_or(true);
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let mut s = String::new();
+    if new {
+        s.push_str(CSV_HEADER);
+        s.push('\n');
+    }
+    for r in rows {
+        s.push_str(&r.csv());
+        s.push('\n');
+    }
+    f.write_all(s.as_bytes())
+        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+/// Read rows back from CSV files written by [`append_csv`].
+pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.is_empty() || line == CSV_HEADER {
+            continue;
+        }
+        rows.push(Row::from_csv(line).ok_or_else(|| {
+            Error::BadConfig(format!("{}:{}: not a mad-bench row", path.display(), i + 1))
+        })?);
+    }
+    Ok(rows)
+}
+
+const COLORS: [&str; 10] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
+];
+
+/// An SVG line plot of one benchmark: log2 size on x, log10 value on y, a line per
+/// implementation (Madeleine solid, baselines dashed).
+pub fn svg(bench: &str, rows: &[Row]) -> Option<String> {
+    let rs: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.bench == bench && r.median.is_finite() && r.median > 0.0)
+        .collect();
+    if rs.is_empty() {
+        return None;
+    }
+    let (w, h, l, r, t, b) = (900.0, 520.0, 70.0, 260.0, 40.0, 50.0);
+    let xs = |s: usize| ((s.max(1)) as f64).log2();
+    let (xmin, xmax) = rs.iter().fold((f64::MAX, f64::MIN), |(a, z), r| {
+        (a.min(xs(r.size)), z.max(xs(r.size)))
+    });
+    let (ymin, ymax) = rs.iter().fold((f64::MAX, f64::MIN), |(a, z), r| {
+        (a.min(r.median.log10()), z.max(r.median.log10()))
+    });
+    let (ymin, ymax) = (ymin.floor(), ymax.ceil().max(ymin.floor() + 1.0));
+    let xmax = if xmax > xmin { xmax } else { xmin + 1.0 };
+    let px = |x: f64| l + (x - xmin) / (xmax - xmin) * (w - l - r);
+    let py = |y: f64| h - b - (y - ymin) / (ymax - ymin) * (h - t - b);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{l}" y="24" font-size="15">{bench}: {}</text>"#,
+        describe(bench).replace('&', "&amp;")
+    );
+    for d in (ymin as i32)..=(ymax as i32) {
+        let y = py(d as f64);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{l}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">1e{d}</text>"##,
+            w - r,
+            l - 6.0,
+            y + 4.0
+        );
+    }
+    let mut x = xmin.ceil() as i32;
+    while x as f64 <= xmax {
+        let xp = px(x as f64);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{xp:.1}" x2="{xp:.1}" y1="{t}" y2="{}" stroke="#eee"/><text x="{xp:.1}" y="{}" text-anchor="middle">{}</text>"##,
+            h - b,
+            h - b + 16.0,
+            size_label(1usize << x.clamp(0, 40))
+        );
+        x += 2;
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">message size (bytes)</text>"#,
+        (l + w - r) / 2.0,
+        h - 10.0
+    );
+    for (i, ((_, imp, mode), g)) in groups(&rs.iter().map(|r| (*r).clone()).collect::<Vec<_>>())
+        .into_iter()
+        .enumerate()
+    {
+        let color = COLORS[i % COLORS.len()];
+        let dash = if mode == "-" {
+            r#" stroke-dasharray="6 4""#
+        } else {
+            ""
+        };
+        let pts: Vec<String> = g
+            .iter()
+            .map(|r| format!("{:.1},{:.1}", px(xs(r.size)), py(r.median.log10())))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
+            pts.join(" ")
+        );
+        let ly = t + 10.0 + 18.0 * i as f64;
+        let label = if mode == "-" {
+            imp.clone()
+        } else {
+            format!("{imp} [{mode}]")
+        };
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
+            w - r + 10.0,
+            w - r + 34.0,
+            w - r + 40.0,
+            ly + 4.0,
+            label.replace('&', "&amp;").replace('<', "&lt;")
+        );
+    }
+    s.push_str("</svg>\n");
+    Some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_round_trip_with_commas_in_specs() {
+        let r = Row {
+            bench: "latency".into(),
+            imp: "tcp,progress=poll".into(),
+            mode: "cheaper/cheaper".into(),
+            size: 8,
+            unit: "us".into(),
+            median: 4.5,
+            min: 4.0,
+            max: 5.0,
+            runs: 3,
+            iters: 100,
+            baseline: "raw-tcp-poll".into(),
+            base_median: 3.0,
+        };
+        let back = Row::from_csv(&r.csv()).expect("parses");
+        assert_eq!(back.imp, r.imp);
+        assert_eq!(back.size, 8);
+        assert!((back.ratio() - 1.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn median_and_spread() {
+        assert_eq!(stats(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+        assert_eq!(stats(&[4.0, 1.0]), (2.5, 1.0, 4.0));
+        assert!(stats(&[]).0.is_nan());
+    }
+
+    #[test]
+    fn svg_and_markdown_render() {
+        let mk = |imp: &str, mode: &str, size, v| Row {
+            bench: "bw".into(),
+            imp: imp.into(),
+            mode: mode.into(),
+            size,
+            unit: "MB/s".into(),
+            median: v,
+            min: v,
+            max: v,
+            runs: 1,
+            iters: 1,
+            baseline: if mode == "-" { String::new() } else { "raw-shm".into() },
+            base_median: 2.0 * v,
+        };
+        let rows = vec![
+            mk("shm", "cheaper/cheaper", 1, 10.0),
+            mk("shm", "cheaper/cheaper", 1024, 1000.0),
+            mk("raw-shm", "-", 1, 20.0),
+            mk("raw-shm", "-", 1024, 2000.0),
+        ];
+        let svg = svg("bw", &rows).expect("plot");
+        assert!(svg.contains("<polyline") && svg.ends_with("</svg>\n"));
+        let md = markdown(&rows);
+        assert!(md.contains("| 1K | 1000 (×2.00) | 2000 |"), "{md}");
+    }
+}

@@ -1,0 +1,236 @@
+//! Every foreign call of the bench tool: the shared-memory mapping of the raw ring baseline and
+//! CPU pinning. Hands back safe types that clean up on drop.
+
+#![allow(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mad_core::{Error, Result};
+
+/// Bytes reserved before each ring's data for its two indices (each on its own 128-byte block).
+pub const RING_HEADER: usize = 256;
+
+/// A file in `/dev/shm` mapped shared, read-write. The creator removes the file on drop.
+pub struct Shared {
+    map: memmap2::MmapMut,
+    base: *mut u8,
+    len: usize,
+    unlink: Option<PathBuf>,
+}
+
+// SAFETY: `base` points into `map`, which lives as long as `Shared` and is never remapped.
+// All accesses through `base` go through `Ring`, whose indices are atomics and whose data
+// bytes are only touched by the side that owns them under the single-producer/single-consumer
+// protocol (the producer writes bytes in [tail+cap.., head) ... only before publishing `head`,
+// the consumer reads them only after observing it), so sharing the handle between threads
+// adds no data race beyond the one the cross-process protocol already excludes.
+unsafe impl Send for Shared {}
+// SAFETY: as for `Send`: every access through `&Shared` is an atomic or a protocol-guarded copy.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// Create (exclusively) and map `path` with `len` zeroed bytes; the file is unlinked on drop.
+    pub fn create(path: &Path, len: usize) -> Result<Shared> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        f.set_len(len as u64)
+            .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+        let mut s = Self::map(&f, path, len)?;
+        s.unlink = Some(path.to_path_buf());
+        Ok(s)
+    }
+
+    /// Map an existing file created by a peer with [`Shared::create`].
+    pub fn open(path: &Path, len: usize) -> Result<Shared> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let have = f
+            .metadata()
+            .map_err(|e| Error::io(format!("stat {}", path.display()), e))?
+            .len();
+        if have < len as u64 {
+            return Err(Error::BadConfig(format!(
+                "{} has {have} bytes, expected {len}",
+                path.display()
+            )));
+        }
+        Self::map(&f, path, len)
+    }
+
+    fn map(f: &File, path: &Path, len: usize) -> Result<Shared> {
+        // SAFETY: the file is a private /dev/shm file of this benchmark run; it is only
+        // modified through this mapping and the peers' mappings, under the ring protocol, and
+        // it is never truncated while mapped.
+        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(f) }
+            .map_err(|e| Error::io(format!("mapping {}", path.display()), e))?;
+        let base = map.as_mut_ptr();
+        Ok(Shared {
+            map,
+            base,
+            len,
+            unlink: None,
+        })
+    }
+
+    /// Remove the file now (peers keep their mappings); later drops do nothing.
+    pub fn unlink(&mut self) {
+        if let Some(p) = self.unlink.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// The ring at `offset` (a multiple of 256) with `cap` data bytes (a power of two).
+    pub fn ring(&self, offset: usize, cap: usize) -> Result<Ring<'_>> {
+        if offset % RING_HEADER != 0
+            || !cap.is_power_of_two()
+            || offset
+                .checked_add(RING_HEADER + cap)
+                .map_or(true, |end| end > self.len)
+        {
+            return Err(Error::BadConfig(format!(
+                "ring at {offset} with {cap} bytes does not fit a {}-byte mapping",
+                self.len
+            )));
+        }
+        let _ = &self.map;
+        // SAFETY: `offset + RING_HEADER + cap <= len` was checked, so every pointer below
+        // stays inside the mapping; the mapping is page-aligned and `offset` a multiple of
+        // 256, so the two u64 indices are 8-byte aligned. AtomicU64 has the layout of u64 and
+        // the memory is only ever accessed atomically at these two places.
+        unsafe {
+            let h = self.base.add(offset);
+            Ok(Ring {
+                head: &*(h as *const AtomicU64),
+                tail: &*(h.add(128) as *const AtomicU64),
+                data: h.add(RING_HEADER),
+                cap,
+                _m: PhantomData,
+            })
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+/// A single-producer single-consumer byte ring in a [`Shared`] mapping: monotonic 64-bit
+/// `head` (bytes written) and `tail` (bytes read); the producer copies then Release-publishes
+/// `head`, the consumer Acquire-reads it, copies out, Release-publishes `tail`.
+pub struct Ring<'a> {
+    head: &'a AtomicU64,
+    tail: &'a AtomicU64,
+    data: *mut u8,
+    cap: usize,
+    _m: PhantomData<&'a Shared>,
+}
+
+impl Ring<'_> {
+    /// Producer side: copy as much of `src` as fits; returns the number of bytes written.
+    pub fn push(&self, src: &[u8]) -> usize {
+        let head = self.head.load(Ordering::Relaxed);
+        let tail = self.tail.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail) as usize;
+        let n = src.len().min(self.cap.saturating_sub(used));
+        if n == 0 {
+            return 0;
+        }
+        let at = (head as usize) & (self.cap - 1);
+        let first = n.min(self.cap - at);
+        // SAFETY: `at + first <= cap` and `n - first <= cap`, so both copies stay inside the
+        // ring's data area; the bytes [head, head + n) are free (the consumer has released
+        // them: `used + n <= cap`) and the consumer reads them only after the Release store.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(at), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data, n - first);
+        }
+        self.head.store(head + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Consumer side: copy up to `dst.len()` available bytes; returns the number read.
+    pub fn pop(&self, dst: &mut [u8]) -> usize {
+        let tail = self.tail.load(Ordering::Relaxed);
+        let head = self.head.load(Ordering::Acquire);
+        let avail = head.wrapping_sub(tail) as usize;
+        let n = dst.len().min(avail).min(self.cap);
+        if n == 0 {
+            return 0;
+        }
+        let at = (tail as usize) & (self.cap - 1);
+        let first = n.min(self.cap - at);
+        // SAFETY: bounds as in `push`; the bytes [tail, tail + n) were published by the
+        // producer's Release store of `head`, observed by the Acquire load above, and the
+        // producer does not overwrite them before our Release store of `tail`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(at), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, dst.as_mut_ptr().add(first), n - first);
+        }
+        self.tail.store(tail + n as u64, Ordering::Release);
+        n
+    }
+}
+
+/// The CPUs this process could run on when first asked (before any pinning).
+fn allowed_cpus() -> Result<&'static [usize]> {
+    static CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    if let Some(v) = CPUS.get() {
+        return Ok(v);
+    }
+    // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a writable cpu_set_t of the size passed.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(Error::io(
+            "sched_getaffinity",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let v: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `c` is below CPU_SETSIZE, the size of the bit array.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    Ok(CPUS.get_or_init(|| v))
+}
+
+/// Number of CPUs this process may use (before any pinning).
+pub fn cpu_count() -> usize {
+    allowed_cpus().map_or(1, |v| v.len().max(1))
+}
+
+/// Pin the calling thread (and threads it creates later) to the `cpu`-th allowed CPU, or back
+/// to every allowed CPU with `None`.
+pub fn pin(cpu: Option<usize>) -> Result<()> {
+    let cpus = allowed_cpus()?;
+    // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for (i, &c) in cpus.iter().enumerate() {
+        if cpu.map_or(true, |want| want % cpus.len() == i) {
+            // SAFETY: `c` came from CPU_ISSET over 0..CPU_SETSIZE, so it is in range.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+    }
+    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the size passed.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(Error::io(
+            format!("sched_setaffinity({cpu:?})"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
