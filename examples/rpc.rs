@@ -22,7 +22,9 @@
 //! `shm` or `tcp,progress=block`; default `default`), `--clients N` (threads per client
 //! process), `--threads N` (server worker threads, default 2), `--calls N` (calls per client
 //! thread with 8 B arguments, default 2000; a twentieth of it with 1 MiB ones), `--quick`
-//! (100 calls, for CI).
+//! (100 calls, for CI), `--hostile` (the last client finally sends a request whose header lies
+//! about its arguments: the server answers it, then drops that client when the next message
+//! from it turns out to be garbage, and keeps serving the others).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -166,6 +168,7 @@ struct Opts {
     clients: usize,
     threads: usize,
     calls: usize,
+    hostile: bool,
 }
 
 fn opts() -> Result<Opts> {
@@ -174,6 +177,7 @@ fn opts() -> Result<Opts> {
         clients: 4,
         threads: 2,
         calls: 2000,
+        hostile: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -195,6 +199,7 @@ fn opts() -> Result<Opts> {
             "--threads" => o.threads = num("a number of threads")?,
             "--calls" => o.calls = num("a number of calls")?,
             "--quick" => o.calls = 100,
+            "--hostile" => o.hostile = true,
             _ => {
                 return Err(Error::BadConfig(format!(
                     "unknown option `{a}` (see the example's documentation)"
@@ -348,6 +353,17 @@ fn receive(ch: &Channel, services: &HashMap<u32, Service>) -> Result<Received> {
     }
 }
 
+/// The client an error is about, if it is about one.
+fn failed_rank(e: &Error) -> Option<usize> {
+    match e {
+        Error::PeerClosed { rank }
+        | Error::ConnectionLost { rank, .. }
+        | Error::Protocol { rank, .. }
+        | Error::UnpackMismatch { rank, .. } => Some(*rank),
+        _ => None,
+    }
+}
+
 fn server(ch: &Channel, o: &Opts) -> Result<()> {
     let services = Arc::new(services());
     let clients = ch.size() - 1;
@@ -369,15 +385,21 @@ fn server(ch: &Channel, o: &Opts) -> Result<()> {
                         Ok(out) => (Status::Ok, out),
                         Err(why) => (Status::Failed, why.into_bytes()),
                     };
-                    reply(ch, job.client, job.call, status, &out)?;
-                    served.fetch_add(1, Ordering::Relaxed);
+                    // A client that went away must not stop the server.
+                    match reply(ch, job.client, job.call, status, &out) {
+                        Ok(()) => {
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => eprintln!("rpc server: reply to rank {}: {e}", job.client),
+                    }
                 }
                 Ok(())
             }));
         }
-        let mut byes = 0;
+        // Clients that said goodbye or whose connection failed.
+        let mut done = std::collections::HashSet::new();
         let mut next = 0usize;
-        while byes < clients {
+        while done.len() < clients {
             match receive(ch, &services) {
                 Ok(Received::Job(job)) => {
                     // Round-robin over the workers; a client's calls may run in parallel.
@@ -387,16 +409,23 @@ fn server(ch: &Channel, o: &Opts) -> Result<()> {
                         .map_err(|_| Error::BadConfig("a worker thread stopped".into()))?;
                 }
                 Ok(Received::Bye { client, call }) => {
-                    byes += 1;
-                    reply(ch, client, call, Status::Ok, &[])?;
+                    done.insert(client);
+                    if let Err(e) = reply(ch, client, call, Status::Ok, &[]) {
+                        eprintln!("rpc server: goodbye to rank {client}: {e}");
+                    }
                 }
                 Ok(Received::Refused) => refused += 1,
-                Err(Error::Poisoned { .. }) => break, // every client is gone
-                Err(e) if e.is_peer_failure() || matches!(e, Error::UnpackMismatch { .. }) => {
-                    eprintln!("rpc server: dropping a client: {e}");
-                    byes += 1;
-                }
-                Err(e) => return Err(e),
+                // From an any-source receive: no client is left.
+                Err(Error::Poisoned { .. }) => break,
+                // One client's failure (it died, or sent bytes that do not follow the
+                // protocol): its connection is closed, the others keep being served.
+                Err(e) => match failed_rank(&e) {
+                    Some(r) => {
+                        eprintln!("rpc server: dropping rank {r}: {e}");
+                        done.insert(r);
+                    }
+                    None => return Err(e),
+                },
             }
         }
         drop(queues);
@@ -566,6 +595,7 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
         pending: Mutex::new(HashMap::new()),
     };
     let bye_call = u64::MAX;
+    let hostile = o.hostile && ch.rank() == ch.size() - 1;
     let phases = [(8usize, o.calls), (1 << 20, (o.calls / 20).max(5))];
     let mut lines = Vec::new();
     std::thread::scope(|s| -> Result<()> {
@@ -610,6 +640,17 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
                     lat.len()
                 ));
             }
+            if hostile {
+                let mut h = RequestHeader::zeroed();
+                h.magic = MAGIC;
+                h.service = SVC_SUM;
+                h.nargs = 1000; // a lie: one argument follows
+                expect(
+                    &c.call_raw(h, &[&[1u8; 100]])?,
+                    Status::Malformed,
+                    "lying header",
+                )?;
+            }
             Ok(())
         })();
         // Always say goodbye so the server and the demultiplexer stop, even after a failure.
@@ -625,6 +666,17 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
         let d = demux
             .join()
             .map_err(|_| Error::BadConfig("the demultiplexer panicked".into()))?;
+        let d = match d {
+            // The server dropped this client after its lying request: expected.
+            Err(e) if hostile && (e.is_peer_failure() || matches!(e, Error::Poisoned { .. })) => {
+                lines.push(format!(
+                    "rank {}: hostile request answered, then dropped by the server ({e})",
+                    ch.rank()
+                ));
+                Ok(())
+            }
+            d => d,
+        };
         work.and(bye).and(d)
     })?;
     for l in lines {
