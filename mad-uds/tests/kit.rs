@@ -95,3 +95,19 @@ fn leftovers() -> Vec<String> {
     v.sort();
     v
 }
+
+#[test]
+fn kit_6_ranks_through_incoming() {
+    // Five peers, more than `direct_poll_limit`: any-source reception goes through the
+    // `poll(2)` watcher and its wake-up pipe.
+    let mut o = KitOptions::new("uds");
+    o.cases = Some(vec![
+        "any_source".into(),
+        "threads".into(),
+        "in_flight".into(),
+        "peer_closes".into(),
+    ]);
+    o.volume = 40;
+    let ran = run_threads(6, o, build).unwrap();
+    assert_eq!(ran.len(), 4, "{ran:?}");
+}
