@@ -7,7 +7,7 @@
 //!
 //! The program re-executes itself as rank 1 (a second process); both ranks busy-poll.
 //! Output: one line per measurement, `what size one-way-latency bandwidth`, min and median of
-//! three runs.
+//! seven runs, variants of one comparison interleaved run by run.
 
 #![allow(unsafe_code)]
 
@@ -27,7 +27,7 @@ use mad_core::driver::{OpenedChannel, RxLink, TxLink};
 
 const CHILD_ENV: &str = "MAD_SHM_BENCH_CHILD";
 const SECRET_ENV: &str = "MAD_SHM_BENCH_SECRET";
-const RUNS: usize = 3;
+const RUNS: usize = 7;
 
 fn iters(size: usize) -> usize {
     (200_000_000 / (size + 2000)).clamp(20, 20_000)
@@ -197,15 +197,22 @@ fn raw_open(b: &dyn Bootstrap, max: usize) -> Raw {
     Raw { map, next: 0 }
 }
 
-fn report(b: &dyn Bootstrap, what: &str, size: usize, mut f: impl FnMut() -> f64) {
-    let mut t: Vec<f64> = (0..RUNS)
-        .map(|_| {
+/// Run `fs` alternately (run 1 of each, run 2 of each, ...) so that every variant sees the
+/// same background load, then print min / median per variant.
+fn compare(b: &dyn Bootstrap, size: usize, fs: &mut [(&str, &mut dyn FnMut() -> f64)]) {
+    let mut t: Vec<Vec<f64>> = vec![Vec::new(); fs.len()];
+    for _ in 0..RUNS {
+        for (i, (_, f)) in fs.iter_mut().enumerate() {
             b.barrier("run").unwrap();
-            f()
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    if b.rank() == 0 {
+            t[i].push(f());
+        }
+    }
+    if b.rank() != 0 {
+        return;
+    }
+    for (i, (what, _)) in fs.iter().enumerate() {
+        let t = &mut t[i];
+        t.sort_by(|a, b| a.total_cmp(b));
         let (min, med) = (t[0], t[RUNS / 2]);
         println!(
             "{what:<28} {size:>9} B  one-way {:>9.3} / {:>9.3} us   {:>6.2} / {:>6.2} GB/s",
@@ -214,6 +221,43 @@ fn report(b: &dyn Bootstrap, what: &str, size: usize, mut f: impl FnMut() -> f64
             size as f64 / min / 1e9,
             size as f64 / med / 1e9
         );
+    }
+}
+
+/// A boxed measurement.
+type Timed<'a> = Box<dyn FnMut() -> f64 + 'a>;
+
+/// One ping-pong series through the engine; one-way seconds.
+fn engine_pingpong(ch: &mad_core::Channel, me: usize, size: usize) -> f64 {
+    use mad_core::{RecvMode, SendMode};
+    let peer = 1 - me;
+    let mut buf = vec![me as u8; size];
+    let n = iters(size);
+    let t0 = Instant::now();
+    for _ in 0..n {
+        for turn in 0..2 {
+            if turn == me {
+                let mut p = ch.begin_packing(peer).unwrap();
+                p.pack(&buf, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+            } else {
+                let mut u = ch.begin_unpacking_from(peer).unwrap();
+                u.unpack(&mut buf, SendMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+            }
+        }
+    }
+    t0.elapsed().as_secs_f64() / (2 * n) as f64
+}
+
+/// Pin this process to CPU `cpu` (rank 0 on CPU 0, rank 1 on CPU 1), as in BASELINES.md.
+fn pin(cpu: usize) {
+    // SAFETY: `set` is a properly initialised cpu_set_t owned by this frame; the call only
+    // reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
@@ -238,26 +282,40 @@ fn main() {
         }
     };
     let me = b.rank();
+    pin(me);
     const MIB4: usize = 4 << 20;
     let mut raw = raw_open(&b, MIB4);
-    report(&b, "raw polled flag", 8, || raw.pingpong(me, 8));
-    report(&b, "raw polled flag", MIB4, || raw.pingpong(me, MIB4));
-
-    let mut ch = open_with(&b, &common::config(&[])).unwrap();
-    report(&b, "shm ring (TM 0)", 8, || {
-        driver_pingpong(&mut ch, me, 8, false)
-    });
-    report(&b, "shm cma (TM 1)", MIB4, || {
-        driver_pingpong(&mut ch, me, MIB4, true)
-    });
+    let ch = std::cell::RefCell::new(open_with(&b, &common::config(&[])).unwrap());
+    let mut ch_off =
+        open_with(&b, &common::config(&[("cma", "off"), ("ring", "1048576")])).unwrap();
     if me == 0 {
-        println!(
-            "# threshold sweep: ring copy vs cma, default ring {} B",
-            mad_shm::DEFAULT_RING
+        println!("# raw polled-flag ring vs the driver (TM 0 ring for 8 B, TM 1 cma for 4 MiB)");
+    }
+    for size in [8, MIB4] {
+        let cma = size > mad_shm::DEFAULT_RING_MAX;
+        compare(
+            &b,
+            size,
+            &mut [
+                ("raw polled flag", &mut || raw.pingpong(me, size)),
+                (
+                    if cma {
+                        "shm driver, cma TM"
+                    } else {
+                        "shm driver, ring TM"
+                    },
+                    &mut || driver_pingpong(&mut ch.borrow_mut(), me, size, cma),
+                ),
+                ("shm driver, cma=off ring=1M", &mut || {
+                    driver_pingpong(&mut ch_off, me, size, false)
+                }),
+            ],
         );
     }
+    if me == 0 {
+        println!("# threshold sweep: the same size forced through ring (TM 0) and cma (TM 1)");
+    }
     for s in [
-        1 << 10,
         4 << 10,
         8 << 10,
         16 << 10,
@@ -267,22 +325,68 @@ fn main() {
         256 << 10,
         1 << 20,
     ] {
-        report(&b, "  sweep ring", s, || {
-            driver_pingpong(&mut ch, me, s, false)
-        });
-        report(&b, "  sweep cma", s, || {
-            driver_pingpong(&mut ch, me, s, true)
-        });
+        compare(
+            &b,
+            s,
+            &mut [
+                ("  ring", &mut || {
+                    driver_pingpong(&mut ch.borrow_mut(), me, s, false)
+                }),
+                ("  cma", &mut || {
+                    driver_pingpong(&mut ch.borrow_mut(), me, s, true)
+                }),
+            ],
+        );
     }
     drop(ch);
+    drop(ch_off);
     if me == 0 {
         println!("# cma=off: 4 MiB through the ring, by ring size");
     }
-    for ring in ["65536", "262144", "1048576"] {
-        let mut ch = open_with(&b, &common::config(&[("cma", "off"), ("ring", ring)])).unwrap();
-        report(&b, &format!("  ring={ring}"), MIB4, || {
-            driver_pingpong(&mut ch, me, MIB4, false)
-        });
+    let mut chs: Vec<(String, OpenedChannel)> = ["65536", "262144", "1048576"]
+        .iter()
+        .map(|r| {
+            (
+                format!("  ring={r}"),
+                open_with(&b, &common::config(&[("cma", "off"), ("ring", r)])).unwrap(),
+            )
+        })
+        .collect();
+    {
+        let mut fs: Vec<(&str, Timed<'_>)> = chs
+            .iter_mut()
+            .map(|(name, ch)| {
+                let f: Box<dyn FnMut() -> f64> =
+                    Box::new(move || driver_pingpong(ch, me, MIB4, false));
+                (name.as_str(), f)
+            })
+            .collect();
+        let mut refs: Vec<(&str, &mut dyn FnMut() -> f64)> = fs
+            .iter_mut()
+            .map(|(n, f)| (*n, &mut **f as &mut dyn FnMut() -> f64))
+            .collect();
+        compare(&b, MIB4, &mut refs);
+    }
+    drop(chs);
+    // The full engine (Session / Channel / Packer / Unpacker) over the driver, polling.
+    let session = mad_core::Session::builder()
+        .driver(mad_shm::ShmDriver::new())
+        .bootstrap(Box::new(b))
+        .build()
+        .unwrap();
+    let ch = session
+        .open_channel_with(mad_core::ChannelConfig::parse("bench", "shm,progress=poll").unwrap())
+        .unwrap();
+    let b = session.bootstrap();
+    if me == 0 {
+        println!("# engine: one piece per message (pack CHEAPER / unpack CHEAPER), progress=poll");
+    }
+    for s in [8, 1 << 10, 64 << 10, MIB4] {
+        compare(
+            b,
+            s,
+            &mut [("engine pack/unpack", &mut || engine_pingpong(&ch, me, s))],
+        );
     }
     b.barrier("done").unwrap();
     if let Some(mut c) = _child {

@@ -24,6 +24,9 @@ const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
 const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
 /// Size of a record's fixed part (magic, count, total length).
 const REC_HEAD: usize = 16;
+/// Lends at least this long ring the doorbell at once (large copies pipeline with a sleeping
+/// receiver); shorter ones defer it to the next commit, end of message or back-pressure.
+const NOTIFY_EAGER: usize = 4096;
 /// Most slices in one record.
 pub const MAX_RECORD_SLICES: usize = 128;
 
@@ -115,6 +118,7 @@ pub struct ShmTx {
     cma_posted: u64,
     msg_start: u64,
     need: u64,
+    unnotified: bool,
     broken: Option<String>,
 }
 
@@ -141,12 +145,15 @@ impl ShmTx {
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
+            unnotified: false,
             broken: None,
         }
     }
 
+    /// Publish and ring the peer's doorbell if it sleeps (one SeqCst fence + one load).
     fn publish(&mut self) {
-        if self.prod.publish() {
+        if self.prod.publish() || self.unnotified {
+            self.unnotified = false;
             self.peer_seg.notify();
         }
     }
@@ -276,8 +283,14 @@ impl TxLink for ShmTx {
         }
         // Publish at once: bytes of a message still under construction must be visible, or a
         // receiver waiting for them on this connection while the sender blocks on another
-        // connection would deadlock (the kit's `two_channels` case). A publish is one store.
-        self.publish();
+        // connection would deadlock (the kit's `two_channels` case). A publish is one store;
+        // the doorbell check (a fence) is deferred to commit / end / back-pressure for small
+        // lends, so a short message pays for it once.
+        if lent.unwrap_or(0) >= NOTIFY_EAGER {
+            self.publish();
+        } else if self.prod.publish() {
+            self.unnotified = true;
+        }
         Ok(Poll::Ready(()))
     }
 

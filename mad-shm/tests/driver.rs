@@ -149,22 +149,33 @@ fn orderly_close_is_peer_closed_after_draining() {
 }
 
 #[test]
-fn aborted_unpublished_message_is_discarded() {
+fn abort_before_any_byte_is_discarded_after_is_broken() {
     run_threads(2, config(&[]), |me, mut ch| {
         if me == 0 {
             let t = tx(&mut ch, 1);
             t.begin_message().unwrap();
-            let _ = t.with_buffer(0, 4, &mut |b: &mut [u8]| {
-                b[..4].copy_from_slice(b"junk");
-                4
-            });
             assert_eq!(t.abort_message(), mad_core::driver::AbortOutcome::Discarded);
             t.begin_message().unwrap();
             send_copy(t, b"good").unwrap();
+            // Bytes are published as soon as they are lent: aborting now breaks the link.
+            t.begin_message().unwrap();
+            let _ = t.with_buffer(0, 4, &mut |b: &mut [u8]| {
+                b[..4].copy_from_slice(b"half");
+                4
+            });
+            assert_eq!(t.abort_message(), mad_core::driver::AbortOutcome::Broken);
+            assert!(matches!(
+                t.begin_message(),
+                Err(Error::Poisoned { rank: 1, .. })
+            ));
         } else {
             let mut b = [0u8; 4];
             recv_copy(rx(&mut ch, 0), &mut b).unwrap();
             assert_eq!(&b, b"good");
+            recv_copy(rx(&mut ch, 0), &mut b).unwrap();
+            assert_eq!(&b, b"half");
+            let r = recv_copy(rx(&mut ch, 0), &mut b);
+            assert!(matches!(r, Err(Error::PeerClosed { rank: 0 })), "{r:?}");
         }
     });
 }
