@@ -218,7 +218,7 @@ fn pack_null(c: &mut Criterion) {
 }
 
 fn bmm(c: &mut Criterion) {
-    let (ch, _p) = pair("null,copy_max=128k,buf=4096");
+    let (ch, _p) = pair("null,copy_max=131072,buf=4096");
     let (gch, _gp) = pair("null,copy_max=64");
     let small = vec![1u8; 64 * 16];
     let big = vec![2u8; 64 << 10];

@@ -4,6 +4,7 @@
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use mad_core::{Channel, ChannelConfig, Error, RecvMode, Result, SendMode, Session};
 
@@ -200,17 +201,21 @@ impl RawTcp {
     fn write_all(&mut self, peer: usize, parts: [&[u8]; 2]) -> Result<()> {
         let s = self.sock(peer)?;
         let (mut first, mut second) = (parts[0], parts[1]);
-        let mut again = 0u32;
+        let mut again = Stall::default();
         while !first.is_empty() || !second.is_empty() {
             let iov = [IoSlice::new(first), IoSlice::new(second)];
             match s.write_vectored(&iov) {
                 Ok(0) => return Err(Error::PeerClosed { rank: peer }),
-                Ok(k) if k < first.len() => first = &first[k..],
+                Ok(k) if k < first.len() => {
+                    first = &first[k..];
+                    again.progress();
+                }
                 Ok(k) => {
                     second = &second[k - first.len()..];
                     first = &[];
+                    again.progress();
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again)?,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     return Err(Error::ConnectionLost {
@@ -225,12 +230,15 @@ impl RawTcp {
 
     fn read_exact(&mut self, peer: usize, mut buf: &mut [u8]) -> Result<()> {
         let s = self.sock(peer)?;
-        let mut again = 0u32;
+        let mut again = Stall::default();
         while !buf.is_empty() {
             match s.read(buf) {
                 Ok(0) => return Err(Error::PeerClosed { rank: peer }),
-                Ok(k) => buf = &mut buf[k..],
-                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again),
+                Ok(k) => {
+                    buf = &mut buf[k..];
+                    again.progress();
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => backoff(&mut again)?,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     return Err(Error::ConnectionLost {
@@ -253,13 +261,38 @@ const ONE: [u8; 1] = [0];
 
 /// Busy-poll step: spin, but yield the processor every `EAGAINS_BEFORE_YIELD` failed
 /// attempts so that more polling threads than cores (the two-thread patterns on two cores)
-/// still progress.
-fn backoff(again: &mut u32) {
-    *again += 1;
-    if *again % EAGAINS_BEFORE_YIELD == 0 {
-        std::thread::yield_now();
-    } else {
-        std::hint::spin_loop();
+/// still progress. Fails after [`STALL`] without progress (a dead or stuck peer).
+fn backoff(again: &mut Stall) -> Result<()> {
+    again.step(EAGAINS_BEFORE_YIELD)
+}
+
+/// How long a raw baseline waits without progress before giving up.
+pub const STALL: Duration = Duration::from_secs(60);
+
+/// Failed attempts of one transfer (reset by progress).
+#[derive(Default)]
+struct Stall {
+    n: u32,
+    since: Option<Instant>,
+}
+
+impl Stall {
+    fn step(&mut self, yield_every: u32) -> Result<()> {
+        self.n = self.n.wrapping_add(1);
+        if self.n % yield_every == 0 {
+            std::thread::yield_now();
+            let since = *self.since.get_or_insert_with(Instant::now);
+            if since.elapsed() > STALL {
+                return Err(Error::Timeout(STALL));
+            }
+        } else {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
+    fn progress(&mut self) {
+        self.since = None;
     }
 }
 
@@ -356,17 +389,14 @@ impl RawShm {
             .get(peer)
             .ok_or(Error::PeerClosed { rank: peer })?;
         let ring = seg.ring(Self::offset(self.me), RING_BYTES)?;
-        let mut spins = 0u32;
+        let mut spins = Stall::default();
         while !src.is_empty() {
             let k = ring.push(src);
             src = &src[k..];
             if k == 0 {
-                spins += 1;
-                if spins % SPINS_BEFORE_YIELD == 0 {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                spins.step(SPINS_BEFORE_YIELD)?;
+            } else {
+                spins.progress();
             }
         }
         Ok(())
@@ -374,17 +404,14 @@ impl RawShm {
 
     fn read_exact(&self, peer: usize, mut dst: &mut [u8]) -> Result<()> {
         let ring = self.segs[self.me].ring(Self::offset(peer), RING_BYTES)?;
-        let mut spins = 0u32;
+        let mut spins = Stall::default();
         while !dst.is_empty() {
             let k = ring.pop(dst);
             dst = &mut dst[k..];
             if k == 0 {
-                spins += 1;
-                if spins % SPINS_BEFORE_YIELD == 0 {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                spins.step(SPINS_BEFORE_YIELD)?;
+            } else {
+                spins.progress();
             }
         }
         Ok(())

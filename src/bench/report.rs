@@ -241,6 +241,23 @@ pub fn text_table(rows: &[Row]) -> String {
     out
 }
 
+/// The order benchmarks are reported in.
+pub fn bench_rank(bench: &str) -> usize {
+    const ORDER: [&str; 7] = [
+        "latency",
+        "latency_mt",
+        "rpc",
+        "bw",
+        "bibw",
+        "mbw_mr",
+        "msg_rate",
+    ];
+    ORDER
+        .iter()
+        .position(|b| *b == bench)
+        .unwrap_or(ORDER.len())
+}
+
 /// Markdown tables: one per benchmark, a column per implementation (median, and ratio to the
 /// baseline for Madeleine rows).
 pub fn markdown(rows: &[Row]) -> String {
@@ -251,6 +268,7 @@ pub fn markdown(rows: &[Row]) -> String {
             benches.push(r.bench.clone());
         }
     }
+    benches.sort_by_key(|b| bench_rank(b));
     for b in benches {
         let rs: Vec<&Row> = rows.iter().filter(|r| r.bench == b).collect();
         let mut cols: Vec<(String, String)> = Vec::new();
@@ -495,7 +513,11 @@ mod tests {
             max: v,
             runs: 1,
             iters: 1,
-            baseline: if mode == "-" { String::new() } else { "raw-shm".into() },
+            baseline: if mode == "-" {
+                String::new()
+            } else {
+                "raw-shm".into()
+            },
             base_median: 2.0 * v,
         };
         let rows = vec![
