@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every benchmark that runs on this host and regenerate BENCHMARKS.md.
 #
-#   bench/run.sh            full run (about 15 minutes on 2 cores; run it on a quiet machine)
+#   bench/run.sh            full run (about 12 minutes on 2 quiet cores, estimated; longer when loaded)
 #   bench/run.sh --quick    smoke run (tiny iteration counts, under a minute or two)
 #   NO_MPI=1 bench/run.sh   skip the MPI build and run even when an MPI is installed
 #

@@ -33,7 +33,7 @@ options of run:
   --runs N             runs per figure (median and min-max reported; default 3)
   --max SIZE           largest message (default 4m)
   --budget SIZE        at most this many bytes per direction per measurement (default 256m)
-  --time SECONDS       at most about this long per measurement (default 0.2): the OSU count
+  --time SECONDS       about this long per measurement (default 0.1): the OSU count
                        is lowered from a calibration run (the count used is in the CSV)
   --bench LIST         latency,bw,bibw,latency_mt,rpc (2 ranks) / mbw_mr (4+ ranks); default all
   --channels LIST      Madeleine channel specs separated by ';' (default
@@ -65,7 +65,7 @@ fn parse_opts(args: &[String]) -> Result<Opts> {
         runs: 3,
         max: 4 << 20,
         budget: 256 << 20,
-        time_budget: 0.2,
+        time_budget: 0.1,
         benches: Vec::new(),
         channels: default_channels(),
         baselines: ["raw-tcp-poll", "raw-tcp-block", "raw-shm", "memcpy"]
@@ -377,6 +377,9 @@ struct Imp {
     baseline: Option<&'static str>,
     a: Endpoint,
     b: Endpoint,
+    /// The second thread's endpoint in `latency_mt` when it differs from `b` (Madeleine: the
+    /// same channel as `a`; raw baselines use their second connection `b`).
+    mt: Endpoint,
 }
 
 impl Imp {
@@ -404,6 +407,7 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                 baseline: base,
                 a: Some(Box::new(a.with_mode(m))),
                 b: Some(Box::new(b.with_mode(m))),
+                mt: Some(Box::new(a.with_mode(m))),
             });
         }
     }
@@ -444,6 +448,7 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
             baseline: None,
             a,
             b,
+            mt: None,
         });
     }
     Ok(v)
@@ -503,7 +508,8 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                     {
                         continue;
                     }
-                    let v = match (imp.a.as_deref_mut(), imp.b.as_deref_mut()) {
+                    let Imp { a, b, mt, .. } = imp;
+                    let v = match (a.as_deref_mut(), b.as_deref_mut()) {
                         (None, _) | (_, None) => {
                             // memcpy: this process alone.
                             if !init || !(bench == "latency" || bench == "bw") {
@@ -524,6 +530,11 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                             }
                         }
                         (Some(a), Some(b)) => {
+                            // latency_mt: Madeleine's two threads share one channel.
+                            let b = match mt.as_deref_mut() {
+                                Some(m) if bench == "latency_mt" => m,
+                                _ => b,
+                            };
                             let mut go = |c: Counts| -> Result<f64> {
                                 let bufs = [(&s0[..], &mut r0[..]), (&s1[..], &mut r1[..])];
                                 match bench {
