@@ -191,7 +191,7 @@ fn garbage_header_is_a_protocol_error() {
     );
     let e = r.expect_err("garbage accepted as a message");
     assert!(is_protocol(&e), "{e}");
-    assert!(t < Duration::from_secs(2), "{t:?}");
+    assert!(t < Duration::from_secs(5), "{t:?}");
 }
 
 #[test]
@@ -240,7 +240,7 @@ fn huge_length_in_checked_descriptor_is_a_mismatch_not_an_allocation() {
         matches!(e, Error::UnpackMismatch { rank: 1, .. }) || is_protocol(&e),
         "{e}"
     );
-    assert!(t < Duration::from_secs(2), "{t:?}");
+    assert!(t < Duration::from_secs(5), "{t:?}");
 }
 
 #[test]
@@ -261,7 +261,7 @@ fn truncated_message_then_close_is_an_error_not_a_short_message() {
         ) || is_protocol(&e),
         "{e}"
     );
-    assert!(t < Duration::from_secs(2), "{t:?}");
+    assert!(t < Duration::from_secs(5), "{t:?}");
 }
 
 #[test]
