@@ -183,6 +183,7 @@ fn abort_before_any_byte_is_discarded_after_is_broken() {
 #[test]
 fn no_leftover_segments_and_mode_0600() {
     run_threads(4, config(&[]), |_, _ch| {});
+    let _exclusive = checking();
     assert!(my_segments().is_empty(), "leftovers: {:?}", my_segments());
     // The mode of a segment, checked before it is unlinked.
     let name = format!("mad-shm-{}-test-mode", std::process::id());
@@ -228,6 +229,7 @@ fn bad_options_are_config_errors() {
 
 #[test]
 fn mismatched_tables_refuse_to_connect() {
+    let shared = opening();
     let bs = mad_core::bootstrap::ThreadBootstrap::group(2);
     let hs: Vec<_> = bs
         .into_iter()
@@ -246,5 +248,7 @@ fn mismatched_tables_refuse_to_connect() {
         let e = h.join().unwrap();
         assert!(matches!(e, Some(Error::BadConfig(_))), "{e:?}");
     }
+    drop(shared);
+    let _exclusive = checking();
     assert!(my_segments().is_empty());
 }

@@ -28,6 +28,21 @@ pub fn config(opts: &[(&str, &str)]) -> ChannelConfig {
     c
 }
 
+/// Tests of one binary run in parallel threads of one process, and "no leftover segment of this
+/// process" can only be checked while no other test is opening a channel: channel-opening
+/// tests hold this lock shared, leftover checks hold it exclusively.
+pub static SEGMENTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Shared hold on [`SEGMENTS`] (for tests that open channels).
+pub fn opening() -> std::sync::RwLockReadGuard<'static, ()> {
+    SEGMENTS.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Exclusive hold on [`SEGMENTS`] (for tests that check for leftovers).
+pub fn checking() -> std::sync::RwLockWriteGuard<'static, ()> {
+    SEGMENTS.write().unwrap_or_else(|e| e.into_inner())
+}
+
 pub fn open_with(b: &dyn Bootstrap, cfg: &ChannelConfig) -> Result<OpenedChannel> {
     let d = ShmDriver::new();
     let table = d.tm_table(cfg)?;
@@ -46,6 +61,7 @@ pub fn run_threads<F>(n: usize, cfg: ChannelConfig, body: F)
 where
     F: Fn(usize, OpenedChannel) + Send + Sync + Clone + 'static,
 {
+    let _shared = opening();
     let hs: Vec<_> = ThreadBootstrap::group(n)
         .into_iter()
         .map(|b| {
