@@ -76,27 +76,6 @@ fn bad_options_are_config_errors() {
 }
 
 #[test]
-fn no_socket_files_left() {
-    let before = leftovers();
-    open_each(&["uds", "uds", "uds"])
-        .into_iter()
-        .for_each(|r| r.unwrap());
-    assert_eq!(leftovers(), before);
-}
-
-fn leftovers() -> Vec<String> {
-    let me = format!("mad-uds-{}-", std::process::id());
-    let mut v: Vec<String> = std::fs::read_dir(std::env::temp_dir())
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|n| n.starts_with(&me))
-        .collect();
-    v.sort();
-    v
-}
-
-#[test]
 fn kit_6_ranks_through_incoming() {
     // Five peers, more than `direct_poll_limit`: any-source reception goes through the
     // `poll(2)` watcher and its wake-up pipe.
