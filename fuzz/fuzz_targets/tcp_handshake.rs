@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(&encode_challenge(&c)[..], data);
     }
     if let Ok(n) = hello_len(data) {
-        assert!(n >= HELLO_FIXED_LEN && n <= HELLO_FIXED_LEN + MAX_NAME_LEN);
+        assert!((HELLO_FIXED_LEN..=HELLO_FIXED_LEN + MAX_NAME_LEN).contains(&n));
     }
     if let Ok(h) = decode_hello(data) {
         assert_eq!(encode_hello(&h).expect("decoded hello re-encodes"), data);
