@@ -182,12 +182,17 @@ fn kill_after(mut child: Child, after: Duration) -> std::sync::mpsc::Receiver<In
     rx
 }
 
+/// Both peer-death tests open channels in this process; the leftover check below only holds
+/// while the other test is not between creating and unlinking its segment.
+static SEGMENTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 fn is_peer_closed(e: &Error) -> bool {
     matches!(e, Error::PeerClosed { rank: 1 })
 }
 
 #[test]
 fn killed_sender_mid_message_gives_peer_closed() {
+    let _opening = SEGMENTS.read().unwrap_or_else(|e| e.into_inner());
     for spec in ["sisci:local", "sisci:local,dma=off"] {
         let (child, session) = with_child("half-sender", spec);
         let ch = session
@@ -217,6 +222,7 @@ fn killed_sender_mid_message_gives_peer_closed() {
 #[test]
 fn sender_blocked_on_killed_receiver_gives_peer_closed() {
     for spec in ["sisci:local", "sisci:local,dma=off"] {
+        let opening = SEGMENTS.read().unwrap_or_else(|e| e.into_inner());
         let (child, session) = with_child("deaf", spec);
         let ch = session
             .open_channel_with(ChannelConfig::parse("crash", spec).unwrap())
@@ -234,6 +240,8 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
         assert!(lag < DEATH_BOUND, "{spec}: noticed after {lag:?}");
         eprintln!("{spec}: dead receiver noticed after {lag:?}");
         // The child's segment went with it: its file was unlinked at open.
+        drop(opening);
+        let _checking = SEGMENTS.write().unwrap_or_else(|e| e.into_inner());
         let left = std::fs::read_dir("/dev/shm")
             .unwrap()
             .flatten()
