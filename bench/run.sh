@@ -2,7 +2,7 @@
 # Run every benchmark that runs on this host and regenerate BENCHMARKS.md.
 #
 #   bench/run.sh            full run (about 12 minutes on 2 quiet cores, estimated; longer when loaded)
-#   bench/run.sh --quick    smoke run (tiny iteration counts, under a minute or two)
+#   bench/run.sh --quick    smoke run (tiny iteration counts; results in target-bench/quick-results, BENCHMARKS.md untouched)
 #   NO_MPI=1 bench/run.sh   skip the MPI build and run even when an MPI is installed
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5, --channels 'tcp;shm').
@@ -18,7 +18,9 @@ if [[ "${1:-}" == "--quick" ]]; then
     shift
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
-OUT=bench/results
+# A smoke run only shows that everything runs: its figures go to a scratch directory and never
+# into BENCHMARKS.md or bench/results (which hold the last full run).
+if [[ ${#QUICK[@]} -gt 0 ]]; then OUT="$CARGO_TARGET_DIR/quick-results"; else OUT=bench/results; fi
 BIN="$CARGO_TARGET_DIR/release"
 mkdir -p "$OUT"
 rm -f "$OUT"/*.csv "$OUT"/*.svg "$OUT"/*.txt "$OUT"/tables.md
@@ -93,6 +95,10 @@ CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
     echo "<!-- results:end -->"
 } > "$OUT/section.md"
 
+if [[ ${#QUICK[@]} -gt 0 ]]; then
+    echo "smoke run: results in $OUT (BENCHMARKS.md unchanged) ($(( END - START )) s)"
+    exit 0
+fi
 # Splice the section between the markers of BENCHMARKS.md (the methodology above stays).
 awk -v sec="$OUT/section.md" '
     /<!-- results:begin/ { while ((getline l < sec) > 0) print l; skip = 1; next }

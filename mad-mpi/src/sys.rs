@@ -172,6 +172,10 @@ fn library_version() -> String {
         return "unknown MPI".into();
     }
     buf.truncate(len.clamp(0, 8192) as usize);
+    // Open MPI counts the terminating NUL in `len`: cut at the first NUL.
+    if let Some(nul) = buf.iter().position(|&b| b == 0) {
+        buf.truncate(nul);
+    }
     String::from_utf8_lossy(&buf)
         .lines()
         .next()
