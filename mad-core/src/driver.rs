@@ -348,6 +348,24 @@ pub trait TxLink: Send {
 
     /// Block until sending may progress, or `timeout` passes. Spurious returns are fine.
     fn wait(&mut self, timeout: Duration) -> Result<()>;
+
+    /// A counter that changes whenever this link moves data (e.g. bytes the kernel accepted).
+    /// While a long wait keeps moving data, the adaptive progress policy keeps spinning
+    /// instead of blocking (see [`ProgressPolicy::drive_marked`](crate::progress::ProgressPolicy::drive_marked)).
+    /// The default, a constant, gives no hint: the wait blocks after its spin budget.
+    fn progress_mark(&self) -> u64 {
+        0
+    }
+
+    /// The receiver may need what was handed over so far before this message ends: the
+    /// engine calls this after each piece received EXPRESS (Madeleine's EXPRESS data is
+    /// needed to issue the next unpacks). A driver that keeps small lends unpublished, to
+    /// move a whole short message with one publication, makes them visible now. Drivers whose
+    /// buffered bytes always reach the peer without further calls (full buffers leave at once,
+    /// the kernel takes the rest) can keep the default, which does nothing.
+    fn publish(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The receiving half of one point-to-point connection.
@@ -388,6 +406,11 @@ pub trait RxLink: Send {
 
     /// Block until receiving may progress, or `timeout` passes. Spurious returns are fine.
     fn wait(&mut self, timeout: Duration) -> Result<()>;
+
+    /// Mirror of [`TxLink::progress_mark`]: changes whenever this link receives data.
+    fn progress_mark(&self) -> u64 {
+        0
+    }
 }
 
 /// Any-source readiness across all connections of a channel (epoll for sockets, a doorbell for

@@ -141,18 +141,20 @@ mod later {
 impl PackState<'_> {
     fn commit(&mut self) -> Result<()> {
         let cur = self.cur;
-        self.ch.progress.drive(
+        self.ch.progress.drive_marked(
             &mut *self.tx,
             |tx| tx.link.commit(cur),
             |tx, t| tx.link.wait(t),
+            |tx| tx.link.progress_mark(),
         )
     }
 
     fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>]) -> Result<()> {
-        self.ch.progress.drive(
+        self.ch.progress.drive_marked(
             &mut *self.tx,
             |tx| tx.link.send_refs(tm, group),
             |tx, t| tx.link.wait(t),
+            |tx| tx.link.progress_mark(),
         )
     }
 
@@ -161,7 +163,7 @@ impl PackState<'_> {
         let mut off = 0;
         while off < data.len() {
             let rest = &data[off..];
-            let n = self.ch.progress.drive(
+            let n = self.ch.progress.drive_marked(
                 &mut *self.tx,
                 |tx| {
                     let mut wrote = 0usize;
@@ -174,6 +176,7 @@ impl PackState<'_> {
                     Ok(r.map(|()| wrote))
                 },
                 |tx, t| tx.link.wait(t),
+                |tx| tx.link.progress_mark(),
             )?;
             if n == 0 {
                 return Err(Error::protocol(
@@ -366,7 +369,21 @@ impl<'c, 'b> Packer<'c, 'b> {
             self.held.push(Held::Cheaper(data, r));
             Ok(())
         } else {
-            self.emit_ref(data, SendMode::Cheaper, r)
+            self.emit_ref(data, SendMode::Cheaper, r)?;
+            self.publish_express(r, data.len())
+        }
+    }
+
+    /// After a piece received EXPRESS: the receiver needs it to go on, so what was handed to
+    /// the driver must become visible before `end_packing` (see [`TxLink::publish`]).
+    ///
+    /// [`TxLink::publish`]: crate::driver::TxLink::publish
+    #[inline]
+    fn publish_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
+        if r == RecvMode::Express && len > 0 {
+            self.st.tx.link.publish()
+        } else {
+            Ok(())
         }
     }
 
@@ -378,7 +395,8 @@ impl<'c, 'b> Packer<'c, 'b> {
             self.held.push(Held::Safer(data.to_vec(), r));
             Ok(())
         } else {
-            self.emit_safer(data, r)
+            self.emit_safer(data, r)?;
+            self.publish_express(r, data.len())
         }
     }
 
@@ -428,10 +446,11 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.flush_group()?;
         self.st.commit()?;
         let st = &mut self.st;
-        st.ch.progress.drive(
+        st.ch.progress.drive_marked(
             &mut *st.tx,
             |tx| tx.link.end_message(),
             |tx, t| tx.link.wait(t),
+            |tx| tx.link.progress_mark(),
         )?;
         Ok(())
     }

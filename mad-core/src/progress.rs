@@ -9,10 +9,41 @@
 //! processes than cores, the spin phase shrinks and the yield phase carries the waiting, so
 //! eight processes on two cores still make progress.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+/// Threads of this process currently in a long wait (past the first attempt of [`ProgressPolicy::drive`]).
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+/// How many waiting threads this process may run before the host is crowded: its share of the
+/// cores (cores / session ranks on this host, at least 1). Lowered by each session built.
+static SHARE: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Record that `local` session ranks share `cores` cores on this host (the session builder calls
+/// it). A wait counts as *crowded* when more threads of this process wait than its share of
+/// the cores: the policy then yields early instead of spinning a whole time slice away.
+pub fn note_host_share(local: usize, cores: usize) {
+    let share = (cores / local.max(1)).max(1);
+    SHARE.fetch_min(share, Ordering::Relaxed);
+}
+
+/// Counts a thread as waiting while alive.
+struct Waiting;
+
+impl Waiting {
+    fn enter() -> (Waiting, usize) {
+        let n = WAITING.fetch_add(1, Ordering::Relaxed) + 1;
+        (Waiting, n)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// How a channel waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +65,10 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(5);
 /// Longest single block before the loop re-checks deadlines.
 const BLOCK_SLICE: Duration = Duration::from_millis(100);
+/// Busy-polling yields the processor every 32 attempts once a wait has lasted this long (at
+/// once on a crowded host): a ping-pong partner answers well within it, and a thread that
+/// shares its core with other pollers lets them run instead of burning its time slice.
+pub const POLL_YIELD_AFTER: Duration = Duration::from_micros(20);
 
 /// A channel's progress policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,13 +124,29 @@ impl ProgressPolicy {
     pub fn drive<S: ?Sized, T>(
         &self,
         state: &mut S,
+        attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
+        block: impl FnMut(&mut S, Duration) -> Result<()>,
+    ) -> Result<T> {
+        self.drive_marked(state, attempt, block, |_| 0)
+    }
+
+    /// [`drive`](Self::drive) for a wait that can make progress without being ready (a large
+    /// transfer draining through a socket buffer): `mark(state)` is a counter that changes
+    /// whenever data moves ([`TxLink::progress_mark`](crate::driver::TxLink::progress_mark)).
+    /// While it keeps changing, the adaptive policy stays in its spin phase instead of
+    /// yielding and blocking: blocking costs a kernel wake-up per socket-buffer refill.
+    #[inline]
+    pub fn drive_marked<S: ?Sized, T>(
+        &self,
+        state: &mut S,
         mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
         block: impl FnMut(&mut S, Duration) -> Result<()>,
+        mark: impl Fn(&S) -> u64,
     ) -> Result<T> {
         if let Poll::Ready(v) = attempt(state)? {
             return Ok(v);
         }
-        self.drive_slow(state, attempt, block)
+        self.drive_slow(state, attempt, block, mark)
     }
 
     #[cold]
@@ -105,33 +156,41 @@ impl ProgressPolicy {
         state: &mut S,
         mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
         mut block: impl FnMut(&mut S, Duration) -> Result<()>,
+        mark: impl Fn(&S) -> u64,
     ) -> Result<T> {
+        let (_waiting, waiters) = Waiting::enter();
+        let crowded = self.oversubscribed || waiters > SHARE.load(Ordering::Relaxed);
         // Most waits end within a few attempts: read the clock only when it is needed (block
-        // mode, or after 32 attempts), not on entry.
+        // mode, or every 32 attempts), not on entry.
         let mut start: Option<Instant> = None;
         let mut deadline: Option<Instant> = None;
+        let mut last_mark = mark(state);
         let (spin, yield_for) = match self.mode {
             ProgressMode::Poll => (Duration::MAX, Duration::ZERO),
             ProgressMode::Block => (Duration::ZERO, Duration::ZERO),
             ProgressMode::Adaptive { spin } => {
-                if self.oversubscribed {
+                if crowded {
                     (spin.min(OVERSUBSCRIBED_SPIN), Duration::from_micros(200))
                 } else {
                     (spin, Duration::from_micros(20))
                 }
             }
         };
+        let poll_yield_after = if crowded {
+            Duration::ZERO
+        } else {
+            POLL_YIELD_AFTER
+        };
         let mut i: u32 = 0;
         loop {
             i = i.wrapping_add(1);
-            // Phase 1: spin.
             let now = if i % 32 == 0 || spin.is_zero() {
                 Some(Instant::now())
             } else {
                 None
             };
             if let Some(now) = now {
-                let start = *start.get_or_insert_with(|| {
+                let began = *start.get_or_insert_with(|| {
                     deadline = self.op_timeout.map(|t| now + t);
                     now
                 });
@@ -140,11 +199,29 @@ impl ProgressPolicy {
                         return Err(Error::Timeout(self.op_timeout.unwrap_or_default()));
                     }
                 }
-                let waited = now - start;
-                if waited >= spin {
-                    if waited < spin.saturating_add(yield_for) || (self.mode == ProgressMode::Poll)
-                    {
-                        // Phase 2: give the core to another runnable process.
+                let m = mark(state);
+                let waited = if m != last_mark {
+                    // Data moved since the last look: the transfer is alive, spin on.
+                    last_mark = m;
+                    start = Some(now);
+                    Duration::ZERO
+                } else {
+                    now - began
+                };
+                if self.mode == ProgressMode::Poll {
+                    // Busy-polling never blocks, but lets the driver look at the world (peer
+                    // liveness, a channel whose peers are all gone) about once a millisecond,
+                    // and past the first microseconds gives the core away every 32 attempts
+                    // so more pollers than cores still progress.
+                    if i % 32768 == 0 {
+                        block(state, Duration::ZERO)?;
+                    }
+                    if waited >= poll_yield_after {
+                        std::thread::yield_now();
+                    }
+                } else if waited >= spin {
+                    if waited < spin.saturating_add(yield_for) {
+                        // Phase 2: give the core to another runnable thread.
                         std::thread::yield_now();
                     } else {
                         // Phase 3: block in the driver.
@@ -154,16 +231,9 @@ impl ProgressPolicy {
                         };
                         block(state, slice)?;
                     }
-                } else if self.mode == ProgressMode::Poll && i % 32768 == 0 {
-                    // Busy-polling never blocks, but still lets the driver look at the world
-                    // (peer liveness, a channel whose peers are all gone) about once a
-                    // millisecond, and gives the core away now and then on a crowded host.
-                    block(state, Duration::ZERO)?;
-                    if self.oversubscribed {
-                        std::thread::yield_now();
-                    }
                 }
             } else {
+                // Phase 1: spin.
                 std::hint::spin_loop();
             }
             if let Poll::Ready(v) = attempt(state)? {
@@ -242,5 +312,103 @@ mod tests {
             )
             .unwrap();
         assert_eq!(v, 42);
+    }
+
+    #[test]
+    fn adaptive_keeps_spinning_while_data_moves_then_blocks() {
+        let p = ProgressPolicy {
+            mode: ProgressMode::Adaptive {
+                spin: Duration::from_micros(20),
+            },
+            ..Default::default()
+        };
+        // state: (attempts, mark, blocks). The mark moves on every attempt for 3 ms (far
+        // longer than the 20 µs spin plus the 20 µs yield phase), then stops.
+        let t0 = Instant::now();
+        let mut st = (0u64, 0u64, 0u32, None::<Instant>);
+        let r: Result<()> = p.drive_marked(
+            &mut st,
+            |st| {
+                st.0 += 1;
+                if t0.elapsed() < Duration::from_millis(3) {
+                    st.1 += 1;
+                    return Ok(Poll::Pending);
+                }
+                if st.2 > 0 {
+                    Ok(Poll::Ready(()))
+                } else {
+                    Ok(Poll::Pending)
+                }
+            },
+            |st, _| {
+                st.2 += 1;
+                st.3.get_or_insert_with(Instant::now);
+                Ok(())
+            },
+            |st| st.1,
+        );
+        r.unwrap();
+        let first_block = st.3.expect("blocked once the data stopped moving");
+        assert!(
+            first_block.duration_since(t0) >= Duration::from_millis(3),
+            "blocked after {:?} while data was still moving",
+            first_block.duration_since(t0)
+        );
+    }
+
+    #[test]
+    fn poll_mode_never_blocks_with_a_timeout() {
+        let p = ProgressPolicy {
+            mode: ProgressMode::Poll,
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let mut long_blocks = 0;
+        let r: Result<()> = p.drive(
+            &mut (),
+            |_| {
+                Ok(if t0.elapsed() > Duration::from_millis(50) {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                })
+            },
+            |_, t| {
+                if !t.is_zero() {
+                    long_blocks += 1;
+                }
+                Ok(())
+            },
+        );
+        r.unwrap();
+        assert_eq!(long_blocks, 0);
+    }
+
+    #[test]
+    fn waiting_threads_are_counted_and_released() {
+        let p = ProgressPolicy {
+            mode: ProgressMode::Block,
+            ..Default::default()
+        };
+        let before = WAITING.load(Ordering::Relaxed);
+        let mut seen = 0usize;
+        let _: Result<()> = p.drive(
+            &mut seen,
+            |seen| {
+                Ok(if *seen > 0 {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                })
+            },
+            |seen, _| {
+                *seen = WAITING.load(Ordering::Relaxed);
+                Ok(())
+            },
+        );
+        assert!(seen > before, "a blocked thread counts as waiting");
+        // Other tests may wait concurrently: only check the counter did not leak upward
+        // by this test's own wait.
+        assert!(WAITING.load(Ordering::Relaxed) < seen + 8);
     }
 }

@@ -73,6 +73,7 @@ impl SessionBuilder {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
+        crate::progress::note_host_share(local, cores);
         Ok(Session {
             inner: Arc::new(SessionInner {
                 bootstrap,

@@ -82,10 +82,11 @@ impl UnpackState<'_> {
 
     fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
         let progress = self.ch.progress;
-        progress.drive(
+        progress.drive_marked(
             self.rx(),
             |rx| rx.link.recv_refs(tm, group),
             |rx, t| rx.link.wait(t),
+            |rx| rx.link.progress_mark(),
         )
     }
 
@@ -97,7 +98,7 @@ impl UnpackState<'_> {
         let mut off = 0;
         while off < buf.len() {
             let rest = &mut buf[off..];
-            let n = progress.drive(
+            let n = progress.drive_marked(
                 &mut *rx,
                 |rx| {
                     let mut got = 0usize;
@@ -110,6 +111,7 @@ impl UnpackState<'_> {
                     Ok(r.map(|()| got))
                 },
                 |rx, t| rx.link.wait(t),
+                |rx| rx.link.progress_mark(),
             )?;
             if n == 0 {
                 return Err(Error::protocol(

@@ -22,6 +22,8 @@ enum Ev {
     /// A gather group: TM and the slices' contents.
     Refs(TmId, Vec<Vec<u8>>),
     Commit(TmId),
+    /// `TxLink::publish`: what was handed over must become visible now.
+    Publish,
     End,
 }
 
@@ -65,6 +67,10 @@ impl TxLink for RecTx {
         self.used = 0;
         self.log.lock().unwrap().push(Ev::End);
         Ok(Poll::Ready(()))
+    }
+    fn publish(&mut self) -> Result<()> {
+        self.log.lock().unwrap().push(Ev::Publish);
+        Ok(())
     }
     fn abort_message(&mut self) -> AbortOutcome {
         AbortOutcome::Discarded
@@ -369,6 +375,7 @@ fn later_reads_the_value_at_end_packing_and_travels_last() {
         ev,
         vec![
             Ev::Copy(0, vec![9, 9]),
+            Ev::Publish,
             Ev::Copy(0, vec![7, 0, 0, 8]),
             Ev::Commit(0),
             Ev::End
@@ -400,6 +407,51 @@ fn later_express_holds_the_rest_of_the_message_until_end_packing() {
             Ev::Commit(1),
             Ev::Copy(0, vec![6u8; 10]),
             Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+}
+
+#[test]
+fn express_pieces_are_published_before_end_packing() {
+    // The Figure 1 pattern: an EXPRESS size, then a CHEAPER array. The size must become
+    // visible to the receiver when `pack` returns (it needs it to issue the next unpack);
+    // CHEAPER pieces and the end of the message need no separate publication.
+    let body = vec![5u8; 500];
+    let n = (body.len() as u64).to_le_bytes();
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack_safer(&n, RecvMode::Express)?;
+        p.pack(&body, RecvMode::Cheaper)?;
+        p.pack(&[1u8; 4], RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, n.to_vec()),
+            Ev::Publish,
+            Ev::Commit(0),
+            Ev::Refs(1, vec![body.clone()]),
+            Ev::Commit(1),
+            Ev::Copy(0, vec![1u8; 4]),
+            Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+    // An EXPRESS piece through the gather TM is sent (flushed) at once, then published.
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&body, RecvMode::Express)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Commit(0),
+            Ev::Refs(1, vec![body.clone()]),
+            Ev::Publish,
+            Ev::Commit(1),
             Ev::End,
         ]
     );

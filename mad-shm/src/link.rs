@@ -24,8 +24,9 @@ const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
 const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
 /// Size of a record's fixed part (magic, count, total length).
 const REC_HEAD: usize = 16;
-/// Lends at least this long ring the doorbell at once (large copies pipeline with a sleeping
-/// receiver); shorter ones defer it to the next commit, end of message or back-pressure.
+/// Lends at least this long are published (and ring the doorbell) at once, so large copies
+/// pipeline with the receiver; shorter ones wait for the next commit, end of message,
+/// back-pressure or EXPRESS piece.
 const NOTIFY_EAGER: usize = 4096;
 /// Most slices in one record.
 pub const MAX_RECORD_SLICES: usize = 128;
@@ -118,7 +119,6 @@ pub struct ShmTx {
     cma_posted: u64,
     msg_start: u64,
     need: u64,
-    unnotified: bool,
     broken: Option<String>,
 }
 
@@ -145,15 +145,13 @@ impl ShmTx {
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
-            unnotified: false,
             broken: None,
         }
     }
 
     /// Publish and ring the peer's doorbell if it sleeps (one SeqCst fence + one load).
-    fn publish(&mut self) {
-        if self.prod.publish() || self.unnotified {
-            self.unnotified = false;
+    fn publish_now(&mut self) {
+        if self.prod.publish() {
             self.peer_seg.notify();
         }
     }
@@ -171,7 +169,7 @@ impl ShmTx {
     /// Called when the ring has no room: publish what is pending and check the peer.
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         self.need = need;
-        self.publish();
+        self.publish_now();
         if self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
@@ -202,7 +200,7 @@ impl ShmTx {
             {
                 return self.pending(rec.len() as u64);
             }
-            self.publish();
+            self.publish_now();
             self.cma_posted += 1;
             self.gather = TxGather::Waiting(self.cma_posted);
         }
@@ -246,10 +244,10 @@ impl ShmTx {
                 return self.pending(1);
             };
             off += n;
-            self.publish();
+            self.publish_now();
         }
         self.gather = TxGather::Idle;
-        self.publish();
+        self.publish_now();
         Ok(Poll::Ready(()))
     }
 }
@@ -281,17 +279,20 @@ impl TxLink for ShmTx {
         if lent.is_none() {
             return self.pending(1);
         }
-        // Publish at once: bytes of a message still under construction must be visible, or a
-        // receiver waiting for them on this connection while the sender blocks on another
-        // connection would deadlock (the kit's `two_channels` case). A publish is one store;
-        // the doorbell check (a fence) is deferred to commit / end / back-pressure for small
-        // lends, so a short message pays for it once.
+        // A long lend is published at once, so the receiver copies out while the sender
+        // copies in the rest of a large piece. Short lends stay unpublished until the next
+        // commit, end of message, back-pressure or EXPRESS piece (`publish`): a short message
+        // then reaches the receiver with one store of the head and one doorbell check, and the
+        // receiver does not start on a header whose pieces are still being written.
         if lent.unwrap_or(0) >= NOTIFY_EAGER {
-            self.publish();
-        } else if self.prod.publish() {
-            self.unnotified = true;
+            self.publish_now();
         }
         Ok(Poll::Ready(()))
+    }
+
+    fn publish(&mut self) -> Result<()> {
+        self.publish_now();
+        Ok(())
     }
 
     fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
@@ -309,13 +310,13 @@ impl TxLink for ShmTx {
     }
 
     fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
-        self.publish();
+        self.publish_now();
         Ok(Poll::Ready(()))
     }
 
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
-        self.publish();
+        self.publish_now();
         Ok(Poll::Ready(()))
     }
 

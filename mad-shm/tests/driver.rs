@@ -157,12 +157,22 @@ fn abort_before_any_byte_is_discarded_after_is_broken() {
             assert_eq!(t.abort_message(), mad_core::driver::AbortOutcome::Discarded);
             t.begin_message().unwrap();
             send_copy(t, b"good").unwrap();
-            // Bytes are published as soon as they are lent: aborting now breaks the link.
+            // A short lend stays unpublished until commit, end or `publish`: aborting then
+            // discards it, and the peer never sees it.
+            t.begin_message().unwrap();
+            let _ = t.with_buffer(0, 4, &mut |b: &mut [u8]| {
+                b[..4].copy_from_slice(b"lost");
+                4
+            });
+            assert_eq!(t.abort_message(), mad_core::driver::AbortOutcome::Discarded);
+            // Once published (the engine does so after an EXPRESS piece), the peer may have
+            // read it: aborting breaks the link.
             t.begin_message().unwrap();
             let _ = t.with_buffer(0, 4, &mut |b: &mut [u8]| {
                 b[..4].copy_from_slice(b"half");
                 4
             });
+            t.publish().unwrap();
             assert_eq!(t.abort_message(), mad_core::driver::AbortOutcome::Broken);
             assert!(matches!(
                 t.begin_message(),

@@ -50,6 +50,8 @@ pub struct TcpTx {
     started: bool,
     /// Block mode: gather sends wait in the kernel until everything is queued.
     bulk_blocking: bool,
+    /// Bytes the kernel accepted so far (the progress mark).
+    moved: u64,
     broken: Option<String>,
 }
 
@@ -70,6 +72,7 @@ impl TcpTx {
             tail: 0,
             refs_done: 0,
             started: false,
+            moved: 0,
             broken: None,
         }
     }
@@ -95,6 +98,7 @@ impl TcpTx {
             match sys::send(self.fd, &self.buf[self.head..self.tail]) {
                 Ok(Some(n)) => {
                     self.started = true;
+                    self.moved += n as u64;
                     self.head += n;
                 }
                 Ok(None) => return Ok(Poll::Pending),
@@ -172,6 +176,7 @@ impl TxLink for TcpTx {
             match res {
                 Ok(Some(n)) => {
                     self.started = true;
+                    self.moved += n as u64;
                     let from_buf = n.min(queued);
                     self.head += from_buf;
                     self.refs_done += n - from_buf;
@@ -207,6 +212,10 @@ impl TxLink for TcpTx {
             .map(|_| ())
             .map_err(|e| lost(self.peer, e))
     }
+
+    fn progress_mark(&self) -> u64 {
+        self.moved
+    }
 }
 
 /// The receiving half of a connection.
@@ -226,6 +235,8 @@ pub struct TcpRx {
     /// Block mode: gather receives wait in the kernel for the whole group.
     bulk_blocking: bool,
     watch: Watch,
+    /// Bytes received so far (the progress mark).
+    moved: u64,
     broken: Option<String>,
 }
 
@@ -258,6 +269,7 @@ impl TcpRx {
             refs_done: 0,
             first_read: first_read.clamp(64, buf_len.max(64)),
             watch,
+            moved: 0,
             broken: None,
         }
     }
@@ -406,6 +418,7 @@ impl RxLink for TcpRx {
             match res {
                 Ok(Some(0)) => return Err(self.closed()),
                 Ok(Some(n)) => {
+                    self.moved += n as u64;
                     let user = n.min(remaining);
                     self.refs_done += user;
                     self.tail = n - user;
@@ -434,6 +447,10 @@ impl RxLink for TcpRx {
         sys::poll_one(self.fd, Interest::Read, timeout)
             .map(|_| ())
             .map_err(|e| lost(self.peer, e))
+    }
+
+    fn progress_mark(&self) -> u64 {
+        self.moved
     }
 }
 
