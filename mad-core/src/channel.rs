@@ -38,17 +38,38 @@ pub(crate) struct Conn {
     pub(crate) rx: Mutex<RxState>,
     /// Any-source hint: this connection may have a message.
     pub(crate) hint: AtomicBool,
+    /// Counters of the sending direction (written by the holder of `tx` only).
+    pub(crate) sent: LinkCounters,
+    /// Counters of the receiving direction (written by the holder of `rx` only).
+    pub(crate) received: LinkCounters,
 }
 
-/// Per-channel counters, updated once per message.
+/// One direction's counters, updated once per message. Only the thread holding that
+/// direction's lock writes them, so an update is a load and a store (no locked
+/// read-modify-write on the message path); [`Channel::stats`] reads them without locking.
 #[derive(Default)]
-pub(crate) struct Counters {
-    pub(crate) msgs_sent: AtomicU64,
-    pub(crate) bytes_sent: AtomicU64,
-    pub(crate) msgs_recv: AtomicU64,
-    pub(crate) bytes_recv: AtomicU64,
-    pub(crate) pieces_sent: [AtomicU64; MAX_TMS],
-    pub(crate) pieces_recv: [AtomicU64; MAX_TMS],
+pub(crate) struct LinkCounters {
+    msgs: AtomicU64,
+    bytes: AtomicU64,
+    pieces: [AtomicU64; MAX_TMS],
+}
+
+impl LinkCounters {
+    /// Count one message of `bytes` payload bytes and `pieces[tm]` pieces per TM. The caller
+    /// holds the direction's lock.
+    #[inline]
+    pub(crate) fn add(&self, bytes: u64, pieces: &[u32]) {
+        fn bump(c: &AtomicU64, n: u64) {
+            c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        }
+        bump(&self.msgs, 1);
+        bump(&self.bytes, bytes);
+        for (c, &n) in self.pieces.iter().zip(pieces) {
+            if n != 0 {
+                bump(c, n as u64);
+            }
+        }
+    }
 }
 
 /// A snapshot of a channel's counters.
@@ -78,7 +99,6 @@ pub(crate) struct ChannelInner {
     pub(crate) conns: Vec<Option<Conn>>,
     pub(crate) peers: Vec<usize>,
     pub(crate) incoming: Box<dyn Incoming>,
-    pub(crate) counters: Counters,
     pub(crate) notes: Vec<String>,
     rr: AtomicUsize,
     waiters: AtomicUsize,
@@ -152,6 +172,8 @@ impl ChannelInner {
                             reported: false,
                         }),
                         hint: AtomicBool::new(false),
+                        sent: LinkCounters::default(),
+                        received: LinkCounters::default(),
                     }
                 })
             })
@@ -166,7 +188,6 @@ impl ChannelInner {
             conns,
             peers,
             incoming,
-            counters: Counters::default(),
             notes,
             rr: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
@@ -410,26 +431,30 @@ impl Channel {
         &self.inner.caps
     }
 
-    /// A snapshot of the channel's counters.
+    /// A snapshot of the channel's counters (summed over its connections).
     pub fn stats(&self) -> ChannelStats {
-        let c = &self.inner.counters;
         let tms = self.inner.table.tms();
-        ChannelStats {
-            messages_sent: c.msgs_sent.load(Ordering::Relaxed),
-            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
-            messages_received: c.msgs_recv.load(Ordering::Relaxed),
-            bytes_received: c.bytes_recv.load(Ordering::Relaxed),
-            pieces_sent: tms
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.name.to_string(), c.pieces_sent[i].load(Ordering::Relaxed)))
-                .collect(),
-            pieces_received: tms
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.name.to_string(), c.pieces_recv[i].load(Ordering::Relaxed)))
-                .collect(),
+        let (mut sent, mut received) = ([0u64; MAX_TMS], [0u64; MAX_TMS]);
+        let mut st = ChannelStats::default();
+        for c in self.inner.conns.iter().flatten() {
+            st.messages_sent += c.sent.msgs.load(Ordering::Relaxed);
+            st.bytes_sent += c.sent.bytes.load(Ordering::Relaxed);
+            st.messages_received += c.received.msgs.load(Ordering::Relaxed);
+            st.bytes_received += c.received.bytes.load(Ordering::Relaxed);
+            for i in 0..MAX_TMS {
+                sent[i] += c.sent.pieces[i].load(Ordering::Relaxed);
+                received[i] += c.received.pieces[i].load(Ordering::Relaxed);
+            }
         }
+        let named = |v: &[u64; MAX_TMS]| {
+            tms.iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.to_string(), v[i]))
+                .collect()
+        };
+        st.pieces_sent = named(&sent);
+        st.pieces_received = named(&received);
+        st
     }
 
     /// A printable selection table: which TM and BMM serve which sizes and modes (as

@@ -16,7 +16,6 @@
 
 use std::cell::Cell;
 use std::io::IoSlice;
-use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
 use crate::channel::{lock, ChannelInner, TxState};
@@ -119,6 +118,9 @@ struct PackState<'c> {
     index: u32,
     counts: [u32; MAX_TMS],
     bytes: u64,
+    /// The message header, until it is copied in with the first bytes of TM 0 (so a short
+    /// message is one lend, not two) or, before a switch to another TM or the end, alone.
+    header: Option<[u8; wire::HEADER_LEN]>,
 }
 
 /// View LATER data as bytes for the duration of `end_packing`.
@@ -158,21 +160,39 @@ impl PackState<'_> {
         )
     }
 
+    /// Copy BMM: copy `data` into buffers lent by TM `tm`, preceded by the pending message
+    /// header when `tm` is TM 0. Splits across as many lends as the driver makes.
     #[inline]
     fn copy_in(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
+        let header = if tm == 0 { self.header.take() } else { None };
+        let head: &[u8] = match &header {
+            Some(h) => h,
+            None => &[],
+        };
+        let total = head.len() + data.len();
         let mut off = 0;
-        while off < data.len() {
-            let rest = &data[off..];
+        while off < total {
             let n = self.ch.progress.drive_marked(
                 &mut *self.tx,
                 |tx| {
                     let mut wrote = 0usize;
-                    let r = tx.link.with_buffer(tm, rest.len(), &mut |buf: &mut [u8]| {
-                        let n = buf.len().min(rest.len());
-                        buf[..n].copy_from_slice(&rest[..n]);
-                        wrote = n;
-                        n
-                    })?;
+                    let r = tx
+                        .link
+                        .with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
+                            let n = buf.len().min(total - off);
+                            // `off..off + n` of the concatenation head ‖ data.
+                            let h = head.len().saturating_sub(off).min(n);
+                            if h > 0 {
+                                buf[..h].copy_from_slice(&head[off..off + h]);
+                            }
+                            if n > h {
+                                // The header is complete: the rest comes from `data`.
+                                let d0 = off + h - head.len();
+                                buf[h..n].copy_from_slice(&data[d0..d0 + (n - h)]);
+                            }
+                            wrote = n;
+                            n
+                        })?;
                     Ok(r.map(|()| wrote))
                 },
                 |tx, t| tx.link.wait(t),
@@ -185,6 +205,16 @@ impl PackState<'_> {
                 ));
             }
             off += n;
+        }
+        Ok(())
+    }
+
+    /// Send the message header now if no piece carried it yet (before leaving TM 0, and at
+    /// the end of a message without TM 0 data).
+    #[inline]
+    fn flush_header(&mut self) -> Result<()> {
+        if self.header.is_some() {
+            self.copy_in(0, &[])?;
         }
         Ok(())
     }
@@ -220,11 +250,11 @@ impl<'c, 'b> Packer<'c, 'b> {
             tx.broken = Some(format!("begin_message failed: {e}"));
             return Err(e);
         }
-        let hdr = wire::encode_header(wire::Header {
+        let header = wire::encode_header(wire::Header {
             checked: ch.config.checked,
             seq: tx.seq,
         });
-        let mut st = PackState {
+        let st = PackState {
             ch,
             remote,
             tx,
@@ -235,15 +265,12 @@ impl<'c, 'b> Packer<'c, 'b> {
             index: 0,
             counts: [0; MAX_TMS],
             bytes: 0,
+            header: Some(header),
         };
-        if let Err(e) = st.copy_in(0, &hdr) {
-            st.fail(&format!("sending the message header failed: {e}"));
-            return Err(e);
-        }
         Ok(Packer {
             st,
-            group: RefList::new(IoSlice::new(&[])),
-            tail: InlineList::new(&[]),
+            group: RefList::new(),
+            tail: InlineList::new(),
             held: Vec::new(),
         })
     }
@@ -275,6 +302,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         if tm == self.st.cur {
             return Ok(());
         }
+        self.st.flush_header()?;
         self.flush_group()?;
         self.st.commit()?;
         self.st.cur = tm;
@@ -330,7 +358,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             Bmm::Copy => self.st.copy_in(tm, d),
             Bmm::Gather => {
                 // The memory is only ours for this call: send the group now.
-                let mut tmp: RefList<'_> = RefList::new(IoSlice::new(&[]));
+                let mut tmp: RefList<'_> = RefList::new();
                 for s in self.group.as_slice() {
                     tmp.push(*s);
                 }
@@ -444,6 +472,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
         self.flush_group()?;
+        self.st.flush_header()?;
         self.st.commit()?;
         let st = &mut self.st;
         st.ch.progress.drive_marked(
@@ -510,13 +539,8 @@ impl<'c, 'b> Packer<'c, 'b> {
                 let st = &mut self.st;
                 st.done = true;
                 st.tx.seq = st.tx.seq.wrapping_add(1);
-                let c = &st.ch.counters;
-                c.msgs_sent.fetch_add(1, Ordering::Relaxed);
-                c.bytes_sent.fetch_add(st.bytes, Ordering::Relaxed);
-                for (i, n) in st.counts.iter().enumerate().take(st.ch.table.tms().len()) {
-                    if *n != 0 {
-                        c.pieces_sent[i].fetch_add(*n as u64, Ordering::Relaxed);
-                    }
+                if let Some(Some(c)) = st.ch.conns.get(st.remote) {
+                    c.sent.add(st.bytes, &st.counts);
                 }
                 Ok(())
             }

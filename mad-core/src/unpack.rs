@@ -6,7 +6,6 @@
 //! receive at checkout; EXPRESS data is in place before `unpack_express` returns.
 
 use std::io::IoSliceMut;
-use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
 use crate::channel::{ChannelInner, RxState};
@@ -408,13 +407,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 st.done = true;
                 let rx = st.rx();
                 rx.seq = rx.seq.wrapping_add(1);
-                let c = &st.ch.counters;
-                c.msgs_recv.fetch_add(1, Ordering::Relaxed);
-                c.bytes_recv.fetch_add(st.bytes, Ordering::Relaxed);
-                for (i, n) in st.counts.iter().enumerate().take(st.ch.table.tms().len()) {
-                    if *n != 0 {
-                        c.pieces_recv[i].fetch_add(*n as u64, Ordering::Relaxed);
-                    }
+                if let Some(Some(c)) = st.ch.conns.get(st.remote) {
+                    c.received.add(st.bytes, &st.counts);
                 }
                 st.release();
                 Ok(())

@@ -165,6 +165,15 @@ fn record(
     buf_size: usize,
     f: impl FnOnce(&mad_core::Channel) -> Result<()> + Send,
 ) -> Vec<Ev> {
+    strip_header(record_raw(spec, buf_size, f))
+}
+
+/// Like [`record`], header included.
+fn record_raw(
+    spec: &str,
+    buf_size: usize,
+    f: impl FnOnce(&mad_core::Channel) -> Result<()> + Send,
+) -> Vec<Ev> {
     let log: Log = Arc::default();
     let boots = ThreadBootstrap::group(2);
     let spec = spec.to_string();
@@ -194,11 +203,27 @@ fn record(
         }
     });
     let ev = log.lock().unwrap().clone();
-    // Drop the 8-byte header (first copy into TM 0).
-    match ev.first() {
-        Some(Ev::Copy(0, h)) if h.len() == 8 && &h[..2] == b"M2" => ev[1..].to_vec(),
-        _ => panic!("first event is not the message header: {ev:?}"),
+    ev
+}
+
+/// Drop the 8-byte message header from the events: it travels in the first copy into TM 0,
+/// alone or followed by the first piece's bytes.
+fn strip_header(mut ev: Vec<Ev>) -> Vec<Ev> {
+    let at = ev
+        .iter()
+        .position(|e| matches!(e, Ev::Copy(0, _)))
+        .unwrap_or_else(|| panic!("no TM 0 copy carries the message header: {ev:?}"));
+    match &mut ev[at] {
+        Ev::Copy(0, h) if h.len() >= 8 && &h[..2] == b"M2" => {
+            if h.len() == 8 {
+                ev.remove(at);
+            } else {
+                h.drain(..8);
+            }
+        }
+        _ => panic!("the first TM 0 copy is not the message header: {ev:?}"),
     }
+    ev
 }
 
 #[test]
@@ -275,6 +300,48 @@ fn small_pieces_aggregate_into_one_buffer_and_one_flush() {
         .enumerate()
         .all(|(i, e)| *e == Ev::Copy(0, vec![i as u8; 4])));
     assert_eq!(ev[16..], [Ev::Commit(0), Ev::End]);
+}
+
+#[test]
+fn a_short_message_is_one_lend_header_included() {
+    let piece = [3u8; 5];
+    let ev = record_raw("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&piece, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    // Header and piece in one lend, then the commit and the end.
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    match &ev[0] {
+        Ev::Copy(0, b) => {
+            assert_eq!(b.len(), 13);
+            assert_eq!(&b[..2], b"M2");
+            assert_eq!(&b[8..], &piece);
+        }
+        e => panic!("first event {e:?}"),
+    }
+    assert_eq!(ev[1..], [Ev::Commit(0), Ev::End]);
+}
+
+#[test]
+fn header_and_pieces_split_across_tiny_lends() {
+    // A driver lending 3 bytes at a time (a ring about to wrap): the header itself is split.
+    let piece: Vec<u8> = (100..111).collect();
+    let ev = record_raw("rec", 3, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&piece, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    let mut bytes = Vec::new();
+    for e in &ev {
+        if let Ev::Copy(0, b) = e {
+            assert!(!b.is_empty() && b.len() <= 3, "{ev:?}");
+            bytes.extend_from_slice(b);
+        }
+    }
+    assert_eq!(bytes.len(), 8 + piece.len());
+    assert_eq!(&bytes[..2], b"M2");
+    assert_eq!(&bytes[8..], &piece[..]);
 }
 
 #[test]
