@@ -85,6 +85,11 @@ fn kit_tcp_2_processes_checked_64mib() {
 }
 
 #[test]
+fn kit_shm_2_processes() {
+    kit_in_processes(2, "shm", &[]);
+}
+
+#[test]
 fn kit_shm_4_processes() {
     kit_in_processes(4, "shm", &[]);
 }
@@ -92,14 +97,7 @@ fn kit_shm_4_processes() {
 #[test]
 fn kit_shm_8_processes_oversubscribed() {
     // 8 processes on our 2 cores: the adaptive progress policy must back off.
-    kit_in_processes(
-        8,
-        "shm",
-        &[(
-            "MAD_KIT_CASES",
-            "empty,figure1,random,any_source,in_flight,threads",
-        )],
-    );
+    kit_in_processes(8, "shm", &[]);
 }
 
 #[test]
@@ -110,4 +108,9 @@ fn kit_via_soft_2_processes() {
 #[test]
 fn kit_sisci_local_4_processes() {
     kit_in_processes(4, "sisci:local", &[]);
+}
+
+#[test]
+fn kit_sisci_local_8_processes_oversubscribed() {
+    kit_in_processes(8, "sisci:local", &[]);
 }
