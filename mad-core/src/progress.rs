@@ -131,10 +131,11 @@ impl ProgressPolicy {
     }
 
     /// [`drive`](Self::drive) for a wait that can make progress without being ready (a large
-    /// transfer draining through a socket buffer): `mark(state)` is a counter that changes
-    /// whenever data moves ([`TxLink::progress_mark`](crate::driver::TxLink::progress_mark)).
-    /// While it keeps changing, the adaptive policy stays in its spin phase instead of
-    /// yielding and blocking: blocking costs a kernel wake-up per socket-buffer refill.
+    /// transfer draining through a socket buffer, a peer copying a posted buffer): `mark(state)`
+    /// is a counter that changes whenever data moves
+    /// ([`TxLink::progress_mark`](crate::driver::TxLink::progress_mark)). While it keeps
+    /// changing, the adaptive policy stays in its spin phase instead of yielding and blocking
+    /// (a kernel wake-up per socket-buffer refill), except on a crowded host.
     #[inline]
     pub fn drive_marked<S: ?Sized, T>(
         &self,
@@ -200,8 +201,10 @@ impl ProgressPolicy {
                     }
                 }
                 let m = mark(state);
-                let waited = if m != last_mark {
-                    // Data moved since the last look: the transfer is alive, spin on.
+                let waited = if m != last_mark && !crowded {
+                    // Data moved since the last look: the transfer is alive, spin on (not on a
+                    // crowded host, where the spinning could take the core of whoever moves
+                    // the data).
                     last_mark = m;
                     start = Some(now);
                     Duration::ZERO

@@ -35,6 +35,9 @@ pub mod layout {
     pub const TX_SEQ: usize = 384;
     /// Number of writer threads asleep on `TX_SEQ` (`u32`).
     pub const TX_SLEEPING: usize = 512;
+    /// Bytes the reader has copied by Cross Memory Attach so far (`u64`, monotonic): the
+    /// writer waiting for a CMA completion watches it move.
+    pub const CMA_PROGRESS: usize = 640;
     /// Size of the header block; the data area follows it.
     pub const HDR: usize = 4096;
 }
@@ -252,6 +255,10 @@ impl RingView {
     /// CMA completion counter.
     pub fn cma_done(&self) -> &AtomicU64 {
         self.u64w(layout::CMA_DONE)
+    }
+    /// Bytes copied by Cross Memory Attach so far.
+    pub fn cma_progress(&self) -> &AtomicU64 {
+        self.u64w(layout::CMA_PROGRESS)
     }
     /// Futex word waking the writer.
     pub fn tx_seq(&self) -> &AtomicU32 {
