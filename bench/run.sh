@@ -8,9 +8,9 @@
 #
 # Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), one MPI job per
 # installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build with
-# --features bench-mpi in target-bench-<mpi>/), Figure 4 of the paper on via:soft
-# (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion engine benches;
-# then `mad-bench report` computes the targets table and the comparisons from those files.
+# --no-default-features --features shm,bench-mpi in target-bench-<mpi>/), Figure 4 of the paper
+# on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion
+# engine benches; then `mad-bench report` computes the targets table and the comparisons.
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
 # pair.csv mr.csv mpich.csv openmpi.csv (mad-bench rows), figure4.csv, rpc_example.txt,
@@ -74,8 +74,10 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then COMMIT="$COMMIT (with local changes)"; fi
 
 # --- the pair and message-rate suites -------------------------------------------------------
+# Quick: up to 4 MiB all the same, the size of the bandwidth targets.
+if [[ ${#QUICK[@]} -gt 0 ]]; then PAIRQ=(--quick --max 4m); else PAIRQ=(); fi
 pair() {
-    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$BIN/mad-bench" "${QUICK[@]}" \
+    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$BIN/mad-bench" "${PAIRQ[@]}" \
         --csv "$OUT/pair.csv" "$@" 2>&1 | tee "$OUT/pair.txt"
 }
 step pair "\`madrun -n 2 mad-bench\`: every channel and baseline, latency bw bibw latency_mt rpc" pair "$@"
@@ -107,11 +109,12 @@ mpi_job() {
         return
     fi
     echo
-    echo "== $name: build with --features bench-mpi in $target"
+    echo "== $name: build with --features shm,bench-mpi in $target"
     t0=$(date +%s)
-    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" \
-            cargo build --release --features bench-mpi --bin mad-bench 2>&1 | tee "$OUT/$name-build.log"; then
-        status "$name" failed $(( $(date +%s) - t0 )) "the build with --features bench-mpi failed (needs libclang-dev; see $OUT/$name-build.log)"
+    # Only the drivers the job uses (shm; mpi comes with bench-mpi): half the build time.
+    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build --release \
+            --no-default-features --features shm,bench-mpi --bin mad-bench 2>&1 | tee "$OUT/$name-build.log"; then
+        status "$name" failed $(( $(date +%s) - t0 )) "the build with --features shm,bench-mpi failed (needs libclang-dev; see $OUT/$name-build.log)"
         FAILED+=("$name")
         return
     fi

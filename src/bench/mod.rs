@@ -586,6 +586,9 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                             if !init || !(bench == "latency" || bench == "bw") {
                                 continue;
                             }
+                            // Copies are counted like ping-pong iterations in both benchmarks
+                            // (a window count would time a single copy of a large size).
+                            let c = lat_counts(o, size);
                             let cal = Counts {
                                 warm: 1,
                                 iters: c.warm.clamp(1, c.iters),

@@ -364,9 +364,9 @@ pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-const COLORS: [&str; 10] = [
+const COLORS: [&str; 16] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
+    "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd",
 ];
 
 /// An SVG line plot of one benchmark: log2 size on x, log10 value on y, a line per

@@ -19,7 +19,7 @@ use std::fmt::Write as _;
 
 use mad_core::{Error, Result};
 
-use super::report::{self, num, size_label, Row};
+use super::report::{self, num, Row};
 
 /// The two MPIs, by suite name.
 pub const MPIS: [(&str, &str); 2] = [("mpich", "MPICH"), ("openmpi", "Open MPI")];
@@ -331,6 +331,17 @@ fn fig(r: Option<&Row>) -> String {
     r.map_or("-".into(), |r| num(r.median))
 }
 
+/// `8 B`, `4 KiB`, `1 MiB`.
+fn bytes(n: usize) -> String {
+    if n >= MIB && n % MIB == 0 {
+        format!("{} MiB", n / MIB)
+    } else if n >= 1024 && n % 1024 == 0 {
+        format!("{} KiB", n / 1024)
+    } else {
+        format!("{n} B")
+    }
+}
+
 fn x(v: Option<f64>) -> String {
     v.map_or("-".into(), |v| format!("×{v:.2}"))
 }
@@ -488,7 +499,7 @@ fn tcp_targets(inp: &Inputs, t: &mut Vec<Target>) {
                     "mad-tcp",
                     what,
                     limit,
-                    format!("pair suite: no {bench} figure at {}", size_label(size)),
+                    format!("pair suite: no {bench} figure at {}", bytes(size)),
                 )),
             }
         }
@@ -570,7 +581,7 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 what,
                 limit,
                 if gaps.is_empty() {
-                    format!("no shm / raw-mpi {bench} figure at {}", size_label(size))
+                    format!("no shm / raw-mpi {bench} figure at {}", bytes(size))
                 } else {
                     gaps.join("; ")
                 },
@@ -622,7 +633,7 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 "mad-shm",
                 what,
                 limit,
-                format!("pair suite: no {bench} figure at {}", size_label(size)),
+                format!("pair suite: no {bench} figure at {}", bytes(size)),
             )),
         }
     }
@@ -678,8 +689,8 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
         if lo != Some(first) || hi.map_or(true, |h| h < 16 * MIB) {
             missing.push(format!(
                 "the sweep covered {} – {} only",
-                size_label(lo.unwrap_or(0)),
-                size_label(hi.unwrap_or(0))
+                bytes(lo.unwrap_or(0)),
+                bytes(hi.unwrap_or(0))
             ));
         }
         let v = Verdict::of(r, 1.10);
@@ -689,7 +700,7 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
             measured: format!(
                 "{} sizes, {over} above 1.10; worst at {} (vs {who})",
                 all.len(),
-                size_label(at)
+                bytes(at)
             ),
             ratio: format!("{r:.3}"),
             limit,
@@ -749,17 +760,14 @@ fn mpi_targets(inp: &Inputs, t: &mut Vec<Target>) {
                     "mad-mpi",
                     what,
                     limit,
-                    format!(
-                        "{name}: no mpi / raw-mpi {bench} figure at {}",
-                        size_label(size)
-                    ),
+                    format!("{name}: no mpi / raw-mpi {bench} figure at {}", bytes(size)),
                 )),
             }
         }
         for size in [8, MIB] {
             let what = format!(
                 "{label}: RPC, {} body, `mpi` vs pure MPI (two messages; one packed message + Mprobe)",
-                size_label(size)
+                bytes(size)
             );
             let limit = "-".to_string();
             let Some(rows) = rows else {
@@ -787,7 +795,7 @@ fn mpi_targets(inp: &Inputs, t: &mut Vec<Target>) {
                     "mad-mpi",
                     what,
                     limit,
-                    format!("{name}: no rpc figures at {}", size_label(size)),
+                    format!("{name}: no rpc figures at {}", bytes(size)),
                 )),
             }
         }
@@ -838,14 +846,14 @@ fn fig4_target(inp: &Inputs, t: &mut Vec<Target>) {
         .max_by(|a, b| a.3.total_cmp(&b.3));
     match worst {
         Some((size, _, best, r)) => {
-            let over = table.iter().filter(|r| !(r.3 <= 1.05)).count();
+            let over = table.iter().filter(|r| r.3 > 1.05 || r.3.is_nan()).count();
             t.push(Target {
                 issue: "mad-via",
                 what,
                 measured: format!(
                     "{} sizes, {over} above 1.05; worst at {} (best fixed: {})",
                     table.len(),
-                    size_label(*size),
+                    bytes(*size),
                     FIG4_VARIANTS[*best]
                 ),
                 ratio: format!("{r:.3}"),
@@ -946,7 +954,7 @@ fn shm_mpi_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
         sizes.sort_unstable();
         sizes.dedup();
         for s in sizes {
-            let mut line = format!("| {} |", size_label(s));
+            let mut line = format!("| {} |", bytes(s));
             for (_, _, rows) in &mpis {
                 let _ = write!(
                     line,
@@ -1031,7 +1039,7 @@ fn mpi_section(inp: &Inputs, md: &mut String) {
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                size_label(s),
+                bytes(s),
                 fig(get(rows, "latency", "mpi", s)),
                 fig(get(rows, "latency", "raw-mpi", s)),
                 x(ratio(rows, "latency", "mpi", "raw-mpi", s)),
@@ -1072,7 +1080,7 @@ fn sisci_section(inp: &Inputs, md: &mut String) {
         let _ = writeln!(md, "| (no sisci:local rows in this run) |");
     }
     for s in sizes {
-        let mut line = format!("| {} |", size_label(s));
+        let mut line = format!("| {} |", bytes(s));
         for b in ["latency", "bw"] {
             let _ = write!(
                 line,
@@ -1112,7 +1120,7 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
         "\n{runs} run(s) per cell.\n\n| size | copy | register | rdma | adaptive | adaptive+cache | best fixed | adaptive / best |\n|---:|---:|---:|---:|---:|---:|---|---:|"
     );
     for (size, per, best, r) in &table {
-        let mut line = format!("| {} |", size_label(*size));
+        let mut line = format!("| {} |", bytes(*size));
         for (m, lo, hi) in per {
             if runs > 1 {
                 let _ = write!(line, " {} ({}–{}) |", num(*m), num(*lo), num(*hi));
@@ -1131,7 +1139,7 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
         let _ = writeln!(
             md,
             "\nWorst adaptive / best fixed ratio: **{r:.3}** at {} (target ≤ 1.05).\n",
-            size_label(*size)
+            bytes(*size)
         );
     }
     let rows: Vec<Row> = table
@@ -1211,7 +1219,7 @@ fn rpc_example_section(inp: &Inputs, md: &mut String) {
         let _ = writeln!(
             md,
             "| `{ch}` | {} B | {} | {} | {} | {} |",
-            size_label(size),
+            bytes(size),
             st(|l| l.calls_per_s),
             st(|l| l.median_us),
             st(|l| l.p99_us),
@@ -1466,7 +1474,7 @@ mod tests {
         let ts = targets(&inputs(vec![job("mpich"), job("openmpi")]));
         let t = find(&ts, "every size 0 B – 16 MiB, one-way latency");
         assert_eq!(t.verdict, Verdict::NotMet);
-        assert!(t.measured.contains("worst at 16M"), "{}", t.measured);
+        assert!(t.measured.contains("worst at 16 MiB"), "{}", t.measured);
         assert_eq!(t.ratio, "1.200");
     }
 
