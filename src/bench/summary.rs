@@ -1218,7 +1218,7 @@ fn rpc_example_section(inp: &Inputs, md: &mut String) {
         };
         let _ = writeln!(
             md,
-            "| `{ch}` | {} B | {} | {} | {} | {} |",
+            "| `{ch}` | {} | {} | {} | {} | {} |",
             bytes(size),
             st(|l| l.calls_per_s),
             st(|l| l.median_us),
