@@ -457,7 +457,7 @@ pub fn svg_plot(title: &str, rows: &[Row]) -> Option<String> {
             pts.join(" ")
         );
         let ly = t + 10.0 + 18.0 * i as f64;
-        let label = if mode == "-" {
+        let label = if mode == "-" || mode.is_empty() {
             imp.clone()
         } else {
             format!("{imp} [{mode}]")
