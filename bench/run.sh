@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# Run every benchmark that runs on this host and regenerate BENCHMARKS.md.
+# Run every benchmark that runs on this host and regenerate the results section of BENCHMARKS.md.
 #
-#   bench/run.sh            full run (about 12 minutes on 2 quiet cores, estimated; longer when loaded)
-#   bench/run.sh --quick    smoke run (tiny iteration counts; results in target-bench/quick-results, BENCHMARKS.md untouched)
-#   NO_MPI=1 bench/run.sh   skip the MPI build and run even when an MPI is installed
+#   bench/run.sh            full run (13 minutes on 2 cores with other work running; run it quiet)
+#   bench/run.sh --quick    smoke run: tiny iteration counts, every path once; results in
+#                           target-bench/quick-results, BENCHMARKS.md untouched (what CI runs)
+#   NO_MPI=1 bench/run.sh   skip the MPI builds and jobs even when an MPI is installed
 #
-# Extra arguments go to every mad-bench run (e.g. --runs 5, --channels 'tcp;shm').
-# Results: bench/results/{pair,mr,mpi}.csv, *.txt (raw stdout), *.svg, tables.md, engine.txt.
-set -euo pipefail
+# Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), one MPI job per
+# installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build with
+# --no-default-features --features shm,bench-mpi in target-bench-<mpi>/), Figure 4 of the paper
+# on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion
+# engine benches; then `mad-bench report` computes the targets table and the comparisons.
+#
+# Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
+# pair.csv mr.csv mpich.csv openmpi.csv (mad-bench rows), figure4.csv, rpc_example.txt,
+# engine.txt, the raw stdout of each step (*.txt), status.tsv (what ran, what did not and why),
+# results.md and section.md (the generated section), *.svg.
+#
+# A step that cannot run here (no MPI installed, NO_MPI) is reported "not run" with the reason;
+# a step that fails is reported "failed", the others still run and the script exits with 1.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 QUICK=()
@@ -23,48 +35,157 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 if [[ ${#QUICK[@]} -gt 0 ]]; then OUT="$CARGO_TARGET_DIR/quick-results"; else OUT=bench/results; fi
 BIN="$CARGO_TARGET_DIR/release"
 mkdir -p "$OUT"
-rm -f "$OUT"/*.csv "$OUT"/*.svg "$OUT"/*.txt "$OUT"/tables.md
+rm -f "$OUT"/*.csv "$OUT"/*.svg "$OUT"/*.txt "$OUT"/*.md "$OUT"/*.tsv "$OUT"/*.log
+ABSOUT=$(cd "$OUT" && pwd)
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
+STATUS="$OUT/status.tsv"
+: > "$STATUS"
+FAILED=()
 START=$(date +%s)
 
-cargo build --release --bin mad-bench --bin madrun
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# status STEP STATE SECONDS DETAIL
+status() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STATUS"; }
 
-echo "== pair suite (2 ranks)"
-"$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$BIN/mad-bench" "${QUICK[@]}" --csv "$OUT/pair.csv" "$@" \
-    | tee "$OUT/pair.txt"
-echo "== message rate (4 ranks)"
-"$BIN/madrun" -n 4 --no-prefix --timeout 900 -- "$BIN/mad-bench" "${QUICK[@]}" --csv "$OUT/mr.csv" "$@" \
-    | tee "$OUT/mr.txt"
-
-MPI_NOTE="not run (NO_MPI set or no mpiexec.mpich / libclang on this host)"
-if [[ -z "${NO_MPI:-}" ]] && command -v mpiexec.mpich >/dev/null && command -v mpicc.mpich >/dev/null; then
-    echo "== MPI channel (MPICH, 2 ranks)"
-    MPIT="$PWD/target-bench-mpich"
-    if MPICC=mpicc.mpich CARGO_TARGET_DIR="$MPIT" cargo build --release --features bench-mpi --bin mad-bench; then
-        mpiexec.mpich -n 2 "$MPIT/release/mad-bench" "${QUICK[@]}" --channels mpi \
-            --baselines raw-mpi,raw-shm --bench latency,bw,rpc --csv "$OUT/mpi.csv" "$@" \
-            | tee "$OUT/mpi.txt"
-        MPI_NOTE="MPICH, \`mpiexec.mpich -n 2\`, binary built with \`--features bench-mpi\` (the MPI channel beside raw rsmpi)"
+# step NAME DETAIL COMMAND...: run COMMAND, record it as ran or failed.
+step() {
+    local name=$1 detail=$2 t0 rc
+    shift 2
+    echo
+    echo "== $name: $detail"
+    t0=$(date +%s)
+    "$@"
+    rc=$?
+    if [[ $rc -eq 0 ]]; then
+        status "$name" ran $(( $(date +%s) - t0 )) "$detail"
     else
-        MPI_NOTE="build with --features bench-mpi failed (see the log)"
+        status "$name" failed $(( $(date +%s) - t0 )) "$detail: exit status $rc (see $OUT/$name.txt)"
+        FAILED+=("$name")
+        echo "== $name FAILED (exit status $rc)" >&2
     fi
+    return 0
+}
+
+echo "== build (release): mad-bench, madrun, examples/rpc"
+if ! cargo build --release --bin mad-bench --bin madrun --example rpc; then
+    echo "bench/run.sh: the build failed" >&2
+    exit 1
 fi
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then COMMIT="$COMMIT (with local changes)"; fi
 
-echo "== criterion engine benches"
-cargo bench --bench engine -- "${CRIT[@]}" 2>&1 | tee "$OUT/engine.txt"
+# --- the pair and message-rate suites -------------------------------------------------------
+# Quick: up to 4 MiB all the same, the size of the bandwidth targets.
+if [[ ${#QUICK[@]} -gt 0 ]]; then PAIRQ=(--quick --max 4m); else PAIRQ=(); fi
+pair() {
+    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$BIN/mad-bench" "${PAIRQ[@]}" \
+        --csv "$OUT/pair.csv" "$@" 2>&1 | tee "$OUT/pair.txt"
+}
+step pair "\`madrun -n 2 mad-bench\`: every channel and baseline, latency bw bibw latency_mt rpc" pair "$@"
 
-"$BIN/mad-bench" report --out "$OUT" "$OUT"/*.csv
+mr() {
+    "$BIN/madrun" -n 4 --no-prefix --timeout 900 -- "$BIN/mad-bench" "${QUICK[@]}" \
+        --csv "$OUT/mr.csv" "$@" 2>&1 | tee "$OUT/mr.txt"
+}
+step mr "\`madrun -n 4 mad-bench\`: message rate" mr "$@"
 
-# Criterion lines ("name   time: [lo mid hi]", the name possibly on the line before) to a table.
-ENGINE=$(awk '
-    /time:/ && !/%/ {
-        line = $0; sub(/^[ \t]+/, "", line)
-        if (line ~ /^time:/) { name = prev } else { name = $1 }
-        match($0, /\[[^]]*\]/); v = substr($0, RSTART + 1, RLENGTH - 2)
-        split(v, p, " "); printf("| `%s` | %s %s | %s %s – %s %s |\n", name, p[3], p[4], p[1], p[2], p[5], p[6])
-    }
-    { t = $0; sub(/^[ \t]+/, "", t); if (t != "" && t !~ /^(time|thrpt|change|Found|Benchmarking|Warning)/) { split(t, w, " "); prev = w[1] } }
-' "$OUT/engine.txt")
+# --- the MPI jobs: shm, the MPI channel, raw MPI (two RPC idioms), the raw ring, memcpy ------
+# Sizes up to 16 MiB (the shm issue's sweep); quick: up to 4 MiB (the targets' sizes).
+if [[ ${#QUICK[@]} -gt 0 ]]; then MPIMAX=4m; else MPIMAX=16m; fi
+MPIARGS=(--channels 'shm;mpi' --modes cheaper --bench latency,bw,rpc --max "$MPIMAX"
+         --baselines raw-mpi,raw-mpi-packed,raw-shm,memcpy)
+
+has_libclang() {
+    [[ -n "${LIBCLANG_PATH:-}" ]] && return 0
+    compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null && return 0
+    compgen -G '/usr/lib/*/libclang*.so*' >/dev/null && return 0
+    "$(command -v ldconfig || echo /sbin/ldconfig)" -p 2>/dev/null | grep -q 'libclang'
+}
+
+# mpi_job NAME LAUNCHER...: build mad-bench against mpicc.NAME in target-bench-NAME, run it.
+mpi_job() {
+    local name=$1 t0 rc
+    shift
+    local launcher=("$@")
+    local target="$PWD/target-bench-$name"
+    if [[ -n "${NO_MPI:-}" ]]; then
+        status "$name" not-run 0 "NO_MPI is set"
+        return
+    fi
+    if ! command -v "mpicc.$name" >/dev/null || ! command -v "${launcher[0]}" >/dev/null; then
+        status "$name" not-run 0 "mpicc.$name or ${launcher[0]} is not installed"
+        return
+    fi
+    # The mpi crate's bindings are generated by bindgen, which needs libclang.
+    if ! has_libclang; then
+        status "$name" not-run 0 "libclang (libclang-dev) is not installed: the mpi crate's bindgen needs it"
+        return
+    fi
+    echo
+    echo "== $name: build with --features shm,bench-mpi in $target"
+    t0=$(date +%s)
+    # Only the drivers the job uses (shm; mpi comes with bench-mpi): half the build time.
+    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build --release \
+            --no-default-features --features shm,bench-mpi --bin mad-bench 2>&1 | tee "$OUT/$name-build.log"; then
+        status "$name" failed $(( $(date +%s) - t0 )) "the build with --features shm,bench-mpi failed (needs libclang-dev; see $OUT/$name-build.log)"
+        FAILED+=("$name")
+        return
+    fi
+    echo "== $name: ${launcher[*]} -n 2 mad-bench ${MPIARGS[*]}"
+    timeout 1800 "${launcher[@]}" -n 2 "$target/release/mad-bench" "${QUICK[@]}" "${MPIARGS[@]}" \
+        --csv "$OUT/$name.csv" "${EXTRA[@]}" 2>&1 | tr -d '\000' | tee "$OUT/$name.txt"
+    rc=${PIPESTATUS[0]}
+    if [[ $rc -eq 0 ]]; then
+        status "$name" ran $(( $(date +%s) - t0 )) "\`${launcher[*]} -n 2 mad-bench ${MPIARGS[*]}\` (build included)"
+    else
+        status "$name" failed $(( $(date +%s) - t0 )) "\`${launcher[0]} -n 2 mad-bench\` exited with $rc (see $OUT/$name.txt)"
+        FAILED+=("$name")
+        rm -f "$OUT/$name.csv"
+    fi
+}
+EXTRA=("$@")
+mpi_job mpich mpiexec.mpich
+# Open MPI: root needs the two variables; --bind-to none leaves pinning to mad-bench, as under
+# MPICH and madrun.
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    mpi_job openmpi mpirun.openmpi --oversubscribe --bind-to none
+
+# --- Figure 4 of the paper on via:soft ------------------------------------------------------
+if [[ ${#QUICK[@]} -gt 0 ]]; then FIG4=(FIG4_REPS=1 FIG4_BUDGET_MS=2); else FIG4=(FIG4_REPS=3 FIG4_BUDGET_MS=60); fi
+# (cargo runs a bench in its package's directory: the CSV path must be absolute.)
+figure4() {
+    env "${FIG4[@]}" FIG4_CSV="$ABSOUT/figure4.csv" cargo bench -p mad-via --bench figure4 2>&1 \
+        | tee "$OUT/figure4.txt"
+}
+step figure4 "\`${FIG4[*]} cargo bench -p mad-via --bench figure4\`" figure4
+
+# --- the RPC example over tcp and shm -------------------------------------------------------
+if [[ ${#QUICK[@]} -gt 0 ]]; then RPCRUNS=1; RPCARGS=(--quick); else RPCRUNS=3; RPCARGS=(); fi
+rpc_example() {
+    (
+        for ch in tcp shm; do
+            for r in $(seq 1 "$RPCRUNS"); do
+                echo "== rpc channel=$ch run=$r"
+                # The server's stderr lists the malformed requests the example sends on purpose.
+                timeout 300 "$BIN/madrun" -n 2 --no-prefix -- "$BIN/examples/rpc" --channel "$ch" \
+                    "${RPCARGS[@]}" 2>>"$OUT/rpc_example.log" || exit 1
+            done
+        done
+    ) | tee "$OUT/rpc_example.txt"
+}
+step rpc-example "\`madrun -n 2 examples/rpc --channel tcp|shm ${RPCARGS[*]}\`, $RPCRUNS run(s) each" rpc_example
+
+# --- criterion --------------------------------------------------------------------------------
+engine() { cargo bench --bench engine -- "${CRIT[@]}" 2>&1 | tee "$OUT/engine.txt"; }
+step engine "\`cargo bench --bench engine -- ${CRIT[*]}\`" engine
+
+# --- the report ---------------------------------------------------------------------------------
+CSVS=()
+for s in pair mr mpich openmpi; do [[ -s "$OUT/$s.csv" ]] && CSVS+=("$OUT/$s.csv"); done
+if ! "$BIN/mad-bench" report --out "$OUT" --status "$STATUS" --engine "$OUT/engine.txt" \
+        --fig4 "$OUT/figure4.csv" --rpc-example "$OUT/rpc_example.txt" "${CSVS[@]}"; then
+    echo "bench/run.sh: mad-bench report failed" >&2
+    exit 1
+fi
 
 END=$(date +%s)
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
@@ -73,36 +194,31 @@ CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
     echo
     echo "### Run"
     echo
-    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'), commit \`$COMMIT\`, took $(( (END - START) / 60 )) min"
-    echo "- machine: $(nproc) CPUs ($CPU), $(free -g | awk '/Mem:/ {print $2}') GiB, $(uname -sr)"
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'), commit \`$COMMIT\`, took $(( (END - START) / 60 )) min $(( (END - START) % 60 )) s"
+    echo "- machine: $(nproc) CPUs ($CPU), $(free -g | awk '/Mem:/ {print $2}') GiB, $(uname -sr), load average before the run: $LOAD"
     echo "- command: \`bench/run.sh ${QUICK[*]} $*\`"
-    echo "- MPI: $MPI_NOTE"
     if [[ ${#QUICK[@]} -gt 0 ]]; then
         echo
         echo "**Smoke run (\`--quick\`): iteration counts divided by 100, one run. These numbers only show that"
-        echo "everything runs; do not quote them.**"
+        echo "everything runs; do not quote them, and do not read the verdicts.**"
     fi
-    echo
-    echo "### Engine micro-benchmarks (criterion, \`benches/engine.rs\`)"
-    echo
-    echo "| benchmark | median time | 95% interval |"
-    echo "|---|---:|---:|"
-    echo "$ENGINE"
-    echo
-    echo "### Cross-process figures (\`mad-bench\`)"
-    cat "$OUT/tables.md"
+    cat "$OUT/results.md"
     echo
     echo "<!-- results:end -->"
 } > "$OUT/section.md"
 
 if [[ ${#QUICK[@]} -gt 0 ]]; then
     echo "smoke run: results in $OUT (BENCHMARKS.md unchanged) ($(( END - START )) s)"
-    exit 0
+else
+    # Splice the section between the markers of BENCHMARKS.md (the methodology above stays).
+    awk -v sec="$OUT/section.md" '
+        /<!-- results:begin/ { while ((getline l < sec) > 0) print l; skip = 1; next }
+        /<!-- results:end -->/ { skip = 0; next }
+        !skip { print }
+    ' BENCHMARKS.md > BENCHMARKS.md.new && mv BENCHMARKS.md.new BENCHMARKS.md
+    echo "BENCHMARKS.md updated ($(( END - START )) s)"
 fi
-# Splice the section between the markers of BENCHMARKS.md (the methodology above stays).
-awk -v sec="$OUT/section.md" '
-    /<!-- results:begin/ { while ((getline l < sec) > 0) print l; skip = 1; next }
-    /<!-- results:end -->/ { skip = 0; next }
-    !skip { print }
-' BENCHMARKS.md > BENCHMARKS.md.new && mv BENCHMARKS.md.new BENCHMARKS.md
-echo "BENCHMARKS.md updated ($(( END - START )) s)"
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "bench/run.sh: failed steps: ${FAILED[*]} (see $STATUS)" >&2
+    exit 1
+fi

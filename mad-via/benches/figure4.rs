@@ -4,7 +4,12 @@
 //! ```text
 //! cargo bench -p mad-via --bench figure4            # full sweep, markdown table on stdout
 //! FIG4_REPS=1 FIG4_BUDGET_MS=10 cargo bench -p mad-via --bench figure4   # quick
+//! FIG4_CSV=fig4.csv cargo bench -p mad-via --bench figure4   # also every run to a CSV file
 //! ```
+//!
+//! `FIG4_CSV=<file>` writes one line per variant, size and repetition
+//! (`variant,spec,size,rep,one_way_us`) for `bench/run.sh`, which reports the median and spread;
+//! the table on stdout is unchanged.
 //!
 //! Two ranks are two threads of this process with their own sessions and soft NICs, talking
 //! over TCP loopback. Variants (all with the registration cache *off*, so every dynamic
@@ -161,6 +166,20 @@ fn main() {
     let extra = std::env::var("FIG4_EXTRA").unwrap_or_default();
     let specs: Vec<String> = variants.iter().map(|v| format!("{}{extra}", v.1)).collect();
     let all = run(&specs, reps, budget);
+    if let Some(path) = std::env::var_os("FIG4_CSV") {
+        let mut csv = String::from("variant,spec,size,rep,one_way_us\n");
+        for (v, per_size) in all.iter().enumerate() {
+            for (k, runs) in per_size.iter().enumerate() {
+                for (rep, us) in runs.iter().enumerate() {
+                    csv.push_str(&format!(
+                        "{},\"{}\",{},{rep},{us:.4}\n",
+                        variants[v].0, specs[v], SIZES[k]
+                    ));
+                }
+            }
+        }
+        std::fs::write(&path, csv).expect("writing FIG4_CSV");
+    }
     let med: Vec<Vec<f64>> = all
         .iter()
         .map(|per_size| per_size.iter().map(|r| min(r.clone())).collect())

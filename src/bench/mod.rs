@@ -11,6 +11,7 @@ mod patterns;
 #[cfg(feature = "bench-mpi")]
 mod rawmpi;
 mod report;
+mod summary;
 mod sys;
 
 use std::path::PathBuf;
@@ -24,7 +25,9 @@ use report::Row;
 
 const USAGE: &str = "\
 usage: mad-bench [run] [options]         (under madrun/mpiexec, or alone: starts 2 ranks)
-       mad-bench report --out DIR CSV... (Markdown tables and SVG plots from CSV files)
+       mad-bench report --out DIR [--status F] [--engine F] [--fig4 F] [--rpc-example F] CSV...
+                                         (targets table, comparisons, Markdown tables and SVG
+                                         plots of one run: DIR/results.md, DIR/*.svg)
 
 options of run:
   --quick              iteration counts / 100, byte budget / 100, one run, sizes
@@ -39,8 +42,11 @@ options of run:
   --channels LIST      Madeleine channel specs separated by ';' (default
                        'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft;sisci:local'
                        [+ ';mpi' with --features mpi])
-  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all), and raw-mpi
-                       when built with --features bench-mpi and started by mpiexec
+  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all), and raw-mpi,
+                       raw-mpi-packed (RPC only) when built with --features bench-mpi and
+                       started by mpiexec
+  --modes LIST         mode pairs of the tcp and shm channels without progress=:
+                       cheaper,safer,16 (default all three); other channels: cheaper only
   --no-pin             do not pin ranks to cores
   --csv FILE           append the figures to FILE
   -n N                 ranks to start when run alone (default 2)";
@@ -54,6 +60,7 @@ struct Opts {
     benches: Vec<String>,
     channels: Vec<String>,
     baselines: Vec<String>,
+    modes: Vec<Mode>,
     pin: bool,
     csv: Option<PathBuf>,
     ranks: usize,
@@ -71,6 +78,7 @@ fn parse_opts(args: &[String]) -> Result<Opts> {
         baselines: ["raw-tcp-poll", "raw-tcp-block", "raw-shm", "memcpy"]
             .map(String::from)
             .to_vec(),
+        modes: vec![Mode::Cc, Mode::Se, Mode::Multi16],
         pin: true,
         csv: None,
         ranks: 2,
@@ -137,6 +145,21 @@ fn parse_opts(args: &[String]) -> Result<Opts> {
             "--bench" => o.benches = list(&val()?, ','),
             "--channels" => o.channels = list(&val()?, ';'),
             "--baselines" => o.baselines = list(&val()?, ','),
+            "--modes" => {
+                let v = val()?;
+                o.modes = list(&v, ',')
+                    .iter()
+                    .map(|m| match m.as_str() {
+                        "cheaper" => Ok(Mode::Cc),
+                        "safer" => Ok(Mode::Se),
+                        "16" => Ok(Mode::Multi16),
+                        _ => Err(bad(a, &v)),
+                    })
+                    .collect::<Result<_>>()?;
+                if !o.modes.contains(&Mode::Cc) {
+                    o.modes.insert(0, Mode::Cc);
+                }
+            }
             "--no-pin" => o.pin = false,
             "--csv" => o.csv = Some(PathBuf::from(val()?)),
             "-h" | "--help" => {
@@ -213,41 +236,73 @@ pub fn main() {
 fn report_cmd(args: &[String]) -> Result<()> {
     let mut out = PathBuf::from("bench/results");
     let mut files = Vec::new();
+    let (mut status, mut engine, mut fig4, mut rpc) = (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        if a == "--out" {
-            out = PathBuf::from(
-                it.next()
-                    .ok_or_else(|| Error::BadConfig("--out needs a directory".into()))?,
-            );
-        } else {
-            files.push(PathBuf::from(a));
+        let mut val = || {
+            it.next()
+                .map(PathBuf::from)
+                .ok_or_else(|| Error::BadConfig(format!("mad-bench report: {a} needs a file")))
+        };
+        match a.as_str() {
+            "--out" => out = val()?,
+            "--status" => status = Some(val()?),
+            "--engine" => engine = Some(val()?),
+            "--fig4" => fig4 = Some(val()?),
+            "--rpc-example" => rpc = Some(val()?),
+            _ if a.starts_with("--") => {
+                return Err(Error::BadConfig(format!(
+                    "mad-bench report: unknown option `{a}`\n{USAGE}"
+                )))
+            }
+            _ => files.push(PathBuf::from(a)),
         }
     }
-    let mut rows = Vec::new();
+    // An optional input that is absent means "not run" (the status file says why).
+    let read = |p: &Option<PathBuf>| -> Result<Option<String>> {
+        match p {
+            Some(p) if p.exists() => std::fs::read_to_string(p)
+                .map(Some)
+                .map_err(|e| Error::io(format!("reading {}", p.display()), e)),
+            _ => Ok(None),
+        }
+    };
+    let mut suites = Vec::new();
     for f in &files {
-        rows.extend(report::read_csv(f)?);
+        let name = f
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        suites.push(summary::Suite {
+            name,
+            rows: report::read_csv(f)?,
+        });
     }
+    let inputs = summary::Inputs {
+        suites,
+        steps: read(&status)?
+            .map(|t| summary::parse_status(&t))
+            .unwrap_or_default(),
+        engine: read(&engine)?
+            .map(|t| summary::parse_criterion(&t))
+            .filter(|c| !c.is_empty()),
+        fig4: read(&fig4)?
+            .map(|t| summary::parse_fig4(&t))
+            .transpose()?
+            .filter(|f| !f.is_empty()),
+        rpc: read(&rpc)?
+            .map(|t| summary::parse_rpc_example(&t))
+            .filter(|l| !l.is_empty()),
+        out: out.clone(),
+    };
     std::fs::create_dir_all(&out)
         .map_err(|e| Error::io(format!("creating {}", out.display()), e))?;
-    let mut md = String::from("\nPlots (log-log; Madeleine solid, baselines dashed):\n\n");
-    let mut benches: Vec<&str> = Vec::new();
-    for r in &rows {
-        if !benches.contains(&r.bench.as_str()) {
-            benches.push(&r.bench);
-        }
+    let (md, plots) = summary::render(&inputs);
+    for (name, svg) in plots {
+        let p = out.join(name);
+        std::fs::write(&p, svg).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
     }
-    benches.sort_by_key(|b| report::bench_rank(b));
-    for b in benches {
-        if let Some(svg) = report::svg(b, &rows) {
-            let p = out.join(format!("{b}.svg"));
-            std::fs::write(&p, svg)
-                .map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
-            md.push_str(&format!("![{b}]({})\n", p.display()));
-        }
-    }
-    md.push_str(&report::markdown(&rows));
-    let p = out.join("tables.md");
+    let p = out.join("results.md");
     std::fs::write(&p, md).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
     println!("wrote {} and the plots in {}", p.display(), out.display());
     Ok(())
@@ -380,6 +435,8 @@ struct Imp {
     /// The second thread's endpoint in `latency_mt` when it differs from `b` (Madeleine: the
     /// same channel as `a`; raw baselines use their second connection `b`).
     mt: Endpoint,
+    /// The only benchmarks this implementation runs (`None`: all).
+    only: Option<&'static [&'static str]>,
 }
 
 impl Imp {
@@ -394,12 +451,13 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
         let a = MadNet::open(session, &format!("bench{i}a"), spec, Mode::Cc)?;
         let b = MadNet::open(session, &format!("bench{i}b"), spec, Mode::Cc)?;
         let base = Some(baseline_of(spec));
-        let mut modes = vec![Mode::Cc];
         // The other mode pairs on the default-progress tcp and shm channels only (time).
         let head = spec.split(',').next().unwrap_or("");
-        if (head == "tcp" || head == "shm") && !spec.contains("progress=") {
-            modes.extend([Mode::Se, Mode::Multi16]);
-        }
+        let modes = if (head == "tcp" || head == "shm") && !spec.contains("progress=") {
+            o.modes.clone()
+        } else {
+            vec![Mode::Cc]
+        };
         for m in modes {
             v.push(Imp {
                 name: spec.clone(),
@@ -408,6 +466,7 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                 a: Some(Box::new(a.with_mode(m))),
                 b: Some(Box::new(b.with_mode(m))),
                 mt: Some(Box::new(a.with_mode(m))),
+                only: None,
             });
         }
     }
@@ -432,10 +491,17 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
             ),
             "memcpy" => (None, None),
             #[cfg(feature = "bench-mpi")]
-            "raw-mpi" => (
-                Some(Box::new(rawmpi::RawMpi::open()?)),
-                Some(Box::new(rawmpi::RawMpi::open()?)),
-            ),
+            "raw-mpi" | "raw-mpi-packed" => {
+                let idiom = if raw == "raw-mpi" {
+                    rawmpi::RpcIdiom::TwoMessages
+                } else {
+                    rawmpi::RpcIdiom::Packed
+                };
+                (
+                    Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
+                    Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
+                )
+            }
             other => {
                 return Err(Error::BadConfig(format!(
                     "mad-bench: unknown baseline `{other}`"
@@ -449,12 +515,17 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
             a,
             b,
             mt: None,
+            // The packed RPC idiom differs from raw-mpi in RPC only.
+            only: (raw == "raw-mpi-packed").then_some(&["rpc"][..]),
         });
     }
     Ok(v)
 }
 
 fn pattern_wants(bench: &str, imp: &Imp) -> bool {
+    if imp.only.is_some_and(|o| !o.contains(&bench)) {
+        return false;
+    }
     match (bench, imp.mode) {
         ("latency", _) => true,
         ("bw", Some(Mode::Cc) | None) => true,
@@ -515,6 +586,9 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                             if !init || !(bench == "latency" || bench == "bw") {
                                 continue;
                             }
+                            // Copies are counted like ping-pong iterations in both benchmarks
+                            // (a window count would time a single copy of a large size).
+                            let c = lat_counts(o, size);
                             let cal = Counts {
                                 warm: 1,
                                 iters: c.warm.clamp(1, c.iters),
@@ -644,7 +718,9 @@ fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
     let peer = if sender { me + half } else { me - half };
     let b = session.bootstrap();
     let mut imps = open_imps(session, o)?;
-    imps.retain(|i| i.a.is_some() && i.mode.map_or(true, |m| m == Mode::Cc));
+    imps.retain(|i| {
+        i.a.is_some() && i.mode.map_or(true, |m| m == Mode::Cc) && pattern_wants("bw", i)
+    });
     let max = o.max.min(1 << 20);
     let sbuf: Vec<u8> = (0..max.max(1)).map(|i| i as u8).collect();
     let mut rbuf = vec![0u8; max.max(1)];

@@ -1,5 +1,24 @@
-//! Raw MPI baseline (feature `bench-mpi`): blocking `MPI_Send` / `MPI_Recv` on
+//! Raw MPI baselines (feature `bench-mpi`): blocking `MPI_Send` / `MPI_Recv` on
 //! `MPI_COMM_WORLD` through rsmpi, in a process whose MPI the session's `MpiBootstrap` started.
+//!
+//! Two RPC idioms of pure MPI, the two ways an MPI programmer sends "a header saying how big the
+//! body is, then the body":
+//!
+//! * `raw-mpi` ([`RpcIdiom::TwoMessages`]): the header (8 bytes) and the body as two messages;
+//!   the receiver receives the header, then the body of the size it read straight into its
+//!   buffer.
+//! * `raw-mpi-packed` ([`RpcIdiom::Packed`]): the sender copies header and body into one buffer
+//!   and sends one message; the receiver learns its size with `MPI_Mprobe` + `MPI_Get_count`,
+//!   receives it whole with `MPI_Mrecv` into a buffer of that size (reused) and uses the body
+//!   where it landed, after the header (no copy out).
+//!
+//! Each endpoint uses its own tag on the world communicator, so two endpoints (the two
+//! connections of the two-thread patterns) never take each other's messages. mad-mpi's
+//! bootstrap and channels use duplicates of the world communicator: no interference.
+//! (rsmpi's world handle is a constant; holding no communicator keeps the endpoint `Send` with
+//! Open MPI, whose handles are pointers.)
+
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use mad_core::{Error, Result};
 use mpi::topology::SimpleCommunicator;
@@ -7,14 +26,30 @@ use mpi::traits::*;
 
 use super::net::Net;
 
-/// Raw MPI point-to-point on the world communicator.
+/// How an RPC travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RpcIdiom {
+    /// Header then body, two messages.
+    TwoMessages,
+    /// Header and body copied into one message, received with matched probe + get count.
+    Packed,
+}
+
+/// Next endpoint tag (every rank opens its endpoints in the same order, so tags agree).
+static NEXT_TAG: AtomicI32 = AtomicI32::new(0x5100);
+
+/// Raw MPI point-to-point on the world communicator, one tag per endpoint.
 pub struct RawMpi {
-    world: SimpleCommunicator,
+    tag: i32,
+    idiom: RpcIdiom,
+    /// The packed idiom's send and receive buffers (grown once, reused).
+    stage_out: Vec<u8>,
+    stage_in: Vec<u8>,
 }
 
 impl RawMpi {
     /// Needs MPI initialised (the session was built under `mpiexec` with the MPI bootstrap).
-    pub fn open() -> Result<RawMpi> {
+    pub fn open(idiom: RpcIdiom) -> Result<RawMpi> {
         if !mpi::environment::is_initialized() {
             return Err(Error::Unavailable {
                 driver: "raw-mpi".into(),
@@ -22,19 +57,30 @@ impl RawMpi {
             });
         }
         Ok(RawMpi {
-            world: SimpleCommunicator::world(),
+            tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
+            idiom,
+            stage_out: Vec::new(),
+            stage_in: Vec::new(),
         })
     }
 }
 
+fn world() -> SimpleCommunicator {
+    SimpleCommunicator::world()
+}
+
 impl Net for RawMpi {
     fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
-        self.world.process_at_rank(peer as i32).send(msg);
+        world()
+            .process_at_rank(peer as i32)
+            .send_with_tag(msg, self.tag);
         Ok(())
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
-        let st = self.world.process_at_rank(peer as i32).receive_into(buf);
+        let st = world()
+            .process_at_rank(peer as i32)
+            .receive_into_with_tag(buf, self.tag);
         if st.count(u8::equivalent_datatype()) as usize != buf.len() {
             return Err(Error::protocol(peer, "raw mpi: message of the wrong size"));
         }
@@ -42,20 +88,66 @@ impl Net for RawMpi {
     }
 
     fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
-        let p = self.world.process_at_rank(peer as i32);
-        p.send(&(body.len() as u64));
-        p.send(body);
+        let w = world();
+        let p = w.process_at_rank(peer as i32);
+        let h = (body.len() as u64).to_le_bytes();
+        match self.idiom {
+            RpcIdiom::TwoMessages => {
+                p.send_with_tag(&h[..], self.tag);
+                p.send_with_tag(body, self.tag);
+            }
+            RpcIdiom::Packed => {
+                self.stage_out.clear();
+                self.stage_out.extend_from_slice(&h);
+                self.stage_out.extend_from_slice(body);
+                p.send_with_tag(&self.stage_out[..], self.tag);
+            }
+        }
         Ok(())
     }
 
     fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
-        let p = self.world.process_at_rank(peer as i32);
-        let (n, _) = p.receive::<u64>();
-        let n = usize::try_from(n)
-            .ok()
-            .filter(|&n| n <= buf.len())
-            .ok_or_else(|| Error::protocol(peer, "raw mpi: RPC body too large"))?;
-        p.receive_into(&mut buf[..n]);
-        Ok(n)
+        let w = world();
+        let p = w.process_at_rank(peer as i32);
+        let too_large = || Error::protocol(peer, "raw mpi: RPC body too large");
+        match self.idiom {
+            RpcIdiom::TwoMessages => {
+                let mut h = [0u8; 8];
+                let st = p.receive_into_with_tag(&mut h[..], self.tag);
+                if st.count(u8::equivalent_datatype()) != 8 {
+                    return Err(Error::protocol(peer, "raw mpi: bad RPC header"));
+                }
+                let n = usize::try_from(u64::from_le_bytes(h))
+                    .ok()
+                    .filter(|&n| n <= buf.len())
+                    .ok_or_else(too_large)?;
+                p.receive_into_with_tag(&mut buf[..n], self.tag);
+                Ok(n)
+            }
+            RpcIdiom::Packed => {
+                let (msg, st) = p.matched_probe_with_tag(self.tag);
+                let count = usize::try_from(st.count(u8::equivalent_datatype()))
+                    .ok()
+                    .filter(|&c| c >= 8 && c - 8 <= buf.len());
+                // A matched message must be received even when it is refused.
+                let Some(count) = count else {
+                    let mut sink = vec![0u8; st.count(u8::equivalent_datatype()).max(0) as usize];
+                    msg.matched_receive_into(&mut sink[..]);
+                    return Err(too_large());
+                };
+                if self.stage_in.len() < count {
+                    self.stage_in.resize(count, 0);
+                }
+                msg.matched_receive_into(&mut self.stage_in[..count]);
+                let mut h = [0u8; 8];
+                h.copy_from_slice(&self.stage_in[..8]);
+                let n = usize::try_from(u64::from_le_bytes(h))
+                    .ok()
+                    .filter(|&n| n == count - 8)
+                    .ok_or_else(|| Error::protocol(peer, "raw mpi: RPC header and size differ"))?;
+                // The body is used where it landed (`stage_in[8..]`), as an MPI program would.
+                Ok(n)
+            }
+        }
     }
 }

@@ -153,7 +153,8 @@ pub fn size_label(n: usize) -> String {
     }
 }
 
-fn num(v: f64) -> String {
+/// A figure with 3 or 4 significant digits, `-` for NaN.
+pub fn num(v: f64) -> String {
     if v.is_nan() {
         "-".into()
     } else if v >= 1000.0 {
@@ -165,7 +166,8 @@ fn num(v: f64) -> String {
     }
 }
 
-fn describe(bench: &str) -> &'static str {
+/// What a benchmark's figure is, for titles.
+pub fn describe(bench: &str) -> &'static str {
     match bench {
         "latency" => "one-way latency (round trip / 2), µs",
         "latency_mt" => "one-way latency, 2 threads per side, µs",
@@ -362,17 +364,24 @@ pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-const COLORS: [&str; 10] = [
+const COLORS: [&str; 16] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
+    "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd",
 ];
 
 /// An SVG line plot of one benchmark: log2 size on x, log10 value on y, a line per
 /// implementation (Madeleine solid, baselines dashed).
 pub fn svg(bench: &str, rows: &[Row]) -> Option<String> {
+    let rs: Vec<Row> = rows.iter().filter(|r| r.bench == bench).cloned().collect();
+    svg_plot(&format!("{bench}: {}", describe(bench)), &rs)
+}
+
+/// An SVG line plot of `rows` (one benchmark's worth, or rows renamed for a comparison): a
+/// line per (implementation, mode), solid for Madeleine rows, dashed for mode `-`.
+pub fn svg_plot(title: &str, rows: &[Row]) -> Option<String> {
     let rs: Vec<&Row> = rows
         .iter()
-        .filter(|r| r.bench == bench && r.median.is_finite() && r.median > 0.0)
+        .filter(|r| r.median.is_finite() && r.median > 0.0)
         .collect();
     if rs.is_empty() {
         return None;
@@ -397,8 +406,8 @@ pub fn svg(bench: &str, rows: &[Row]) -> Option<String> {
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         s,
-        r#"<text x="{l}" y="24" font-size="15">{bench}: {}</text>"#,
-        describe(bench).replace('&', "&amp;")
+        r#"<text x="{l}" y="24" font-size="15">{}</text>"#,
+        title.replace('&', "&amp;").replace('<', "&lt;")
     );
     for d in (ymin as i32)..=(ymax as i32) {
         let y = py(d as f64);
@@ -448,7 +457,7 @@ pub fn svg(bench: &str, rows: &[Row]) -> Option<String> {
             pts.join(" ")
         );
         let ly = t + 10.0 + 18.0 * i as f64;
-        let label = if mode == "-" {
+        let label = if mode == "-" || mode.is_empty() {
             imp.clone()
         } else {
             format!("{imp} [{mode}]")
