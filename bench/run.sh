@@ -150,7 +150,7 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     mpi_job openmpi mpirun.openmpi --oversubscribe --bind-to none
 
 # --- Figure 4 of the paper on via:soft ------------------------------------------------------
-if [[ ${#QUICK[@]} -gt 0 ]]; then FIG4=(FIG4_REPS=1 FIG4_BUDGET_MS=2); else FIG4=(FIG4_REPS=3 FIG4_BUDGET_MS=60); fi
+if [[ ${#QUICK[@]} -gt 0 ]]; then FIG4=(FIG4_REPS=1 FIG4_BUDGET_MS=2); else FIG4=(FIG4_REPS=5 FIG4_BUDGET_MS=60); fi
 # (cargo runs a bench in its package's directory: the CSV path must be absolute.)
 figure4() {
     env "${FIG4[@]}" FIG4_CSV="$ABSOUT/figure4.csv" cargo bench -p mad-via --bench figure4 2>&1 \

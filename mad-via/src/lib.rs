@@ -56,7 +56,7 @@ pub use reg::{Pd, RegStats, RegisteredBuffer};
 pub use soft::{ConnStats, Endpoint, SlotConfig};
 
 /// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
-pub const SMALL_MAX: usize = 64 << 10;
+pub const SMALL_MAX: usize = 32 << 10;
 /// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
 pub const MEDIUM_MAX: usize = 4 << 20;
 
@@ -169,7 +169,7 @@ pub fn default_table() -> Result<TmTable> {
         TmSpec::copy(
             "small",
             SMALL_MAX,
-            "copy into pre-registered static buffers, credit flow control (<= 64 KiB: Figure 4 sweep, NOTES.md)",
+            "copy into pre-registered static buffers, credit flow control (<= 32 KiB: Figure 4 sweep, NOTES.md)",
         ),
         TmSpec::gather(
             "medium",
