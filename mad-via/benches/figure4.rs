@@ -73,8 +73,8 @@ fn round(ch: &mad_core::Channel, me: usize, buf: &mut [u8]) {
 }
 
 /// One-way µs, `[variant][size][rep]`. Every variant is a channel of the same two sessions;
-/// for each size and repetition the variants run back to back, so they share the machine's
-/// noise.
+/// for each size and repetition the variants run back to back (in an order rotated every
+/// repetition), so they share the machine's noise.
 fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
     let boots = ThreadBootstrap::group(2);
     std::thread::scope(|s| {
@@ -101,8 +101,12 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
                     let mut out = vec![vec![Vec::new(); SIZES.len()]; specs.len()];
                     for (k, &size) in SIZES.iter().enumerate() {
                         let mut buf = vec![1u8; size];
-                        for _ in 0..reps {
-                            for (v, ch) in chans.iter().enumerate() {
+                        for rep in 0..reps {
+                            // Rotate the order every repetition, so no variant always runs
+                            // right after the same other one.
+                            for i in 0..chans.len() {
+                                let v = (i + rep) % chans.len();
+                                let ch = &chans[v];
                                 for _ in 0..2 {
                                     round(ch, me, &mut buf);
                                 }
