@@ -448,7 +448,10 @@ impl Consumer {
             // Ask for the cache line the next bytes will land in while loading `head`: when a
             // short message arrives, the writer has just written both lines, and the two
             // transfers then overlap instead of following each other.
-            self.v.prefetch((self.tail & (cap - 1)) as usize);
+            let at = self.tail & (cap - 1);
+            self.v.prefetch(at as usize);
+            // A short message with its header often spills into the next line.
+            self.v.prefetch(((at + 64) & (cap - 1)) as usize);
             self.head_cache = self.v.head().load(Ordering::Acquire);
             a = index::used(self.head_cache, self.tail, cap)
                 .ok_or(bad(self.head_cache, self.tail))?;
