@@ -275,9 +275,14 @@ impl Bench<'_> {
         let buf = [1u8; 8];
         let mut rbuf = [0u8; 8];
         if let Ok(only) = std::env::var("MPI_BENCH_ONLY") {
-            // For `perf stat`: one kind of ping-pong only, 200 000 round trips.
+            // For `perf`/`valgrind`: one kind of ping-pong only, 200 000 round trips
+            // (`MPI_BENCH_ONLY_ITERS`).
+            let iters = std::env::var("MPI_BENCH_ONLY_ITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(200_000);
             let t = match only.as_str() {
-                "raw" => self.raw_pp_n(8, 200_000)?,
+                "raw" => self.raw_pp_n(8, iters)?,
                 "chan" => {
                     let ch = self.open("only", "mpi")?;
                     let mut rb = [0u8; 8];
@@ -285,7 +290,7 @@ impl Bench<'_> {
                     pingpong(
                         &self.world,
                         self.me,
-                        200_000,
+                        iters,
                         &mut || {
                             let mut pk = ch.begin_packing(peer)?;
                             pk.pack(&buf, RecvMode::Cheaper)?;
@@ -301,7 +306,7 @@ impl Bench<'_> {
                 _ => pingpong(
                     &self.world,
                     self.me,
-                    200_000,
+                    iters,
                     &mut || {
                         common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&buf)])
                     },
@@ -372,6 +377,131 @@ impl Bench<'_> {
             "driver only, latency 8 B: raw MPI {rmin:.3} / {rmed:.3} us, raw MPI_Irecv+MPI_Test {nmin:.3} / {nmed:.3} us, driver links {cmin:.3} / {cmed:.3} us, ratio to raw (median) {:.2}x",
             cmed / rmed
         ));
+        Ok(())
+    }
+
+    /// Where the time of the echo side goes, per message (8 B ping-pong, rank 1 answers): the
+    /// time from "the message is seen" to "the reply has left", split in phases, in TSC cycles
+    /// (median over the round trips, so preemptions do not count). Raw MPI: `MPI_Test`
+    /// success → `MPI_Send` returned. Driver links: `poll_message` ready → rest of the receive
+    /// (with_data, checkout, end_message) → the send (begin, with_buffer, end_message). Channel:
+    /// `begin_unpacking_from` returned (header read) → unpack + end_unpacking → begin_packing +
+    /// pack + end_packing.
+    #[cfg(target_arch = "x86_64")]
+    fn phases(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        // SAFETY: RDTSC has no memory effects; every x86_64 CPU has it.
+        let tsc = || unsafe { std::arch::x86_64::_rdtsc() };
+        let iters = 100_000usize;
+        let med = |v: &mut Vec<u64>| -> u64 {
+            v.sort_unstable();
+            v.get(v.len() / 2).copied().unwrap_or(0)
+        };
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("phases", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut opened = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let link = opened.links[self.peer]
+            .as_mut()
+            .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+        let ch = self.open("phases-chan", "mpi")?;
+        let p = self.world.process_at_rank(self.peer as i32);
+        let buf = [1u8; 8];
+        let mut rbuf = [0u8; 8];
+        let peer = self.peer;
+        for round in 0..3 {
+            // raw
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            let mut z = Vec::with_capacity(iters);
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    p.send(&buf[..]);
+                    p.receive_into(&mut rbuf[..]);
+                } else {
+                    let (t0, t1) = mpi::request::scope(|sc| {
+                        let mut req = p.immediate_receive_into(sc, &mut rbuf[..]);
+                        loop {
+                            let t0 = tsc();
+                            match req.test() {
+                                Ok(_) => break (t0, tsc()),
+                                Err(r) => req = r,
+                            }
+                        }
+                    });
+                    let t2 = tsc();
+                    p.send(&buf[..]);
+                    let t3 = tsc();
+                    z.push(t1 - t0);
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let raw = (med(&mut z), med(&mut a), med(&mut b));
+            // driver links
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            let mut z = Vec::with_capacity(iters);
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?;
+                    common::recv(link.rx.as_mut(), &mut [common::Dest::Copy(&mut rbuf)])?;
+                } else {
+                    let mut t0 = tsc();
+                    while link.rx.poll_message()?.is_pending() {
+                        t0 = tsc();
+                    }
+                    let t1 = tsc();
+                    z.push(t1 - t0);
+                    common::recv(link.rx.as_mut(), &mut [common::Dest::Copy(&mut rbuf)])?;
+                    let t2 = tsc();
+                    common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?;
+                    let t3 = tsc();
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let drv = (med(&mut z), med(&mut a), med(&mut b));
+            // channel
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    let mut pk = ch.begin_packing(peer)?;
+                    pk.pack(&buf, RecvMode::Cheaper)?;
+                    pk.end_packing()?;
+                    let mut u = ch.begin_unpacking_from(peer)?;
+                    u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                    u.end_unpacking()?;
+                } else {
+                    let mut u = ch.begin_unpacking_from(peer)?;
+                    let t1 = tsc();
+                    u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                    u.end_unpacking()?;
+                    let t2 = tsc();
+                    let mut pk = ch.begin_packing(peer)?;
+                    pk.pack(&buf, RecvMode::Cheaper)?;
+                    pk.end_packing()?;
+                    let t3 = tsc();
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let chan = (med(&mut a), med(&mut b));
+            if self.me == 1 {
+                println!(
+                    "phases round {round}, TSC cycles (median of {iters}): raw: successful test {} + after {} + send {}; driver links: successful poll {} + rest of recv {} + send {}; channel: unpack+end {} + pack+send {}",
+                    raw.0, raw.1, raw.2, drv.0, drv.1, drv.2, chan.0, chan.1
+                );
+            }
+        }
+        self.world.barrier();
         Ok(())
     }
 
@@ -592,6 +722,10 @@ fn run() -> Result<()> {
     }
     if what == "costs" {
         b.costs()?;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if what == "phases" {
+        b.phases()?;
     }
     if what == "all" || what == "drv" {
         b.drv_lat()?;

@@ -272,7 +272,7 @@ impl Driver for MpiDriver {
             world.reorder(me)?
         };
         let ch = Arc::new(ChanShared {
-            pre: Preposted::new(&comm, bs.size()),
+            pre: Preposted::new(&comm, bs.size(), DATA_TAG),
             comm,
         });
         let mut links = Vec::with_capacity(bs.size());
@@ -601,12 +601,13 @@ impl TxLink for MpiTx {
 /// The receiving half of an MPI connection.
 struct MpiRx {
     peer: usize,
-    /// The eager buffer in hand (None while posted) and its unread window.
+    /// The eager buffer in hand (None while parked in `ch.pre`) and its unread window.
     buf: Option<Vec<u8>>,
     len: usize,
     pos: usize,
-    /// Whether an eager receive from this peer is posted in `ch.pre`.
-    posted: bool,
+    /// Whether our eager buffer is in `ch.pre` (a receive from this peer posted, or to be
+    /// posted by the next test).
+    parked: bool,
     gather: Option<GatherOp>,
     p: Params,
     broken: Option<String>,
@@ -616,15 +617,16 @@ struct MpiRx {
 
 impl MpiRx {
     fn new(ch: Arc<ChanShared>, peer: usize, p: Params) -> Result<Self> {
-        // Every message starts with eager data: keep a receive posted for it.
-        ch.pre.post(peer, vec![0u8; p.eager_buf], DATA_TAG)?;
+        // Every message starts with eager data: the first receive is posted now, so the
+        // first message lands in place even if it arrives before the first poll.
+        ch.pre.park(peer, vec![0u8; p.eager_buf], true)?;
         Ok(MpiRx {
             ch,
             peer,
             buf: None,
             len: 0,
             pos: 0,
-            posted: true,
+            parked: true,
             gather: None,
             p,
             broken: None,
@@ -641,8 +643,11 @@ impl MpiRx {
         }
     }
 
-    fn post(&mut self) -> Result<()> {
-        if !self.posted {
+    /// Give the eager buffer back for the next eager message; no MPI call here: the receive
+    /// is posted by the next test (`fill`, or an any-source poll), off the critical path of a
+    /// ping-pong (the reply leaves first).
+    fn park(&mut self) -> Result<()> {
+        if !self.parked {
             let b = self
                 .buf
                 .take()
@@ -651,19 +656,20 @@ impl MpiRx {
             self.pos = 0;
             self.ch
                 .pre
-                .post(self.peer, b, DATA_TAG)
+                .park(self.peer, b, false)
                 .map_err(|e| lost(self.peer, e))?;
-            self.posted = true;
+            self.parked = true;
         }
         Ok(())
     }
 
     /// Make eager bytes available; Pending when none has arrived yet.
+    #[inline]
     fn fill(&mut self) -> Result<Poll<()>> {
         if self.pos < self.len {
             return Ok(Poll::Ready(()));
         }
-        self.post()?;
+        self.park()?;
         match self
             .ch
             .pre
@@ -672,7 +678,7 @@ impl MpiRx {
         {
             None => Ok(Poll::Pending),
             Some((b, n)) => {
-                self.posted = false;
+                self.parked = false;
                 self.buf = Some(b);
                 self.len = n;
                 self.pos = 0;
@@ -728,7 +734,7 @@ impl RxLink for MpiRx {
             ));
         }
         if self.gather.is_none() {
-            if self.pos < self.len || self.posted {
+            if self.pos < self.len || self.parked {
                 return Err(self.poison(
                     "copy data left unread before a gather group (unpack sequence differs from pack)"
                         .into(),
@@ -768,15 +774,15 @@ impl RxLink for MpiRx {
 
     fn end_message(&mut self) -> Result<()> {
         self.checkout(0)?;
-        // Post the receive for the next message's eager data now.
-        self.post()
+        // The buffer goes back for the next message's eager data (posted by the next test).
+        self.park()
     }
 
     fn abort_message(&mut self) {
         // Cancels and waits for an unfinished scatter receive before the user memory goes.
         self.gather = None;
         self.ch.pre.cancel(self.peer);
-        self.posted = false;
+        self.parked = false;
         self.broken = Some("a message was abandoned midway; the stream is out of step".into());
     }
 
