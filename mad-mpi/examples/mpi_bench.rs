@@ -505,6 +505,109 @@ impl Bench<'_> {
         Ok(())
     }
 
+    /// Processor time per 8-byte message, sender and receiver apart, without waiting for the
+    /// other side: rank 0 times a burst of `W` sends (eager: they do not wait for the
+    /// receiver), then, after a barrier (every message has arrived), rank 1 times the `W`
+    /// receives. Median over rounds of the time per message, in ns. Raw MPI (`MPI_Send`,
+    /// `MPI_Recv`), the driver links (test mini-engine) and the channel, interleaved.
+    fn cpu(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        const W: usize = 32;
+        let rounds = 2000usize;
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("cpu", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut opened = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let link = opened.links[self.peer]
+            .as_mut()
+            .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+        let ch = self.open("cpu-chan", "mpi")?;
+        let p = self.world.process_at_rank(self.peer as i32);
+        let buf = [1u8; 8];
+        let mut rbuf = [0u8; 8];
+        let peer = self.peer;
+        let names = ["raw MPI", "driver links", "mpi channel"];
+        let mut send_ns: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let mut recv_ns: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        // For profiles: `MPI_BENCH_CPU_ONLY=0|1|2` runs one of the three only.
+        let only: Option<usize> = std::env::var("MPI_BENCH_CPU_ONLY")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        for _ in 0..rounds {
+            for (k, (sv, rv)) in send_ns.iter_mut().zip(recv_ns.iter_mut()).enumerate() {
+                if only.is_some_and(|o| o != k) {
+                    continue;
+                }
+                self.world.barrier();
+                if self.me == 0 {
+                    let t = Instant::now();
+                    for _ in 0..W {
+                        match k {
+                            0 => p.send(&buf[..]),
+                            1 => common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?,
+                            _ => {
+                                let mut pk = ch.begin_packing(peer)?;
+                                pk.pack(&buf, RecvMode::Cheaper)?;
+                                pk.end_packing()?;
+                            }
+                        }
+                    }
+                    sv.push(t.elapsed().as_nanos() as f64 / W as f64);
+                }
+                self.world.barrier();
+                if self.me == 1 {
+                    let t = Instant::now();
+                    for _ in 0..W {
+                        match k {
+                            0 => {
+                                p.receive_into(&mut rbuf[..]);
+                            }
+                            1 => common::recv(
+                                link.rx.as_mut(),
+                                &mut [common::Dest::Copy(&mut rbuf)],
+                            )?,
+                            _ => {
+                                let mut u = ch.begin_unpacking_from(peer)?;
+                                u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                                u.end_unpacking()?;
+                            }
+                        }
+                    }
+                    rv.push(t.elapsed().as_nanos() as f64 / W as f64);
+                }
+            }
+        }
+        // Rank 1 sends its receive figures to rank 0, which prints.
+        let mut mine: Vec<f64> = recv_ns
+            .iter_mut()
+            .map(|v| {
+                v.sort_by(|a, b| a.total_cmp(b));
+                v.get(v.len() / 2).copied().unwrap_or(0.0)
+            })
+            .collect();
+        if self.me == 1 {
+            p.send(&mine[..]);
+        } else {
+            p.receive_into(&mut mine[..]);
+            println!("processor time per 8 B message, ns (median of {rounds} bursts of {W}; receiver: every message already arrived):");
+            for (k, name) in names.iter().enumerate() {
+                let v = &mut send_ns[k];
+                v.sort_by(|a, b| a.total_cmp(b));
+                if let Some(&m) = v.get(v.len() / 2) {
+                    println!("  {name:<13} send {m:>6.1}  receive {:>6.1}", mine[k]);
+                }
+            }
+        }
+        self.world.barrier();
+        Ok(())
+    }
+
     /// Cost of one "nothing arrived" poll: driver `poll_message` vs raw `MPI_Test`.
     fn costs(&self) -> Result<()> {
         use mad_core::driver::{Driver, OpenContext};
@@ -597,6 +700,102 @@ impl Bench<'_> {
                     gb(cmin) / gb(rmin)
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Channel specs side by side, raw MPI beside, one-way µs (ping-pong of one CHEAPER
+    /// piece): `MPI_BENCH_SPECS` (`;`-separated, default `mpi,inline=0;mpi,inline=65536`:
+    /// `MPI_Isend` + `MPI_Test` against a blocking `MPI_Send` for eager messages) and
+    /// `MPI_BENCH_SIZES` (`,`-separated bytes, default 8,256,1024,2048,4096). A spec
+    /// `drv:<spec>` measures the driver's links alone (the test mini-engine, one copy piece).
+    /// `MPI_BENCH_PIECES=k` splits each channel message into k CHEAPER pieces.
+    fn cmp(&self) -> Result<()> {
+        let specs = std::env::var("MPI_BENCH_SPECS")
+            .unwrap_or_else(|_| "mpi,inline=0;mpi,inline=65536".into());
+        // `MPI_BENCH_PIECES=k`: the channels send each message as k CHEAPER pieces of n/k.
+        let pieces: usize = std::env::var("MPI_BENCH_PIECES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+            .max(1);
+        let sizes: Vec<usize> = std::env::var("MPI_BENCH_SIZES")
+            .unwrap_or_else(|_| "8,256,1024,2048,4096".into())
+            .split(',')
+            .filter_map(|v| v.trim().parse().ok())
+            .collect();
+        let chans: Vec<(String, Channel)> = specs
+            .split(';')
+            .filter(|sp| !sp.starts_with("drv:"))
+            .enumerate()
+            .map(|(i, sp)| Ok((sp.to_string(), self.open(&format!("cmp-{i}"), sp)?)))
+            .collect::<Result<_>>()?;
+        // `drv:<spec>` entries: the driver's links alone (test mini-engine), one copy piece.
+        let mut drvs = Vec::new();
+        for sp in specs.split(';').filter_map(|sp| sp.strip_prefix("drv:")) {
+            use mad_core::driver::{Driver, OpenContext};
+            let d = MpiDriver::new();
+            let config = ChannelConfig::parse("cmp-drv", sp)?;
+            let table = d.tm_table(&config)?;
+            let progress = mad_core::progress::ProgressPolicy::default();
+            let opened = d.open(&OpenContext {
+                config: &config,
+                bootstrap: self.session.bootstrap(),
+                table: &table,
+                progress: &progress,
+            })?;
+            drvs.push((format!("drv:{sp}"), opened));
+        }
+        self.say("one-way us, min / median:".into());
+        for n in sizes {
+            let mut raw = Vec::new();
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); chans.len() + drvs.len()];
+            let sb = vec![1u8; n];
+            let mut rb = vec![0u8; n];
+            let mut nb = Vec::new();
+            for _ in 0..runs() {
+                raw.push(self.raw_pp(n)?);
+                nb.push(self.raw_pp_nb(n)?);
+                for (k, (_, ch)) in chans.iter().enumerate() {
+                    per[k].push(if pieces > 1 {
+                        self.chan_group(ch, pieces, n / pieces)?
+                    } else {
+                        self.chan_pp(ch, n)?
+                    });
+                }
+                for (k, (_, opened)) in drvs.iter_mut().enumerate() {
+                    let link = opened.links[self.peer]
+                        .as_mut()
+                        .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+                    let link = std::cell::RefCell::new(link);
+                    per[chans.len() + k].push(pingpong(
+                        &self.world,
+                        self.me,
+                        iters_for(n),
+                        &mut || {
+                            common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&sb)])
+                        },
+                        &mut || {
+                            common::recv(
+                                link.borrow_mut().rx.as_mut(),
+                                &mut [common::Dest::Copy(&mut rb)],
+                            )
+                        },
+                    )?);
+                }
+            }
+            let r = stats(&mut raw);
+            let b = stats(&mut nb);
+            let mut line = format!(
+                "  {n:>7} B: raw MPI {:.3} / {:.3} us, raw MPI_Irecv+MPI_Test {:.3} / {:.3} us",
+                r.0, r.1, b.0, b.1
+            );
+            let names = chans.iter().map(|c| &c.0).chain(drvs.iter().map(|d| &d.0));
+            for (k, sp) in names.enumerate() {
+                let c = stats(&mut per[k]);
+                line.push_str(&format!(", {sp} {:.3} / {:.3} us", c.0, c.1));
+            }
+            self.say(line);
         }
         Ok(())
     }
@@ -722,6 +921,12 @@ fn run() -> Result<()> {
     }
     if what == "costs" {
         b.costs()?;
+    }
+    if what == "cmp" {
+        b.cmp()?;
+    }
+    if what == "cpu" {
+        b.cpu()?;
     }
     #[cfg(target_arch = "x86_64")]
     if what == "phases" {

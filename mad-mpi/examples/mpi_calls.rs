@@ -72,6 +72,18 @@ struct Ep {
     rbuf: Vec<u8>,
     req: ffi::MPI_Request,
     null: ffi::MPI_Request,
+    /// TSC cycles of the successful `MPI_Test` and of `MPI_Get_count`.
+    cyc: Vec<(u64, u64)>,
+}
+
+fn tsc() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: RDTSC has no memory effects.
+    unsafe {
+        std::arch::x86_64::_rdtsc()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
 }
 
 impl Ep {
@@ -109,14 +121,19 @@ impl Ep {
     fn test_loop(&mut self) {
         let mut flag: c_int = 0;
         let mut st = status();
+        let mut t0 = tsc();
         while flag == 0 {
+            t0 = tsc();
             // SAFETY: an active request of ours; valid out-pointers.
             unsafe { ffi::MPI_Test(&mut self.req, &mut flag, &mut st) };
         }
+        let t1 = tsc();
         let mut c: c_int = 0;
         // SAFETY: `st` was filled by MPI.
         unsafe { ffi::MPI_Get_count(&st, self.byte, &mut c) };
         std::hint::black_box(c);
+        let t2 = tsc();
+        self.cyc.push((t1 - t0, t2 - t1));
     }
 
     fn recv(&mut self, pat: Pat) {
@@ -239,6 +256,38 @@ impl Ep {
     }
 }
 
+/// `mpi_calls eager`: up to which size does `MPI_Send` return without the receiver? Rank 1
+/// posts its receive 2 ms late; a send that takes about that long waited for it (median of 7).
+fn eager_limits(ep: &mut Ep, me: c_int) {
+    for n in [
+        64usize, 128, 200, 232, 240, 248, 256, 264, 512, 1024, 1032, 2048, 4096, 4104, 8192, 8200,
+        12288, 16384, 65536,
+    ] {
+        let mut ts = Vec::new();
+        for _ in 0..7 {
+            // SAFETY: valid communicator.
+            unsafe { ffi::MPI_Barrier(ep.comm) };
+            if me == 0 {
+                let t = Instant::now();
+                ep.send(n);
+                ts.push(t.elapsed().as_secs_f64() * 1e6);
+            } else {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                ep.recv(Pat::Recv);
+            }
+        }
+        if me == 0 {
+            ts.sort_by(|a, b| a.total_cmp(b));
+            let med = ts[ts.len() / 2];
+            println!(
+                "  MPI_Send of {n:>6} B with the receive posted 2 ms late: median {med:>8.1} us, max {:>8.1} us ({})",
+                ts[ts.len() - 1],
+                if med > 1000.0 { "waited" } else { "eager" }
+            );
+        }
+    }
+}
+
 fn main() {
     let n: usize = std::env::args()
         .nth(1)
@@ -252,7 +301,13 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000);
-    let Some(_universe) = mpi::initialize() else {
+    // `MPI_CALLS_MT=1`: MPI_THREAD_MULTIPLE, as the driver asks for.
+    let universe = if std::env::var("MPI_CALLS_MT").is_ok_and(|v| v == "1") {
+        mpi::initialize_with_threading(mpi::environment::Threading::Multiple).map(|(u, _)| u)
+    } else {
+        mpi::initialize()
+    };
+    let Some(_universe) = universe else {
         eprintln!("mpi_calls: MPI_Init failed");
         std::process::exit(1);
     };
@@ -287,11 +342,24 @@ fn main() {
         rbuf: vec![0u8; BUF],
         req: null,
         null,
+        cyc: Vec::new(),
     };
+    if std::env::args().nth(1).as_deref() == Some("eager") {
+        eager_limits(&mut ep, me);
+        // SAFETY: our duplicate, freed once.
+        unsafe { ffi::MPI_Comm_free(&mut ep.comm) };
+        return;
+    }
+    let mut cyc: Vec<(Vec<u64>, Vec<u64>)> = vec![(Vec::new(), Vec::new()); PATS.len()];
     let mut res: Vec<Vec<f64>> = vec![Vec::new(); PATS.len()];
     for _ in 0..runs {
         for (i, &p) in PATS.iter().enumerate() {
+            ep.cyc.clear();
             res[i].push(ep.pingpong(me, p, n, iters));
+            for &(a, b) in &ep.cyc {
+                cyc[i].0.push(a);
+                cyc[i].1.push(b);
+            }
         }
     }
     if me == 0 {
@@ -301,7 +369,18 @@ fn main() {
         for (i, &p) in PATS.iter().enumerate() {
             let v = &mut res[i];
             v.sort_by(|a, b| a.total_cmp(b));
-            println!("  {:<34} {:.3} / {:.3}", p.name(), v[0], v[v.len() / 2]);
+            let (a, b) = &mut cyc[i];
+            a.sort_unstable();
+            b.sort_unstable();
+            let med = |v: &[u64]| v.get(v.len() / 2).copied().unwrap_or(0);
+            println!(
+                "  {:<34} {:.3} / {:.3}   (TSC cycles, median: successful MPI_Test {}, MPI_Get_count {})",
+                p.name(),
+                v[0],
+                v[v.len() / 2],
+                med(a),
+                med(b)
+            );
         }
     }
     // SAFETY: our duplicate, freed once.

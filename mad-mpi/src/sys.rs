@@ -437,9 +437,9 @@ impl Comm {
             .collect())
     }
 
-    /// Blocking `MPI_Send` of a small message. Only for messages both MPIs send eagerly (a
-    /// few hundred bytes to 1 KiB): the call returns once the bytes are copied out, without
-    /// waiting for the receiver.
+    /// Blocking `MPI_Send` of a small message. Only for messages the MPI sends eagerly (the
+    /// driver's per-family limits): the call returns once the bytes are copied out, without
+    /// waiting for the receiver (unless the receiver's queue is full).
     pub fn send_small(&self, buf: &[u8], dest: usize, tag: i32) -> Result<()> {
         let n = to_int(buf.len(), "eager message")?;
         let dest = to_int(dest, "rank")?;
