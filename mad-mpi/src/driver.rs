@@ -729,7 +729,9 @@ impl MpiRx {
         if self.pos < self.len {
             return Ok(Poll::Ready(()));
         }
-        self.park()?;
+        if !self.parked {
+            self.park()?;
+        }
         match self
             .ch
             .pre

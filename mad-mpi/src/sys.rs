@@ -844,36 +844,58 @@ impl Preposted {
     /// The link's poll: the completed receive of `peer` (its buffer and byte count), posting
     /// the parked buffer first if needed; `None` while nothing has arrived (or while an
     /// any-source poller holds the slot for a moment).
+    ///
+    /// Inlined fast path (a posted slot: one compare-and-swap, one `MPI_Test`, one store);
+    /// the other states go through [`take_other`](Self::take_other).
+    #[inline]
     pub fn take(&self, peer: usize) -> Result<Option<(Vec<u8>, usize)>> {
         let Some(slot) = self.slots.get(peer) else {
             return Ok(None);
         };
-        let s = slot.state.load(Ordering::Acquire);
-        match s {
+        if slot
+            .state
+            .compare_exchange(POSTED, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return self.take_other(peer, slot);
+        }
+        self.test_claimed(peer, slot)
+    }
+
+    /// `take` of a slot that was not simply POSTED: DONE (an any-source poller saw the
+    /// message), IDLE (post first), or claimed by a poller / EMPTY (nothing for now).
+    #[inline(never)]
+    fn take_other(&self, peer: usize, slot: &Slot) -> Result<Option<(Vec<u8>, usize)>> {
+        match slot.state.load(Ordering::Acquire) {
             DONE => {
                 // SAFETY: DONE slots belong to their link, the caller.
                 let (buf, count) = unsafe { ((*slot.buf.get()).take(), *slot.count.get()) };
                 slot.state.store(EMPTY, Ordering::Relaxed);
-                return Self::taken(peer, buf, count).map(Some);
+                Self::taken(peer, buf, count).map(Some)
             }
-            IDLE | POSTED => {}
-            _ => return Ok(None),
-        }
-        if slot
-            .state
-            .compare_exchange(s, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            // A poller claimed it; it will leave it POSTED or DONE.
-            return Ok(None);
-        }
-        if s == IDLE {
-            // SAFETY: claimed; an IDLE slot holds a buffer and no active request.
-            if let Err(e) = unsafe { self.post(peer, slot) } {
-                slot.state.store(IDLE, Ordering::Release);
-                return Err(e);
+            IDLE => {
+                if slot
+                    .state
+                    .compare_exchange(IDLE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_err()
+                {
+                    // A poller claimed it; it will leave it POSTED or DONE.
+                    return Ok(None);
+                }
+                // SAFETY: claimed; an IDLE slot holds a buffer and no active request.
+                if let Err(e) = unsafe { self.post(peer, slot) } {
+                    slot.state.store(IDLE, Ordering::Release);
+                    return Err(e);
+                }
+                self.test_claimed(peer, slot)
             }
+            _ => Ok(None),
         }
+    }
+
+    /// `MPI_Test` of a slot we claimed; leaves it POSTED (nothing yet) or EMPTY (taken).
+    #[inline]
+    fn test_claimed(&self, peer: usize, slot: &Slot) -> Result<Option<(Vec<u8>, usize)>> {
         let mut flag: c_int = 0;
         let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
         let rc = {
@@ -881,12 +903,9 @@ impl Preposted {
             // SAFETY: claimed: the slot's request is ours to test; valid out-pointers.
             unsafe { ffi::MPI_Test(slot.req.get(), &mut flag, status.as_mut_ptr()) }
         };
-        if let Err(e) = check(rc, "MPI_Test(eager)") {
+        if rc != 0 || flag == 0 {
             slot.state.store(POSTED, Ordering::Release);
-            return Err(e);
-        }
-        if flag == 0 {
-            slot.state.store(POSTED, Ordering::Release);
+            check(rc, "MPI_Test(eager)")?;
             return Ok(None);
         }
         // SAFETY: MPI_Test set `flag`, so it filled the status.
@@ -898,6 +917,7 @@ impl Preposted {
         Self::taken(peer, buf, count).map(Some)
     }
 
+    #[inline]
     fn taken(peer: usize, buf: Option<Vec<u8>>, count: usize) -> Result<(Vec<u8>, usize)> {
         let buf = buf.unwrap_or_default();
         if count == BAD_COUNT || count > buf.len() {
