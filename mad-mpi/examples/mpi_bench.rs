@@ -2,8 +2,15 @@
 //!
 //! ```text
 //! MPICC=mpicc.mpich CARGO_TARGET_DIR=target-mpich cargo build --release -p mad-mpi --example mpi_bench
-//! mpiexec.mpich -bind-to core -n 2 target-mpich/release/examples/mpi_bench [all|lat|bw|rpc|sweep]
+//! mpiexec.mpich -bind-to core -n 2 target-mpich/release/examples/mpi_bench [MODE]
 //! ```
+//!
+//! Modes: `all` (lat + drv + rpc + sweep), `lat` (8 B latency and 4 MiB ping-pong bandwidth),
+//! `drv` (the driver's links alone, test mini-engine, against raw MPI; `MPI_BENCH_ONLY=raw|drv|chan`
+//! runs one kind only, `MPI_BENCH_ONLY_ITERS` round trips, for `perf`/`valgrind`), `rpc`,
+//! `sweep` (the TM thresholds), `cmp` (channel specs side by side: `MPI_BENCH_SPECS`,
+//! `MPI_BENCH_SIZES`, `MPI_BENCH_PIECES`), `cpu` (processor time per message, each side alone),
+//! `phases` (TSC cycles per phase of the echo side), `costs` (one idle poll).
 //!
 //! Every figure is a one-way time (half a round trip) or a one-way bandwidth from a ping-pong
 //! between ranks 0 and 1; each measurement runs 5 times (`MPI_BENCH_RUNS`), raw MPI and channel interleaved, and
@@ -128,6 +135,29 @@ impl Bench<'_> {
                         }
                     }
                 });
+                Ok(())
+            },
+        )
+    }
+
+    /// Raw MPI ping-pong in the channel's protocol: an 8-byte message, then the body (the
+    /// receiver posts the body's receive once the first message is in).
+    fn raw_pp_two(&self, n: usize) -> Result<f64> {
+        let buf = vec![1u8; n];
+        let mut rbuf = vec![0u8; n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                p.send(&(n as u64));
+                p.send(&buf[..]);
+                Ok(())
+            },
+            &mut || {
+                let (len, _) = p.receive::<u64>();
+                p.receive_into(&mut rbuf[..len as usize]);
                 Ok(())
             },
         )
@@ -708,7 +738,8 @@ impl Bench<'_> {
     /// piece): `MPI_BENCH_SPECS` (`;`-separated, default `mpi,inline=0;mpi,inline=65536`:
     /// `MPI_Isend` + `MPI_Test` against a blocking `MPI_Send` for eager messages) and
     /// `MPI_BENCH_SIZES` (`,`-separated bytes, default 8,256,1024,2048,4096). A spec
-    /// `drv:<spec>` measures the driver's links alone (the test mini-engine, one copy piece).
+    /// `drv:<spec>` measures the driver's links alone (the test mini-engine, one copy piece),
+    /// `drvg:<spec>` the same with an 8-byte copy piece and the body as a gather group.
     /// `MPI_BENCH_PIECES=k` splits each channel message into k CHEAPER pieces.
     fn cmp(&self) -> Result<()> {
         let specs = std::env::var("MPI_BENCH_SPECS")
@@ -726,13 +757,17 @@ impl Bench<'_> {
             .collect();
         let chans: Vec<(String, Channel)> = specs
             .split(';')
-            .filter(|sp| !sp.starts_with("drv:"))
+            .filter(|sp| !sp.starts_with("drv:") && !sp.starts_with("drvg:"))
             .enumerate()
             .map(|(i, sp)| Ok((sp.to_string(), self.open(&format!("cmp-{i}"), sp)?)))
             .collect::<Result<_>>()?;
         // `drv:<spec>` entries: the driver's links alone (test mini-engine), one copy piece.
         let mut drvs = Vec::new();
-        for sp in specs.split(';').filter_map(|sp| sp.strip_prefix("drv:")) {
+        for (sp, group) in specs.split(';').filter_map(|sp| {
+            sp.strip_prefix("drv:")
+                .map(|s| (s, false))
+                .or_else(|| sp.strip_prefix("drvg:").map(|s| (s, true)))
+        }) {
             use mad_core::driver::{Driver, OpenContext};
             let d = MpiDriver::new();
             let config = ChannelConfig::parse("cmp-drv", sp)?;
@@ -744,7 +779,11 @@ impl Bench<'_> {
                 table: &table,
                 progress: &progress,
             })?;
-            drvs.push((format!("drv:{sp}"), opened));
+            drvs.push((
+                format!("{}:{sp}", if group { "drvg" } else { "drv" }),
+                opened,
+                group,
+            ));
         }
         self.say("one-way us, min / median:".into());
         for n in sizes {
@@ -753,9 +792,11 @@ impl Bench<'_> {
             let sb = vec![1u8; n];
             let mut rb = vec![0u8; n];
             let mut nb = Vec::new();
+            let mut two = Vec::new();
             for _ in 0..runs() {
                 raw.push(self.raw_pp(n)?);
                 nb.push(self.raw_pp_nb(n)?);
+                two.push(self.raw_pp_two(n)?);
                 for (k, (_, ch)) in chans.iter().enumerate() {
                     per[k].push(if pieces > 1 {
                         self.chan_group(ch, pieces, n / pieces)?
@@ -763,32 +804,52 @@ impl Bench<'_> {
                         self.chan_pp(ch, n)?
                     });
                 }
-                for (k, (_, opened)) in drvs.iter_mut().enumerate() {
+                for (k, (_, opened, group)) in drvs.iter_mut().enumerate() {
+                    let group = *group;
                     let link = opened.links[self.peer]
                         .as_mut()
                         .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
                     let link = std::cell::RefCell::new(link);
+                    let hdr = [7u8; 8];
+                    let mut rhdr = [0u8; 8];
                     per[chans.len() + k].push(pingpong(
                         &self.world,
                         self.me,
                         iters_for(n),
                         &mut || {
-                            common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&sb)])
+                            let mut l = link.borrow_mut();
+                            if group {
+                                common::send(
+                                    l.tx.as_mut(),
+                                    &[common::Piece::Copy(&hdr), common::Piece::Group(vec![&sb])],
+                                )
+                            } else {
+                                common::send(l.tx.as_mut(), &[common::Piece::Copy(&sb)])
+                            }
                         },
                         &mut || {
-                            common::recv(
-                                link.borrow_mut().rx.as_mut(),
-                                &mut [common::Dest::Copy(&mut rb)],
-                            )
+                            let mut l = link.borrow_mut();
+                            if group {
+                                common::recv(
+                                    l.rx.as_mut(),
+                                    &mut [
+                                        common::Dest::Copy(&mut rhdr),
+                                        common::Dest::Group(vec![&mut rb]),
+                                    ],
+                                )
+                            } else {
+                                common::recv(l.rx.as_mut(), &mut [common::Dest::Copy(&mut rb)])
+                            }
                         },
                     )?);
                 }
             }
             let r = stats(&mut raw);
             let b = stats(&mut nb);
+            let t = stats(&mut two);
             let mut line = format!(
-                "  {n:>7} B: raw MPI {:.3} / {:.3} us, raw MPI_Irecv+MPI_Test {:.3} / {:.3} us",
-                r.0, r.1, b.0, b.1
+                "  {n:>7} B: raw MPI {:.3} / {:.3} us, raw MPI_Irecv+MPI_Test {:.3} / {:.3} us, raw header+body {:.3} / {:.3} us",
+                r.0, r.1, b.0, b.1, t.0, t.1
             );
             let names = chans.iter().map(|c| &c.0).chain(drvs.iter().map(|d| &d.0));
             for (k, sp) in names.enumerate() {
