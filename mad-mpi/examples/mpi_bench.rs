@@ -2,8 +2,15 @@
 //!
 //! ```text
 //! MPICC=mpicc.mpich CARGO_TARGET_DIR=target-mpich cargo build --release -p mad-mpi --example mpi_bench
-//! mpiexec.mpich -bind-to core -n 2 target-mpich/release/examples/mpi_bench [all|lat|bw|rpc|sweep]
+//! mpiexec.mpich -bind-to core -n 2 target-mpich/release/examples/mpi_bench [MODE]
 //! ```
+//!
+//! Modes: `all` (lat + drv + rpc + sweep), `lat` (8 B latency and 4 MiB ping-pong bandwidth),
+//! `drv` (the driver's links alone, test mini-engine, against raw MPI; `MPI_BENCH_ONLY=raw|drv|chan`
+//! runs one kind only, `MPI_BENCH_ONLY_ITERS` round trips, for `perf`/`valgrind`), `rpc`,
+//! `sweep` (the TM thresholds), `cmp` (channel specs side by side: `MPI_BENCH_SPECS`,
+//! `MPI_BENCH_SIZES`, `MPI_BENCH_PIECES`), `cpu` (processor time per message, each side alone),
+//! `phases` (TSC cycles per phase of the echo side), `costs` (one idle poll).
 //!
 //! Every figure is a one-way time (half a round trip) or a one-way bandwidth from a ping-pong
 //! between ranks 0 and 1; each measurement runs 5 times (`MPI_BENCH_RUNS`), raw MPI and channel interleaved, and
@@ -128,6 +135,29 @@ impl Bench<'_> {
                         }
                     }
                 });
+                Ok(())
+            },
+        )
+    }
+
+    /// Raw MPI ping-pong in the channel's protocol: an 8-byte message, then the body (the
+    /// receiver posts the body's receive once the first message is in).
+    fn raw_pp_two(&self, n: usize) -> Result<f64> {
+        let buf = vec![1u8; n];
+        let mut rbuf = vec![0u8; n];
+        let p = self.world.process_at_rank(self.peer as i32);
+        pingpong(
+            &self.world,
+            self.me,
+            iters_for(n),
+            &mut || {
+                p.send(&(n as u64));
+                p.send(&buf[..]);
+                Ok(())
+            },
+            &mut || {
+                let (len, _) = p.receive::<u64>();
+                p.receive_into(&mut rbuf[..len as usize]);
                 Ok(())
             },
         )
@@ -275,9 +305,14 @@ impl Bench<'_> {
         let buf = [1u8; 8];
         let mut rbuf = [0u8; 8];
         if let Ok(only) = std::env::var("MPI_BENCH_ONLY") {
-            // For `perf stat`: one kind of ping-pong only, 200 000 round trips.
+            // For `perf`/`valgrind`: one kind of ping-pong only, 200 000 round trips
+            // (`MPI_BENCH_ONLY_ITERS`).
+            let iters = std::env::var("MPI_BENCH_ONLY_ITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(200_000);
             let t = match only.as_str() {
-                "raw" => self.raw_pp_n(8, 200_000)?,
+                "raw" => self.raw_pp_n(8, iters)?,
                 "chan" => {
                     let ch = self.open("only", "mpi")?;
                     let mut rb = [0u8; 8];
@@ -285,7 +320,7 @@ impl Bench<'_> {
                     pingpong(
                         &self.world,
                         self.me,
-                        200_000,
+                        iters,
                         &mut || {
                             let mut pk = ch.begin_packing(peer)?;
                             pk.pack(&buf, RecvMode::Cheaper)?;
@@ -301,7 +336,7 @@ impl Bench<'_> {
                 _ => pingpong(
                     &self.world,
                     self.me,
-                    200_000,
+                    iters,
                     &mut || {
                         common::send(link.borrow_mut().tx.as_mut(), &[common::Piece::Copy(&buf)])
                     },
@@ -372,6 +407,234 @@ impl Bench<'_> {
             "driver only, latency 8 B: raw MPI {rmin:.3} / {rmed:.3} us, raw MPI_Irecv+MPI_Test {nmin:.3} / {nmed:.3} us, driver links {cmin:.3} / {cmed:.3} us, ratio to raw (median) {:.2}x",
             cmed / rmed
         ));
+        Ok(())
+    }
+
+    /// Where the time of the echo side goes, per message (8 B ping-pong, rank 1 answers): the
+    /// time from "the message is seen" to "the reply has left", split in phases, in TSC cycles
+    /// (median over the round trips, so preemptions do not count). Raw MPI: `MPI_Test`
+    /// success → `MPI_Send` returned. Driver links: `poll_message` ready → rest of the receive
+    /// (with_data, checkout, end_message) → the send (begin, with_buffer, end_message). Channel:
+    /// `begin_unpacking_from` returned (header read) → unpack + end_unpacking → begin_packing +
+    /// pack + end_packing.
+    #[cfg(target_arch = "x86_64")]
+    fn phases(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        // SAFETY: RDTSC has no memory effects; every x86_64 CPU has it.
+        let tsc = || unsafe { std::arch::x86_64::_rdtsc() };
+        let iters = 100_000usize;
+        let med = |v: &mut Vec<u64>| -> u64 {
+            v.sort_unstable();
+            v.get(v.len() / 2).copied().unwrap_or(0)
+        };
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("phases", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut opened = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let link = opened.links[self.peer]
+            .as_mut()
+            .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+        let ch = self.open("phases-chan", "mpi")?;
+        let p = self.world.process_at_rank(self.peer as i32);
+        let buf = [1u8; 8];
+        let mut rbuf = [0u8; 8];
+        let peer = self.peer;
+        for round in 0..3 {
+            // raw
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            let mut z = Vec::with_capacity(iters);
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    p.send(&buf[..]);
+                    p.receive_into(&mut rbuf[..]);
+                } else {
+                    let (t0, t1) = mpi::request::scope(|sc| {
+                        let mut req = p.immediate_receive_into(sc, &mut rbuf[..]);
+                        loop {
+                            let t0 = tsc();
+                            match req.test() {
+                                Ok(_) => break (t0, tsc()),
+                                Err(r) => req = r,
+                            }
+                        }
+                    });
+                    let t2 = tsc();
+                    p.send(&buf[..]);
+                    let t3 = tsc();
+                    z.push(t1 - t0);
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let raw = (med(&mut z), med(&mut a), med(&mut b));
+            // driver links
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            let mut z = Vec::with_capacity(iters);
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?;
+                    common::recv(link.rx.as_mut(), &mut [common::Dest::Copy(&mut rbuf)])?;
+                } else {
+                    let mut t0 = tsc();
+                    while link.rx.poll_message()?.is_pending() {
+                        t0 = tsc();
+                    }
+                    let t1 = tsc();
+                    z.push(t1 - t0);
+                    common::recv(link.rx.as_mut(), &mut [common::Dest::Copy(&mut rbuf)])?;
+                    let t2 = tsc();
+                    common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?;
+                    let t3 = tsc();
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let drv = (med(&mut z), med(&mut a), med(&mut b));
+            // channel
+            let (mut a, mut b) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+            self.world.barrier();
+            for _ in 0..iters {
+                if self.me == 0 {
+                    let mut pk = ch.begin_packing(peer)?;
+                    pk.pack(&buf, RecvMode::Cheaper)?;
+                    pk.end_packing()?;
+                    let mut u = ch.begin_unpacking_from(peer)?;
+                    u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                    u.end_unpacking()?;
+                } else {
+                    let mut u = ch.begin_unpacking_from(peer)?;
+                    let t1 = tsc();
+                    u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                    u.end_unpacking()?;
+                    let t2 = tsc();
+                    let mut pk = ch.begin_packing(peer)?;
+                    pk.pack(&buf, RecvMode::Cheaper)?;
+                    pk.end_packing()?;
+                    let t3 = tsc();
+                    a.push(t2 - t1);
+                    b.push(t3 - t2);
+                }
+            }
+            let chan = (med(&mut a), med(&mut b));
+            if self.me == 1 {
+                println!(
+                    "phases round {round}, TSC cycles (median of {iters}): raw: successful test {} + after {} + send {}; driver links: successful poll {} + rest of recv {} + send {}; channel: unpack+end {} + pack+send {}",
+                    raw.0, raw.1, raw.2, drv.0, drv.1, drv.2, chan.0, chan.1
+                );
+            }
+        }
+        self.world.barrier();
+        Ok(())
+    }
+
+    /// Processor time per 8-byte message, sender and receiver apart, without waiting for the
+    /// other side: rank 0 times a burst of `W` sends (eager: they do not wait for the
+    /// receiver), then, after a barrier (every message has arrived), rank 1 times the `W`
+    /// receives. Median over rounds of the time per message, in ns. Raw MPI (`MPI_Send`,
+    /// `MPI_Recv`), the driver links (test mini-engine) and the channel, interleaved.
+    fn cpu(&self) -> Result<()> {
+        use mad_core::driver::{Driver, OpenContext};
+        const W: usize = 32;
+        let rounds = 2000usize;
+        let d = MpiDriver::new();
+        let config = ChannelConfig::parse("cpu", "mpi")?;
+        let table = d.tm_table(&config)?;
+        let progress = mad_core::progress::ProgressPolicy::default();
+        let mut opened = d.open(&OpenContext {
+            config: &config,
+            bootstrap: self.session.bootstrap(),
+            table: &table,
+            progress: &progress,
+        })?;
+        let link = opened.links[self.peer]
+            .as_mut()
+            .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+        let ch = self.open("cpu-chan", "mpi")?;
+        let p = self.world.process_at_rank(self.peer as i32);
+        let buf = [1u8; 8];
+        let mut rbuf = [0u8; 8];
+        let peer = self.peer;
+        let names = ["raw MPI", "driver links", "mpi channel"];
+        let mut send_ns: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let mut recv_ns: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        // For profiles: `MPI_BENCH_CPU_ONLY=0|1|2` runs one of the three only.
+        let only: Option<usize> = std::env::var("MPI_BENCH_CPU_ONLY")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        for _ in 0..rounds {
+            for (k, (sv, rv)) in send_ns.iter_mut().zip(recv_ns.iter_mut()).enumerate() {
+                if only.is_some_and(|o| o != k) {
+                    continue;
+                }
+                self.world.barrier();
+                if self.me == 0 {
+                    let t = Instant::now();
+                    for _ in 0..W {
+                        match k {
+                            0 => p.send(&buf[..]),
+                            1 => common::send(link.tx.as_mut(), &[common::Piece::Copy(&buf)])?,
+                            _ => {
+                                let mut pk = ch.begin_packing(peer)?;
+                                pk.pack(&buf, RecvMode::Cheaper)?;
+                                pk.end_packing()?;
+                            }
+                        }
+                    }
+                    sv.push(t.elapsed().as_nanos() as f64 / W as f64);
+                }
+                self.world.barrier();
+                if self.me == 1 {
+                    let t = Instant::now();
+                    for _ in 0..W {
+                        match k {
+                            0 => {
+                                p.receive_into(&mut rbuf[..]);
+                            }
+                            1 => common::recv(
+                                link.rx.as_mut(),
+                                &mut [common::Dest::Copy(&mut rbuf)],
+                            )?,
+                            _ => {
+                                let mut u = ch.begin_unpacking_from(peer)?;
+                                u.unpack(&mut rbuf, SendMode::Cheaper)?;
+                                u.end_unpacking()?;
+                            }
+                        }
+                    }
+                    rv.push(t.elapsed().as_nanos() as f64 / W as f64);
+                }
+            }
+        }
+        // Rank 1 sends its receive figures to rank 0, which prints.
+        let mut mine: Vec<f64> = recv_ns
+            .iter_mut()
+            .map(|v| {
+                v.sort_by(|a, b| a.total_cmp(b));
+                v.get(v.len() / 2).copied().unwrap_or(0.0)
+            })
+            .collect();
+        if self.me == 1 {
+            p.send(&mine[..]);
+        } else {
+            p.receive_into(&mut mine[..]);
+            println!("processor time per 8 B message, ns (median of {rounds} bursts of {W}; receiver: every message already arrived):");
+            for (k, name) in names.iter().enumerate() {
+                let v = &mut send_ns[k];
+                v.sort_by(|a, b| a.total_cmp(b));
+                if let Some(&m) = v.get(v.len() / 2) {
+                    println!("  {name:<13} send {m:>6.1}  receive {:>6.1}", mine[k]);
+                }
+            }
+        }
+        self.world.barrier();
         Ok(())
     }
 
@@ -467,6 +730,133 @@ impl Bench<'_> {
                     gb(cmin) / gb(rmin)
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Channel specs side by side, raw MPI beside, one-way µs (ping-pong of one CHEAPER
+    /// piece): `MPI_BENCH_SPECS` (`;`-separated, default `mpi,inline=0;mpi,inline=65536`:
+    /// `MPI_Isend` + `MPI_Test` against a blocking `MPI_Send` for eager messages) and
+    /// `MPI_BENCH_SIZES` (`,`-separated bytes, default 8,256,1024,2048,4096). A spec
+    /// `drv:<spec>` measures the driver's links alone (the test mini-engine, one copy piece),
+    /// `drvg:<spec>` the same with an 8-byte copy piece and the body as a gather group.
+    /// `MPI_BENCH_PIECES=k` splits each channel message into k CHEAPER pieces.
+    fn cmp(&self) -> Result<()> {
+        let specs = std::env::var("MPI_BENCH_SPECS")
+            .unwrap_or_else(|_| "mpi,inline=0;mpi,inline=65536".into());
+        // `MPI_BENCH_PIECES=k`: the channels send each message as k CHEAPER pieces of n/k.
+        let pieces: usize = std::env::var("MPI_BENCH_PIECES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+            .max(1);
+        let sizes: Vec<usize> = std::env::var("MPI_BENCH_SIZES")
+            .unwrap_or_else(|_| "8,256,1024,2048,4096".into())
+            .split(',')
+            .filter_map(|v| v.trim().parse().ok())
+            .collect();
+        let chans: Vec<(String, Channel)> = specs
+            .split(';')
+            .filter(|sp| !sp.starts_with("drv:") && !sp.starts_with("drvg:"))
+            .enumerate()
+            .map(|(i, sp)| Ok((sp.to_string(), self.open(&format!("cmp-{i}"), sp)?)))
+            .collect::<Result<_>>()?;
+        // `drv:<spec>` entries: the driver's links alone (test mini-engine), one copy piece.
+        let mut drvs = Vec::new();
+        for (sp, group) in specs.split(';').filter_map(|sp| {
+            sp.strip_prefix("drv:")
+                .map(|s| (s, false))
+                .or_else(|| sp.strip_prefix("drvg:").map(|s| (s, true)))
+        }) {
+            use mad_core::driver::{Driver, OpenContext};
+            let d = MpiDriver::new();
+            let config = ChannelConfig::parse("cmp-drv", sp)?;
+            let table = d.tm_table(&config)?;
+            let progress = mad_core::progress::ProgressPolicy::default();
+            let opened = d.open(&OpenContext {
+                config: &config,
+                bootstrap: self.session.bootstrap(),
+                table: &table,
+                progress: &progress,
+            })?;
+            drvs.push((
+                format!("{}:{sp}", if group { "drvg" } else { "drv" }),
+                opened,
+                group,
+            ));
+        }
+        self.say("one-way us, min / median:".into());
+        for n in sizes {
+            let mut raw = Vec::new();
+            let mut per: Vec<Vec<f64>> = vec![Vec::new(); chans.len() + drvs.len()];
+            let sb = vec![1u8; n];
+            let mut rb = vec![0u8; n];
+            let mut nb = Vec::new();
+            let mut two = Vec::new();
+            for _ in 0..runs() {
+                raw.push(self.raw_pp(n)?);
+                nb.push(self.raw_pp_nb(n)?);
+                two.push(self.raw_pp_two(n)?);
+                for (k, (_, ch)) in chans.iter().enumerate() {
+                    per[k].push(if pieces > 1 {
+                        self.chan_group(ch, pieces, n / pieces)?
+                    } else {
+                        self.chan_pp(ch, n)?
+                    });
+                }
+                for (k, (_, opened, group)) in drvs.iter_mut().enumerate() {
+                    let group = *group;
+                    let link = opened.links[self.peer]
+                        .as_mut()
+                        .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
+                    let link = std::cell::RefCell::new(link);
+                    let hdr = [7u8; 8];
+                    let mut rhdr = [0u8; 8];
+                    per[chans.len() + k].push(pingpong(
+                        &self.world,
+                        self.me,
+                        iters_for(n),
+                        &mut || {
+                            let mut l = link.borrow_mut();
+                            if group {
+                                common::send(
+                                    l.tx.as_mut(),
+                                    &[common::Piece::Copy(&hdr), common::Piece::Group(vec![&sb])],
+                                )
+                            } else {
+                                common::send(l.tx.as_mut(), &[common::Piece::Copy(&sb)])
+                            }
+                        },
+                        &mut || {
+                            let mut l = link.borrow_mut();
+                            if group {
+                                common::recv(
+                                    l.rx.as_mut(),
+                                    &mut [
+                                        common::Dest::Copy(&mut rhdr),
+                                        common::Dest::Group(vec![&mut rb]),
+                                    ],
+                                )
+                            } else {
+                                common::recv(l.rx.as_mut(), &mut [common::Dest::Copy(&mut rb)])
+                            }
+                        },
+                    )?);
+                }
+            }
+            let r = stats(&mut raw);
+            let b = stats(&mut nb);
+            let t = stats(&mut two);
+            let mut line = format!(
+                "  {n:>7} B: raw MPI {:.3} / {:.3} us, raw MPI_Irecv+MPI_Test {:.3} / {:.3} us, raw header+body {:.3} / {:.3} us",
+                r.0, r.1, b.0, b.1, t.0, t.1
+            );
+            let names = chans.iter().map(|c| &c.0).chain(drvs.iter().map(|d| &d.0));
+            for (k, sp) in names.enumerate() {
+                let c = stats(&mut per[k]);
+                line.push_str(&format!(", {sp} {:.3} / {:.3} us", c.0, c.1));
+            }
+            self.say(line);
         }
         Ok(())
     }
@@ -592,6 +982,16 @@ fn run() -> Result<()> {
     }
     if what == "costs" {
         b.costs()?;
+    }
+    if what == "cmp" {
+        b.cmp()?;
+    }
+    if what == "cpu" {
+        b.cpu()?;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if what == "phases" {
+        b.phases()?;
     }
     if what == "all" || what == "drv" {
         b.drv_lat()?;

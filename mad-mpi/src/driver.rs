@@ -8,7 +8,8 @@
 //! Transmission modules:
 //!
 //! * TM 0 `eager` ([`Bmm::Copy`](mad_core::driver::Bmm::Copy)): the core copies pieces into a driver buffer of
-//!   [`EAGER_BUF`] bytes; the buffer leaves as one MPI message when full, at commit and at
+//!   [`EAGER_BUF_MPICH`] / [`EAGER_BUF_OPENMPI`] bytes (the MPI's eager limit); the buffer
+//!   leaves as one MPI message when full, at commit and at
 //!   the end of the message. The receiver gets it in its pre-posted receive and lends the
 //!   bytes to the core.
 //! * TM 1 `direct` ([`Bmm::Gather`](mad_core::driver::Bmm::Gather)): a group of user slices leaves as ONE message described by
@@ -16,11 +17,13 @@
 //!   [`use_datatype`] says so, else as one message per slice; the receiver posts the mirror
 //!   scatter receive (both ends compute the same groups and the same decision).
 //!
-//! Everything is non-blocking (`MPI_Isend`/`MPI_Irecv` + `MPI_Test`) except eager messages up
-//! to [`SEND_INLINE_MAX`] bytes, which leave with one `MPI_Send` (both MPIs complete it at
-//! once); an operation MPI has not finished is `Poll::Pending`. Each receiving link keeps an
-//! `MPI_Irecv` posted for its peer's next eager message, so polling is one `MPI_Test` and
-//! any-source readiness one `MPI_Testsome` over the channel's posted receives. MPI has no file
+//! Everything is non-blocking (`MPI_Isend`/`MPI_Irecv` + `MPI_Test`) except eager messages
+//! small enough that the MPI completes a blocking send at once ([`SEND_INLINE_MPICH`],
+//! [`SEND_INLINE_OTHER`]), which leave with one `MPI_Send`; an operation MPI has not finished
+//! is `Poll::Pending`. Each receiving link keeps one `MPI_Irecv` of its peer's next eager
+//! message (posted by the first test after the previous message, off a ping-pong's critical
+//! path), so polling is one `MPI_Test` and any-source readiness one `MPI_Testsome` over the
+//! channel's eager receives. MPI has no file
 //! descriptor to block on and progresses only inside MPI calls, so `wait` keeps testing
 //! (yielding the processor between tests) for [`WAIT_POLL`], then sleeps with an exponential
 //! backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
@@ -46,12 +49,25 @@ const DATA_TAG: i32 = 7;
 
 /// Largest piece the `eager` TM takes (bigger pieces go `direct`), from the sweep in NOTES.md.
 pub const EAGER_MAX: usize = 4 * 1024;
-/// Size of one eager buffer (one MPI message at most this long).
+/// Size of one eager buffer (one MPI message at most this long) under MPICH: 8 KiB, the
+/// largest message MPICH 4.0.2 (ch4:ucx) sends eagerly. Aggregated eager data larger than a
+/// buffer leaves as several eager messages, which pipeline (the receiver copies one out while
+/// the next arrives) instead of one rendezvous: a 64 KiB copied piece took 8.9 µs one-way in
+/// 8 KiB messages against 16.1 µs in one (NOTES.md).
+pub const EAGER_BUF_MPICH: usize = 8 * 1024;
+/// The same under Open MPI: 4032 B, below the vader eager limit (4096 B with headers: 4040-B
+/// messages go eagerly, 4048-B ones through the CMA rendezvous, 0.9 µs slower one-way here).
+pub const EAGER_BUF_OPENMPI: usize = 4032;
+/// The same under other MPIs.
 pub const EAGER_BUF: usize = 64 * 1024;
-/// Eager messages up to this size leave with a blocking `MPI_Send`, which both MPIs complete
-/// at once for messages this small (eager protocol: the bytes are copied out, the receiver is
-/// not waited for); one MPI call instead of `MPI_Isend` + `MPI_Test`.
-pub const SEND_INLINE_MAX: usize = 1024;
+/// Eager messages up to this size leave with one blocking `MPI_Send` under MPICH (measured
+/// with `mpi_calls eager`: MPICH 4.0.2 ch4:ucx returns from `MPI_Send` of up to 8200 B without
+/// the receiver, and waits for it from 12 KiB); larger ones with `MPI_Isend` + `MPI_Test`.
+pub const SEND_INLINE_MPICH: usize = 8 * 1024;
+/// The same limit under Open MPI and unknown MPIs: Open MPI 4.1.4 (vader) completes an
+/// `MPI_Send` at once only up to its inline-send size, 256 B; from 264 B it waits until the
+/// receiver's MPI progresses (a receiver computing outside MPI would block our sender).
+pub const SEND_INLINE_OTHER: usize = 256;
 /// Most slices per `direct` group.
 pub const GROUP_MAX: usize = 32;
 /// Eager buffers in flight per connection before `with_buffer` reports back-pressure.
@@ -157,7 +173,7 @@ pub fn tm_table() -> Result<TmTable> {
         TmSpec::copy(
             "eager",
             EAGER_MAX,
-            "copied into a 64 KiB buffer, one MPI_Isend per buffer",
+            "copied into an eager buffer (the MPI's eager limit), one MPI message per buffer",
         ),
         TmSpec::gather(
             "direct",
@@ -170,25 +186,66 @@ pub fn tm_table() -> Result<TmTable> {
 
 #[derive(Clone, Copy)]
 struct Params {
+    /// The eager buffer size: the `eager_buf=<bytes>` option, else the family's default
+    /// (resolved in `open`, once the family is known).
     eager_buf: usize,
+    eager_opt: Option<usize>,
     policy: GatherPolicy,
     family: MpiFamily,
+    /// `inline=<bytes>`: eager messages up to this size leave with a blocking `MPI_Send`
+    /// (`None`: the family's measured limit, [`SEND_INLINE_MPICH`] / [`SEND_INLINE_OTHER`]).
+    inline: Option<usize>,
+    /// `post=early`: post the next eager receive at the end of a message (on the critical
+    /// path of a ping-pong) instead of at the next test (`post=lazy`, the default).
+    post_early: bool,
+}
+
+impl Params {
+    /// Settle what depends on the MPI family.
+    fn with_family(mut self, family: MpiFamily) -> Self {
+        self.family = family;
+        self.eager_buf = self.eager_opt.unwrap_or(match family {
+            MpiFamily::Mpich => EAGER_BUF_MPICH,
+            MpiFamily::OpenMpi => EAGER_BUF_OPENMPI,
+            MpiFamily::Other => EAGER_BUF,
+        });
+        self
+    }
+
+    /// The largest eager message sent with a blocking `MPI_Send`.
+    fn inline_max(&self) -> usize {
+        self.inline.unwrap_or(match self.family {
+            MpiFamily::Mpich => SEND_INLINE_MPICH,
+            _ => SEND_INLINE_OTHER,
+        })
+    }
 }
 
 fn params(config: &ChannelConfig) -> Result<Params> {
-    let eager_buf = config
-        .option_parsed::<usize>("eager_buf")?
-        .unwrap_or(EAGER_BUF);
-    if !(64..=sys::MAX_BLOCK).contains(&eager_buf) {
-        return Err(Error::BadConfig(format!(
-            "channel `{}`: eager_buf={eager_buf}: expected 64 B to 1 GiB",
-            config.name
-        )));
+    let eager_opt = config.option_parsed::<usize>("eager_buf")?;
+    if let Some(eager_buf) = eager_opt {
+        if !(64..=sys::MAX_BLOCK).contains(&eager_buf) {
+            return Err(Error::BadConfig(format!(
+                "channel `{}`: eager_buf={eager_buf}: expected 64 B to 1 GiB",
+                config.name
+            )));
+        }
     }
     Ok(Params {
-        eager_buf,
+        eager_buf: eager_opt.unwrap_or(EAGER_BUF),
+        eager_opt,
         policy: GatherPolicy::parse(config.options.get("gather").map(String::as_str))?,
         family: MpiFamily::Other,
+        inline: config.option_parsed::<usize>("inline")?,
+        post_early: match config.options.get("post").map(String::as_str) {
+            None | Some("lazy") => false,
+            Some("early") => true,
+            Some(o) => {
+                return Err(Error::BadConfig(format!(
+                    "mpi: post={o}: expected lazy or early"
+                )))
+            }
+        },
     })
 }
 
@@ -199,7 +256,7 @@ impl Driver for MpiDriver {
 
     fn describe(&self) -> String {
         "mpi: MPI point-to-point over the job's MPI_COMM_WORLD (start the job with mpiexec/mpirun/srun); \
-         options gather=auto|datatype|separate, eager_buf=<bytes>"
+         options gather=auto|datatype|separate, eager_buf=<bytes>, inline=<bytes>, post=lazy|early"
             .into()
     }
 
@@ -220,10 +277,9 @@ impl Driver for MpiDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        let mut p = params(ctx.config)?;
         let bs = ctx.bootstrap;
         let rt = sys::runtime()?;
-        p.family = MpiFamily::from_version(rt.version());
+        let p = params(ctx.config)?.with_family(MpiFamily::from_version(rt.version()));
         let world = Comm::world(&rt);
         if world.size() != bs.size() {
             return Err(Error::Unavailable {
@@ -272,7 +328,7 @@ impl Driver for MpiDriver {
             world.reorder(me)?
         };
         let ch = Arc::new(ChanShared {
-            pre: Preposted::new(&comm, bs.size()),
+            pre: Preposted::new(&comm, bs.size(), DATA_TAG),
             comm,
         });
         let mut links = Vec::with_capacity(bs.size());
@@ -302,9 +358,10 @@ impl Driver for MpiDriver {
                 "MPI_THREAD_MULTIPLE granted".to_string()
             },
             format!(
-                "communicator: {}; eager buffer {} B; gather policy {:?} ({})",
+                "communicator: {}; eager buffer {} B, blocking MPI_Send up to {} B; gather policy {:?} ({})",
                 if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
                 p.eager_buf,
+                p.inline_max(),
                 p.policy,
                 match (p.policy, p.family) {
                     (GatherPolicy::Auto, MpiFamily::OpenMpi) => "Open MPI: one hindexed message for groups of 4-16 KiB slices, else one message per slice",
@@ -380,6 +437,8 @@ fn lost(rank: usize, e: Error) -> Error {
 struct MpiTx {
     peer: usize,
     p: Params,
+    /// `p.inline_max()`, computed once.
+    inline_max: usize,
     /// The eager buffer being filled, and how much of it is filled.
     cur: Option<Vec<u8>>,
     fill: usize,
@@ -398,6 +457,7 @@ impl MpiTx {
             ch,
             peer,
             p,
+            inline_max: p.inline_max(),
             cur: None,
             fill: 0,
             free: Vec::new(),
@@ -423,7 +483,7 @@ impl MpiTx {
         if self.fill == 0 {
             return Ok(());
         }
-        if self.fill <= SEND_INLINE_MAX && self.inflight.is_empty() {
+        if self.fill <= self.inline_max && self.inflight.is_empty() {
             if let Some(buf) = self.cur.as_ref() {
                 self.ch
                     .comm
@@ -601,12 +661,13 @@ impl TxLink for MpiTx {
 /// The receiving half of an MPI connection.
 struct MpiRx {
     peer: usize,
-    /// The eager buffer in hand (None while posted) and its unread window.
+    /// The eager buffer in hand (None while parked in `ch.pre`) and its unread window.
     buf: Option<Vec<u8>>,
     len: usize,
     pos: usize,
-    /// Whether an eager receive from this peer is posted in `ch.pre`.
-    posted: bool,
+    /// Whether our eager buffer is in `ch.pre` (a receive from this peer posted, or to be
+    /// posted by the next test).
+    parked: bool,
     gather: Option<GatherOp>,
     p: Params,
     broken: Option<String>,
@@ -616,15 +677,16 @@ struct MpiRx {
 
 impl MpiRx {
     fn new(ch: Arc<ChanShared>, peer: usize, p: Params) -> Result<Self> {
-        // Every message starts with eager data: keep a receive posted for it.
-        ch.pre.post(peer, vec![0u8; p.eager_buf], DATA_TAG)?;
+        // Every message starts with eager data: the first receive is posted now, so the
+        // first message lands in place even if it arrives before the first poll.
+        ch.pre.park(peer, vec![0u8; p.eager_buf], true)?;
         Ok(MpiRx {
             ch,
             peer,
             buf: None,
             len: 0,
             pos: 0,
-            posted: true,
+            parked: true,
             gather: None,
             p,
             broken: None,
@@ -641,8 +703,11 @@ impl MpiRx {
         }
     }
 
-    fn post(&mut self) -> Result<()> {
-        if !self.posted {
+    /// Give the eager buffer back for the next eager message; no MPI call here: the receive
+    /// is posted by the next test (`fill`, or an any-source poll), off the critical path of a
+    /// ping-pong (the reply leaves first).
+    fn park(&mut self) -> Result<()> {
+        if !self.parked {
             let b = self
                 .buf
                 .take()
@@ -651,19 +716,22 @@ impl MpiRx {
             self.pos = 0;
             self.ch
                 .pre
-                .post(self.peer, b, DATA_TAG)
+                .park(self.peer, b, self.p.post_early)
                 .map_err(|e| lost(self.peer, e))?;
-            self.posted = true;
+            self.parked = true;
         }
         Ok(())
     }
 
     /// Make eager bytes available; Pending when none has arrived yet.
+    #[inline]
     fn fill(&mut self) -> Result<Poll<()>> {
         if self.pos < self.len {
             return Ok(Poll::Ready(()));
         }
-        self.post()?;
+        if !self.parked {
+            self.park()?;
+        }
         match self
             .ch
             .pre
@@ -672,7 +740,7 @@ impl MpiRx {
         {
             None => Ok(Poll::Pending),
             Some((b, n)) => {
-                self.posted = false;
+                self.parked = false;
                 self.buf = Some(b);
                 self.len = n;
                 self.pos = 0;
@@ -728,7 +796,7 @@ impl RxLink for MpiRx {
             ));
         }
         if self.gather.is_none() {
-            if self.pos < self.len || self.posted {
+            if self.pos < self.len || self.parked {
                 return Err(self.poison(
                     "copy data left unread before a gather group (unpack sequence differs from pack)"
                         .into(),
@@ -768,15 +836,15 @@ impl RxLink for MpiRx {
 
     fn end_message(&mut self) -> Result<()> {
         self.checkout(0)?;
-        // Post the receive for the next message's eager data now.
-        self.post()
+        // The buffer goes back for the next message's eager data (posted by the next test).
+        self.park()
     }
 
     fn abort_message(&mut self) {
         // Cancels and waits for an unfinished scatter receive before the user memory goes.
         self.gather = None;
         self.ch.pre.cancel(self.peer);
-        self.posted = false;
+        self.parked = false;
         self.broken = Some("a message was abandoned midway; the stream is out of step".into());
     }
 
@@ -877,5 +945,35 @@ mod tests {
         assert!(params(&ChannelConfig::parse("x", "mpi,gather=magic").unwrap()).is_err());
         assert!(params(&ChannelConfig::parse("x", "mpi,eager_buf=1").unwrap()).is_err());
         assert!(params(&ChannelConfig::parse("x", "mpi,eager_buf=lots").unwrap()).is_err());
+        let p = params(&ChannelConfig::parse("x", "mpi").unwrap()).unwrap();
+        let m = p.with_family(MpiFamily::Mpich);
+        assert_eq!(
+            (m.inline_max(), m.eager_buf),
+            (SEND_INLINE_MPICH, EAGER_BUF_MPICH)
+        );
+        let o = p.with_family(MpiFamily::OpenMpi);
+        assert_eq!(
+            (o.inline_max(), o.eager_buf),
+            (SEND_INLINE_OTHER, EAGER_BUF_OPENMPI)
+        );
+        let x = p.with_family(MpiFamily::Other);
+        assert_eq!(
+            (x.inline_max(), x.eager_buf),
+            (SEND_INLINE_OTHER, EAGER_BUF)
+        );
+        let c = ChannelConfig::parse("x", "mpi,eager_buf=4096").unwrap();
+        assert_eq!(
+            params(&c).unwrap().with_family(MpiFamily::Mpich).eager_buf,
+            4096
+        );
+        assert!(params(&ChannelConfig::parse("x", "mpi,post=eventually").unwrap()).is_err());
+        assert!(
+            params(&ChannelConfig::parse("x", "mpi,post=early").unwrap())
+                .unwrap()
+                .post_early
+        );
+        let p = params(&ChannelConfig::parse("x", "mpi,inline=0").unwrap()).unwrap();
+        assert_eq!(p.inline_max(), 0);
+        assert!(params(&ChannelConfig::parse("x", "mpi,inline=big").unwrap()).is_err());
     }
 }

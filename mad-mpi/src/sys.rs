@@ -9,8 +9,9 @@
 //!   collectives the bootstrap needs and the probes the driver needs.
 //! * [`OwnedSend`]: a non-blocking send of a buffer the request owns; dropping one that MPI
 //!   still uses leaks the buffer instead of freeing memory MPI may touch.
-//! * [`Preposted`]: the eager receives kept posted for every peer of a channel, tested one by
-//!   one (`MPI_Test`) or all at once (`MPI_Testsome`, any-source).
+//! * [`Preposted`]: the eager receive of every peer of a channel (parked at the end of a
+//!   message, posted by the next test), tested one by one (`MPI_Test`, by the link, without a
+//!   lock) or all at once (`MPI_Testsome`, any-source).
 //! * [`GatherOp`]: a non-blocking operation on *user* memory (a group of slices), sent as one
 //!   message with an `MPI_Type_create_hindexed` datatype over absolute addresses from
 //!   `MPI_BOTTOM`, or as one message per slice. Dropping an unfinished one cancels it and
@@ -18,10 +19,11 @@
 
 #![allow(unsafe_code)]
 
+use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use mad_core::{Error, Result};
@@ -192,10 +194,20 @@ fn unavailable(reason: &str) -> Error {
 }
 
 /// Convert an MPI return code into an error (the one place native MPI codes are converted).
+/// Inlined: the success test is on every MPI call of the fast paths; the error is built out of
+/// line.
+#[inline(always)]
 pub(crate) fn check(rc: c_int, what: &str) -> Result<()> {
     if rc == 0 {
-        return Ok(());
+        Ok(())
+    } else {
+        Err(mpi_error(rc, what))
     }
+}
+
+#[cold]
+#[inline(never)]
+fn mpi_error(rc: c_int, what: &str) -> Error {
     let mut buf = vec![0u8; 1024];
     let mut len: c_int = 0;
     // SAFETY: MPI_MAX_ERROR_STRING is at most 1024 in both MPIs; valid out-pointers.
@@ -206,10 +218,10 @@ pub(crate) fn check(rc: c_int, what: &str) -> Result<()> {
     } else {
         String::new()
     };
-    Err(Error::io(
+    Error::io(
         format!("{what}: MPI error {rc}"),
         std::io::Error::other(msg),
-    ))
+    )
 }
 
 fn zero_status() -> ffi::MPI_Status {
@@ -425,9 +437,9 @@ impl Comm {
             .collect())
     }
 
-    /// Blocking `MPI_Send` of a small message. Only for messages both MPIs send eagerly (a
-    /// few hundred bytes to 1 KiB): the call returns once the bytes are copied out, without
-    /// waiting for the receiver.
+    /// Blocking `MPI_Send` of a small message. Only for messages the MPI sends eagerly (the
+    /// driver's per-family limits): the call returns once the bytes are copied out, without
+    /// waiting for the receiver (unless the receiver's queue is full).
     pub fn send_small(&self, buf: &[u8], dest: usize, tag: i32) -> Result<()> {
         let n = to_int(buf.len(), "eager message")?;
         let dest = to_int(dest, "rank")?;
@@ -674,31 +686,70 @@ fn cancel_and_wait(req: &mut ffi::MPI_Request) {
     }
 }
 
-/// Pre-posted eager receives of one channel, one slot per peer, behind one lock.
-///
-/// Each receiving link keeps an `MPI_Irecv` posted for the next eager message of its peer
-/// (every Madeleine message starts with eager data), so an arriving message lands in place
-/// and "is a message there?" is one `MPI_Test`. A posted receive is invisible to
-/// `MPI_Iprobe`, so any-source readiness tests all slots at once with `MPI_Testsome`
-/// ([`poll_any`](Self::poll_any)). The lock also keeps two threads from testing one request.
-pub struct Preposted {
-    comm: ffi::MPI_Comm,
-    inner: Mutex<PreInner>,
+/// Slot states of [`Preposted`]. `EMPTY` and `DONE` belong to the slot's link (only the link,
+/// which the core serialises, touches the slot then); `IDLE` and `POSTED` may be claimed by the
+/// link or by an any-source poller, with one compare-and-swap to `CLAIMED`, which gives the
+/// claimer the slot's request and buffer until it stores the next state.
+const EMPTY: u8 = 0;
+/// The link parked its buffer; the receive is not posted yet.
+const IDLE: u8 = 1;
+/// The receive is posted into the slot's buffer.
+const POSTED: u8 = 2;
+/// Someone works on the slot (posting, testing, cancelling).
+const CLAIMED: u8 = 3;
+/// The receive completed (seen by an any-source poller); the link has not taken it yet.
+const DONE: u8 = 4;
+
+/// `count` of a `DONE` slot whose size MPI could not give.
+const BAD_COUNT: usize = usize::MAX;
+
+/// One peer's eager receive. Aligned to a cache line: links of different peers poll their
+/// slots from different threads.
+#[repr(align(64))]
+struct Slot {
+    state: AtomicU8,
+    /// Only touched by whoever owns the slot (see the states).
+    req: UnsafeCell<ffi::MPI_Request>,
+    buf: UnsafeCell<Option<Vec<u8>>>,
+    count: UnsafeCell<usize>,
 }
 
-struct PreInner {
+/// Scratch arrays of an any-source scan.
+struct Scan {
+    peers: Vec<usize>,
     reqs: Vec<ffi::MPI_Request>,
-    bufs: Vec<Option<Vec<u8>>>,
-    caps: Vec<usize>,
-    done: Vec<Option<(Vec<u8>, usize)>>,
-    scratch_idx: Vec<c_int>,
-    scratch_st: Vec<ffi::MPI_Status>,
+    idx: Vec<c_int>,
+    st: Vec<ffi::MPI_Status>,
+}
+
+/// The eager receives of one channel, one slot per peer.
+///
+/// Each receiving link keeps one receive of its peer's next eager message: the buffer is
+/// parked in the slot at the end of a message ([`park`](Self::park), no MPI call) and posted
+/// (`MPI_Irecv`) by the next test of the slot ([`take`](Self::take) from the link, or an
+/// any-source [`poll_any`](Self::poll_any)), so the post is off the ping-pong's critical path
+/// (between "the reply left" and "the next message is awaited") while a message still lands
+/// in place when it arrives after the first test. "Is a message there?" is then one
+/// `MPI_Test`. A posted receive is invisible to `MPI_Iprobe`, so any-source readiness tests
+/// the slots with `MPI_Testsome`.
+///
+/// No lock on the link's path: a slot's state is an atomic; the link and an any-source poller
+/// claim a posted slot with one compare-and-swap, so two threads never test one request (MPI
+/// forbids it) and a link polls its slot with one atomic read-modify-write and one store per
+/// test (the first version took a channel-wide mutex: two read-modify-writes, a fifth of the
+/// polling loop's samples in a profile).
+pub struct Preposted {
+    comm: ffi::MPI_Comm,
+    tag: c_int,
+    slots: Box<[Slot]>,
+    scan: Mutex<Scan>,
 }
 
 // SAFETY: the communicator handle is a plain identifier usable from any thread (see `Comm`);
-// every request and buffer is behind the mutex.
+// each slot's cells are only touched by the thread that owns the slot through its atomic
+// state (see the state constants), the scan scratch is behind a mutex.
 unsafe impl Send for Preposted {}
-// SAFETY: as for `Send`: all mutable state is behind the mutex.
+// SAFETY: as for `Send`.
 unsafe impl Sync for Preposted {}
 
 impl std::fmt::Debug for Preposted {
@@ -709,147 +760,304 @@ impl std::fmt::Debug for Preposted {
 
 impl Preposted {
     /// Slots for `n` peers of `comm` (which must outlive this set: the driver keeps both in
-    /// the same `Arc`-shared channel state, this set dropped first).
-    pub fn new(comm: &Comm, n: usize) -> Self {
+    /// the same `Arc`-shared channel state, this set dropped first), receiving with `tag`.
+    pub fn new(comm: &Comm, n: usize, tag: i32) -> Self {
         Preposted {
             comm: comm.raw,
-            inner: Mutex::new(PreInner {
-                reqs: vec![request_null(); n],
-                bufs: (0..n).map(|_| None).collect(),
-                caps: vec![0; n],
-                done: (0..n).map(|_| None).collect(),
-                scratch_idx: vec![0; n],
-                scratch_st: (0..n).map(|_| zero_status()).collect(),
+            tag,
+            slots: (0..n)
+                .map(|_| Slot {
+                    state: AtomicU8::new(EMPTY),
+                    req: UnsafeCell::new(request_null()),
+                    buf: UnsafeCell::new(None),
+                    count: UnsafeCell::new(0),
+                })
+                .collect(),
+            scan: Mutex::new(Scan {
+                peers: Vec::with_capacity(n),
+                reqs: Vec::with_capacity(n),
+                idx: vec![0; n],
+                st: (0..n).map(|_| zero_status()).collect(),
             }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, PreInner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Post a receive of at most `buf.len()` bytes from `peer` into `buf`.
-    pub fn post(&self, peer: usize, buf: Vec<u8>, tag: i32) -> Result<()> {
-        let mut st = self.lock();
-        let st = &mut *st;
-        if peer >= st.reqs.len() || st.reqs[peer] != request_null() || st.done[peer].is_some() {
+    /// Park `buf` in the slot of `peer` (the link's next eager receive, at most `buf.len()`
+    /// bytes): posted by the next test. With `post_now`, posted at once (a link's first
+    /// receive, so a message arriving before the first test lands in place).
+    ///
+    /// Only the slot's link calls this, while the slot is `EMPTY` (it holds the buffer).
+    pub fn park(&self, peer: usize, buf: Vec<u8>, post_now: bool) -> Result<()> {
+        let Some(slot) = self.slots.get(peer) else {
+            return Err(Error::protocol(peer, "eager receive for an unknown peer"));
+        };
+        if slot.state.load(Ordering::Acquire) != EMPTY {
             return Err(Error::protocol(peer, "eager receive posted twice"));
         }
-        let mut buf = buf;
-        let n = to_int(buf.len(), "eager buffer")?;
-        let src = to_int(peer, "rank")?;
-        let mut req = request_null();
-        {
-            let _g = guard();
-            // SAFETY: `buf` moves into the slot below and stays there (its heap storage does
-            // not move) until the request completes or is cancelled and waited for in `drop`.
-            let rc = unsafe {
-                ffi::MPI_Irecv(
-                    buf.as_mut_ptr().cast(),
-                    n,
-                    byte(),
-                    src,
-                    tag,
-                    self.comm,
-                    &mut req,
-                )
-            };
-            check(rc, "MPI_Irecv(eager)")?;
+        // SAFETY: EMPTY slots belong to their link, which is the caller (the core serialises
+        // a link's calls); pollers only touch IDLE and POSTED slots.
+        unsafe { *slot.buf.get() = Some(buf) };
+        if post_now {
+            // SAFETY: as above, the slot is still ours (EMPTY).
+            if let Err(e) = unsafe { self.post(peer, slot) } {
+                // SAFETY: as above.
+                unsafe { *slot.buf.get() = None };
+                return Err(e);
+            }
+            slot.state.store(POSTED, Ordering::Release);
+        } else {
+            slot.state.store(IDLE, Ordering::Release);
         }
-        st.reqs[peer] = req;
-        st.caps[peer] = buf.len();
-        st.bufs[peer] = Some(buf);
         Ok(())
     }
 
-    /// The completed receive of `peer`, if it has completed: its buffer and byte count.
-    pub fn take(&self, peer: usize) -> Result<Option<(Vec<u8>, usize)>> {
-        let mut st = self.lock();
-        let st = &mut *st;
-        if peer >= st.reqs.len() {
-            return Ok(None);
-        }
-        if let Some(d) = st.done[peer].take() {
-            return Ok(Some(d));
-        }
-        if st.reqs[peer] == request_null() {
-            return Ok(None);
-        }
-        let mut flag: c_int = 0;
-        let mut status = zero_status();
-        {
-            let _g = guard();
-            // SAFETY: an active request of this set; out-pointers valid.
-            let rc = unsafe { ffi::MPI_Test(&mut st.reqs[peer], &mut flag, &mut status) };
-            check(rc, "MPI_Test(eager)")?;
-        }
-        if flag == 0 {
-            return Ok(None);
-        }
-        let n = count_of(&status)?;
-        let buf = st.bufs[peer].take().unwrap_or_default();
-        Ok(Some((buf, n.min(st.caps[peer]))))
+    /// `MPI_Irecv` into the slot's buffer.
+    ///
+    /// # Safety
+    /// The caller owns the slot (claimed it, or it is EMPTY and the caller is its link), and
+    /// the slot holds a buffer and no active request.
+    unsafe fn post(&self, peer: usize, slot: &Slot) -> Result<()> {
+        // SAFETY: the caller owns the slot's cells (function contract).
+        let (buf, req) = unsafe { (&mut *slot.buf.get(), &mut *slot.req.get()) };
+        let Some(b) = buf.as_mut() else {
+            return Err(Error::protocol(peer, "eager receive without a buffer"));
+        };
+        let n = to_int(b.len(), "eager buffer")?;
+        let src = to_int(peer, "rank")?;
+        let _g = guard();
+        // SAFETY: the buffer stays in the slot (its heap storage does not move) until the
+        // request completes or is cancelled and waited for (`cancel`, `drop`).
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                b.as_mut_ptr().cast(),
+                n,
+                byte(),
+                src,
+                self.tag,
+                self.comm,
+                req,
+            )
+        };
+        check(rc, "MPI_Irecv(eager)")
     }
 
-    /// Any-source: test every posted receive at once (`MPI_Testsome`) and call `ready(peer)`
-    /// for each peer whose receive has completed and not been taken.
-    pub fn poll_any(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        let mut st = self.lock();
-        let st = &mut *st;
-        let n = st.reqs.len();
-        let mut out: c_int = 0;
+    /// The link's poll: the completed receive of `peer` (its buffer and byte count), posting
+    /// the parked buffer first if needed; `None` while nothing has arrived (or while an
+    /// any-source poller holds the slot for a moment).
+    ///
+    /// Inlined fast path (a posted slot: one compare-and-swap, one `MPI_Test`, one store);
+    /// the other states go through [`take_other`](Self::take_other).
+    #[inline]
+    pub fn take(&self, peer: usize) -> Result<Option<(Vec<u8>, usize)>> {
+        let Some(slot) = self.slots.get(peer) else {
+            return Ok(None);
+        };
+        if slot
+            .state
+            .compare_exchange(POSTED, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
         {
-            let _g = guard();
-            // SAFETY: `reqs`, `scratch_idx` and `scratch_st` all hold `n` entries; inactive
-            // entries are REQUEST_NULL, which MPI_Testsome ignores.
-            let rc = unsafe {
-                ffi::MPI_Testsome(
-                    n as c_int,
-                    st.reqs.as_mut_ptr(),
-                    &mut out,
-                    st.scratch_idx.as_mut_ptr(),
-                    st.scratch_st.as_mut_ptr(),
-                )
-            };
-            check(rc, "MPI_Testsome")?;
+            return self.take_other(peer, slot);
         }
-        if out > 0 {
-            for k in 0..(out as usize).min(n) {
-                let i = st.scratch_idx[k];
-                if i < 0 || i as usize >= n {
-                    continue;
-                }
-                let i = i as usize;
-                let c = count_of(&st.scratch_st[k])?;
-                let buf = st.bufs[i].take().unwrap_or_default();
-                st.done[i] = Some((buf, c.min(st.caps[i])));
+        self.test_claimed(peer, slot)
+    }
+
+    /// `take` of a slot that was not simply POSTED: DONE (an any-source poller saw the
+    /// message), IDLE (post first), or claimed by a poller / EMPTY (nothing for now).
+    #[inline(never)]
+    fn take_other(&self, peer: usize, slot: &Slot) -> Result<Option<(Vec<u8>, usize)>> {
+        match slot.state.load(Ordering::Acquire) {
+            DONE => {
+                // SAFETY: DONE slots belong to their link, the caller.
+                let (buf, count) = unsafe { ((*slot.buf.get()).take(), *slot.count.get()) };
+                slot.state.store(EMPTY, Ordering::Relaxed);
+                Self::taken(peer, buf, count).map(Some)
             }
+            IDLE => {
+                if slot
+                    .state
+                    .compare_exchange(IDLE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_err()
+                {
+                    // A poller claimed it; it will leave it POSTED or DONE.
+                    return Ok(None);
+                }
+                // SAFETY: claimed; an IDLE slot holds a buffer and no active request.
+                if let Err(e) = unsafe { self.post(peer, slot) } {
+                    slot.state.store(IDLE, Ordering::Release);
+                    return Err(e);
+                }
+                self.test_claimed(peer, slot)
+            }
+            _ => Ok(None),
         }
-        for (i, d) in st.done.iter().enumerate() {
-            if d.is_some() {
+    }
+
+    /// `MPI_Test` of a slot we claimed; leaves it POSTED (nothing yet) or EMPTY (taken).
+    #[inline]
+    fn test_claimed(&self, peer: usize, slot: &Slot) -> Result<Option<(Vec<u8>, usize)>> {
+        let mut flag: c_int = 0;
+        let mut status = MaybeUninit::<ffi::MPI_Status>::uninit();
+        let rc = {
+            let _g = guard();
+            // SAFETY: claimed: the slot's request is ours to test; valid out-pointers.
+            unsafe { ffi::MPI_Test(slot.req.get(), &mut flag, status.as_mut_ptr()) }
+        };
+        if rc != 0 || flag == 0 {
+            slot.state.store(POSTED, Ordering::Release);
+            check(rc, "MPI_Test(eager)")?;
+            return Ok(None);
+        }
+        // SAFETY: MPI_Test set `flag`, so it filled the status.
+        let status = unsafe { status.assume_init() };
+        // SAFETY: still claimed; the request completed, so MPI no longer uses the buffer.
+        let buf = unsafe { (*slot.buf.get()).take() };
+        slot.state.store(EMPTY, Ordering::Release);
+        let count = count_of(&status).unwrap_or(BAD_COUNT);
+        Self::taken(peer, buf, count).map(Some)
+    }
+
+    #[inline]
+    fn taken(peer: usize, buf: Option<Vec<u8>>, count: usize) -> Result<(Vec<u8>, usize)> {
+        let buf = buf.unwrap_or_default();
+        if count == BAD_COUNT || count > buf.len() {
+            return Err(Error::protocol(peer, "eager message of undefined size"));
+        }
+        Ok((buf, count))
+    }
+
+    /// Any-source: post the parked receives, test every posted one at once (`MPI_Testsome`),
+    /// and call `ready(peer)` for each peer whose receive has completed and not been taken.
+    pub fn poll_any(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        let res = match self.scan.try_lock() {
+            Ok(mut g) => self.scan_with(&mut g),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.scan_with(&mut p.into_inner()),
+            // Another thread is scanning: report what is already known.
+            Err(std::sync::TryLockError::WouldBlock) => Ok(()),
+        };
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.state.load(Ordering::Acquire) == DONE {
                 ready(i);
             }
         }
-        Ok(())
+        res
     }
 
-    /// Cancel the posted receive of `peer` (the link is going away or broke); its buffer is
-    /// dropped once MPI has released it.
-    pub fn cancel(&self, peer: usize) {
-        let mut st = self.lock();
-        if peer < st.reqs.len() {
-            cancel_and_wait(&mut st.reqs[peer]);
-            st.bufs[peer] = None;
-            st.done[peer] = None;
+    fn scan_with(&self, sc: &mut Scan) -> Result<()> {
+        sc.peers.clear();
+        sc.reqs.clear();
+        let mut err = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let s = slot.state.load(Ordering::Relaxed);
+            if (s != IDLE && s != POSTED)
+                || slot
+                    .state
+                    .compare_exchange(s, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            if s == IDLE {
+                // SAFETY: claimed; an IDLE slot holds a buffer and no active request.
+                if let Err(e) = unsafe { self.post(i, slot) } {
+                    slot.state.store(IDLE, Ordering::Release);
+                    err.get_or_insert(e);
+                    continue;
+                }
+            }
+            sc.peers.push(i);
+            // SAFETY: claimed: the request is ours until we store the next state.
+            sc.reqs.push(unsafe { *slot.req.get() });
         }
+        let k = sc.peers.len();
+        if k == 0 {
+            return err.map_or(Ok(()), Err);
+        }
+        let mut out: c_int = 0;
+        let rc = {
+            let _g = guard();
+            // SAFETY: `reqs` holds `k` active requests we claimed; `idx` and `st` hold at least
+            // `k` entries (one per peer).
+            unsafe {
+                ffi::MPI_Testsome(
+                    k as c_int,
+                    sc.reqs.as_mut_ptr(),
+                    &mut out,
+                    sc.idx.as_mut_ptr(),
+                    sc.st.as_mut_ptr(),
+                )
+            }
+        };
+        let rc = check(rc, "MPI_Testsome");
+        let done = if rc.is_ok() && out > 0 {
+            (out as usize).min(k)
+        } else {
+            0
+        };
+        // Completed requests first: their slots become DONE with the size received.
+        for j in 0..done {
+            let Ok(pos) = usize::try_from(sc.idx[j]) else {
+                continue;
+            };
+            if pos >= k {
+                continue;
+            }
+            let i = sc.peers[pos];
+            let slot = &self.slots[i];
+            let count = count_of(&sc.st[j]).unwrap_or(BAD_COUNT);
+            // SAFETY: claimed (see above); the request completed and is now REQUEST_NULL.
+            unsafe {
+                *slot.req.get() = sc.reqs[pos];
+                *slot.count.get() = count;
+            }
+            slot.state.store(DONE, Ordering::Release);
+            sc.peers[pos] = usize::MAX;
+        }
+        // The others go back as they were (Testsome leaves incomplete requests unchanged).
+        for &i in &sc.peers {
+            if i != usize::MAX {
+                self.slots[i].state.store(POSTED, Ordering::Release);
+            }
+        }
+        rc?;
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Cancel the receive of `peer` (the link is going away or broke); its buffer is dropped
+    /// once MPI has released it. Only the slot's link calls this.
+    pub fn cancel(&self, peer: usize) {
+        let Some(slot) = self.slots.get(peer) else {
+            return;
+        };
+        loop {
+            match slot.state.load(Ordering::Acquire) {
+                EMPTY => return,
+                DONE => break,
+                CLAIMED => std::thread::yield_now(),
+                s => {
+                    if slot
+                        .state
+                        .compare_exchange(s, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+        // SAFETY: the slot is ours: claimed above, or DONE (which belongs to the link).
+        unsafe {
+            cancel_and_wait(&mut *slot.req.get());
+            *slot.buf.get() = None;
+        }
+        slot.state.store(EMPTY, Ordering::Release);
     }
 }
 
 impl Drop for Preposted {
     fn drop(&mut self) {
-        let st = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        for r in &mut st.reqs {
-            cancel_and_wait(r);
+        for slot in self.slots.iter_mut() {
+            cancel_and_wait(slot.req.get_mut());
         }
     }
 }

@@ -400,10 +400,19 @@ fn run() -> Result<()> {
     t_pingpong(&bs, &mut ch, "auto")?;
     t_figure1_multipiece(&bs, &mut ch, "auto")?;
     t_any_source(&bs, &mut ch)?;
-    for spec in ["mpi,gather=datatype", "mpi,gather=separate,eager_buf=1000"] {
+    // The other paths: hindexed groups; tiny eager buffers (many eager messages per
+    // Madeleine message); eager receives posted at end of message and every eager message
+    // non-blocking; every eager message through a blocking MPI_Send.
+    for spec in [
+        "mpi,gather=datatype",
+        "mpi,gather=separate,eager_buf=1000",
+        "mpi,post=early,inline=0",
+        "mpi,eager_buf=256,inline=65536",
+    ] {
         let mut c2 = open(&d, &bs, "mpi2", spec)?;
         t_pingpong(&bs, &mut c2, spec)?;
         t_figure1_multipiece(&bs, &mut c2, spec)?;
+        t_any_source(&bs, &mut c2)?;
     }
     let mut other = open(&d, &bs, "other", "mpi")?;
     t_isolation(&bs, &mut ch, &mut other)?;
