@@ -1,6 +1,8 @@
 //! Sessions: this process's rank, the session size, the bootstrap, the registered drivers and
 //! the channels opened through them.
 
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::bootstrap::{Bootstrap, SingleBootstrap};
@@ -25,7 +27,9 @@ pub struct Session {
 struct SessionInner {
     bootstrap: Box<dyn Bootstrap>,
     drivers: Vec<Arc<dyn Driver>>,
-    oversubscribed: bool,
+    /// More ranks on this host than cores: from this process's CPU set at build time, then
+    /// from the union of every local rank's CPU set at each channel open.
+    oversubscribed: AtomicBool,
 }
 
 impl std::fmt::Debug for Session {
@@ -69,16 +73,22 @@ impl SessionBuilder {
             Some(b) => b,
             None => detect_bootstrap()?,
         };
+        // A first estimate from this process's own CPU set; channel opens refine it with
+        // every local rank's (ranks bound one per core each see a single CPU).
         let local = bootstrap.local_ranks().len().max(1);
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        crate::progress::note_host_share(local, cores);
+        let cores = cpus::allowed()
+            .map(|c| c.len())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            });
         Ok(Session {
             inner: Arc::new(SessionInner {
                 bootstrap,
                 drivers: self.drivers,
-                oversubscribed: local > cores,
+                oversubscribed: AtomicBool::new(local > cores),
             }),
         })
     }
@@ -114,7 +124,7 @@ impl Session {
 
     /// Whether this host runs more session processes than it has cores.
     pub fn oversubscribed(&self) -> bool {
-        self.inner.oversubscribed
+        self.inner.oversubscribed.load(Ordering::Relaxed)
     }
 
     /// Names of the registered drivers.
@@ -163,32 +173,51 @@ impl Session {
             })?;
         }
         let caps = driver.capabilities(&config);
-        let progress = ProgressPolicy {
-            mode: config.progress,
-            oversubscribed: inner.oversubscribed,
-            op_timeout: config.op_timeout,
-        };
         let b = &*inner.bootstrap;
         // Every rank must agree on the driver and the switch table, or the switch decisions
-        // would differ and data would be misread.
+        // would differ and data would be misread. The same exchange carries each rank's CPU set
+        // (after a newline), from which the host's core count is known exactly.
         let mine = format!(
             "{}|{}|{:016x}",
             config.driver,
             config.adapter.as_deref().unwrap_or(""),
             table.fingerprint()
         );
-        let all = b.allgather(&format!("chan/{}/core", config.name), mine.as_bytes())?;
+        let cpu_list = cpus::allowed()
+            .map(|c| cpus::format(&c))
+            .unwrap_or_default();
+        let all = b.allgather(
+            &format!("chan/{}/core", config.name),
+            format!("{mine}\n{cpu_list}").as_bytes(),
+        )?;
+        let mut host_cpus = BTreeSet::new();
+        let local_ranks = b.local_ranks();
         for (r, theirs) in all.iter().enumerate() {
-            if theirs.as_slice() != mine.as_bytes() {
+            let theirs = String::from_utf8_lossy(theirs);
+            let (conf, list) = theirs.split_once('\n').unwrap_or((&theirs, ""));
+            if conf != mine {
                 return Err(Error::BadConfig(format!(
-                    "channel `{}`: rank {r} opened it as `{}` but rank {} as `{mine}` (driver|adapter|TM table \
+                    "channel `{}`: rank {r} opened it as `{conf}` but rank {} as `{mine}` (driver|adapter|TM table \
                      fingerprint); every rank must use the same configuration",
                     config.name,
-                    String::from_utf8_lossy(theirs),
                     b.rank()
                 )));
             }
+            if local_ranks.contains(&r) {
+                host_cpus.extend(cpus::parse(list).unwrap_or_default());
+            }
         }
+        let local = local_ranks.len().max(1);
+        if !host_cpus.is_empty() {
+            let cores = host_cpus.len();
+            inner.oversubscribed.store(local > cores, Ordering::Relaxed);
+            crate::progress::note_host_share(local, cores);
+        }
+        let progress = ProgressPolicy {
+            mode: config.progress,
+            oversubscribed: inner.oversubscribed.load(Ordering::Relaxed),
+            op_timeout: config.op_timeout,
+        };
         let ctx = OpenContext {
             config: &config,
             bootstrap: b,
@@ -229,5 +258,81 @@ impl Session {
             eprint!("{}", ch.selection_table());
         }
         Ok(ch)
+    }
+}
+
+/// The CPUs a process may run on, as Linux lists them (`0-3,8`).
+mod cpus {
+    use std::collections::BTreeSet;
+
+    /// Highest CPU number accepted from a list (a peer's list is parsed too: bounded work).
+    const MAX_CPU: u32 = 1 << 16;
+
+    /// This process's allowed CPUs (`Cpus_allowed_list` of `/proc/self/status`).
+    pub(super) fn allowed() -> Option<BTreeSet<u32>> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+        parse(line.trim())
+    }
+
+    /// Parse `0-3,8,10-11`; `None` if malformed or out of bounds.
+    pub(super) fn parse(list: &str) -> Option<BTreeSet<u32>> {
+        let mut set = BTreeSet::new();
+        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (a, b) = match part.split_once('-') {
+                Some((a, b)) => (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?),
+                None => {
+                    let a = part.parse::<u32>().ok()?;
+                    (a, a)
+                }
+            };
+            if a > b || b > MAX_CPU {
+                return None;
+            }
+            set.extend(a..=b);
+        }
+        Some(set)
+    }
+
+    /// The inverse of [`parse`] (one range per run of consecutive CPUs).
+    pub(super) fn format(set: &BTreeSet<u32>) -> String {
+        let mut out: Vec<String> = Vec::new();
+        let mut it = set.iter().copied().peekable();
+        while let Some(start) = it.next() {
+            let mut end = start;
+            while it.peek() == Some(&(end + 1)) {
+                end += 1;
+                it.next();
+            }
+            out.push(if start == end {
+                start.to_string()
+            } else {
+                format!("{start}-{end}")
+            });
+        }
+        out.join(",")
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn lists_round_trip_and_bad_ones_are_refused() {
+            let s = parse("0-3, 8,10-11").unwrap();
+            assert_eq!(
+                s.iter().copied().collect::<Vec<_>>(),
+                [0, 1, 2, 3, 8, 10, 11]
+            );
+            assert_eq!(format(&s), "0-3,8,10-11");
+            assert_eq!(parse("").unwrap().len(), 0);
+            for bad in ["3-1", "x", "0-4294967295", "1-", "-2", "99999999"] {
+                assert!(parse(bad).is_none(), "{bad}");
+            }
+            let mine = allowed().expect("/proc/self/status has Cpus_allowed_list");
+            assert!(!mine.is_empty());
+        }
     }
 }
