@@ -367,7 +367,15 @@ impl Driver for ShmDriver {
                 .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
             watched.push((r, in_ring.clone(), pidfd.clone()));
             links[r] = Some(LinkPair {
-                tx: Box::new(ShmTx::new(r, out_ring, seg, pidfd.clone(), cma_tm, path)),
+                tx: Box::new(ShmTx::new(
+                    r,
+                    out_ring,
+                    seg,
+                    pidfd.clone(),
+                    cma_tm,
+                    path,
+                    ctx.progress.oversubscribed,
+                )),
                 rx: Box::new(ShmRx::new(
                     r,
                     pi.pid,

@@ -28,10 +28,6 @@ const REC_HEAD: usize = 16;
 /// pipeline with the receiver; shorter ones wait for the next commit, end of message,
 /// back-pressure or EXPRESS piece.
 const NOTIFY_EAGER: usize = 4096;
-/// The reader copies a CMA group in calls of at most this many bytes and publishes its progress
-/// after each, so the sender waiting for the completion sees the transfer move and keeps
-/// spinning instead of sleeping (a wake-up costs more than a large copy's tail here).
-const CMA_CHUNK: usize = 256 << 10;
 /// Most slices in one record.
 pub const MAX_RECORD_SLICES: usize = 128;
 
@@ -102,8 +98,15 @@ fn notify_writer(v: &RingView) {
 
 enum TxGather {
     Idle,
-    /// Record posted; waiting until the receiver's completion counter reaches this value.
-    Waiting(u64),
+    /// Record posted; waiting until the receiver's completion counter reaches `target`.
+    Waiting {
+        target: u64,
+        /// Bytes in the group (bounds how long a started copy can take).
+        total: u64,
+        /// The reader's `cma_progress` when the record was posted: a larger value means the
+        /// copy of this group has started.
+        progress_at_post: u64,
+    },
     /// Ring fallback: streaming slice `slice` from offset `off`.
     Stream {
         slice: usize,
@@ -123,6 +126,8 @@ pub struct ShmTx {
     cma_posted: u64,
     msg_start: u64,
     need: u64,
+    /// The host runs more ranks than cores: never spin in `wait`.
+    crowded: bool,
     broken: Option<String>,
 }
 
@@ -135,6 +140,7 @@ impl ShmTx {
         pidfd: Arc<PidFd>,
         cma_tm: Option<TmId>,
         path: GatherPath,
+        crowded: bool,
     ) -> Self {
         let prod = Producer::new(ring);
         let cma_posted = prod.view().cma_done().load(Ordering::Acquire);
@@ -149,6 +155,7 @@ impl ShmTx {
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
+            crowded,
             broken: None,
         }
     }
@@ -204,11 +211,16 @@ impl ShmTx {
             {
                 return self.pending(rec.len() as u64);
             }
+            let progress_at_post = self.prod.view().cma_progress().load(Ordering::Relaxed);
             self.publish_now();
             self.cma_posted += 1;
-            self.gather = TxGather::Waiting(self.cma_posted);
+            self.gather = TxGather::Waiting {
+                target: self.cma_posted,
+                total,
+                progress_at_post,
+            };
         }
-        if let TxGather::Waiting(target) = self.gather {
+        if let TxGather::Waiting { target, .. } = self.gather {
             if self.prod.view().cma_done().load(Ordering::Acquire) >= target {
                 self.gather = TxGather::Idle;
                 return Ok(Poll::Ready(()));
@@ -300,7 +312,7 @@ impl TxLink for ShmTx {
     }
 
     fn progress_mark(&self) -> u64 {
-        // Moves while the receiver copies a posted CMA group.
+        // Moves when the receiver starts copying a posted CMA group.
         self.prod.view().cma_progress().load(Ordering::Relaxed)
     }
 
@@ -346,11 +358,29 @@ impl TxLink for ShmTx {
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let v = self.prod.view().clone();
+        if let TxGather::Waiting {
+            target,
+            total,
+            progress_at_post,
+        } = self.gather
+        {
+            if !self.crowded && v.cma_progress().load(Ordering::Relaxed) != progress_at_post {
+                // The receiver is copying this group right now: the completion is at most one
+                // copy away, and a sleep would add a wake-up (tens of µs here) to it. Yield
+                // until it comes, for no longer than the copy can take at 2 GB/s.
+                let bound = Duration::from_nanos(total / 2).max(Duration::from_micros(50));
+                let until = Instant::now() + timeout.min(bound);
+                while v.cma_done().load(Ordering::Acquire) < target && Instant::now() < until {
+                    std::thread::yield_now();
+                }
+                return Ok(());
+            }
+        }
         v.tx_sleeping().fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         let seq = v.tx_seq().load(Ordering::SeqCst);
         let ready = match self.gather {
-            TxGather::Waiting(t) => v.cma_done().load(Ordering::Acquire) >= t,
+            TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= target,
             _ => self
                 .prod
                 .free(self.need)
@@ -491,11 +521,15 @@ impl ShmRx {
                 format!("shm: CMA group of {total} B (slices sum to {rsum}) but {lsum} B expected"),
             ));
         }
-        let progress = self.cons.view().cma_progress();
-        let res = sys::cma_read_chunked(self.peer_pid, iov, &remote, CMA_CHUNK, &mut |n| {
-            progress.fetch_add(n as u64, Ordering::Relaxed);
-        });
-        if let Err(e) = res {
+        // Tell the sender, which waits for the completion, that the copy is under way: its
+        // adaptive wait starts its spin budget again instead of going to sleep now. (The copy
+        // is one call: `process_vm_readv` costs about 20 µs per call here whatever the size,
+        // so reporting progress chunk by chunk would cost more than the sleep it saves.)
+        self.cons
+            .view()
+            .cma_progress()
+            .fetch_add(total.max(1), Ordering::Relaxed);
+        if let Err(e) = sys::cma_read(self.peer_pid, iov, &remote) {
             return Err(match e.raw_os_error() {
                 Some(libc::ESRCH) => Error::PeerClosed { rank: self.peer },
                 Some(libc::EFAULT) => Error::protocol(

@@ -35,8 +35,8 @@ pub mod layout {
     pub const TX_SEQ: usize = 384;
     /// Number of writer threads asleep on `TX_SEQ` (`u32`).
     pub const TX_SLEEPING: usize = 512;
-    /// Bytes the reader has copied by Cross Memory Attach so far (`u64`, monotonic): the
-    /// writer waiting for a CMA completion watches it move.
+    /// Bytes of CMA groups the reader has started copying (`u64`, monotonic): the writer
+    /// waiting for a CMA completion sees it move when the copy starts.
     pub const CMA_PROGRESS: usize = 640;
     /// Size of the header block; the data area follows it.
     pub const HDR: usize = 4096;
@@ -256,7 +256,7 @@ impl RingView {
     pub fn cma_done(&self) -> &AtomicU64 {
         self.u64w(layout::CMA_DONE)
     }
-    /// Bytes copied by Cross Memory Attach so far.
+    /// Bytes of CMA groups whose copy has started.
     pub fn cma_progress(&self) -> &AtomicU64 {
         self.u64w(layout::CMA_PROGRESS)
     }

@@ -107,19 +107,6 @@ const IOV_MAX: usize = 1024;
 /// The caller checks that both lists have the same total length. A zero-byte transfer that
 /// should have moved bytes is reported as `UnexpectedEof` (remote memory unmapped midway).
 pub fn cma_read(pid: u32, local: &mut [IoSliceMut<'_>], remote: &[RemoteSlice]) -> io::Result<()> {
-    cma_read_chunked(pid, local, remote, usize::MAX, &mut |_| {})
-}
-
-/// [`cma_read`] in calls of at most `chunk` bytes, telling `progress` the bytes copied after
-/// each (so the sender, which waits for the copy to finish, can see it move).
-pub fn cma_read_chunked(
-    pid: u32,
-    local: &mut [IoSliceMut<'_>],
-    remote: &[RemoteSlice],
-    chunk: usize,
-    progress: &mut dyn FnMut(usize),
-) -> io::Result<()> {
-    let chunk = chunk.max(1);
     let mut li = 0usize; // current local slice
     let mut lo = 0usize; // offset inside it
     let mut ri = 0usize;
@@ -137,20 +124,13 @@ pub fn cma_read_chunked(
             return Ok(());
         }
         let mut liov: Vec<libc::iovec> = Vec::with_capacity((local.len() - li).min(IOV_MAX));
-        let mut budget = chunk;
         for (k, s) in local[li..].iter_mut().enumerate().take(IOV_MAX) {
-            if budget == 0 {
-                break;
-            }
             let skip = if k == 0 { lo } else { 0 };
-            // `skip <= s.len()` by the loop invariant; the pointer stays inside the slice, and
-            // the kernel stops when the (possibly shortened) local list is full.
+            // `skip <= s.len()` by the loop invariant; the pointer stays inside the slice.
             let rest = &mut s[skip..];
-            let take = rest.len().min(budget);
-            budget -= take;
             liov.push(libc::iovec {
                 iov_base: rest.as_mut_ptr().cast(),
-                iov_len: take,
+                iov_len: rest.len(),
             });
         }
         let mut riov: Vec<libc::iovec> = Vec::with_capacity((remote.len() - ri).min(IOV_MAX));
@@ -189,7 +169,6 @@ pub fn cma_read_chunked(
                 "process_vm_readv moved no bytes",
             ));
         }
-        progress(n);
         let mut left = n;
         while left > 0 && li < local.len() {
             let step = (local[li].len() - lo).min(left);
@@ -286,36 +265,5 @@ impl PidFd {
                 r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0
             }
         }
-    }
-}
-
-#[cfg(all(test, not(miri)))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunked_cma_read_copies_everything_in_bounded_calls() {
-        let src: Vec<u8> = (0..1042u32).map(|i| (i * 7) as u8).collect();
-        // Remote and local lists split at different points.
-        let cuts = [0usize, 5, 1005, 1042];
-        let remote: Vec<RemoteSlice> = cuts
-            .windows(2)
-            .map(|w| RemoteSlice {
-                addr: src[w[0]..].as_ptr() as usize as u64,
-                len: (w[1] - w[0]) as u64,
-            })
-            .collect();
-        let mut dst = vec![0u8; src.len()];
-        let (a, rest) = dst.split_at_mut(7);
-        let (b, c) = rest.split_at_mut(500);
-        let mut local = [IoSliceMut::new(a), IoSliceMut::new(b), IoSliceMut::new(c)];
-        let mut calls = Vec::new();
-        cma_read_chunked(std::process::id(), &mut local, &remote, 64, &mut |n| {
-            calls.push(n)
-        })
-        .unwrap();
-        assert_eq!(dst, src);
-        assert!(calls.iter().all(|&n| n > 0 && n <= 64), "{calls:?}");
-        assert_eq!(calls.iter().sum::<usize>(), src.len());
     }
 }
