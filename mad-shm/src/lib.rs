@@ -50,7 +50,7 @@ pub const DEFAULT_RING: usize = 256 * 1024;
 pub const MAX_RING: usize = 1 << 30;
 /// Default largest piece sent through the ring when CMA is available (from the sweep in
 /// `NOTES.md`).
-pub const DEFAULT_RING_MAX: usize = 256 * 1024;
+pub const DEFAULT_RING_MAX: usize = 64 * 1024;
 /// Slices per CMA group.
 pub const CMA_MAX_GROUP: usize = 64;
 
