@@ -335,7 +335,6 @@ fn strangers_are_refused_and_logged() {
 /// temporarily unavailable` instead of naming the bad magic visible after 4 bytes. Expected:
 /// closed within 3 s, as soon as the 6-byte head is known to be wrong.
 #[test]
-#[ignore = "mad-tcp refuses a short non-hello only at the 10 s handshake timeout (RELIABILITY.md finding 1)"]
 fn short_non_hello_is_refused_at_once() {
     let mut bs = ThreadBootstrap::group(2);
     let b1 = bs.pop().unwrap();
@@ -356,9 +355,19 @@ fn short_non_hello_is_refused_at_once() {
     // Let rank 0's open finish whatever happened.
     let _real = handshake_as(addr, "short", b1.secret(), 1, fp).unwrap();
     rx.recv_timeout(LIMIT).expect("rank 0 hung").expect("open");
+    // Closed at once: end of stream, or a reset (the acceptor closed with the rest of the
+    // stranger's bytes unread). A timeout means it was still connected.
+    let closed = match &r {
+        Ok(_) => true,
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+        ),
+    };
     assert!(
-        r.is_ok(),
+        closed,
         "stranger still connected {:?} after its bad head ({r:?})",
         t.elapsed()
     );
+    eprintln!("short stranger closed {:?} after its bad head", t.elapsed());
 }

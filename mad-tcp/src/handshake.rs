@@ -169,6 +169,15 @@ pub fn encode_hello(h: &Hello) -> Result<Vec<u8>, String> {
 }
 
 /// From the fixed part of a hello, the total length of the hello (fixed part + name).
+/// Bytes of a message's head (magic, kind, version), checkable before the rest arrives.
+pub const HEAD_LEN: usize = 6;
+
+/// Check the head of a hello (its first [`HEAD_LEN`] bytes): a stranger speaking another
+/// protocol is refused as soon as these bytes are in, not at the handshake timeout.
+pub fn check_hello_head(head: &[u8]) -> Result<(), String> {
+    check_head(head, KIND_HELLO, "hello")
+}
+
 pub fn hello_len(fixed: &[u8]) -> Result<usize, String> {
     check_head(fixed, KIND_HELLO, "hello")?;
     if fixed.len() < HELLO_FIXED_LEN {

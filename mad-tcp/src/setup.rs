@@ -347,7 +347,13 @@ fn accept_one(c: &AcceptCtx, st: TcpStream, addr: SocketAddr, deadline: Instant)
         return refused(format!("sending challenge: {e}"));
     }
     let mut hb = vec![0u8; handshake::HELLO_FIXED_LEN];
-    if let Err(e) = stream.read_exact(&mut hb) {
+    if let Err(e) = stream.read_exact(&mut hb[..handshake::HEAD_LEN]) {
+        return refused(format!("reading hello: {e}"));
+    }
+    if let Err(w) = handshake::check_hello_head(&hb[..handshake::HEAD_LEN]) {
+        return refused(w);
+    }
+    if let Err(e) = stream.read_exact(&mut hb[handshake::HEAD_LEN..]) {
         return refused(format!("reading hello: {e}"));
     }
     let total = match handshake::hello_len(&hb) {
