@@ -168,7 +168,6 @@ pub fn encode_hello(h: &Hello) -> Result<Vec<u8>, String> {
     Ok(b)
 }
 
-/// From the fixed part of a hello, the total length of the hello (fixed part + name).
 /// Bytes of a message's head (magic, kind, version), checkable before the rest arrives.
 pub const HEAD_LEN: usize = 6;
 
@@ -178,6 +177,7 @@ pub fn check_hello_head(head: &[u8]) -> Result<(), String> {
     check_head(head, KIND_HELLO, "hello")
 }
 
+/// From the fixed part of a hello, the total length of the hello (fixed part + name).
 pub fn hello_len(fixed: &[u8]) -> Result<usize, String> {
     check_head(fixed, KIND_HELLO, "hello")?;
     if fixed.len() < HELLO_FIXED_LEN {
