@@ -405,6 +405,33 @@ pub struct Target {
     pub verdict: Verdict,
 }
 
+/// A target comparing a Madeleine row with its baseline row (`pair`), or "not run" with
+/// `missing()` as the reason when either figure is absent. `limit` is the printed limit and
+/// the cost ratio it allows.
+fn versus(
+    issue: &'static str,
+    what: String,
+    (limit, lim): (String, f64),
+    bench: &str,
+    pair: Option<(&Row, &Row)>,
+    missing: impl FnOnce() -> String,
+) -> Target {
+    match pair {
+        Some((m, b)) => {
+            let r = cost(m, b);
+            Target {
+                issue,
+                what,
+                measured: format!("{} vs {} {}", num(m.median), num(b.median), unit_of(bench)),
+                ratio: format!("{r:.3}"),
+                limit,
+                verdict: Verdict::of(r, lim),
+            }
+        }
+        None => not_run(issue, what, limit, missing()),
+    }
+}
+
 fn not_run(issue: &'static str, what: String, limit: String, why: String) -> Target {
     Target {
         issue,
@@ -481,30 +508,14 @@ fn tcp_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 t.push(not_run("mad-tcp", what, limit, inp.why_missing("pair")));
                 continue;
             };
-            match (get(rows, bench, chan, size), get(rows, bench, base, size)) {
-                (Some(m), Some(b)) => {
-                    let r = cost(m, b);
-                    t.push(Target {
-                        issue: "mad-tcp",
-                        what,
-                        measured: format!(
-                            "{} vs {} {}",
-                            num(m.median),
-                            num(b.median),
-                            unit_of(bench)
-                        ),
-                        ratio: format!("{r:.3}"),
-                        limit,
-                        verdict: Verdict::of(r, lim),
-                    })
-                }
-                _ => t.push(not_run(
-                    "mad-tcp",
-                    what,
-                    limit,
-                    format!("pair suite: no {bench} figure at {}", bytes(size)),
-                )),
-            }
+            t.push(versus(
+                "mad-tcp",
+                what,
+                (limit, lim),
+                bench,
+                get(rows, bench, chan, size).zip(get(rows, bench, base, size)),
+                || format!("pair suite: no {bench} figure at {}", bytes(size)),
+            ));
         }
     }
 }
@@ -739,33 +750,14 @@ fn mpi_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 t.push(not_run("mad-mpi", what, limit, inp.why_missing(name)));
                 continue;
             };
-            match (
-                get(rows, bench, "mpi", size),
-                get(rows, bench, "raw-mpi", size),
-            ) {
-                (Some(m), Some(b)) => {
-                    let r = cost(m, b);
-                    t.push(Target {
-                        issue: "mad-mpi",
-                        what,
-                        measured: format!(
-                            "{} vs {} {}",
-                            num(m.median),
-                            num(b.median),
-                            unit_of(bench)
-                        ),
-                        ratio: format!("{r:.3}"),
-                        limit,
-                        verdict: Verdict::of(r, lim),
-                    })
-                }
-                _ => t.push(not_run(
-                    "mad-mpi",
-                    what,
-                    limit,
-                    format!("{name}: no mpi / raw-mpi {bench} figure at {}", bytes(size)),
-                )),
-            }
+            t.push(versus(
+                "mad-mpi",
+                what,
+                (limit, lim),
+                bench,
+                get(rows, bench, "mpi", size).zip(get(rows, bench, "raw-mpi", size)),
+                || format!("{name}: no mpi / raw-mpi {bench} figure at {}", bytes(size)),
+            ));
         }
         for size in [8, MIB] {
             let what = format!(
