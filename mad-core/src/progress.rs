@@ -18,12 +18,13 @@ use crate::error::{Error, Result};
 /// Threads of this process currently in a long wait (past the first attempt of [`ProgressPolicy::drive`]).
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 /// How many waiting threads this process may run before the host is crowded: its share of the
-/// cores (cores / session ranks on this host, at least 1). Lowered by each session built.
+/// cores (cores / session ranks on this host, at least 1). Lowered by each channel opened.
 static SHARE: AtomicUsize = AtomicUsize::new(usize::MAX);
 
-/// Record that `local` session ranks share `cores` cores on this host (the session builder calls
-/// it). A wait counts as *crowded* when more threads of this process wait than its share of
-/// the cores: the policy then yields early instead of spinning a whole time slice away.
+/// Record that `local` session ranks share `cores` cores on this host (every channel open calls
+/// it, with the union of the local ranks' CPU sets). A wait counts as *crowded* when more
+/// threads of this process wait than its share of the cores: the policy then yields early
+/// instead of spinning a whole time slice away.
 pub fn note_host_share(local: usize, cores: usize) {
     let share = (cores / local.max(1)).max(1);
     SHARE.fetch_min(share, Ordering::Relaxed);
