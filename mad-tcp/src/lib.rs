@@ -11,13 +11,15 @@
 //! so a message of small pieces leaves in one system call, and a message of small pieces plus
 //! a large body too (when the socket takes it all).
 //!
-//! Channel spec: `tcp[:ADDRESS|INTERFACE][,connect_timeout_ms=30000][,user_timeout_ms=10000]
+//! Channel spec: `tcp[:ADDRESS|INTERFACE][,connect_timeout_ms=30000][,liveness_ms=10000]
 //! [,buffer=64k][,tm.small=N]`. The adapter is the local address to listen on (default
 //! `127.0.0.1`) or an interface name (`eth0`), resolved with `getifaddrs`.
 //!
-//! Failures: end of stream is [`Error::PeerClosed`]; a reset, a timeout (keepalive and
-//! `TCP_USER_TIMEOUT` turn a black-holed peer into one in bounded time) or any other socket
-//! error is [`Error::ConnectionLost`].
+//! Failures: end of stream is [`Error::PeerClosed`]; a reset, a peer found unreachable (nothing
+//! heard from it for `liveness_ms` while the kernel waits for an acknowledgement, or failed
+//! keepalive probes on an idle connection) or any other socket error is
+//! [`Error::ConnectionLost`]. A live peer that is slow to read (a long compute phase with the
+//! window closed) is not a dead one: its sender keeps waiting (see `link::Liveness`).
 //!
 //! ```no_run
 //! # fn main() -> mad_core::Result<()> {
@@ -60,8 +62,12 @@ pub const DEFAULT_SMALL_MAX: usize = 8192;
 pub const DEFAULT_BUFFER: usize = 64 * 1024;
 /// Default bound on channel setup.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default `TCP_USER_TIMEOUT` (and keepalive horizon).
-pub const DEFAULT_USER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default liveness bound: how long a peer may stay silent while the kernel waits for its
+/// acknowledgement before it is declared unreachable (and the keepalive horizon).
+pub const DEFAULT_LIVENESS: Duration = Duration::from_secs(10);
+/// Longest a blocking send or receive (block mode) stays in the kernel before the engine gets
+/// control back to check deadlines and liveness.
+const BLOCKING_SLICE: Duration = Duration::from_millis(200);
 /// Bytes a message's first read takes beyond the copy threshold (header, descriptors).
 const FIRST_READ_SLACK: usize = 512;
 /// Smallest first read of a message.
@@ -89,14 +95,14 @@ pub struct TcpOptions {
     pub ip: IpAddr,
     /// Bound on the whole setup.
     pub connect_timeout: Duration,
-    /// `TCP_USER_TIMEOUT` and keepalive horizon.
-    pub user_timeout: Duration,
+    /// Liveness bound (see [`DEFAULT_LIVENESS`]).
+    pub liveness: Duration,
     /// Size of each static buffer.
     pub buffer: usize,
 }
 
 impl TcpOptions {
-    /// Parse the options of `config` (adapter, `connect_timeout_ms`, `user_timeout_ms`, `buffer`).
+    /// Parse the options of `config` (adapter, `connect_timeout_ms`, `liveness_ms`, `buffer`).
     pub fn from_config(config: &ChannelConfig) -> Result<Self> {
         let ip = resolve_adapter(config.adapter.as_deref())?;
         let ms = |key: &str, def: Duration| -> Result<Duration> {
@@ -106,8 +112,8 @@ impl TcpOptions {
                 .unwrap_or(def))
         };
         let connect_timeout = ms("connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT)?;
-        let user_timeout = ms("user_timeout_ms", DEFAULT_USER_TIMEOUT)?;
-        if connect_timeout.is_zero() || user_timeout.is_zero() {
+        let liveness = ms("liveness_ms", DEFAULT_LIVENESS)?;
+        if connect_timeout.is_zero() || liveness.is_zero() {
             return Err(Error::BadConfig(format!(
                 "channel `{}`: tcp timeouts must be at least 1 ms",
                 config.name
@@ -127,7 +133,7 @@ impl TcpOptions {
         Ok(TcpOptions {
             ip,
             connect_timeout,
-            user_timeout,
+            liveness,
             buffer,
         })
     }
@@ -237,17 +243,30 @@ impl Driver for TcpDriver {
             };
             let cfg = |e| Error::io(format!("tcp: configuring the connection to rank {r}"), e);
             // The socket stays in blocking mode: every non-blocking call passes MSG_DONTWAIT,
-            // and in block mode gather sends/receives wait in the kernel, bounded by the
-            // operation timeout (SO_SNDTIMEO/SO_RCVTIMEO) and by peer death (user timeout).
-            st.set_read_timeout(ctx.progress.op_timeout).map_err(cfg)?;
-            st.set_write_timeout(ctx.progress.op_timeout).map_err(cfg)?;
+            // and in block mode gather sends/receives wait in the kernel, in slices
+            // (SO_SNDTIMEO/SO_RCVTIMEO) after which the engine checks its deadline and the
+            // driver the peer's liveness.
+            let slice = Some(
+                ctx.progress
+                    .op_timeout
+                    .map_or(BLOCKING_SLICE, |t| t.min(BLOCKING_SLICE)),
+            );
+            st.set_read_timeout(slice).map_err(cfg)?;
+            st.set_write_timeout(slice).map_err(cfg)?;
             st.set_nodelay(true).map_err(cfg)?;
             st.set_nonblocking(false).map_err(cfg)?;
-            sys::set_liveness(st.as_raw_fd(), opts.user_timeout).map_err(cfg)?;
+            sys::set_keepalive(st.as_raw_fd(), opts.liveness).map_err(cfg)?;
             let st = Arc::new(st);
-            let watch = incoming.watch(&st, r)?;
+            let live = link::Liveness::new(st.clone(), r, opts.liveness);
+            let watch = incoming.watch(&st, r, &live)?;
             links.push(Some(LinkPair {
-                tx: Box::new(TcpTx::new(st.clone(), r, opts.buffer, bulk_blocking)),
+                tx: Box::new(TcpTx::new(
+                    st.clone(),
+                    r,
+                    opts.buffer,
+                    bulk_blocking,
+                    live.clone(),
+                )),
                 rx: Box::new(TcpRx::new(
                     st,
                     r,
@@ -255,15 +274,16 @@ impl Driver for TcpDriver {
                     first_read,
                     bulk_blocking,
                     watch,
+                    live,
                 )),
             }));
         }
         let notes = vec![format!(
-            "tcp: {} listening for setup, {} connections, {} KiB buffers, user timeout {} ms",
+            "tcp: {} listening for setup, {} connections, {} KiB buffers, liveness bound {} ms",
             local,
             size - 1,
             opts.buffer / 1024,
-            opts.user_timeout.as_millis()
+            opts.liveness.as_millis()
         )];
         Ok(OpenedChannel {
             links,

@@ -16,9 +16,9 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
 use mad_core::{Error, Result};
@@ -31,6 +31,109 @@ fn lost(peer: usize, e: io::Error) -> Error {
     Error::ConnectionLost {
         rank: peer,
         source: e,
+    }
+}
+
+/// Judges whether the peer of a connection is still reachable; shared by the connection's two
+/// halves and the any-source watcher, consulted only when a thread waits (never on the fast
+/// path).
+///
+/// The rule: the peer is unreachable when nothing (data or acknowledgement) has come from it for
+/// the channel's liveness bound **while the kernel waits for an answer** (retransmissions of
+/// unacknowledged data, or window/keepalive probes), and still so a moment later (a probe may be
+/// in flight when we look). A live receiver that is computing instead of reading keeps its
+/// window closed but answers the kernel's zero-window probes: it is slow, not dead, and its
+/// sender keeps waiting. Idle connections are covered by keepalive (`sys::set_keepalive`).
+pub(crate) struct Liveness {
+    sock: Arc<TcpStream>,
+    peer: usize,
+    bound: Duration,
+    /// Why the peer was judged unreachable, once it was.
+    lost: OnceLock<String>,
+    check: Mutex<LiveCheck>,
+}
+
+struct LiveCheck {
+    /// No look at the kernel before this.
+    next: Option<Instant>,
+    /// When the peer was first seen silent with an answer outstanding.
+    suspect_since: Option<Instant>,
+}
+
+impl Liveness {
+    pub(crate) fn new(sock: Arc<TcpStream>, peer: usize, bound: Duration) -> Arc<Self> {
+        Arc::new(Liveness {
+            sock,
+            peer,
+            bound,
+            lost: OnceLock::new(),
+            check: Mutex::new(LiveCheck {
+                next: None,
+                suspect_since: None,
+            }),
+        })
+    }
+
+    /// How often a waiting thread looks at the kernel's view of the connection.
+    fn every(&self) -> Duration {
+        (self.bound / 8).clamp(Duration::from_millis(10), Duration::from_millis(250))
+    }
+
+    /// How long the verdict must hold before it is final.
+    fn confirm(&self) -> Duration {
+        (self.bound / 4).min(Duration::from_secs(1))
+    }
+
+    fn unreachable(cause: &str) -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, cause.to_string())
+    }
+
+    /// `Err` once the peer is judged unreachable (the socket is then shut down, so every other
+    /// waiter on it wakes up and fails too). Cheap when called often: the kernel is asked at
+    /// most every [`every`](Self::every).
+    pub(crate) fn check(&self) -> io::Result<()> {
+        if let Some(cause) = self.lost.get() {
+            return Err(Self::unreachable(cause));
+        }
+        let Ok(mut st) = self.check.try_lock() else {
+            return Ok(()); // another thread is looking right now
+        };
+        let now = Instant::now();
+        if st.next.is_some_and(|t| now < t) {
+            return Ok(());
+        }
+        st.next = Some(now + self.every());
+        let Ok(k) = sys::tcp_state(self.sock.as_raw_fd()) else {
+            return Ok(()); // the next send or receive reports what is wrong with the socket
+        };
+        if !(k.established && k.unanswered && k.silent >= self.bound) {
+            st.suspect_since = None;
+            return Ok(());
+        }
+        let since = *st.suspect_since.get_or_insert(now);
+        if now.duration_since(since) < self.confirm() {
+            return Ok(());
+        }
+        let cause = self.lost.get_or_init(|| {
+            format!(
+                "rank {} unreachable: nothing received for {} ms while the kernel waited for \
+                 an acknowledgement (liveness bound {} ms)",
+                self.peer,
+                k.silent.as_millis(),
+                self.bound.as_millis()
+            )
+        });
+        let _ = self.sock.shutdown(Shutdown::Both);
+        Err(Self::unreachable(cause))
+    }
+
+    /// `e`, or the liveness verdict when there is one (a socket we shut down ourselves fails
+    /// with `EPIPE` or end of stream, which would hide the real cause).
+    fn explain(&self, e: io::Error) -> io::Error {
+        match self.lost.get() {
+            Some(cause) => Self::unreachable(cause),
+            None => e,
+        }
     }
 }
 
@@ -52,6 +155,7 @@ pub struct TcpTx {
     bulk_blocking: bool,
     /// Bytes the kernel accepted so far (the progress mark).
     moved: u64,
+    live: Arc<Liveness>,
     broken: Option<String>,
 }
 
@@ -61,8 +165,10 @@ impl TcpTx {
         peer: usize,
         buf_len: usize,
         bulk_blocking: bool,
+        live: Arc<Liveness>,
     ) -> Self {
         TcpTx {
+            live,
             bulk_blocking,
             fd: sock.as_raw_fd(),
             sock,
@@ -88,6 +194,7 @@ impl TcpTx {
     }
 
     fn fail(&mut self, e: io::Error) -> Error {
+        let e = self.live.explain(e);
         self.broken = Some(e.to_string());
         lost(self.peer, e)
     }
@@ -208,9 +315,12 @@ impl TxLink for TcpTx {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
+        if let Err(e) = self.live.check() {
+            return Err(self.fail(e));
+        }
         sys::poll_one(self.fd, Interest::Write, timeout)
             .map(|_| ())
-            .map_err(|e| lost(self.peer, e))
+            .map_err(|e| self.fail(e))
     }
 
     fn progress_mark(&self) -> u64 {
@@ -237,6 +347,7 @@ pub struct TcpRx {
     watch: Watch,
     /// Bytes received so far (the progress mark).
     moved: u64,
+    live: Arc<Liveness>,
     broken: Option<String>,
 }
 
@@ -257,8 +368,10 @@ impl TcpRx {
         first_read: usize,
         bulk_blocking: bool,
         watch: Watch,
+        live: Arc<Liveness>,
     ) -> Self {
         TcpRx {
+            live,
             bulk_blocking,
             fd: sock.as_raw_fd(),
             sock,
@@ -295,11 +408,17 @@ impl TcpRx {
 
     fn closed(&mut self) -> Error {
         self.deregister();
-        Error::PeerClosed { rank: self.peer }
+        match self.live.lost.get() {
+            // We shut the socket down ourselves: the peer did not close it.
+            Some(_) => self.fail(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            None => Error::PeerClosed { rank: self.peer },
+        }
     }
 
     fn fail(&mut self, e: io::Error) -> Error {
         self.deregister();
+        let e = self.live.explain(e);
+        self.broken = Some(e.to_string());
         lost(self.peer, e)
     }
 
@@ -444,9 +563,12 @@ impl RxLink for TcpRx {
         if self.head < self.tail || self.broken.is_some() {
             return Ok(());
         }
+        if let Err(e) = self.live.check() {
+            return Err(self.fail(e));
+        }
         sys::poll_one(self.fd, Interest::Read, timeout)
             .map(|_| ())
-            .map_err(|e| lost(self.peer, e))
+            .map_err(|e| self.fail(e))
     }
 
     fn progress_mark(&self) -> u64 {
@@ -469,18 +591,21 @@ impl Drop for TcpRx {
 /// level-triggered epoll set holds every connection.
 pub struct TcpIncoming {
     kind: Kind,
+    /// Every watched connection (polled directly with few peers; for liveness in any case).
+    list: Vec<Watched>,
     wake: EventFd,
 }
 
 enum Kind {
     Epoll(Arc<Epoll>),
-    Poll(Vec<Watched>),
+    Poll,
 }
 
 struct Watched {
     peer: usize,
     sock: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
+    live: Arc<Liveness>,
 }
 
 /// Token of the wake-up eventfd in the epoll set (ranks use their own number).
@@ -496,15 +621,30 @@ impl TcpIncoming {
                 .map_err(|e| Error::io("registering the tcp wake-up eventfd", e))?;
             Kind::Epoll(Arc::new(ep))
         } else {
-            Kind::Poll(Vec::new())
+            Kind::Poll
         };
-        Ok(TcpIncoming { kind, wake })
+        Ok(TcpIncoming {
+            kind,
+            list: Vec::new(),
+            wake,
+        })
     }
 
     /// Watch the connection to `peer`; the returned [`Watch`] goes to its receiving half.
-    pub(crate) fn watch(&mut self, sock: &Arc<TcpStream>, peer: usize) -> Result<Watch> {
+    pub(crate) fn watch(
+        &mut self,
+        sock: &Arc<TcpStream>,
+        peer: usize,
+        live: &Arc<Liveness>,
+    ) -> Result<Watch> {
         let dead = Arc::new(AtomicBool::new(false));
-        match &mut self.kind {
+        self.list.push(Watched {
+            peer,
+            sock: sock.clone(),
+            dead: dead.clone(),
+            live: live.clone(),
+        });
+        match &self.kind {
             Kind::Epoll(ep) => {
                 ep.add(sock.as_raw_fd(), peer as u64).map_err(|e| {
                     Error::io(
@@ -517,14 +657,16 @@ impl TcpIncoming {
                     epoll: Some(ep.clone()),
                 })
             }
-            Kind::Poll(list) => {
-                list.push(Watched {
-                    peer,
-                    sock: sock.clone(),
-                    dead: dead.clone(),
-                });
-                Ok(Watch { dead, epoll: None })
-            }
+            Kind::Poll => Ok(Watch { dead, epoll: None }),
+        }
+    }
+
+    /// Before blocking: judge the liveness of every connection still watched. A peer found
+    /// unreachable has its socket shut down, which makes it readable: the core then receives
+    /// from it and gets the error.
+    fn check_liveness(&self) {
+        for w in self.list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
+            let _ = w.live.check();
         }
     }
 
@@ -574,14 +716,15 @@ impl Incoming for TcpIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
         match &self.kind {
             Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, Duration::ZERO, ready),
-            Kind::Poll(list) => self.poll_list(list, Duration::ZERO, ready),
+            Kind::Poll => self.poll_list(&self.list, Duration::ZERO, ready),
         }
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
+        self.check_liveness();
         match &self.kind {
             Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, timeout, &mut |_| {}),
-            Kind::Poll(list) => self.poll_list(list, timeout, &mut |_| {}),
+            Kind::Poll => self.poll_list(&self.list, timeout, &mut |_| {}),
         }
     }
 

@@ -61,19 +61,63 @@ fn io_op(mut f: impl FnMut() -> isize) -> io::Result<Option<usize>> {
     }
 }
 
-/// Keepalive probing and user timeout for a connected socket: after `user_timeout` without
-/// acknowledgement (or keepalive answer) the kernel fails the connection with `ETIMEDOUT`.
-pub fn set_liveness(fd: RawFd, user_timeout: Duration) -> io::Result<()> {
-    let ms = user_timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // Probe after a third of the timeout idle, then every sixth, so a black hole is noticed
-    // within about the user timeout even on an idle connection.
-    let idle = (ms / 3000).max(1);
-    let intvl = (ms / 6000).max(1);
+/// Keepalive probing for a connected socket, scaled to the liveness bound `horizon`: probes
+/// after a third of it idle, then every sixth (whole seconds, at least 1 s), three of them, so
+/// the kernel fails an idle connection to a vanished host with `ETIMEDOUT` within about
+/// `5/6 · horizon` (4 s at least). `TCP_USER_TIMEOUT` is explicitly left off: with it, Linux
+/// (≥ 5.11) also aborts a connection whose peer keeps its window closed for that long, i.e. a
+/// live receiver that is busy computing instead of reading. Connections with unanswered
+/// traffic are judged by the driver instead ([`tcp_state`], `link.rs`).
+pub fn set_keepalive(fd: RawFd, horizon: Duration) -> io::Result<()> {
+    let secs = horizon.as_secs().min(i32::MAX as u64) as libc::c_int;
+    let idle = (secs / 3).max(1);
+    let intvl = (secs / 6).max(1);
     setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
     setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
     setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, intvl)?;
     setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
-    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 0)
+}
+
+/// What the kernel knows of a connection's peer (`TCP_INFO`), for liveness decisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpState {
+    /// Time since anything (data or acknowledgement) last came from the peer.
+    pub silent: Duration,
+    /// The kernel is waiting for an answer that has not come: retransmissions of unacknowledged
+    /// data, or zero-window / keepalive probes. A peer that answers its probes (even with a
+    /// closed window: a live receiver that does not read) clears this.
+    pub unanswered: bool,
+    /// The connection is closed or closing (`TCP_CLOSE`, `TCP_TIME_WAIT`, ...), not established.
+    pub established: bool,
+}
+
+/// `TCP_ESTABLISHED` of `<netinet/tcp.h>` (the `tcpi_state` of a connection in data transfer).
+const TCP_ESTABLISHED: u8 = 1;
+
+/// Read `TCP_INFO` of a connected socket.
+pub fn tcp_state(fd: RawFd) -> io::Result<TcpState> {
+    // SAFETY: `tcp_info` is plain data (integers); all-zero is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is a live, exclusively borrowed buffer of `len` bytes; the kernel writes at
+    // most `len` bytes and stores the length it wrote in `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    cvt(r)?;
+    let silent_ms = info.tcpi_last_data_recv.min(info.tcpi_last_ack_recv);
+    Ok(TcpState {
+        silent: Duration::from_millis(silent_ms as u64),
+        unanswered: info.tcpi_retransmits > 0 || info.tcpi_probes > 0,
+        established: info.tcpi_state == TCP_ESTABLISHED,
+    })
 }
 
 /// One `sendmsg(MSG_NOSIGNAL | MSG_DONTWAIT)` of `iov` (at most [`IOV_MAX`] entries are used).
@@ -398,31 +442,39 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     #[test]
-    fn liveness_options_are_applied() {
+    fn keepalive_options_are_applied_without_user_timeout() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        set_liveness(s.as_raw_fd(), Duration::from_millis(6000)).unwrap();
         let fd = s.as_raw_fd();
-        assert_eq!(
-            sockopt_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE).unwrap(),
-            1
-        );
-        assert_eq!(
-            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT).unwrap(),
-            6000
-        );
-        assert_eq!(
-            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE).unwrap(),
-            2
-        );
-        assert_eq!(
-            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL).unwrap(),
-            1
-        );
-        assert_eq!(
-            sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT).unwrap(),
-            3
-        );
+        setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 1234).unwrap();
+        set_keepalive(fd, Duration::from_millis(12_000)).unwrap();
+        let get = |level, name| sockopt_int(fd, level, name).unwrap();
+        assert_eq!(get(libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT), 0);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 4);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 2);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
+        // Short horizons round up to whole seconds.
+        set_keepalive(fd, Duration::from_millis(1500)).unwrap();
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 1);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 1);
+    }
+
+    #[test]
+    fn tcp_state_of_a_fresh_connection() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        assert_eq!(send(a.as_raw_fd(), b"hi").unwrap(), Some(2));
+        assert!(poll_one(b.as_raw_fd(), Interest::Read, Duration::from_secs(5)).unwrap());
+        let st = tcp_state(b.as_raw_fd()).unwrap();
+        assert!(st.established);
+        assert!(!st.unanswered);
+        assert!(st.silent < Duration::from_secs(5), "{st:?}");
+        drop(a);
+        std::thread::sleep(Duration::from_millis(50));
+        // The peer's FIN moved the connection to CLOSE_WAIT.
+        assert!(!tcp_state(b.as_raw_fd()).unwrap().established);
     }
 
     #[test]

@@ -476,7 +476,7 @@ fn adapters() {
         mad_tcp::resolve_adapter(Some("no-such-if0")),
         Err(Error::BadConfig(_))
     ));
-    let bad = ChannelConfig::parse("x", "tcp,user_timeout_ms=soon").unwrap();
+    let bad = ChannelConfig::parse("x", "tcp,liveness_ms=soon").unwrap();
     assert!(mad_tcp::TcpOptions::from_config(&bad).is_err());
     let bad = ChannelConfig::parse("x", "tcp,buffer=1").unwrap();
     assert!(mad_tcp::TcpOptions::from_config(&bad).is_err());

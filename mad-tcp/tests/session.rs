@@ -52,7 +52,7 @@ fn figure_1_express_size_then_cheaper_array() {
                         p.end_packing().unwrap();
                     } else {
                         let mut u = ch.begin_unpacking().unwrap();
-                        let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+                        let n: u64 = u.unpack_value().unwrap();
                         let mut array = vec![0u8; n as usize];
                         u.unpack(&mut array, SendMode::Cheaper).unwrap();
                         u.end_unpacking().unwrap();
@@ -82,7 +82,7 @@ fn pieces_of_64_mib() {
             let mut b = vec![0u8; n];
             let mut u = ch.begin_unpacking().unwrap();
             u.unpack(&mut a, SendMode::Cheaper).unwrap();
-            let seven: u32 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let seven: u32 = u.unpack_value().unwrap();
             u.unpack(&mut b, SendMode::Cheaper).unwrap();
             u.end_unpacking().unwrap();
             assert_eq!(seven, 7);
@@ -101,7 +101,7 @@ fn seventeen_ranks_any_source_to_rank_0() {
             for _ in 0..3 * (n - 1) {
                 let mut u = ch.begin_unpacking().unwrap();
                 let from = u.remote();
-                let k: u32 = u.unpack_value(SendMode::Cheaper).unwrap();
+                let k: u32 = u.unpack_value().unwrap();
                 u.end_unpacking().unwrap();
                 assert_eq!(k, next[from]);
                 next[from] += 1;
@@ -119,7 +119,7 @@ fn seventeen_ranks_any_source_to_rank_0() {
                 p.end_packing().unwrap();
             }
             let mut u = ch.begin_unpacking_from(0).unwrap();
-            let _: u8 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let _: u8 = u.unpack_value().unwrap();
             u.end_unpacking().unwrap();
         }
     });
@@ -146,7 +146,7 @@ fn peer_gone_midway_is_reported_and_others_keep_working() {
             let t0 = Instant::now();
             let r = (|| -> mad_core::Result<()> {
                 let mut u = ch.begin_unpacking_from(2)?;
-                let _: u64 = u.unpack_value(SendMode::Cheaper)?;
+                let _: u64 = u.unpack_value()?;
                 let mut big = vec![0u8; 32 << 20];
                 u.unpack(&mut big, SendMode::Cheaper)?;
                 u.end_unpacking()
@@ -163,17 +163,48 @@ fn peer_gone_midway_is_reported_and_others_keep_working() {
             p.pack_value(&42u32, RecvMode::Cheaper).unwrap();
             p.end_packing().unwrap();
             let mut u = ch.begin_unpacking_from(1).unwrap();
-            let v: u32 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let v: u32 = u.unpack_value().unwrap();
             u.end_unpacking().unwrap();
             assert_eq!(v, 43);
         }
         _ => {
             let mut u = ch.begin_unpacking_from(0).unwrap();
-            let v: u32 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let v: u32 = u.unpack_value().unwrap();
             u.end_unpacking().unwrap();
             let mut p = ch.begin_packing(0).unwrap();
             p.pack_value(&(v + 1), RecvMode::Cheaper).unwrap();
             p.end_packing().unwrap();
         }
     });
+}
+
+/// A live receiver that does not read for longer than the liveness bound (a compute phase)
+/// while its sender is blocked on a full window must not be taken for a dead one: the sender
+/// waits, and the message arrives whole when the receiver comes back. (With `TCP_USER_TIMEOUT`
+/// the kernel aborted such a connection after the bound: `ConnectionLost`, `ETIMEDOUT`.)
+#[test]
+fn slow_reader_is_not_a_dead_peer() {
+    for progress in ["adaptive", "block", "poll"] {
+        run(
+            2,
+            &format!("tcp,liveness_ms=1000,progress={progress},timeout_ms=60000"),
+            |rank, ch| {
+                let n = 32 << 20;
+                if rank == 0 {
+                    let a: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+                    let mut p = ch.begin_packing(1).unwrap();
+                    p.pack(&a, RecvMode::Cheaper).unwrap();
+                    p.end_packing().expect("a slow reader is not a dead peer");
+                } else {
+                    // Compute for three liveness bounds before reading anything.
+                    thread::sleep(Duration::from_millis(3000));
+                    let mut a = vec![0u8; n];
+                    let mut u = ch.begin_unpacking().unwrap();
+                    u.unpack(&mut a, SendMode::Cheaper).unwrap();
+                    u.end_unpacking().unwrap();
+                    assert!(a.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+                }
+            },
+        );
+    }
 }
