@@ -34,7 +34,7 @@ fn run() -> madeleine::Result<()> {
         );
     } else {
         let mut u = ch.begin_unpacking()?;
-        let n: u64 = u.unpack_value(SendMode::Safer)?; // EXPRESS: usable right now
+        let n: u64 = u.unpack_value()?; // EXPRESS: usable right now
         let mut array = vec![0u8; n as usize]; // allocated from what we just received
         u.unpack(&mut array, SendMode::Cheaper)?; // CHEAPER: filled by end_unpacking
         u.end_unpacking()?;

@@ -291,7 +291,7 @@ fn watch_phase(video: &Channel, text: &Channel, with_video: bool) -> Result<Stri
             let mut expect = 0u64;
             loop {
                 let mut u = text.begin_unpacking_from(0)?;
-                let h: SubHeader = u.unpack_value(SendMode::Cheaper)?;
+                let h: SubHeader = u.unpack_value()?;
                 if h.seq == END {
                     return u.end_unpacking();
                 }
@@ -355,7 +355,7 @@ fn receive_video(video: &Channel) -> Result<(u64, u64, f64)> {
     let t0 = Instant::now();
     loop {
         let mut u = video.begin_unpacking_from(0)?;
-        let h: FrameHeader = u.unpack_value(SendMode::Cheaper)?;
+        let h: FrameHeader = u.unpack_value()?;
         if h.number == END {
             u.end_unpacking()?;
             return Ok((expect, bytes, t0.elapsed().as_secs_f64()));

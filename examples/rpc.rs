@@ -281,7 +281,7 @@ enum Received {
 fn receive(ch: &Channel, services: &HashMap<u32, Service>) -> Result<Received> {
     let mut u = ch.begin_unpacking()?;
     let client = u.remote();
-    let h: RequestHeader = u.unpack_value(SendMode::Cheaper)?;
+    let h: RequestHeader = u.unpack_value()?;
     let refuse = |u: madeleine::Unpacker<'_, '_>, status: Status, why: String| {
         // The arguments the header announces cannot be trusted or are not wanted: the message
         // must end here. A well-formed sender sent nothing more (see `Client::call_raw`); if it
@@ -497,7 +497,7 @@ impl Client<'_> {
     fn demultiplex(&self, bye: u64) -> Result<()> {
         loop {
             let mut u = self.ch.begin_unpacking_from(0)?;
-            let h: ReplyHeader = u.unpack_value(SendMode::Cheaper)?;
+            let h: ReplyHeader = u.unpack_value()?;
             if h.len > MAX_TOTAL {
                 return Err(Error::protocol(0, format!("reply of {} B", h.len)));
             }

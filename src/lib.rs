@@ -16,7 +16,7 @@
 //!     p.end_packing()?;
 //! } else if session.rank() == 1 {
 //!     let mut u = ch.begin_unpacking()?;
-//!     let v: u64 = u.unpack_value(SendMode::Safer)?;
+//!     let v: u64 = u.unpack_value()?;
 //!     u.end_unpacking()?;
 //!     assert_eq!(v, 42);
 //! }

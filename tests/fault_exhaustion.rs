@@ -58,10 +58,10 @@ fn slow_receiver(ch: &Channel) -> Result<Duration, Error> {
             std::thread::sleep(Duration::from_millis(10));
         }
         let mut u = ch.begin_unpacking()?;
-        let seq: u64 = u.unpack_value(SendMode::Safer)?;
+        let seq: u64 = u.unpack_value()?;
         let mut buf = vec![0u8; len_of(i)];
         u.unpack(&mut buf, SendMode::Cheaper)?;
-        let tail: u64 = u.unpack_value(SendMode::Safer)?;
+        let tail: u64 = u.unpack_value()?;
         u.end_unpacking()?;
         if seq != i || tail != !i || buf != pattern(i, len_of(i)) {
             return Err(Error::Protocol {
@@ -142,7 +142,7 @@ fn fifty_tcp_channels_times_four_ranks() {
                 }
                 for (c, ch) in chans.iter().enumerate() {
                     let mut u = ch.begin_unpacking()?;
-                    let v: u64 = u.unpack_value(SendMode::Safer)?;
+                    let v: u64 = u.unpack_value()?;
                     u.end_unpacking()?;
                     let want = (c * 1000 + (me + RANKS - 1) % RANKS) as u64;
                     if v != want {

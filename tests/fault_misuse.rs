@@ -72,14 +72,14 @@ fn send_100_then_8(ch: &Channel) -> Result<(), Error> {
 fn recv_n_then_next(ch: &Channel, n: usize) -> (Result<(), Error>, Result<(), Error>) {
     let first = (|| {
         let mut u = ch.begin_unpacking()?;
-        let _: u64 = u.unpack_value(SendMode::Safer)?;
+        let _: u64 = u.unpack_value()?;
         let mut buf = vec![0u8; n];
         u.unpack(&mut buf, SendMode::Cheaper)?;
         u.end_unpacking()
     })();
     let second = (|| {
         let mut u = ch.begin_unpacking()?;
-        let len: u64 = u.unpack_value(SendMode::Safer)?;
+        let len: u64 = u.unpack_value()?;
         let mut buf = vec![0u8; 8];
         u.unpack(&mut buf, SendMode::Cheaper)?;
         u.end_unpacking()?;
@@ -119,7 +119,7 @@ fn checked_mode_difference_is_a_mismatch() {
             |ch| send_u64_and(ch, &[1; 100]),
             |ch| {
                 let mut u = ch.begin_unpacking()?;
-                let _: u64 = u.unpack_value(SendMode::Safer)?;
+                let _: u64 = u.unpack_value()?;
                 let mut buf = [0u8; 100];
                 u.unpack(&mut buf, SendMode::Later)?; // sender used Cheaper
                 u.end_unpacking()
@@ -138,7 +138,7 @@ fn checked_end_unpacking_early_is_a_mismatch() {
             |ch| send_u64_and(ch, &[1; 100]),
             |ch| {
                 let mut u = ch.begin_unpacking()?;
-                let _: u64 = u.unpack_value(SendMode::Safer)?;
+                let _: u64 = u.unpack_value()?;
                 u.end_unpacking()
             },
         );
@@ -166,10 +166,10 @@ fn unchecked_early_end_fails_the_next_message() {
     for spec in SPECS {
         let (_, r) = pair(spec, send_100_then_8, |ch| {
             let mut u = ch.begin_unpacking()?;
-            let _: u64 = u.unpack_value(SendMode::Safer)?;
+            let _: u64 = u.unpack_value()?;
             u.end_unpacking()?;
             let mut u = ch.begin_unpacking()?;
-            let _: u64 = u.unpack_value(SendMode::Safer)?;
+            let _: u64 = u.unpack_value()?;
             u.end_unpacking()
         });
         let e = r.expect_err("unread piece accepted as a message");
@@ -185,7 +185,7 @@ fn unchecked_larger_unpack_with_nothing_following_times_out() {
             |ch| send_u64_and(ch, &[1; 100]),
             |ch| {
                 let mut u = ch.begin_unpacking()?;
-                let _: u64 = u.unpack_value(SendMode::Safer)?;
+                let _: u64 = u.unpack_value()?;
                 let mut buf = vec![0u8; 200];
                 u.unpack(&mut buf, SendMode::Cheaper)?;
                 u.end_unpacking()
@@ -215,7 +215,7 @@ fn drop_then_send(ch: &Channel, len: usize) -> Result<(), Error> {
 
 fn recv_shape(ch: &Channel, len: usize) -> Result<(u64, Vec<u8>), Error> {
     let mut u = ch.begin_unpacking()?;
-    let v: u64 = u.unpack_value(SendMode::Safer)?;
+    let v: u64 = u.unpack_value()?;
     let mut buf = vec![0u8; len];
     u.unpack(&mut buf, SendMode::Cheaper)?;
     u.end_unpacking()?;

@@ -47,7 +47,7 @@ fn run(ch: &madeleine::Channel, rank: usize, count: u64, msgs: &mut u64) -> Resu
             p.pack(&buf[..len], RecvMode::Cheaper)?;
             p.end_packing()?;
             let mut u = ch.begin_unpacking_from(1)?;
-            let ack: u64 = u.unpack_value(SendMode::Safer)?;
+            let ack: u64 = u.unpack_value()?;
             u.end_unpacking()?;
             if ack != *msgs {
                 println!("NETNS CORRUPT ack {ack} for message {msgs}");
@@ -55,7 +55,7 @@ fn run(ch: &madeleine::Channel, rank: usize, count: u64, msgs: &mut u64) -> Resu
             }
         } else {
             let mut u = ch.begin_unpacking_from(0)?;
-            let [seq, len, sum]: [u64; 3] = u.unpack_value(SendMode::Safer)?;
+            let [seq, len, sum]: [u64; 3] = u.unpack_value()?;
             if len as usize > buf.len() {
                 println!("NETNS CORRUPT length {len} in message {msgs}");
                 std::process::exit(2);

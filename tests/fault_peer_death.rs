@@ -98,7 +98,7 @@ fn survivor(stage: &str, spec: &str, ch: &madeleine::Channel) {
                 Ok(u) => u,
                 Err(e) => report(stage, spec, "begin_unpacking", msgs, &e),
             };
-            let (i, len) = match u.unpack_value::<[u64; 2]>(SendMode::Cheaper) {
+            let (i, len) = match u.unpack_value::<[u64; 2]>() {
                 Ok([i, len]) => (i, len as usize),
                 Err(e) => report(stage, spec, "unpack_value", msgs, &e),
             };
@@ -184,7 +184,7 @@ fn victim(stage: &str, ch: &madeleine::Channel) {
         }
         "recv_dead" => {
             let mut u = ch.begin_unpacking().unwrap();
-            let _: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let _: u64 = u.unpack_value().unwrap();
             let mut buf = vec![0u8; 1 << 20];
             u.unpack(&mut buf, SendMode::Cheaper).unwrap();
             u.end_unpacking().unwrap();

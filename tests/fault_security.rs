@@ -96,7 +96,7 @@ fn bootstrap_stranger_child() {
     p.pack(&data, RecvMode::Cheaper).unwrap();
     p.end_packing().unwrap();
     let mut u = ch.begin_unpacking().unwrap();
-    let from: u64 = u.unpack_value(SendMode::Safer).unwrap();
+    let from: u64 = u.unpack_value().unwrap();
     let mut buf = vec![0u8; 1 << 20];
     u.unpack(&mut buf, SendMode::Cheaper).unwrap();
     u.end_unpacking().unwrap();

@@ -165,7 +165,7 @@ fn garbage_case(
 
 fn recv_small(ch: &mad_core::Channel) -> Result<(), Error> {
     let mut u = ch.begin_unpacking()?;
-    let _: u64 = u.unpack_value(SendMode::Cheaper)?;
+    let _: u64 = u.unpack_value()?;
     u.end_unpacking()
 }
 
@@ -286,7 +286,7 @@ fn stranger_child() {
     let b0 = bs.pop().unwrap();
     let rx = rank0(b0, "s", "tcp", |ch| {
         let mut u = ch.begin_unpacking()?;
-        let v: u64 = u.unpack_value(SendMode::Cheaper)?;
+        let v: u64 = u.unpack_value()?;
         u.end_unpacking()?;
         Ok::<u64, Error>(v)
     });

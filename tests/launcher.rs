@@ -495,14 +495,14 @@ fn tcp_role() -> mad_core::Result<()> {
         }
         for r in 1..s.size() {
             let mut u = ch.begin_unpacking_from(r)?;
-            let got: u64 = u.unpack_value(SendMode::Cheaper)?;
+            let got: u64 = u.unpack_value()?;
             u.end_unpacking()?;
             assert_eq!(got, sum(&data), "checksum from rank {r}");
         }
         println!("\nTCP-OK replies={}", s.size() - 1);
     } else {
         let mut u = ch.begin_unpacking()?;
-        let n: u64 = u.unpack_value(SendMode::Cheaper)?;
+        let n: u64 = u.unpack_value()?;
         let mut buf = vec![0u8; n as usize];
         u.unpack(&mut buf, SendMode::Cheaper)?;
         u.end_unpacking()?;

@@ -163,7 +163,7 @@ fn receiver(ch: &Channel, sh: &RecvShared) -> Result<u64, Error> {
     while sh.remaining.fetch_sub(1, Ordering::SeqCst) > 0 {
         let mut u = ch.begin_unpacking()?;
         let peer = u.remote();
-        let h: Head = u.unpack_value(SendMode::Safer)?;
+        let h: Head = u.unpack_value()?;
         let [rank, thread, seq, len, smode, _rmode, sum] = h;
         let bad = |what: String| Error::Protocol {
             rank: peer,

@@ -467,7 +467,7 @@ fn case_figure1(c: &Ctx<'_>) -> Result<()> {
             p.end_packing()?;
         } else if c.rank() == 1 {
             let mut u = ch.begin_unpacking()?;
-            let n: u32 = u.unpack_value(SendMode::Safer)?;
+            let n: u32 = u.unpack_value()?;
             let mut array = vec![0u8; n as usize];
             u.unpack(&mut array, SendMode::Cheaper)?;
             u.end_unpacking()?;
@@ -580,7 +580,7 @@ fn case_in_flight(c: &Ctx<'_>) -> Result<()> {
     } else if c.rank() == 1 {
         for i in 0..n as u64 {
             let mut u = ch.begin_unpacking()?;
-            let v: u64 = u.unpack_value(SendMode::Safer)?;
+            let v: u64 = u.unpack_value()?;
             let mut body = [0u8; 100];
             u.unpack(&mut body, SendMode::Safer)?;
             u.end_unpacking()?;
@@ -605,10 +605,7 @@ fn case_any_source(c: &Ctx<'_>) -> Result<()> {
         for _ in 0..per * (c.size() as u64 - 1) {
             let mut u = ch.begin_unpacking()?;
             let from = u.remote();
-            let (r, i): (u64, u64) = (
-                u.unpack_value(SendMode::Safer)?,
-                u.unpack_value(SendMode::Safer)?,
-            );
+            let (r, i): (u64, u64) = (u.unpack_value()?, u.unpack_value()?);
             let mut body = vec![0u8; 3000];
             u.unpack(&mut body, SendMode::Cheaper)?;
             u.end_unpacking()?;
@@ -654,10 +651,10 @@ fn case_two_channels(c: &Ctx<'_>) -> Result<()> {
             pa.end_packing()?;
         } else if c.rank() == 1 {
             let mut ub = b.begin_unpacking()?;
-            let vb: u64 = ub.unpack_value(SendMode::Safer)?;
+            let vb: u64 = ub.unpack_value()?;
             ub.end_unpacking()?;
             let mut ua = a.begin_unpacking()?;
-            let va: u64 = ua.unpack_value(SendMode::Safer)?;
+            let va: u64 = ua.unpack_value()?;
             let mut big = vec![0u8; 200_000];
             ua.unpack(&mut big, SendMode::Cheaper)?;
             ua.end_unpacking()?;
@@ -717,7 +714,7 @@ fn case_threads(c: &Ctx<'_>) -> Result<()> {
                     }
                     let mut u = ch.begin_unpacking()?;
                     let from = u.remote();
-                    let [t, i, n]: [u64; 3] = u.unpack_value(SendMode::Safer)?;
+                    let [t, i, n]: [u64; 3] = u.unpack_value()?;
                     let mut body = vec![0u8; n as usize];
                     u.unpack(&mut body, SendMode::Cheaper)?;
                     u.end_unpacking()?;

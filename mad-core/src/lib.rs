@@ -16,7 +16,7 @@
 //!     p.end_packing()?;
 //! } else {
 //!     let mut u = ch.begin_unpacking()?;
-//!     let n: u64 = u.unpack_value(SendMode::Cheaper)?;
+//!     let n: u64 = u.unpack_value()?;
 //!     let mut array = vec![0u8; n as usize];
 //!     u.unpack(&mut array, SendMode::Cheaper)?;
 //!     u.end_unpacking()?;

@@ -39,7 +39,7 @@ use crate::wire;
 /// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
 /// use mad_core::SendMode;
 /// let mut u = ch.begin_unpacking()?;
-/// let n: u64 = u.unpack_value(SendMode::Cheaper)?;      // EXPRESS
+/// let n: u64 = u.unpack_value()?;      // EXPRESS
 /// let mut array = vec![0u8; n as usize];
 /// u.unpack(&mut array, SendMode::Cheaper)?;              // CHEAPER
 /// u.end_unpacking()?;
@@ -384,11 +384,14 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.check(res)
     }
 
-    /// Unpack a plain value in receive mode EXPRESS (native byte order).
+    /// Unpack a plain value in receive mode EXPRESS (native byte order): the mirror of
+    /// [`Packer::pack_value`](crate::Packer::pack_value)`(&v, RecvMode::Express)`, which sends
+    /// in mode SAFER, so no send mode is asked for (a value packed otherwise is unpacked with
+    /// [`unpack_express`](Self::unpack_express) and its send mode).
     #[inline]
-    pub fn unpack_value<T: bytemuck::Pod>(&mut self, s: SendMode) -> Result<T> {
+    pub fn unpack_value<T: bytemuck::Pod>(&mut self) -> Result<T> {
         let mut v = T::zeroed();
-        self.unpack_express(bytemuck::bytes_of_mut(&mut v), s)?;
+        self.unpack_express(bytemuck::bytes_of_mut(&mut v), SendMode::Safer)?;
         Ok(v)
     }
 

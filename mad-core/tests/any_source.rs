@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
 use mad_core::config::ChannelConfig;
 use mad_core::mem::MemDriver;
-use mad_core::{Error, RecvMode, SendMode, Session};
+use mad_core::{Error, RecvMode, Session};
 
 fn run(mode: &str) {
     let boots = ThreadBootstrap::group(3);
@@ -31,7 +31,7 @@ fn run(mode: &str) {
                         // Rank 2 leaves at once; rank 1 sends one message, then leaves.
                         let mut u = ch.begin_unpacking().unwrap();
                         assert_eq!(u.remote(), 1);
-                        let v: u32 = u.unpack_value(SendMode::Safer).unwrap();
+                        let v: u32 = u.unpack_value().unwrap();
                         assert_eq!(v, 7);
                         u.end_unpacking().unwrap();
                         let t = Instant::now();

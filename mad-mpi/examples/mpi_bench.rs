@@ -251,7 +251,7 @@ impl Bench<'_> {
             },
             &mut || {
                 let mut u = ch.begin_unpacking_from(peer)?;
-                let len: u64 = u.unpack_value(SendMode::Cheaper)?;
+                let len: u64 = u.unpack_value()?;
                 u.unpack(&mut rbuf[..len as usize], SendMode::Cheaper)?;
                 u.end_unpacking()
             },

@@ -199,7 +199,7 @@ fn killed_sender_mid_message_gives_peer_closed() {
             .open_channel_with(ChannelConfig::parse("crash", spec).unwrap())
             .unwrap();
         let mut u = ch.begin_unpacking().unwrap();
-        let v: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        let v: u64 = u.unpack_value().unwrap();
         assert_eq!(v, 42);
         // The sender is now blocked on full areas (or holds the piece until end_packing):
         // kill it, then read what is there and wait for the rest.

@@ -124,7 +124,7 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
                                 } else {
                                     round(ch, me, &mut buf);
                                     let mut u = ch.begin_unpacking().expect("unpack");
-                                    let n: u64 = u.unpack_value(SendMode::Cheaper).expect("n");
+                                    let n: u64 = u.unpack_value().expect("n");
                                     u.end_unpacking().expect("end");
                                     n
                                 };

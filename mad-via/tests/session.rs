@@ -54,7 +54,7 @@ fn every_tm_through_the_core() {
                 p.end_packing().unwrap();
             } else {
                 let mut u = ch.begin_unpacking().unwrap();
-                let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+                let n: u64 = u.unpack_value().unwrap();
                 assert_eq!(n as usize, len);
                 let mut buf = vec![0u8; len];
                 u.unpack(&mut buf, SendMode::Cheaper).unwrap();

@@ -121,7 +121,7 @@ impl Net for MadNet {
 
     fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
         let mut u = self.ch.begin_unpacking_from(peer)?;
-        let n: u64 = u.unpack_value(SendMode::Safer)?;
+        let n: u64 = u.unpack_value()?;
         let n = usize::try_from(n)
             .ok()
             .filter(|&n| n <= buf.len())
