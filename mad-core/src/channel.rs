@@ -5,7 +5,9 @@
 //! mutex, so a connection carries one message at a time in each direction while different
 //! connections work in parallel). Order is guaranteed per connection, never across channels.
 
+use std::cell::Cell;
 use std::fmt::Write as _;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::task::Poll;
@@ -33,9 +35,110 @@ pub(crate) struct RxState {
     pub(crate) reported: bool,
 }
 
+/// A number for the calling thread, never 0 (cheaper than `thread::current().id()`).
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static TOKEN: Cell<u64> = const { Cell::new(0) });
+    TOKEN.with(|t| {
+        if t.get() == 0 {
+            t.set(NEXT.fetch_add(1, Ordering::Relaxed));
+        }
+        t.get()
+    })
+}
+
+/// One direction of a connection: its state behind a mutex, and which thread holds it, so a
+/// thread that asks again for a direction it already holds gets [`Error::InUse`] instead of
+/// waiting for itself forever.
+pub(crate) struct Half<T> {
+    m: Mutex<T>,
+    /// The holder's [`thread_token`], 0 when free. Only the holder writes its own token (after
+    /// locking) and clears it (before unlocking), so a thread that reads its own token is the
+    /// holder; nothing else is inferred from this word.
+    owner: AtomicU64,
+}
+
+/// A held direction of a connection (a `MutexGuard` that forgets its owner on drop).
+pub(crate) struct HalfGuard<'a, T> {
+    guard: MutexGuard<'a, T>,
+    owner: &'a AtomicU64,
+}
+
+impl<T> Deref for HalfGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> DerefMut for HalfGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+impl<T> Drop for HalfGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // Runs before the guard field drops, i.e. before the unlock.
+        self.owner.store(0, Ordering::Relaxed);
+    }
+}
+
+impl<T> Half<T> {
+    fn new(t: T) -> Self {
+        Half {
+            m: Mutex::new(t),
+            owner: AtomicU64::new(0),
+        }
+    }
+
+    #[inline]
+    fn held<'a>(&'a self, guard: MutexGuard<'a, T>, me: u64) -> HalfGuard<'a, T> {
+        self.owner.store(me, Ordering::Relaxed);
+        HalfGuard {
+            guard,
+            owner: &self.owner,
+        }
+    }
+
+    /// Take this direction, waiting while another thread holds it; `None` when the calling
+    /// thread holds it already. (A panic while holding it leaves the state usable: the drop
+    /// paths of `Packer`/`Unpacker` mark it broken, so the poison flag is ignored.)
+    #[inline]
+    pub(crate) fn lock(&self) -> Option<HalfGuard<'_, T>> {
+        let me = thread_token();
+        let guard = match self.m.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                if self.owner.load(Ordering::Relaxed) == me {
+                    return None;
+                }
+                lock(&self.m)
+            }
+        };
+        Some(self.held(guard, me))
+    }
+
+    /// Take this direction if it is free: `Err(true)` when the calling thread holds it,
+    /// `Err(false)` when another one does.
+    #[inline]
+    pub(crate) fn try_lock(&self) -> std::result::Result<HalfGuard<'_, T>, bool> {
+        let me = thread_token();
+        match self.m.try_lock() {
+            Ok(g) => Ok(self.held(g, me)),
+            Err(TryLockError::Poisoned(p)) => Ok(self.held(p.into_inner(), me)),
+            Err(TryLockError::WouldBlock) => Err(self.owner.load(Ordering::Relaxed) == me),
+        }
+    }
+}
+
 pub(crate) struct Conn {
-    pub(crate) tx: Mutex<TxState>,
-    pub(crate) rx: Mutex<RxState>,
+    pub(crate) tx: Half<TxState>,
+    pub(crate) rx: Half<RxState>,
     /// Any-source hint: this connection may have a message.
     pub(crate) hint: AtomicBool,
     /// Counters of the sending direction (written by the holder of `tx` only).
@@ -160,12 +263,12 @@ impl ChannelInner {
                 l.map(|l| {
                     peers.push(r);
                     Conn {
-                        tx: Mutex::new(TxState {
+                        tx: Half::new(TxState {
                             link: l.tx,
                             seq: 0,
                             broken: None,
                         }),
-                        rx: Mutex::new(RxState {
+                        rx: Half::new(RxState {
                             link: l.rx,
                             seq: 0,
                             broken: None,
@@ -220,14 +323,16 @@ impl ChannelInner {
     }
 
     /// Try to start receiving from `remote` without waiting.
-    fn try_peer(&self, remote: usize, busy: &mut bool) -> Result<Option<MutexGuard<'_, RxState>>> {
+    fn try_peer(&self, remote: usize, busy: &mut bool) -> Result<Option<HalfGuard<'_, RxState>>> {
         let Some(Some(conn)) = self.conns.get(remote) else {
             return Ok(None);
         };
         let mut rx = match conn.rx.try_lock() {
             Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => {
+            // This thread is unpacking a message from that peer: its next one is not ours to
+            // wait for (nobody else may take it either while we hold the connection).
+            Err(true) => return Ok(None),
+            Err(false) => {
                 *busy = true;
                 return Ok(None);
             }
@@ -272,7 +377,7 @@ impl ChannelInner {
 
     /// Find a peer with a message; returns its rank and its locked receiving half (a small value:
     /// the unpacker is built once, after the wait).
-    fn try_any(&self, busy: &mut bool) -> Result<Poll<(usize, MutexGuard<'_, RxState>)>> {
+    fn try_any(&self, busy: &mut bool) -> Result<Poll<(usize, HalfGuard<'_, RxState>)>> {
         *busy = false;
         let n = self.peers.len();
         if n == 0 {
@@ -381,7 +486,10 @@ impl Channel {
     pub fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         let conn = inner.conn(remote)?;
-        let mut rx = lock(&conn.rx);
+        let mut rx = conn.rx.lock().ok_or(Error::InUse {
+            rank: remote,
+            direction: "message from",
+        })?;
         if let Some(cause) = &rx.broken {
             return Err(Error::Poisoned {
                 rank: remote,

@@ -9,9 +9,10 @@
 //! 2. the file named by `MAD_CONFIG`, lines `name = spec` (`#` starts a comment);
 //! 3. the built-in `default` channel, which is `tcp` (loopback).
 //!
-//! `MAD_CHECKED=1` turns checked mode on for every channel; `MAD_PROGRESS=poll|block|adaptive`
-//! and `MAD_TIMEOUT_MS=<ms>` set the progress policy and operation timeout of every channel
-//! whose spec does not say otherwise.
+//! `MAD_CHECKED=1` turns checked mode on for every channel, including channels configured in
+//! code (`MAD_CHECKED=0` only sets the default of channels opened by name);
+//! `MAD_PROGRESS=poll|block|adaptive` and `MAD_TIMEOUT_MS=<ms>` set the progress policy and
+//! operation timeout of every channel opened by name whose spec does not say otherwise.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -249,6 +250,15 @@ impl ChannelConfig {
             return Ok(Some(("tcp".to_string(), "built-in default".to_string())));
         }
         Ok(None)
+    }
+}
+
+/// True when `MAD_CHECKED` asks for checked mode (an error if it is not a boolean).
+pub(crate) fn env_forces_checked() -> Result<bool> {
+    match std::env::var("MAD_CHECKED") {
+        Err(_) => Ok(false),
+        Ok(v) => parse_bool(&v)
+            .ok_or_else(|| Error::BadConfig(format!("MAD_CHECKED={v}: expected 0/1/true/false"))),
     }
 }
 

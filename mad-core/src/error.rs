@@ -122,6 +122,16 @@ pub enum Error {
         /// This process's rank.
         me: usize,
     },
+    /// This thread already has a message open in that direction with that peer on this channel
+    /// (a connection carries one message at a time in each direction): waiting would wait for
+    /// itself. Finish (`end_packing` / `end_unpacking`) or drop the first one.
+    #[error("this thread already has an open {direction} rank {rank} on this channel; finish it first (one message at a time per direction)")]
+    InUse {
+        /// The peer's rank.
+        rank: usize,
+        /// `"message to"` or `"message from"`.
+        direction: &'static str,
+    },
     /// A call did not complete within the configured operation timeout.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),

@@ -16,9 +16,8 @@
 
 use std::cell::Cell;
 use std::io::IoSlice;
-use std::sync::MutexGuard;
 
-use crate::channel::{lock, ChannelInner, TxState};
+use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
 use crate::lists::{InlineList, RefList};
@@ -109,7 +108,7 @@ enum Held<'b> {
 struct PackState<'c> {
     ch: &'c ChannelInner,
     remote: usize,
-    tx: MutexGuard<'c, TxState>,
+    tx: HalfGuard<'c, TxState>,
     cur: TmId,
     holding: bool,
     checked: bool,
@@ -239,7 +238,10 @@ impl Drop for PackState<'_> {
 impl<'c, 'b> Packer<'c, 'b> {
     pub(crate) fn start(ch: &'c ChannelInner, remote: usize) -> Result<Packer<'c, 'b>> {
         let conn = ch.conn(remote)?;
-        let mut tx = lock(&conn.tx);
+        let mut tx = conn.tx.lock().ok_or(Error::InUse {
+            rank: remote,
+            direction: "message to",
+        })?;
         if let Some(cause) = &tx.broken {
             return Err(Error::Poisoned {
                 rank: remote,

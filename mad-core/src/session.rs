@@ -140,7 +140,15 @@ impl Session {
     }
 
     /// Open a channel from an explicit configuration. Collective.
-    pub fn open_channel_with(&self, config: ChannelConfig) -> Result<Channel> {
+    ///
+    /// `MAD_CHECKED=1` in the environment (`madrun --checked`) turns checked mode on here too:
+    /// it is a debugging switch for every channel (each message says whether it is checked, so
+    /// ranks that differ still understand each other). `MAD_PROGRESS` and `MAD_TIMEOUT_MS` are
+    /// defaults for channels opened by name only; a configuration given in code is kept.
+    pub fn open_channel_with(&self, mut config: ChannelConfig) -> Result<Channel> {
+        if crate::config::env_forces_checked()? {
+            config.checked = true;
+        }
         let inner = &*self.inner;
         let driver = inner
             .drivers

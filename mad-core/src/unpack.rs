@@ -6,9 +6,8 @@
 //! receive at checkout; EXPRESS data is in place before `unpack_express` returns.
 
 use std::io::IoSliceMut;
-use std::sync::MutexGuard;
 
-use crate::channel::{ChannelInner, RxState};
+use crate::channel::{ChannelInner, HalfGuard, RxState};
 use crate::driver::{Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
 use crate::lists::MutList;
@@ -61,7 +60,7 @@ pub struct Unpacker<'c, 'b> {
 struct UnpackState<'c> {
     ch: &'c ChannelInner,
     remote: usize,
-    rx: Option<MutexGuard<'c, RxState>>,
+    rx: Option<HalfGuard<'c, RxState>>,
     cur: TmId,
     checked: bool,
     done: bool,
@@ -153,7 +152,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     pub(crate) fn start(
         ch: &'c ChannelInner,
         remote: usize,
-        rx: MutexGuard<'c, RxState>,
+        rx: HalfGuard<'c, RxState>,
     ) -> Result<Unpacker<'c, 'b>> {
         let mut st = UnpackState {
             ch,

@@ -46,7 +46,8 @@ const USAGE: &str = "usage: madrun -n N [--timeout SECS] [--grace SECS] [--no-pr
   --bind ADDR           bootstrap server address (default 127.0.0.1:0)
   --channel NAME=SPEC   define channel NAME (sets MAD_CHANNEL_<NAME>=SPEC), e.g. video=shm
   --checked             checked mode on every channel (MAD_CHECKED=1)
-  --progress MODE       progress policy of every channel: poll, block or adaptive (MAD_PROGRESS)";
+  --progress MODE       progress policy of every channel opened by name: poll, block or
+                        adaptive (MAD_PROGRESS)";
 
 /// Every foreign call of madrun.
 #[allow(unsafe_code)]
