@@ -9,8 +9,11 @@
 //! `sizes` (0, 1, 7, every TM threshold ±1, 1 MiB; 64 MiB with `big`), `modes` (every send ×
 //! receive mode), `later`, `safer_reuse`, `many_pieces`, `unaligned`, `figure1`, `later_express`,
 //! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces), `in_flight`,
-//! `any_source`, `two_channels`, `threads`, `checked_mismatch`, `peer_closes` (skipped when the driver's capabilities say it cannot detect
-//! a dead peer).
+//! `flush` (a sender that waits for its receiver's answer in the middle of a message, after
+//! `Packer::flush`), `any_source`, `two_channels`, `threads`, `checked_mismatch`, `peer_closes`
+//! (a message abandoned after part of it left; skipped when the driver's capabilities say it
+//! cannot detect a dead peer). An unknown name in `MAD_KIT_CASES` is an error, not a kit that
+//! runs nothing.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -67,6 +70,7 @@ const CASES: &[(&str, Case)] = &[
     ("figure1", case_figure1),
     ("random", case_random),
     ("in_flight", case_in_flight),
+    ("flush", case_flush),
     ("any_source", case_any_source),
     ("two_channels", case_two_channels),
     ("threads", case_threads),
@@ -104,10 +108,11 @@ impl Ctx<'_> {
     }
 }
 
+/// A failed check of the kit (not a driver error: its message starts with `conformance kit`).
 fn fail(what: impl Into<String>) -> Error {
-    Error::Protocol {
-        rank: usize::MAX,
-        what: format!("conformance: {}", what.into()),
+    Error::Io {
+        context: "conformance kit".into(),
+        source: std::io::Error::other(what.into()),
     }
 }
 
@@ -788,6 +793,52 @@ fn case_checked_mismatch(c: &Ctx<'_>) -> Result<()> {
     c.barrier("done")
 }
 
+/// `Packer::flush` makes what was packed so far reach the receiver before `end_packing`: here
+/// the sender waits for the receiver's answer to an EXPRESS header before packing the body
+/// (a user-level rendezvous inside one message). A driver that keeps flushed bytes back makes
+/// both ranks wait: the channel's timeout turns that into a failure of the case.
+fn case_flush(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "timeout_ms=30000")?;
+    for (k, &len) in [0usize, 100, 100_000].iter().enumerate() {
+        let tag = 4000 + k as u64;
+        if c.rank() == 0 {
+            let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
+            let mut p = ch.begin_packing(1)?;
+            p.pack_value(&(len as u64), RecvMode::Express)?;
+            p.pack_safer(&[k as u8; 3], RecvMode::Cheaper)?;
+            p.flush()?;
+            let mut go = ch.begin_unpacking_from(1)?;
+            let ack: u64 = go.unpack_value()?;
+            go.end_unpacking()?;
+            if ack != len as u64 {
+                return Err(fail(format!("answer {ack} to a header of {len}")));
+            }
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.flush()?; // a second flush, then the end
+            p.end_packing()?;
+        } else if c.rank() == 1 {
+            let mut u = ch.begin_unpacking_from(0)?;
+            let n: u64 = u.unpack_value()?;
+            let mut three = [0u8; 3];
+            u.unpack(&mut three, SendMode::Safer)?;
+            let mut p = ch.begin_packing(0)?;
+            p.pack_value(&n, RecvMode::Express)?;
+            p.end_packing()?;
+            let mut body = vec![0u8; n as usize];
+            u.unpack(&mut body, SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            if three != [k as u8; 3] {
+                return Err(fail(format!("small piece {three:?} after a flush")));
+            }
+            check(tag, &body, "body after a flush")?;
+        }
+    }
+    Ok(())
+}
+
 fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
     if c.size() < 2 {
         return Ok(());
@@ -797,23 +848,37 @@ fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
         // The driver says it cannot tell a dead peer from a slow one (MPI): skip.
         return Ok(());
     }
+    const HEAD: usize = 64;
+    const FIRST: usize = 1 << 20;
     if c.rank() == 1 {
+        // Part of the message leaves (flushed), then the packer is dropped: abandoned midway.
         let mut p = ch.begin_packing(0)?;
-        p.pack_safer(&[7u8; 64], RecvMode::Express)?;
-        drop(p); // abandoned midway
+        p.pack_safer(&[7u8; HEAD], RecvMode::Express)?;
+        let first: Vec<u8> = (0..FIRST).map(|i| pat(77, i)).collect();
+        p.pack_safer(&first, RecvMode::Express)?;
+        p.flush()?;
+        drop(p);
         drop(ch); // and the process (here: its channel) goes away
     } else if c.rank() == 0 {
         let start = Instant::now();
         let r = (|| -> Result<()> {
             let mut u = ch.begin_unpacking_from(1)?;
-            let mut head = [0u8; 64];
+            let mut head = [0u8; HEAD];
             u.unpack_express(&mut head, SendMode::Safer)?;
+            if head != [7u8; HEAD] {
+                return Err(fail("the start of an abandoned message arrived corrupted"));
+            }
+            let mut first = vec![0u8; FIRST];
+            u.unpack_express(&mut first, SendMode::Safer)?;
+            check(77, &first, "first piece of an abandoned message")?;
             let mut rest = vec![0u8; 4 << 20];
             u.unpack_express(&mut rest, SendMode::Safer)?;
             u.end_unpacking()
         })();
-        if r.is_ok() {
-            return Err(fail("a message abandoned midway was delivered as complete"));
+        match r {
+            Ok(()) => return Err(fail("a message abandoned midway was delivered as complete")),
+            Err(e) if e.to_string().starts_with("conformance kit") => return Err(e),
+            Err(_) => {}
         }
         if start.elapsed() > Duration::from_secs(30) {
             return Err(fail("peer failure took more than 30 s to report"));
@@ -830,6 +895,18 @@ fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
 
 /// Run the kit on this rank of an already built session (every rank calls it).
 pub fn run_rank(session: &Session, opts: &KitOptions) -> Result<Vec<&'static str>> {
+    if let Some(only) = &opts.cases {
+        let unknown: Vec<&String> = only
+            .iter()
+            .filter(|c| !CASES.iter().any(|(n, _)| n == c))
+            .collect();
+        if !unknown.is_empty() {
+            return Err(Error::BadConfig(format!(
+                "conformance kit: unknown case(s) {unknown:?}; the cases are {:?}",
+                case_names()
+            )));
+        }
+    }
     let mut ran = Vec::new();
     for (name, case) in CASES {
         if let Some(only) = &opts.cases {

@@ -357,14 +357,26 @@ pub trait TxLink: Send {
         0
     }
 
-    /// The receiver may need what was handed over so far before this message ends: the
-    /// engine calls this after each piece received EXPRESS (Madeleine's EXPRESS data is
-    /// needed to issue the next unpacks). A driver that keeps small lends unpublished, to
-    /// move a whole short message with one publication, makes them visible now. Drivers whose
-    /// buffered bytes always reach the peer without further calls (full buffers leave at once,
-    /// the kernel takes the rest) can keep the default, which does nothing.
+    /// A hint, after each piece received EXPRESS: the receiver needs that piece to issue its
+    /// next unpacks, so a driver that can make it visible cheaply (a ring that keeps short
+    /// lends unpublished to move a short message with one publication) does it now. Drivers for
+    /// which that costs a system call keep the default, which does nothing: the engine's
+    /// guarantee is that EXPRESS data is available when the receiver's `unpack` returns, and
+    /// the sender's bytes reach the receiver at the latest at `end_packing` (or at
+    /// [`flush`](Self::flush), when the user asks).
     fn publish(&mut self) -> Result<()> {
         Ok(())
+    }
+
+    /// `Packer::flush`: everything handed over so far (lends, sent groups) must reach the peer
+    /// without further calls before this returns `Ready` (`Pending` is back-pressure, as
+    /// anywhere). Later lends may start a new buffer. Used when a sender waits for its
+    /// receiver in the middle of a message. The default calls [`publish`](Self::publish) and is
+    /// right only for drivers whose buffered bytes always leave on their own; a driver that
+    /// keeps lends in its own memory until a commit or the end (a socket's send buffer, an
+    /// eager buffer) sends them here.
+    fn flush(&mut self) -> Result<Poll<()>> {
+        self.publish().map(|()| Poll::Ready(()))
     }
 }
 

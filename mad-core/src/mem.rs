@@ -316,6 +316,10 @@ impl TxLink for MemTx {
         self.push_buf()
     }
 
+    fn flush(&mut self) -> Result<Poll<()>> {
+        self.push_buf()
+    }
+
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.push_buf()
     }

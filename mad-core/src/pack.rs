@@ -20,7 +20,7 @@ use std::io::IoSlice;
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
-use crate::lists::{InlineList, RefList};
+use crate::lists::{InlineList, RefList, INLINE};
 use crate::modes::{RecvMode, SendMode};
 use crate::wire;
 
@@ -93,7 +93,7 @@ use crate::wire;
 pub struct Packer<'c, 'b> {
     st: PackState<'c>,
     group: RefList<'b>,
-    tail: InlineList<&'b [Cell<u8>], 8>,
+    tail: InlineList<&'b [Cell<u8>], INLINE>,
     held: Vec<Held<'b>>,
 }
 
@@ -145,6 +145,15 @@ impl PackState<'_> {
         self.ch.progress.drive_marked(
             &mut *self.tx,
             |tx| tx.link.commit(cur),
+            |tx, t| tx.link.wait(t),
+            |tx| tx.link.progress_mark(),
+        )
+    }
+
+    fn flush_link(&mut self) -> Result<()> {
+        self.ch.progress.drive_marked(
+            &mut *self.tx,
+            |tx| tx.link.flush(),
             |tx, t| tx.link.wait(t),
             |tx| tx.link.progress_mark(),
         )
@@ -530,6 +539,43 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.pack(bytemuck::cast_slice(v), r)
+    }
+
+    /// Send everything packed so far now, without ending the message: the receiver can unpack
+    /// it before `end_packing` (pieces packed LATER, and pieces held behind a LATER piece
+    /// received EXPRESS, still wait for `end_packing`, where their values are read).
+    ///
+    /// Madeleine's guarantee is on the receiving side (EXPRESS data is there when `unpack`
+    /// returns); the bytes of a message reach the receiver at the latest at `end_packing`,
+    /// and a driver may keep short pieces in its own buffer until then (one system call per
+    /// short message on TCP). A sender that waits for its receiver in the middle of a message
+    /// (an acknowledgement of the header before the body, say) must call this first, or both
+    /// wait forever.
+    ///
+    /// ```no_run
+    /// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+    /// use mad_core::{RecvMode, SendMode};
+    /// let body = vec![0u8; 1 << 20];
+    /// let mut p = ch.begin_packing(1)?;
+    /// p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+    /// p.flush()?; // the receiver reads the size now, allocates, and says go
+    /// let mut go = ch.begin_unpacking_from(1)?;
+    /// let _ok: u8 = go.unpack_value()?;
+    /// go.end_unpacking()?;
+    /// p.pack(&body, RecvMode::Cheaper)?;
+    /// p.end_packing()
+    /// # }
+    /// ```
+    pub fn flush(&mut self) -> Result<()> {
+        let res = self.flush_inner();
+        self.check(res)
+    }
+
+    fn flush_inner(&mut self) -> Result<()> {
+        self.alive()?;
+        self.flush_group()?;
+        self.st.flush_header()?;
+        self.st.flush_link()
     }
 
     /// Finish the message: LATER values are read now, everything still buffered is sent, and

@@ -52,7 +52,7 @@ use crate::wire;
 pub struct Unpacker<'c, 'b> {
     st: UnpackState<'c>,
     group: MutList<'b>,
-    tail: MutList<'b, 4>,
+    tail: MutList<'b>,
 }
 
 /// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side

@@ -200,7 +200,7 @@ impl TcpTx {
     }
 
     /// Write the queued bytes out; `Ready` once none is left.
-    fn flush(&mut self) -> Result<Poll<()>> {
+    fn write_queued(&mut self) -> Result<Poll<()>> {
         while self.head < self.tail {
             match sys::send(self.fd, &self.buf[self.head..self.tail]) {
                 Ok(Some(n)) => {
@@ -234,7 +234,7 @@ impl TxLink for TcpTx {
         fill: &mut dyn FnMut(&mut [u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check()?;
-        if self.tail == self.buf.len() && self.flush()?.is_pending() {
+        if self.tail == self.buf.len() && self.write_queued()?.is_pending() {
             return Ok(Poll::Pending);
         }
         if self.head == self.tail {
@@ -246,7 +246,7 @@ impl TxLink for TcpTx {
         self.tail += n;
         if self.tail == self.buf.len() {
             // Full: start writing it out now (whatever the socket takes).
-            let _ = self.flush()?;
+            let _ = self.write_queued()?;
         }
         Ok(Poll::Ready(()))
     }
@@ -262,7 +262,8 @@ impl TxLink for TcpTx {
                 self.tail = 0;
                 return Ok(Poll::Ready(()));
             }
-            let mut v: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
+            // Inline room for 16 pieces and the queued bytes: no allocation up to 16 pieces.
+            let mut v: SmallVec<[IoSlice<'_>; 18]> = SmallVec::new();
             if queued > 0 {
                 v.push(IoSlice::new(&self.buf[self.head..self.tail]));
             }
@@ -297,7 +298,12 @@ impl TxLink for TcpTx {
     #[inline]
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.check()?;
-        self.flush()
+        self.write_queued()
+    }
+
+    fn flush(&mut self) -> Result<Poll<()>> {
+        self.check()?;
+        self.write_queued()
     }
 
     fn abort_message(&mut self) -> AbortOutcome {
@@ -512,7 +518,8 @@ impl RxLink for TcpRx {
             let remaining = total - self.refs_done;
             let fd = self.fd;
             let res = {
-                let mut v: SmallVec<[IoSliceMut<'_>; 16]> = SmallVec::new();
+                // Inline room for 16 pieces and the receive buffer.
+                let mut v: SmallVec<[IoSliceMut<'_>; 18]> = SmallVec::new();
                 let mut skip = self.refs_done;
                 for s in iov.iter_mut() {
                     if v.len() == IOV_MAX - 1 {

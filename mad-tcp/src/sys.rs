@@ -419,7 +419,7 @@ pub fn ensure_nofile(need: u64) -> io::Result<u64> {
     Ok(rl.rlim_cur)
 }
 
-/// Read an integer socket option (used by tests to check what [`set_liveness`] applied).
+/// Read an integer socket option (used by tests to check what [`set_keepalive`] applied).
 pub fn sockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;

@@ -167,6 +167,10 @@ impl TxLink for Tx {
         self.push(&[])
     }
 
+    fn flush(&mut self) -> Result<Poll<()>> {
+        self.push(&[])
+    }
+
     fn abort_message(&mut self) -> AbortOutcome {
         self.off = 0;
         self.len = 0;

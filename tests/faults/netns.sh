@@ -2,7 +2,10 @@
 # TCP across two network namespaces joined by a veth pair, with faults injected by nftables
 # in the second namespace:
 #   1. loss10:  `numgen random mod 100 < 10 drop` on the channel's packets, both directions,
-#               for the whole job: every message must arrive whole and in order.
+#               for the whole job: every message must arrive whole and in order. The channel's
+#               liveness bound is 30 s here: it must outlast TCP's retransmission backoff at
+#               this loss rate (measured: 3 s failed 3 of 24 runs, 10 s passed 27 of 27 but
+#               with stalls of up to 20 s in a run; see RELIABILITY.md).
 #   2. blackhole: everything of the channel dropped 3 s into the job: a rank must report an
 #               error within liveness_ms (3000 here) plus slack, never hang or deliver
 #               garbage.
@@ -26,7 +29,7 @@ LIVENESS_MS=${NETNS_LIVENESS_MS:-3000}
 SPEC="tcp:mveth,liveness_ms=$LIVENESS_MS,connect_timeout_ms=20000"
 # Loss: the timeout must outlast TCP's retransmission backoff at this loss rate (see below).
 LOSS_PCT=${NETNS_LOSS_PCT:-10}
-LOSS_LIVENESS_MS=${NETNS_LOSS_LIVENESS_MS:-3000}
+LOSS_LIVENESS_MS=${NETNS_LOSS_LIVENESS_MS:-30000}
 LOSS_SPEC="tcp:mveth,liveness_ms=$LOSS_LIVENESS_MS,connect_timeout_ms=20000"
 CASES=${NETNS_CASES:-"loss blackhole reset"}
 SLACK_MS=5000
