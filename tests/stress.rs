@@ -1,5 +1,7 @@
-//! Stress: 4 ranks (threads with `ThreadBootstrap`, each its own `Session`), 2 channels per
-//! rank (one tcp, one shm), 8 worker threads per rank (per channel: 2 senders, 2 receivers).
+//! Stress: 4 ranks, 2 channels per rank (one tcp in checked mode, one shm), 8 worker threads per
+//! rank (per channel: 2 senders, 2 receivers). Twice: the ranks as 4 processes under `madrun`
+//! (what the issue asks), and as threads of this process, each with its own `Session` (quick to
+//! debug, and what the ThreadSanitizer run uses).
 //!
 //! Every sender thread sends `N` messages to each of the 3 other ranks, in a shuffled order,
 //! with random sizes from 0 to 1 MiB (log-uniform, so small and large TMs are both exercised),
@@ -7,8 +9,9 @@
 //! `pack_later`) and a random receive mode (EXPRESS, CHEAPER). The EXPRESS header carries
 //! (sender rank, sender thread, sequence number per (thread, destination), length, modes,
 //! checksum). The two receiver threads of a channel take messages from any source
-//! (`begin_unpacking`) and check the checksum and that each (sender, thread) sequence arrives
-//! in order with no gap. (A first version had each receiver thread insist on one peer at a
+//! (`begin_unpacking`), unpack the body with the modes the header announces (checked mode on the
+//! tcp channel reports any difference between the pack and unpack sequences), and check the
+//! checksum and that each (sender, thread) sequence arrives in order with no gap. (A first version had each receiver thread insist on one peer at a
 //! time with `begin_unpacking_from`: that deadlocks by design once every sender thread of a
 //! rank is blocked on a peer that waits for someone else, so it is not a library bug.)
 //!
@@ -21,6 +24,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use std::process::Command;
 
 use mad_core::bootstrap::ThreadBootstrap;
 use mad_core::{Channel, ChannelConfig, Error, RecvMode, SendMode, Session};
@@ -81,8 +86,9 @@ fn fill(buf: &mut [u8], seed: u64) {
 /// (0 express, 1 cheaper), checksum.
 type Head = [u64; 7];
 
-fn sender(ch: &Channel, me: usize, thread: usize, n: u64) -> Result<u64, Error> {
-    let mut rng = Rng(0x9e3779b97f4a7c15 ^ ((me as u64) << 32) ^ thread as u64 ^ ch.rank() as u64);
+fn sender(ch: &Channel, which: u64, me: usize, thread: usize, n: u64) -> Result<u64, Error> {
+    let mut rng =
+        Rng(0x9e3779b97f4a7c15 ^ ((me as u64) << 32) ^ ((which + 1) << 16) ^ thread as u64);
     let peers: Vec<usize> = (0..RANKS).filter(|&r| r != me).collect();
     let mut order: Vec<usize> = peers
         .iter()
@@ -164,12 +170,12 @@ fn receiver(ch: &Channel, sh: &RecvShared) -> Result<u64, Error> {
         let mut u = ch.begin_unpacking()?;
         let peer = u.remote();
         let h: Head = u.unpack_value()?;
-        let [rank, thread, seq, len, smode, _rmode, sum] = h;
+        let [rank, thread, seq, len, smode, rmode, sum] = h;
         let bad = |what: String| Error::Protocol {
             rank: peer,
             what: format!("stress: {what} (header {h:?})"),
         };
-        if rank as usize != peer || thread as usize >= SENDERS || len as usize > MAX {
+        if rank as usize != peer || thread as usize >= SENDERS || len as usize > MAX || rmode > 1 {
             return Err(bad("impossible header".into()));
         }
         {
@@ -188,7 +194,11 @@ fn receiver(ch: &Channel, sh: &RecvShared) -> Result<u64, Error> {
             _ => SendMode::Later,
         };
         let data = &mut buf[..len as usize];
-        u.unpack(data, s)?;
+        if rmode == 0 {
+            u.unpack_express(data, s)?;
+        } else {
+            u.unpack(data, s)?;
+        }
         u.end_unpacking()?;
         if checksum(data) != sum {
             return Err(bad("checksum mismatch".into()));
@@ -198,14 +208,9 @@ fn receiver(ch: &Channel, sh: &RecvShared) -> Result<u64, Error> {
     Ok(got)
 }
 
-fn rank_main(b: ThreadBootstrap, n: u64) -> Result<(u64, u64), Error> {
-    let s = Session::builder()
-        .driver(mad_tcp::TcpDriver::new())
-        .driver(mad_shm::ShmDriver::new())
-        .bootstrap(Box::new(b))
-        .build()?;
+fn rank_main(s: &Session, n: u64) -> Result<(u64, u64), Error> {
     let me = s.rank();
-    let tcp = s.open_channel_with(ChannelConfig::parse("stress-tcp", "tcp")?)?;
+    let tcp = s.open_channel_with(ChannelConfig::parse("stress-tcp", "tcp,checked=true")?)?;
     let shm = s.open_channel_with(ChannelConfig::parse("stress-shm", "shm")?)?;
     let shared = [(); 2].map(|_| RecvShared {
         remaining: AtomicI64::new(((RANKS - 1) * SENDERS) as i64 * n as i64),
@@ -213,9 +218,12 @@ fn rank_main(b: ThreadBootstrap, n: u64) -> Result<(u64, u64), Error> {
     });
     let res: Result<(u64, u64), Error> = std::thread::scope(|sc| {
         let mut hs = Vec::new();
-        for (ch, sh) in [(&tcp, &shared[0]), (&shm, &shared[1])] {
+        for (which, (ch, sh)) in [(&tcp, &shared[0]), (&shm, &shared[1])]
+            .into_iter()
+            .enumerate()
+        {
             for t in 0..SENDERS {
-                hs.push((true, sc.spawn(move || sender(ch, me, t, n))));
+                hs.push((true, sc.spawn(move || sender(ch, which as u64, me, t, n))));
                 hs.push((false, sc.spawn(move || receiver(ch, sh))));
             }
         }
@@ -240,6 +248,25 @@ fn rank_main(b: ThreadBootstrap, n: u64) -> Result<(u64, u64), Error> {
     res
 }
 
+fn expected_messages_per_rank(n: u64) -> u64 {
+    (2 * SENDERS * (RANKS - 1)) as u64 * n
+}
+
+fn report(what: &str, msgs: u64, bytes: u64, t: Duration) {
+    eprintln!(
+        "stress ({what}): {msgs} messages, {:.1} MiB, {:.2?} ({:.0} msg/s, {:.1} MiB/s)",
+        bytes as f64 / (1 << 20) as f64,
+        t,
+        msgs as f64 / t.as_secs_f64(),
+        bytes as f64 / (1 << 20) as f64 / t.as_secs_f64()
+    );
+}
+
+/// Generous bound for the soak; the default run takes seconds.
+fn limit(n: u64) -> Duration {
+    Duration::from_secs(if n > 50 { 3600 } else { 180 })
+}
+
 #[test]
 fn stress_4_ranks_2_channels_8_threads() {
     let n = per_pair();
@@ -248,28 +275,86 @@ fn stress_4_ranks_2_channels_8_threads() {
     for b in ThreadBootstrap::group(RANKS) {
         let tx = tx.clone();
         std::thread::spawn(move || {
-            let _ = tx.send(rank_main(b, n));
+            let r = Session::builder()
+                .driver(mad_tcp::TcpDriver::new())
+                .driver(mad_shm::ShmDriver::new())
+                .bootstrap(Box::new(b))
+                .build()
+                .and_then(|s| rank_main(&s, n));
+            let _ = tx.send(r);
         });
     }
-    // Generous bound for the soak; the default run takes seconds.
-    let limit = Duration::from_secs(if n > 50 { 3600 } else { 120 });
     let (mut bytes, mut msgs) = (0, 0);
     for _ in 0..RANKS {
         let r = rx
-            .recv_timeout(limit.saturating_sub(start.elapsed()))
+            .recv_timeout(limit(n).saturating_sub(start.elapsed()))
             .expect("a rank hung");
         let (b, m) = r.unwrap_or_else(|e| panic!("stress failed: {e}"));
         bytes += b;
         msgs += m;
     }
-    let expect = (RANKS * 2 * SENDERS * (RANKS - 1)) as u64 * n;
-    assert_eq!(msgs, expect);
-    let t = start.elapsed();
-    eprintln!(
-        "stress: {msgs} messages, {:.1} MiB, {:.2?} ({:.0} msg/s, {:.1} MiB/s)",
-        bytes as f64 / (1 << 20) as f64,
-        t,
-        msgs as f64 / t.as_secs_f64(),
-        bytes as f64 / (1 << 20) as f64 / t.as_secs_f64()
+    assert_eq!(msgs, RANKS as u64 * expected_messages_per_rank(n));
+    report("threads", msgs, bytes, start.elapsed());
+}
+
+#[test]
+#[ignore = "rank program of `stress_4_processes_2_channels_8_threads` (run through madrun)"]
+fn stress_rank_child() {
+    let n = per_pair();
+    let s = madeleine::session().expect("session");
+    assert_eq!(s.size(), RANKS, "run with madrun -n {RANKS}");
+    match rank_main(&s, n) {
+        Ok((bytes, msgs)) => println!("STRESS rank {} ok msgs={msgs} bytes={bytes}", s.rank()),
+        Err(e) => {
+            println!("STRESS rank {} failed: {e}", s.rank());
+            std::process::exit(1);
+        }
+    }
+}
+
+#[test]
+fn stress_4_processes_2_channels_8_threads() {
+    let n = per_pair();
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
+        .args(["-n", &RANKS.to_string(), "--timeout"])
+        .arg(limit(n).as_secs().to_string())
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "stress_rank_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .output()
+        .expect("madrun runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stress job failed ({}):\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
     );
+    let (mut msgs, mut bytes) = (0u64, 0u64);
+    for r in 0..RANKS {
+        let line = text
+            .lines()
+            .find_map(|l| {
+                l.split_once(&format!("STRESS rank {r} ok "))
+                    .map(|(_, t)| t)
+            })
+            .unwrap_or_else(|| panic!("no result from rank {r}:\n{text}"));
+        let field = |k: &str| -> u64 {
+            line.split_whitespace()
+                .find_map(|f| f.strip_prefix(k))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("bad result line `{line}`"))
+        };
+        assert_eq!(field("msgs="), expected_messages_per_rank(n), "rank {r}");
+        msgs += field("msgs=");
+        bytes += field("bytes=");
+    }
+    report("processes", msgs, bytes, start.elapsed());
 }

@@ -617,6 +617,14 @@ impl TxLink for MpiTx {
         Ok(Poll::Ready(()))
     }
 
+    fn flush(&mut self) -> Result<Poll<()>> {
+        // `Packer::flush`: the eager buffer leaves now as its own MPI message (the receiver
+        // takes a message's eager data from as many messages as it comes in).
+        self.usable()?;
+        MpiTx::flush(self)?;
+        Ok(Poll::Ready(()))
+    }
+
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.usable()?;
         self.flush()?;
