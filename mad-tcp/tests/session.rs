@@ -208,3 +208,94 @@ fn slow_reader_is_not_a_dead_peer() {
         );
     }
 }
+
+/// Signals interrupting blocked system calls (`EINTR`: a handler installed without
+/// `SA_RESTART`, as a profiler or an application's own timer would) are retried, never turned
+/// into errors or short messages: both ranks' threads get `SIGUSR1` every 50 µs while they
+/// exchange 16 MiB messages, in every progress mode.
+#[test]
+fn interrupted_system_calls_are_retried() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    static DELIVERED: AtomicU64 = AtomicU64::new(0);
+    extern "C" fn on_usr1(_: libc::c_int) {
+        DELIVERED.fetch_add(1, Ordering::Relaxed);
+    }
+    // SAFETY: `sigaction` is plain data, all-zero is a valid value that we fill in; the handler
+    // only touches an atomic (async-signal-safe); no SA_RESTART, so blocked calls fail with EINTR.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_flags = 0;
+        libc::sigemptyset(&mut sa.sa_mask);
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+    for progress in ["block", "adaptive", "poll"] {
+        let threads: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+        let done = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::new(AtomicBool::new(false));
+        let killer = {
+            let (threads, done, stopped) = (threads.clone(), done.clone(), stopped.clone());
+            thread::spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    for t in threads.iter() {
+                        let id = t.load(Ordering::Relaxed);
+                        if id != 0 {
+                            // SAFETY: the id is a live thread's `pthread_self()`, recorded
+                            // before it started and cleared (under `done`) before it ends.
+                            unsafe { libc::pthread_kill(id as libc::pthread_t, libc::SIGUSR1) };
+                        }
+                    }
+                    thread::sleep(Duration::from_micros(50));
+                }
+                stopped.store(true, Ordering::Release);
+            })
+        };
+        let before = DELIVERED.load(Ordering::Relaxed);
+        let th = threads.clone();
+        let fin = done.clone();
+        let quiet = stopped.clone();
+        run(
+            2,
+            &format!("tcp,progress={progress},timeout_ms=60000"),
+            move |rank, ch| {
+                // SAFETY: pthread_self has no preconditions.
+                th[rank].store(unsafe { libc::pthread_self() } as u64, Ordering::Relaxed);
+                let n = 16 << 20;
+                let a: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
+                let mut b = vec![0u8; n];
+                for round in 0..2 {
+                    if rank == round % 2 {
+                        let mut p = ch.begin_packing(1 - rank).unwrap();
+                        p.pack_value(&(round as u32), RecvMode::Express).unwrap();
+                        p.pack(&a, RecvMode::Cheaper).unwrap();
+                        p.end_packing().unwrap();
+                    } else {
+                        let mut u = ch.begin_unpacking().unwrap();
+                        assert_eq!(u.unpack_value::<u32>().unwrap(), round as u32);
+                        u.unpack(&mut b, SendMode::Cheaper).unwrap();
+                        u.end_unpacking().unwrap();
+                        assert!(b == a, "{progress}: message {round} arrived damaged");
+                        b.fill(0);
+                    }
+                }
+                // The signalling stops before either thread ends (a joined thread's id must not
+                // be signalled).
+                fin.store(true, Ordering::Release);
+                while !quiet.load(Ordering::Acquire) {
+                    thread::yield_now();
+                }
+                th[rank].store(0, Ordering::Relaxed);
+            },
+        );
+        done.store(true, Ordering::Relaxed);
+        killer.join().unwrap();
+        let got = DELIVERED.load(Ordering::Relaxed) - before;
+        assert!(
+            got > 20,
+            "{progress}: only {got} signals reached the ranks' threads"
+        );
+        eprintln!("{progress}: {got} signals delivered during the exchange");
+    }
+}
