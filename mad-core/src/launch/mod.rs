@@ -464,6 +464,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn env_parsing_accepts_good_and_names_bad_variables() {
         assert_eq!(env_of(&[]).unwrap(), None);
         let hex = Secret::random().unwrap().to_hex();
@@ -534,6 +535,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn allgather_between_threads_through_a_real_server() {
         let secret = Secret::random().unwrap();
         let (srv, log) = server(3, &secret);
@@ -571,6 +573,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn garbage_and_oversized_connections_are_refused_without_harm() {
         use std::io::{Read, Write};
         let secret = Secret::random().unwrap();
@@ -600,6 +603,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn a_departed_rank_fails_pending_and_later_allgathers() {
         let secret = Secret::random().unwrap();
         let (srv, _log) = server(3, &secret);
