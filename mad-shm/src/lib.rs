@@ -41,7 +41,7 @@ use mad_core::driver::{
 };
 use mad_core::{Error, Result};
 
-use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
+use link::{GatherPath, PeerWatch, ShmIncoming, ShmRx, ShmTx};
 use segment::Segment;
 
 /// Default capacity of each ring (bytes). 8 processes hold 8 × 8 rings = 16 MiB of `/dev/shm`.
@@ -286,7 +286,8 @@ impl Driver for ShmDriver {
             ));
         }
 
-        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
+        type Peer = (PeerInfo, Arc<Segment>, Arc<PeerWatch>);
+        let mut peers: Vec<Option<Peer>> = (0..n).map(|_| None).collect();
         for &r in &local {
             if r == me || r >= n {
                 continue;
@@ -313,7 +314,11 @@ impl Driver for ShmDriver {
                 )
             };
             let seg = Segment::open(&pi.name, r, n, o.ring, pi.pid, &check)?;
-            peers[r] = Some((pi, Arc::new(seg)));
+            // Watch the process now, while it is known alive (waiting for us in the next
+            // collective): a peer that exits right after the open must be reported dead
+            // later, not make this open fail.
+            let pidfd = sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?;
+            peers[r] = Some((pi, Arc::new(seg), Arc::new(PeerWatch::new(pidfd))));
         }
 
         // CMA probe: read every local peer's probe buffer; agree on the result.
@@ -325,7 +330,7 @@ impl Driver for ShmDriver {
         };
         if cma_ok {
             for (r, p) in peers.iter().enumerate() {
-                let Some((pi, _)) = p else { continue };
+                let Some((pi, _, _)) = p else { continue };
                 let mut got = [0u8; 16];
                 let remote = [sys::RemoteSlice {
                     addr: pi.probe_addr,
@@ -334,7 +339,10 @@ impl Driver for ShmDriver {
                 let res = sys::cma_read(pi.pid, &mut [std::io::IoSliceMut::new(&mut got)], &remote);
                 if res.is_err() || got != pi.probe {
                     cma_ok = false;
-                    why = format!("reading rank {r}'s memory failed ({res:?})");
+                    why = match res {
+                        Err(e) => format!("reading rank {r}'s memory failed: {e}"),
+                        Ok(()) => format!("reading rank {r}'s memory returned other bytes"),
+                    };
                     break;
                 }
             }
@@ -356,22 +364,20 @@ impl Driver for ShmDriver {
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
         for (r, p) in peers.into_iter().enumerate() {
-            let Some((pi, seg)) = p else { continue };
-            let pidfd =
-                Arc::new(sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?);
+            let Some((pi, seg, watch)) = p else { continue };
             let out_ring = seg
                 .ring(me)
                 .ok_or_else(|| Error::protocol(r, "shm: peer segment lacks our ring"))?;
             let in_ring = own
                 .ring(r)
                 .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
-            watched.push((r, in_ring.clone(), pidfd.clone()));
+            watched.push((r, in_ring.clone(), watch.clone()));
             links[r] = Some(LinkPair {
                 tx: Box::new(ShmTx::new(
                     r,
                     out_ring,
                     seg,
-                    pidfd.clone(),
+                    watch.clone(),
                     cma_tm,
                     path,
                     ctx.progress.oversubscribed,
@@ -381,7 +387,7 @@ impl Driver for ShmDriver {
                     pi.pid,
                     in_ring,
                     own.clone(),
-                    pidfd,
+                    watch,
                     cma_tm,
                     path,
                 )),

@@ -54,25 +54,80 @@ fn corrupt(rank: usize, c: Corrupt) -> Error {
     )
 }
 
+/// What the two halves of a connection and the any-source watcher know about the peer
+/// process: whether it is known dead, and whether the receiving half has reported the peer
+/// gone (after which [`ShmIncoming`] stops counting it as ready).
+#[derive(Debug)]
+pub struct PeerWatch {
+    pidfd: PidFd,
+    dead: AtomicBool,
+    retired: AtomicBool,
+}
+
+impl PeerWatch {
+    /// Watch the process behind `pidfd`.
+    pub fn new(pidfd: PidFd) -> Self {
+        PeerWatch {
+            pidfd,
+            dead: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the process has exited (a non-blocking pidfd poll unless already known).
+    pub fn exited(&self) -> bool {
+        if self.known_dead() {
+            return true;
+        }
+        let dead = self.pidfd.exited();
+        if dead {
+            self.dead.store(true, Ordering::Relaxed);
+        }
+        dead
+    }
+
+    /// Whether the process is already known to have exited (no syscall).
+    #[inline]
+    pub fn known_dead(&self) -> bool {
+        self.dead.load(Ordering::Relaxed)
+    }
+
+    /// The receiving half reported the peer gone (or failed and was abandoned): the core
+    /// will not poll it again, so the any-source wait must not count it as ready.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`retire`](Self::retire) was called.
+    #[inline]
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+}
+
 /// Rate-limited liveness checks of a peer process.
 pub struct Liveness {
-    pidfd: Arc<PidFd>,
+    watch: Arc<PeerWatch>,
     polls: u32,
     last: Instant,
 }
 
 impl Liveness {
-    /// Watch the process behind `pidfd`.
-    pub fn new(pidfd: Arc<PidFd>) -> Self {
+    /// Watch the peer behind `watch`.
+    pub fn new(watch: Arc<PeerWatch>) -> Self {
         Liveness {
-            pidfd,
+            watch,
             polls: 0,
             last: Instant::now(),
         }
     }
 
-    /// Called on every `Pending`: a syscall at most every [`POLL_CHECK_EVERY`].
+    /// Called on every `Pending`: true at once if the peer is known dead, otherwise a
+    /// syscall at most every [`POLL_CHECK_EVERY`].
     fn maybe_dead(&mut self) -> bool {
+        if self.watch.known_dead() {
+            return true;
+        }
         self.polls = self.polls.wrapping_add(1);
         if self.polls % 64 != 0 {
             return false;
@@ -82,13 +137,18 @@ impl Liveness {
             return false;
         }
         self.last = now;
-        self.pidfd.exited()
+        self.watch.exited()
     }
 
     /// Check now (after a blocking sleep).
     fn dead_now(&mut self) -> bool {
         self.last = Instant::now();
-        self.pidfd.exited()
+        self.watch.exited()
+    }
+
+    /// See [`PeerWatch::retire`].
+    fn retire(&self) {
+        self.watch.retire();
     }
 }
 
@@ -143,7 +203,7 @@ impl ShmTx {
         peer: usize,
         ring: RingView,
         peer_seg: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         cma_tm: Option<TmId>,
         path: GatherPath,
         crowded: bool,
@@ -155,7 +215,7 @@ impl ShmTx {
             msg_start: prod.published(),
             prod,
             peer_seg,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             cma_tm,
             path,
             gather: TxGather::Idle,
@@ -432,7 +492,7 @@ impl ShmRx {
         peer_pid: u32,
         ring: RingView,
         own: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         cma_tm: Option<TmId>,
         path: GatherPath,
     ) -> Self {
@@ -441,7 +501,7 @@ impl ShmRx {
             peer_pid,
             cons: Consumer::new(ring),
             own,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             cma_tm,
             path,
             stream: None,
@@ -468,9 +528,16 @@ impl ShmRx {
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
         if (closed || self.live.maybe_dead()) && self.avail(need)? < need {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(Poll::Pending)
+    }
+
+    /// The writer is gone for good: report it (once: the any-source wait stops counting
+    /// this peer as ready).
+    fn gone(&mut self) -> Error {
+        self.live.retire();
+        Error::PeerClosed { rank: self.peer }
     }
 
     fn consumed(&mut self) {
@@ -537,7 +604,7 @@ impl ShmRx {
             .fetch_add(total.max(1), Ordering::Relaxed);
         if let Err(e) = sys::cma_read(self.peer_pid, iov, &remote) {
             return Err(match e.raw_os_error() {
-                Some(libc::ESRCH) => Error::PeerClosed { rank: self.peer },
+                Some(libc::ESRCH) => self.gone(),
                 Some(libc::EFAULT) => Error::protocol(
                     self.peer,
                     "shm: CMA record points outside the sender's memory",
@@ -632,6 +699,7 @@ impl RxLink for ShmRx {
 
     fn abort_message(&mut self) {
         self.broken = Some("a message was abandoned midway by the receiver".into());
+        self.live.retire();
         self.cons.view().reader_closed().store(1, Ordering::Release);
         notify_writer(self.cons.view());
     }
@@ -643,7 +711,7 @@ impl RxLink for ShmRx {
             !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && self.avail(1)? == 0 {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(())
     }
@@ -657,22 +725,23 @@ impl Drop for ShmRx {
 }
 
 /// Any-source readiness: scans the incoming rings; blocks on the process's doorbell.
+///
+/// A peer counts as ready when its ring has bytes, or when it closed or died and the
+/// receiving half has not reported that yet; once reported ([`PeerWatch::retire`]) it is
+/// ignored, so a wait with closed peers still sleeps.
 pub struct ShmIncoming {
     own: Arc<Segment>,
-    peers: Vec<(usize, RingView, Arc<PidFd>)>,
-    dead: Vec<AtomicBool>,
+    peers: Vec<(usize, RingView, Arc<PeerWatch>)>,
     polls: AtomicU32,
     last_check: Mutex<Instant>,
 }
 
 impl ShmIncoming {
     /// Watch `peers` (rank, incoming ring, process) through `own`'s doorbell.
-    pub fn new(own: Arc<Segment>, peers: Vec<(usize, RingView, Arc<PidFd>)>) -> Self {
-        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
+    pub fn new(own: Arc<Segment>, peers: Vec<(usize, RingView, Arc<PeerWatch>)>) -> Self {
         ShmIncoming {
             own,
             peers,
-            dead,
             polls: AtomicU32::new(0),
             last_check: Mutex::new(Instant::now()),
         }
@@ -693,30 +762,30 @@ impl ShmIncoming {
             return;
         }
         *last = now;
-        for (i, (_, _, pidfd)) in self.peers.iter().enumerate() {
-            if pidfd.exited() {
-                self.dead[i].store(true, Ordering::Relaxed);
+        for (_, _, w) in &self.peers {
+            if !w.retired() {
+                w.exited();
             }
         }
     }
 
-    fn any_ready(&self) -> bool {
-        self.peers.iter().enumerate().any(|(i, (_, v, _))| {
-            v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
+    fn ready(v: &RingView, w: &PeerWatch) -> bool {
+        !w.retired()
+            && (v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
                 || v.writer_closed().load(Ordering::Relaxed) != 0
-                || self.dead[i].load(Ordering::Relaxed)
-        })
+                || w.known_dead())
+    }
+
+    fn any_ready(&self) -> bool {
+        self.peers.iter().any(|(_, v, w)| Self::ready(v, w))
     }
 }
 
 impl Incoming for ShmIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
         self.check_deaths(false);
-        for (i, (rank, v, _)) in self.peers.iter().enumerate() {
-            if v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
-                || v.writer_closed().load(Ordering::Relaxed) != 0
-                || self.dead[i].load(Ordering::Relaxed)
-            {
+        for (rank, v, w) in &self.peers {
+            if Self::ready(v, w) {
                 ready(*rank);
             }
         }

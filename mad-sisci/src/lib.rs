@@ -45,6 +45,7 @@ use mad_core::{Error, Result};
 
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
+use mad_shm::link::PeerWatch;
 use segment::Segment;
 
 /// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
@@ -317,7 +318,8 @@ impl Driver for SisciDriver {
                 "sisci: allgather returned the wrong number of entries",
             ));
         }
-        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
+        type Peer = (PeerInfo, Arc<Segment>, Arc<PeerWatch>);
+        let mut peers: Vec<Option<Peer>> = (0..n).map(|_| None).collect();
         for &r in &local {
             if r == me || r >= n {
                 continue;
@@ -338,7 +340,12 @@ impl Driver for SisciDriver {
                 )
             };
             let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
-            peers[r] = Some((pi, Arc::new(seg)));
+            // Watch the process now, while it is known alive (waiting for us in the next
+            // collective): a peer that exits right after the open must be reported dead
+            // later, not make this open fail.
+            let pidfd =
+                mad_shm::sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?;
+            peers[r] = Some((pi, Arc::new(seg), Arc::new(PeerWatch::new(pidfd))));
         }
         // Everyone has mapped everyone: remove the files.
         b.allgather(&ctx.tag("mapped"), &[1])?;
@@ -348,10 +355,7 @@ impl Driver for SisciDriver {
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
         for (r, p) in peers.into_iter().enumerate() {
-            let Some((pi, seg)) = p else { continue };
-            let pidfd = Arc::new(
-                mad_shm::sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?,
-            );
+            let Some((_, seg, watch)) = p else { continue };
             let (Some(l), Some(rm)) = (own.area(r), seg.area(me)) else {
                 return Err(Error::protocol(r, "sisci: segment lacks an area"));
             };
@@ -362,11 +366,11 @@ impl Driver for SisciDriver {
                 rank: r,
                 local: l,
                 shared: shared.clone(),
-                pidfd: pidfd.clone(),
+                watch: watch.clone(),
             });
             links[r] = Some(LinkPair {
-                tx: Box::new(SciTx::new(r, ends.clone(), seg, pidfd.clone())),
-                rx: Box::new(SciRx::new(r, ends, own.clone(), pidfd, shared)),
+                tx: Box::new(SciTx::new(r, ends.clone(), seg, watch.clone())),
+                rx: Box::new(SciRx::new(r, ends, own.clone(), watch, shared)),
             });
         }
         let notes = vec![format!(

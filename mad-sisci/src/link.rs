@@ -4,15 +4,16 @@
 //! peer's: write remote, read local, as in the SCALE channel protocol.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
 use mad_core::{Error, Result};
+use mad_shm::link::PeerWatch;
 use mad_shm::ring::index;
-use mad_shm::sys::{futex_wait, futex_wake, PidFd};
+use mad_shm::sys::{futex_wait, futex_wake};
 
 use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
 use crate::segment::Segment;
@@ -87,21 +88,24 @@ fn oob(rank: usize) -> Error {
 
 /// Rate-limited liveness checks of a peer process.
 pub struct Liveness {
-    pidfd: Arc<PidFd>,
+    watch: Arc<PeerWatch>,
     polls: u32,
     last: Instant,
 }
 
 impl Liveness {
-    /// Watch the process behind `pidfd`.
-    pub fn new(pidfd: Arc<PidFd>) -> Self {
+    /// Watch the peer behind `watch`.
+    pub fn new(watch: Arc<PeerWatch>) -> Self {
         Liveness {
-            pidfd,
+            watch,
             polls: 0,
             last: Instant::now(),
         }
     }
     fn maybe_dead(&mut self) -> bool {
+        if self.watch.known_dead() {
+            return true;
+        }
         self.polls = self.polls.wrapping_add(1);
         if self.polls % 64 != 0 {
             return false;
@@ -111,11 +115,14 @@ impl Liveness {
             return false;
         }
         self.last = now;
-        self.pidfd.exited()
+        self.watch.exited()
     }
     fn dead_now(&mut self) -> bool {
         self.last = Instant::now();
-        self.pidfd.exited()
+        self.watch.exited()
+    }
+    fn retire(&self) {
+        self.watch.retire();
     }
 }
 
@@ -146,12 +153,12 @@ pub struct SciTx {
 
 impl SciTx {
     /// The sending half towards `peer`.
-    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, pidfd: Arc<PidFd>) -> Self {
+    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, watch: Arc<PeerWatch>) -> Self {
         SciTx {
             peer,
             e,
             peer_seg,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             slot_pos: 0,
             slot_ack: 0,
             head: 0,
@@ -411,14 +418,14 @@ impl SciRx {
         peer: usize,
         e: Ends,
         own: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         shared: Arc<RxShared>,
     ) -> Self {
         SciRx {
             peer,
             e,
             own,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             shared,
             slot_pos: 0,
             slot_off: 0,
@@ -469,9 +476,16 @@ impl SciRx {
     fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
         let closed = w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0;
         if (closed || self.live.maybe_dead()) && !self.has(b) {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(Poll::Pending)
+    }
+
+    /// The writer is gone for good: report it (once: the any-source wait stops counting
+    /// this peer as ready).
+    fn gone(&self) -> Error {
+        self.live.retire();
+        Error::PeerClosed { rank: self.peer }
     }
 
     fn corrupt(&self, what: &str) -> Error {
@@ -623,6 +637,7 @@ impl RxLink for SciRx {
     fn abort_message(&mut self) {
         self.cursor = None;
         self.broken = Some("a message was abandoned midway by the receiver".into());
+        self.live.retire();
         w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
         self.notify_writer();
     }
@@ -633,7 +648,7 @@ impl RxLink for SciRx {
             self.has_any() || w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && !self.has_any() {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(())
     }
@@ -654,16 +669,19 @@ pub struct Watched {
     pub local: Mem,
     /// The receiver's slot position.
     pub shared: Arc<RxShared>,
-    /// Its process.
-    pub pidfd: Arc<PidFd>,
+    /// Its process, and whether the receiving half has reported it gone.
+    pub watch: Arc<PeerWatch>,
 }
 
 /// Any-source readiness: looks at the next short slot of every peer; blocks on the doorbell.
+///
+/// A peer counts as ready when its next slot is written, or when it closed or died and the
+/// receiving half has not reported that yet; once reported it is ignored, so a wait with
+/// closed peers still sleeps.
 pub struct SciIncoming {
     own: Arc<Segment>,
     geom: Geometry,
     peers: Vec<Watched>,
-    dead: Vec<AtomicBool>,
     polls: AtomicU32,
     last_check: Mutex<Instant>,
 }
@@ -671,12 +689,10 @@ pub struct SciIncoming {
 impl SciIncoming {
     /// Watch `peers` through `own`'s doorbell.
     pub fn new(own: Arc<Segment>, geom: Geometry, peers: Vec<Watched>) -> Self {
-        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
         SciIncoming {
             own,
             geom,
             peers,
-            dead,
             polls: AtomicU32::new(0),
             last_check: Mutex::new(Instant::now()),
         }
@@ -684,11 +700,14 @@ impl SciIncoming {
 
     fn ready_at(&self, i: usize) -> bool {
         let p = &self.peers[i];
+        if p.watch.retired() {
+            return false;
+        }
         let pos = p.shared.slot_pos.load(Ordering::Relaxed);
         let w = w64(&p.local, slot_flag(&self.geom, pos)).load(Ordering::Acquire);
         layout::decode_flag(w, pos, self.geom.slots as u64, SLOT_DATA) != Flag::Empty
             || w32(&p.local, ctl::W_CLOSED).load(Ordering::Relaxed) != 0
-            || self.dead[i].load(Ordering::Relaxed)
+            || p.watch.known_dead()
     }
 
     fn check_deaths(&self, force: bool) {
@@ -703,9 +722,9 @@ impl SciIncoming {
             return;
         }
         *last = now;
-        for (i, p) in self.peers.iter().enumerate() {
-            if p.pidfd.exited() {
-                self.dead[i].store(true, Ordering::Relaxed);
+        for p in &self.peers {
+            if !p.watch.retired() {
+                p.watch.exited();
             }
         }
     }
@@ -754,11 +773,11 @@ mod tests {
             Arc::new(Segment::create(&name, 2, G, &[0; 32]).unwrap())
         };
         let (a, b) = (seg(0), seg(1));
-        let pidfd = Arc::new(PidFd::open(pid).unwrap());
+        let watch = Arc::new(PeerWatch::new(mad_shm::sys::PidFd::open(pid).unwrap()));
         let tx_ends = Ends::new(a.area(1).unwrap(), b.area(0).unwrap(), G).unwrap();
         let rx_ends = Ends::new(b.area(0).unwrap(), a.area(1).unwrap(), G).unwrap();
-        let tx = SciTx::new(1, tx_ends, b.clone(), pidfd.clone());
-        let rx = SciRx::new(0, rx_ends, b.clone(), pidfd, Arc::default());
+        let tx = SciTx::new(1, tx_ends, b.clone(), watch.clone());
+        let rx = SciRx::new(0, rx_ends, b.clone(), watch, Arc::default());
         (a, b, tx, rx)
     }
 
