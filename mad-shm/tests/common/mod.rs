@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub mod sys;
+
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Mutex;
@@ -184,7 +187,11 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
 /// (clock ticks of 1/100 s) where scheduler statistics are missing.
 pub fn thread_cpu_time() -> Duration {
     if let Ok(s) = std::fs::read_to_string("/proc/thread-self/schedstat") {
-        if let Some(ns) = s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
+        if let Some(ns) = s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
             return Duration::from_nanos(ns);
         }
     }
@@ -201,12 +208,21 @@ pub fn thread_cpu_time() -> Duration {
 
 /// Entries of /dev/shm created by this process.
 pub fn my_segments() -> Vec<String> {
-    let prefix = format!("mad-shm-{}-", std::process::id());
+    segments_of(&[std::process::id()])
+}
+
+/// Entries of /dev/shm created by any of the processes `pids` (segment names start with
+/// `mad-shm-<creator pid>-`).
+pub fn segments_of(pids: &[u32]) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| n.starts_with(&prefix))
+                .filter(|n| {
+                    mad_shm::segment::creator_pid(n)
+                        .map(|p| pids.contains(&p))
+                        .unwrap_or(false)
+                })
                 .collect()
         })
         .unwrap_or_default()

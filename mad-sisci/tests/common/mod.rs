@@ -9,7 +9,11 @@ use std::time::Duration;
 /// (clock ticks of 1/100 s) where scheduler statistics are missing.
 pub fn thread_cpu_time() -> Duration {
     if let Ok(s) = std::fs::read_to_string("/proc/thread-self/schedstat") {
-        if let Some(ns) = s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
+        if let Some(ns) = s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
             return Duration::from_nanos(ns);
         }
     }
