@@ -3,23 +3,23 @@
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+pub use mad_core::hostmem::PeerWatch;
+use mad_core::hostmem::{Bell, DeathCheck, Liveness};
 use mad_core::{Error, Result};
 
 use crate::ring::{Consumer, Corrupt, Producer, RingView};
 use crate::segment::Segment;
-use crate::sys::{self, PidFd, RemoteSlice};
+use crate::sys::{self, RemoteSlice};
 
 /// Longest single sleep of a blocking wait before the peer's liveness is checked again: the
-/// bound on noticing a dead peer while blocked.
-pub const WAIT_SLICE: Duration = Duration::from_millis(50);
-/// How often (at most) a polling loop checks the peer's pidfd.
-const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+/// bound on noticing a dead peer while blocked (mad-core's, shared with mad-sisci).
+pub use mad_core::hostmem::WAIT_SLICE;
 /// Magic word opening a Cross Memory Attach record in the ring.
 const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
 /// Size of a record's fixed part (magic, count, total length).
@@ -54,112 +54,16 @@ fn corrupt(rank: usize, c: Corrupt) -> Error {
     )
 }
 
-/// What the two halves of a connection and the any-source watcher know about the peer
-/// process: whether it is known dead, and whether the receiving half has reported the peer
-/// gone (after which [`ShmIncoming`] stops counting it as ready).
-#[derive(Debug)]
-pub struct PeerWatch {
-    pidfd: PidFd,
-    dead: AtomicBool,
-    retired: AtomicBool,
-}
-
-impl PeerWatch {
-    /// Watch the process behind `pidfd`.
-    pub fn new(pidfd: PidFd) -> Self {
-        PeerWatch {
-            pidfd,
-            dead: AtomicBool::new(false),
-            retired: AtomicBool::new(false),
-        }
-    }
-
-    /// Whether the process has exited (a non-blocking pidfd poll unless already known).
-    pub fn exited(&self) -> bool {
-        if self.known_dead() {
-            return true;
-        }
-        let dead = self.pidfd.exited();
-        if dead {
-            self.dead.store(true, Ordering::Relaxed);
-        }
-        dead
-    }
-
-    /// Whether the process is already known to have exited (no syscall).
-    #[inline]
-    pub fn known_dead(&self) -> bool {
-        self.dead.load(Ordering::Relaxed)
-    }
-
-    /// The receiving half reported the peer gone (or failed and was abandoned): the core
-    /// will not poll it again, so the any-source wait must not count it as ready.
-    pub fn retire(&self) {
-        self.retired.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether [`retire`](Self::retire) was called.
-    #[inline]
-    pub fn retired(&self) -> bool {
-        self.retired.load(Ordering::Relaxed)
-    }
-}
-
-/// Rate-limited liveness checks of a peer process.
-pub struct Liveness {
-    watch: Arc<PeerWatch>,
-    polls: u32,
-    last: Instant,
-}
-
-impl Liveness {
-    /// Watch the peer behind `watch`.
-    pub fn new(watch: Arc<PeerWatch>) -> Self {
-        Liveness {
-            watch,
-            polls: 0,
-            last: Instant::now(),
-        }
-    }
-
-    /// Called on every `Pending`: true at once if the peer is known dead, otherwise a
-    /// syscall at most every [`POLL_CHECK_EVERY`].
-    fn maybe_dead(&mut self) -> bool {
-        if self.watch.known_dead() {
-            return true;
-        }
-        self.polls = self.polls.wrapping_add(1);
-        if self.polls % 64 != 0 {
-            return false;
-        }
-        let now = Instant::now();
-        if now - self.last < POLL_CHECK_EVERY {
-            return false;
-        }
-        self.last = now;
-        self.watch.exited()
-    }
-
-    /// Check now (after a blocking sleep).
-    fn dead_now(&mut self) -> bool {
-        self.last = Instant::now();
-        self.watch.exited()
-    }
-
-    /// See [`PeerWatch::retire`].
-    fn retire(&self) {
-        self.watch.retire();
-    }
+/// The bell a writer sleeps on when the ring is full or a CMA group is not completed: the
+/// ring's `tx_seq` futex and its sleeper count.
+fn writer_bell(v: &RingView) -> Bell<'_> {
+    Bell::new(v.tx_seq(), v.tx_sleeping())
 }
 
 /// Wake a writer asleep on the ring's `tx_seq` (after the reader released space or completed a
 /// CMA transfer). The SeqCst fence pairs with the one in [`ShmTx::wait`].
 fn notify_writer(v: &RingView) {
-    fence(Ordering::SeqCst);
-    if v.tx_sleeping().load(Ordering::Relaxed) != 0 {
-        v.tx_seq().fetch_add(1, Ordering::SeqCst);
-        sys::futex_wake(v.tx_seq());
-    }
+    writer_bell(v).notify();
 }
 
 enum TxGather {
@@ -229,7 +133,7 @@ impl ShmTx {
     /// Publish and ring the peer's doorbell if it sleeps (one SeqCst fence + one load).
     fn publish_now(&mut self) {
         if self.prod.publish() {
-            self.peer_seg.notify();
+            self.peer_seg.doorbell().notify();
         }
     }
 
@@ -418,7 +322,7 @@ impl TxLink for ShmTx {
         self.gather = TxGather::Idle;
         self.broken = Some("a message was abandoned midway".into());
         self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
         AbortOutcome::Broken
     }
 
@@ -442,21 +346,14 @@ impl TxLink for ShmTx {
                 return Ok(());
             }
         }
-        v.tx_sleeping().fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let seq = v.tx_seq().load(Ordering::SeqCst);
-        let ready = match self.gather {
-            TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= target,
-            _ => self
-                .prod
-                .free(self.need)
-                .map(|f| f >= self.need)
-                .unwrap_or(true),
-        } || v.reader_closed().load(Ordering::Acquire) != 0;
-        if !ready {
-            sys::futex_wait(v.tx_seq(), seq, timeout.min(WAIT_SLICE));
-        }
-        v.tx_sleeping().fetch_sub(1, Ordering::SeqCst);
+        let (gather, prod, need) = (&self.gather, &mut self.prod, self.need);
+        writer_bell(&v).sleep(timeout.min(WAIT_SLICE), || {
+            let room = match gather {
+                TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= *target,
+                _ => prod.free(need).map(|f| f >= need).unwrap_or(true),
+            };
+            room || v.reader_closed().load(Ordering::Acquire) != 0
+        });
         if self.live.dead_now() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
@@ -468,7 +365,7 @@ impl Drop for ShmTx {
     fn drop(&mut self) {
         self.prod.publish();
         self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
     }
 }
 
@@ -707,7 +604,7 @@ impl RxLink for ShmRx {
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let own = self.own.clone();
         let cons = &mut self.cons;
-        own.sleep(timeout.min(WAIT_SLICE), &mut || {
+        own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && self.avail(1)? == 0 {
@@ -732,8 +629,7 @@ impl Drop for ShmRx {
 pub struct ShmIncoming {
     own: Arc<Segment>,
     peers: Vec<(usize, RingView, Arc<PeerWatch>)>,
-    polls: AtomicU32,
-    last_check: Mutex<Instant>,
+    deaths: DeathCheck,
 }
 
 impl ShmIncoming {
@@ -742,31 +638,13 @@ impl ShmIncoming {
         ShmIncoming {
             own,
             peers,
-            polls: AtomicU32::new(0),
-            last_check: Mutex::new(Instant::now()),
+            deaths: DeathCheck::default(),
         }
     }
 
     fn check_deaths(&self, force: bool) {
-        if !force {
-            let k = self.polls.fetch_add(1, Ordering::Relaxed);
-            if k % 64 != 0 {
-                return;
-            }
-        }
-        let Ok(mut last) = self.last_check.try_lock() else {
-            return;
-        };
-        let now = Instant::now();
-        if !force && now - *last < POLL_CHECK_EVERY {
-            return;
-        }
-        *last = now;
-        for (_, _, w) in &self.peers {
-            if !w.retired() {
-                w.exited();
-            }
-        }
+        self.deaths
+            .run(force, self.peers.iter().map(|(_, _, w)| &**w));
     }
 
     fn ready(v: &RingView, w: &PeerWatch) -> bool {
@@ -794,12 +672,13 @@ impl Incoming for ShmIncoming {
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         self.own
-            .sleep(timeout.min(WAIT_SLICE), &mut || self.any_ready());
+            .doorbell()
+            .sleep(timeout.min(WAIT_SLICE), || self.any_ready());
         self.check_deaths(true);
         Ok(())
     }
 
     fn wake(&self) {
-        self.own.ring_bell();
+        self.own.doorbell().ring();
     }
 }

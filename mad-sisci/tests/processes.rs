@@ -295,7 +295,7 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
             .filter(|e| e.file_name().to_string_lossy().starts_with("mad-sisci-"))
             .filter(|e| {
                 let n = e.file_name().to_string_lossy().to_string();
-                mad_sisci::segment::creator_pid(&n)
+                mad_core::hostmem::creator_pid(mad_sisci::segment::PREFIX, &n)
                     .map(|p| p == std::process::id())
                     .unwrap_or(false)
             })

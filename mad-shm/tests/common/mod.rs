@@ -219,7 +219,7 @@ pub fn segments_of(pids: &[u32]) -> Vec<String> {
             d.flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_string))
                 .filter(|n| {
-                    mad_shm::segment::creator_pid(n)
+                    mad_core::hostmem::creator_pid(mad_shm::segment::PREFIX, n)
                         .map(|p| pids.contains(&p))
                         .unwrap_or(false)
                 })
