@@ -39,6 +39,31 @@ fn kit_in_processes(n: usize, spec: &str, extra_env: &[(&str, &str)]) {
             "rank {r} did not report:\n{stdout}\n{stderr}"
         );
     }
+    // No shared-memory segment of any rank is left behind (names start with
+    // `mad-<driver>-<creator pid>-`; the ranks print their pids).
+    let pids: Vec<String> = stdout
+        .lines()
+        .filter_map(|l| l.split(" pid ").nth(1)?.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+    assert_eq!(pids.len(), n, "every rank prints its pid:\n{stdout}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                .filter(|f| {
+                    pids.iter().any(|p| {
+                        f.starts_with(&format!("mad-shm-{p}-"))
+                            || f.starts_with(&format!("mad-sisci-{p}-"))
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "`{spec}` x{n}: segments of the ranks left: {left:?}"
+    );
     eprintln!(
         "kit over `{spec}` with {n} processes: {:?}",
         start.elapsed()
@@ -55,10 +80,11 @@ fn kit_child() {
     opts.volume = 100;
     let ran = run_rank(&session, &opts).unwrap_or_else(|e| panic!("rank {}: {e}", session.rank()));
     println!(
-        "kit: rank {} ran {} cases: {}",
+        "kit: rank {} ran {} cases: {} pid {}",
         session.rank(),
         ran.len(),
-        ran.join(",")
+        ran.join(","),
+        std::process::id()
     );
 }
 

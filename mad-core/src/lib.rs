@@ -39,6 +39,9 @@
 //! | commit / checkout | [`driver::TxLink::commit`] / [`driver::RxLink::checkout`], called on TM change |
 //! | progress (polling vs. blocking) | [`progress`] |
 //!
+//! With the `hostmem` feature, the module `hostmem` holds the shared-memory machinery of the
+//! intra-host drivers (segment files, mapped windows, futex bells, peer liveness).
+//!
 //! The modes are enforced by the borrow checker: see [`Packer`] and [`Unpacker`].
 
 #![deny(unsafe_code)]
@@ -51,6 +54,8 @@ pub mod config;
 pub mod conformance;
 pub mod driver;
 pub mod error;
+#[cfg(feature = "hostmem")]
+pub mod hostmem;
 pub mod launch;
 mod lists;
 pub mod mem;

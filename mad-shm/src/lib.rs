@@ -39,6 +39,7 @@ use mad_core::config::ChannelConfig;
 use mad_core::driver::{
     Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
 };
+use mad_core::hostmem::{self, MappedPeer};
 use mad_core::{Error, Result};
 
 use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
@@ -117,15 +118,6 @@ fn options(config: &ChannelConfig) -> Result<Options> {
 fn cma_supported() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(sys::cma_self_check)
-}
-
-fn fnv(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &x in b {
-        h ^= x as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 /// What each rank publishes at open.
@@ -244,20 +236,13 @@ impl Driver for ShmDriver {
             .position(|t| t.name == "cma")
             .map(|i| i as u8);
 
-        segment::sweep_stale();
+        hostmem::sweep_stale(segment::PREFIX);
         if cma_tm.is_some() && o.cma != CmaWish::Ring {
             sys::allow_ptracer_any();
         }
 
-        let mut rnd = [0u8; 8];
-        mad_core::auth::fill_random(&mut rnd)?;
         let pid = std::process::id();
-        let name = format!(
-            "{}{pid}-{:08x}-{me}-{:016x}",
-            segment::PREFIX,
-            fnv(ctx.config.name.as_bytes()) as u32,
-            u64::from_le_bytes(rnd)
-        );
+        let name = hostmem::segment_name(segment::PREFIX, &ctx.config.name, me)?;
         let ctx_bytes = ctx.tag("segs");
         let proof = b.secret().proof(
             b"mad-shm segment",
@@ -278,20 +263,8 @@ impl Driver for ShmDriver {
             fingerprint: ctx.table.fingerprint(),
             cap: o.ring as u64,
         };
-        let all = b.allgather(&ctx.tag("segs"), &info.encode())?;
-        if all.len() != n {
-            return Err(Error::protocol(
-                me,
-                "shm: allgather returned the wrong number of entries",
-            ));
-        }
-
-        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
-        for &r in &local {
-            if r == me || r >= n {
-                continue;
-            }
-            let pi = PeerInfo::decode(r, &all[r])?;
+        let peers = hostmem::map_peers(b, &ctx_bytes, &info.encode(), "shm", |r, bytes| {
+            let pi = PeerInfo::decode(r, bytes)?;
             if pi.fingerprint != info.fingerprint {
                 return Err(Error::BadConfig(format!(
                     "shm: rank {r} has a different TM table (options or thresholds differ)"
@@ -313,8 +286,9 @@ impl Driver for ShmDriver {
                 )
             };
             let seg = Segment::open(&pi.name, r, n, o.ring, pi.pid, &check)?;
-            peers[r] = Some((pi, Arc::new(seg)));
-        }
+            let pid = pi.pid;
+            Ok((pi, seg, pid))
+        })?;
 
         // CMA probe: read every local peer's probe buffer; agree on the result.
         let mut cma_ok = cma_tm.is_some() && o.cma != CmaWish::Ring;
@@ -325,7 +299,9 @@ impl Driver for ShmDriver {
         };
         if cma_ok {
             for (r, p) in peers.iter().enumerate() {
-                let Some((pi, _)) = p else { continue };
+                let Some(MappedPeer { info: pi, .. }) = p else {
+                    continue;
+                };
                 let mut got = [0u8; 16];
                 let remote = [sys::RemoteSlice {
                     addr: pi.probe_addr,
@@ -334,7 +310,10 @@ impl Driver for ShmDriver {
                 let res = sys::cma_read(pi.pid, &mut [std::io::IoSliceMut::new(&mut got)], &remote);
                 if res.is_err() || got != pi.probe {
                     cma_ok = false;
-                    why = format!("reading rank {r}'s memory failed ({res:?})");
+                    why = match res {
+                        Err(e) => format!("reading rank {r}'s memory failed: {e}"),
+                        Ok(()) => format!("reading rank {r}'s memory returned other bytes"),
+                    };
                     break;
                 }
             }
@@ -356,22 +335,27 @@ impl Driver for ShmDriver {
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
         for (r, p) in peers.into_iter().enumerate() {
-            let Some((pi, seg)) = p else { continue };
-            let pidfd =
-                Arc::new(sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?);
+            let Some(MappedPeer {
+                info: pi,
+                seg,
+                watch,
+            }) = p
+            else {
+                continue;
+            };
             let out_ring = seg
                 .ring(me)
                 .ok_or_else(|| Error::protocol(r, "shm: peer segment lacks our ring"))?;
             let in_ring = own
                 .ring(r)
                 .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
-            watched.push((r, in_ring.clone(), pidfd.clone()));
+            watched.push((r, in_ring.clone(), watch.clone()));
             links[r] = Some(LinkPair {
                 tx: Box::new(ShmTx::new(
                     r,
                     out_ring,
                     seg,
-                    pidfd.clone(),
+                    watch.clone(),
                     cma_tm,
                     path,
                     ctx.progress.oversubscribed,
@@ -381,7 +365,7 @@ impl Driver for ShmDriver {
                     pi.pid,
                     in_ring,
                     own.clone(),
-                    pidfd,
+                    watch,
                     cma_tm,
                     path,
                 )),

@@ -3,23 +3,23 @@
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+pub use mad_core::hostmem::PeerWatch;
+use mad_core::hostmem::{Bell, DeathCheck, Liveness};
 use mad_core::{Error, Result};
 
 use crate::ring::{Consumer, Corrupt, Producer, RingView};
 use crate::segment::Segment;
-use crate::sys::{self, PidFd, RemoteSlice};
+use crate::sys::{self, RemoteSlice};
 
 /// Longest single sleep of a blocking wait before the peer's liveness is checked again: the
-/// bound on noticing a dead peer while blocked.
-pub const WAIT_SLICE: Duration = Duration::from_millis(50);
-/// How often (at most) a polling loop checks the peer's pidfd.
-const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+/// bound on noticing a dead peer while blocked (mad-core's, shared with mad-sisci).
+pub use mad_core::hostmem::WAIT_SLICE;
 /// Magic word opening a Cross Memory Attach record in the ring.
 const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
 /// Size of a record's fixed part (magic, count, total length).
@@ -54,52 +54,16 @@ fn corrupt(rank: usize, c: Corrupt) -> Error {
     )
 }
 
-/// Rate-limited liveness checks of a peer process.
-pub struct Liveness {
-    pidfd: Arc<PidFd>,
-    polls: u32,
-    last: Instant,
-}
-
-impl Liveness {
-    /// Watch the process behind `pidfd`.
-    pub fn new(pidfd: Arc<PidFd>) -> Self {
-        Liveness {
-            pidfd,
-            polls: 0,
-            last: Instant::now(),
-        }
-    }
-
-    /// Called on every `Pending`: a syscall at most every [`POLL_CHECK_EVERY`].
-    fn maybe_dead(&mut self) -> bool {
-        self.polls = self.polls.wrapping_add(1);
-        if self.polls % 64 != 0 {
-            return false;
-        }
-        let now = Instant::now();
-        if now - self.last < POLL_CHECK_EVERY {
-            return false;
-        }
-        self.last = now;
-        self.pidfd.exited()
-    }
-
-    /// Check now (after a blocking sleep).
-    fn dead_now(&mut self) -> bool {
-        self.last = Instant::now();
-        self.pidfd.exited()
-    }
+/// The bell a writer sleeps on when the ring is full or a CMA group is not completed: the
+/// ring's `tx_seq` futex and its sleeper count.
+fn writer_bell(v: &RingView) -> Bell<'_> {
+    Bell::new(v.tx_seq(), v.tx_sleeping())
 }
 
 /// Wake a writer asleep on the ring's `tx_seq` (after the reader released space or completed a
 /// CMA transfer). The SeqCst fence pairs with the one in [`ShmTx::wait`].
 fn notify_writer(v: &RingView) {
-    fence(Ordering::SeqCst);
-    if v.tx_sleeping().load(Ordering::Relaxed) != 0 {
-        v.tx_seq().fetch_add(1, Ordering::SeqCst);
-        sys::futex_wake(v.tx_seq());
-    }
+    writer_bell(v).notify();
 }
 
 enum TxGather {
@@ -143,7 +107,7 @@ impl ShmTx {
         peer: usize,
         ring: RingView,
         peer_seg: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         cma_tm: Option<TmId>,
         path: GatherPath,
         crowded: bool,
@@ -155,7 +119,7 @@ impl ShmTx {
             msg_start: prod.published(),
             prod,
             peer_seg,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             cma_tm,
             path,
             gather: TxGather::Idle,
@@ -169,7 +133,7 @@ impl ShmTx {
     /// Publish and ring the peer's doorbell if it sleeps (one SeqCst fence + one load).
     fn publish_now(&mut self) {
         if self.prod.publish() {
-            self.peer_seg.notify();
+            self.peer_seg.doorbell().notify();
         }
     }
 
@@ -358,7 +322,7 @@ impl TxLink for ShmTx {
         self.gather = TxGather::Idle;
         self.broken = Some("a message was abandoned midway".into());
         self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
         AbortOutcome::Broken
     }
 
@@ -382,21 +346,14 @@ impl TxLink for ShmTx {
                 return Ok(());
             }
         }
-        v.tx_sleeping().fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let seq = v.tx_seq().load(Ordering::SeqCst);
-        let ready = match self.gather {
-            TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= target,
-            _ => self
-                .prod
-                .free(self.need)
-                .map(|f| f >= self.need)
-                .unwrap_or(true),
-        } || v.reader_closed().load(Ordering::Acquire) != 0;
-        if !ready {
-            sys::futex_wait(v.tx_seq(), seq, timeout.min(WAIT_SLICE));
-        }
-        v.tx_sleeping().fetch_sub(1, Ordering::SeqCst);
+        let (gather, prod, need) = (&self.gather, &mut self.prod, self.need);
+        writer_bell(&v).sleep(timeout.min(WAIT_SLICE), || {
+            let room = match gather {
+                TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= *target,
+                _ => prod.free(need).map(|f| f >= need).unwrap_or(true),
+            };
+            room || v.reader_closed().load(Ordering::Acquire) != 0
+        });
         if self.live.dead_now() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
@@ -408,7 +365,7 @@ impl Drop for ShmTx {
     fn drop(&mut self) {
         self.prod.publish();
         self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
     }
 }
 
@@ -432,7 +389,7 @@ impl ShmRx {
         peer_pid: u32,
         ring: RingView,
         own: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         cma_tm: Option<TmId>,
         path: GatherPath,
     ) -> Self {
@@ -441,7 +398,7 @@ impl ShmRx {
             peer_pid,
             cons: Consumer::new(ring),
             own,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             cma_tm,
             path,
             stream: None,
@@ -468,9 +425,16 @@ impl ShmRx {
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
         if (closed || self.live.maybe_dead()) && self.avail(need)? < need {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(Poll::Pending)
+    }
+
+    /// The writer is gone for good: report it (once: the any-source wait stops counting
+    /// this peer as ready).
+    fn gone(&mut self) -> Error {
+        self.live.retire();
+        Error::PeerClosed { rank: self.peer }
     }
 
     fn consumed(&mut self) {
@@ -537,7 +501,7 @@ impl ShmRx {
             .fetch_add(total.max(1), Ordering::Relaxed);
         if let Err(e) = sys::cma_read(self.peer_pid, iov, &remote) {
             return Err(match e.raw_os_error() {
-                Some(libc::ESRCH) => Error::PeerClosed { rank: self.peer },
+                Some(libc::ESRCH) => self.gone(),
                 Some(libc::EFAULT) => Error::protocol(
                     self.peer,
                     "shm: CMA record points outside the sender's memory",
@@ -632,6 +596,7 @@ impl RxLink for ShmRx {
 
     fn abort_message(&mut self) {
         self.broken = Some("a message was abandoned midway by the receiver".into());
+        self.live.retire();
         self.cons.view().reader_closed().store(1, Ordering::Release);
         notify_writer(self.cons.view());
     }
@@ -639,11 +604,11 @@ impl RxLink for ShmRx {
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let own = self.own.clone();
         let cons = &mut self.cons;
-        own.sleep(timeout.min(WAIT_SLICE), &mut || {
+        own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && self.avail(1)? == 0 {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(())
     }
@@ -657,66 +622,48 @@ impl Drop for ShmRx {
 }
 
 /// Any-source readiness: scans the incoming rings; blocks on the process's doorbell.
+///
+/// A peer counts as ready when its ring has bytes, or when it closed or died and the
+/// receiving half has not reported that yet; once reported ([`PeerWatch::retire`]) it is
+/// ignored, so a wait with closed peers still sleeps.
 pub struct ShmIncoming {
     own: Arc<Segment>,
-    peers: Vec<(usize, RingView, Arc<PidFd>)>,
-    dead: Vec<AtomicBool>,
-    polls: AtomicU32,
-    last_check: Mutex<Instant>,
+    peers: Vec<(usize, RingView, Arc<PeerWatch>)>,
+    deaths: DeathCheck,
 }
 
 impl ShmIncoming {
     /// Watch `peers` (rank, incoming ring, process) through `own`'s doorbell.
-    pub fn new(own: Arc<Segment>, peers: Vec<(usize, RingView, Arc<PidFd>)>) -> Self {
-        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
+    pub fn new(own: Arc<Segment>, peers: Vec<(usize, RingView, Arc<PeerWatch>)>) -> Self {
         ShmIncoming {
             own,
             peers,
-            dead,
-            polls: AtomicU32::new(0),
-            last_check: Mutex::new(Instant::now()),
+            deaths: DeathCheck::default(),
         }
     }
 
     fn check_deaths(&self, force: bool) {
-        if !force {
-            let k = self.polls.fetch_add(1, Ordering::Relaxed);
-            if k % 64 != 0 {
-                return;
-            }
-        }
-        let Ok(mut last) = self.last_check.try_lock() else {
-            return;
-        };
-        let now = Instant::now();
-        if !force && now - *last < POLL_CHECK_EVERY {
-            return;
-        }
-        *last = now;
-        for (i, (_, _, pidfd)) in self.peers.iter().enumerate() {
-            if pidfd.exited() {
-                self.dead[i].store(true, Ordering::Relaxed);
-            }
-        }
+        self.deaths
+            .run(force, self.peers.iter().map(|(_, _, w)| &**w));
+    }
+
+    fn ready(v: &RingView, w: &PeerWatch) -> bool {
+        !w.retired()
+            && (v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
+                || v.writer_closed().load(Ordering::Relaxed) != 0
+                || w.known_dead())
     }
 
     fn any_ready(&self) -> bool {
-        self.peers.iter().enumerate().any(|(i, (_, v, _))| {
-            v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
-                || v.writer_closed().load(Ordering::Relaxed) != 0
-                || self.dead[i].load(Ordering::Relaxed)
-        })
+        self.peers.iter().any(|(_, v, w)| Self::ready(v, w))
     }
 }
 
 impl Incoming for ShmIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
         self.check_deaths(false);
-        for (i, (rank, v, _)) in self.peers.iter().enumerate() {
-            if v.head().load(Ordering::Acquire) != v.tail().load(Ordering::Relaxed)
-                || v.writer_closed().load(Ordering::Relaxed) != 0
-                || self.dead[i].load(Ordering::Relaxed)
-            {
+        for (rank, v, w) in &self.peers {
+            if Self::ready(v, w) {
                 ready(*rank);
             }
         }
@@ -725,12 +672,13 @@ impl Incoming for ShmIncoming {
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         self.own
-            .sleep(timeout.min(WAIT_SLICE), &mut || self.any_ready());
+            .doorbell()
+            .sleep(timeout.min(WAIT_SLICE), || self.any_ready());
         self.check_deaths(true);
         Ok(())
     }
 
     fn wake(&self) {
-        self.own.ring_bell();
+        self.own.doorbell().ring();
     }
 }

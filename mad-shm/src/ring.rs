@@ -9,15 +9,16 @@
 //! (two cache lines, to dodge adjacent-line prefetch), and the data area starts on its own page.
 //! There is no lock: the fast path is a copy and one store per side.
 //!
-//! The pure index arithmetic is in [`index`] (no memory, no syscalls: tested under miri). This
-//! module is the only one besides [`crate::sys`] allowed `unsafe`: it turns offsets into
-//! pointers inside a mapped region.
+//! The pure index arithmetic is [`index`] (mad-core's `hostmem::index`: no memory, no
+//! syscalls, tested under miri). The memory is a [`Region`] (mad-core's `hostmem`). This module
+//! is the only one besides [`crate::sys`] allowed `unsafe`: it turns offsets into pointers
+//! inside the region's data areas.
 
 #![allow(unsafe_code)]
 
-use std::any::Any;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+
+use mad_core::hostmem::Region;
 
 /// Offsets inside one ring's header block (relative to the ring's start).
 pub mod layout {
@@ -42,46 +43,9 @@ pub mod layout {
     pub const HDR: usize = 4096;
 }
 
-/// The index arithmetic of the ring, free of memory accesses and syscalls.
-pub mod index {
-    /// Bytes in the ring, or `None` if the offsets are impossible (a corrupt or hostile peer):
-    /// `tail` ahead of `head`, or more than `cap` bytes in flight.
-    #[inline]
-    pub fn used(head: u64, tail: u64, cap: u64) -> Option<u64> {
-        let u = head.checked_sub(tail)?;
-        (u <= cap).then_some(u)
-    }
-
-    /// The contiguous free run at the write position: `(offset in data area, length)`.
-    #[inline]
-    pub fn free_run(head: u64, tail: u64, cap: u64) -> Option<(usize, usize)> {
-        let free = cap - used(head, tail, cap)?;
-        let pos = head & (cap - 1);
-        Some((pos as usize, free.min(cap - pos) as usize))
-    }
-
-    /// The contiguous readable run at the read position: `(offset in data area, length)`.
-    #[inline]
-    pub fn data_run(head: u64, tail: u64, cap: u64) -> Option<(usize, usize)> {
-        let avail = used(head, tail, cap)?;
-        let pos = tail & (cap - 1);
-        Some((pos as usize, avail.min(cap - pos) as usize))
-    }
-
-    /// Split `len` bytes starting at ring offset `at` into the (at most two) runs of the data
-    /// area they occupy: `((off, len), (off, len))`, the second possibly empty.
-    #[inline]
-    pub fn split(at: u64, len: usize, cap: u64) -> ((usize, usize), (usize, usize)) {
-        let pos = (at & (cap - 1)) as usize;
-        let first = len.min(cap as usize - pos);
-        ((pos, first), (0, len - first))
-    }
-
-    /// Whether `cap` is a usable ring capacity (a power of two, at least 4 KiB).
-    pub fn valid_cap(cap: usize) -> bool {
-        cap.is_power_of_two() && cap >= 4096
-    }
-}
+/// The index arithmetic of the ring, free of memory accesses and syscalls (in mad-core, shared
+/// with mad-sisci's ring TM; re-exported here).
+pub use mad_core::hostmem::index;
 
 /// The offsets broke the ring invariants: the peer is corrupt or hostile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,111 +54,6 @@ pub struct Corrupt {
     pub head: u64,
     /// Tail seen.
     pub tail: u64,
-}
-
-/// A region of memory holding rings: a shared mapping (or, in tests, a heap block), kept alive
-/// by `keep`.
-#[derive(Clone)]
-pub struct Region {
-    ptr: *mut u8,
-    len: usize,
-    _keep: Arc<dyn Any + Send + Sync>,
-}
-
-// SAFETY: the region is memory shared by design; all accesses go through atomics or through
-// ranges the ring protocol hands to exactly one side at a time.
-unsafe impl Send for Region {}
-// SAFETY: as above.
-unsafe impl Sync for Region {}
-
-impl Region {
-    /// A region over a shared mapping.
-    pub fn from_mapping(m: Arc<crate::sys::Mapping>) -> Self {
-        Region {
-            ptr: m.ptr(),
-            len: m.len(),
-            _keep: m,
-        }
-    }
-
-    /// A zeroed heap region of `len` bytes, 4096-aligned (for tests and miri).
-    pub fn heap(len: usize) -> Self {
-        #[repr(C, align(4096))]
-        struct Page([u8; 4096]);
-        let pages: Box<[Page]> = (0..len.div_ceil(4096)).map(|_| Page([0; 4096])).collect();
-        let mut pages = std::mem::ManuallyDrop::new(pages);
-        let ptr = pages.as_mut_ptr().cast::<u8>();
-        struct Keep(*mut Page, usize);
-        // SAFETY: `Keep` owns the allocation; it is only freed on drop.
-        unsafe impl Send for Keep {}
-        // SAFETY: `Keep` exposes nothing.
-        unsafe impl Sync for Keep {}
-        impl Drop for Keep {
-            fn drop(&mut self) {
-                // SAFETY: rebuilds the exact boxed slice leaked above (same pointer, length);
-                // dropped once, when the last `Region` clone goes.
-                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.0, self.1)) });
-            }
-        }
-        let n = pages.len();
-        Region {
-            ptr,
-            len: n * 4096,
-            _keep: Arc::new(Keep(ptr.cast(), n)),
-        }
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the region is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The `u32` word at `off`, if in bounds and aligned.
-    pub fn u32_at(&self, off: usize) -> Option<&AtomicU32> {
-        if off % 4 != 0 || off.checked_add(4)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds and 4-aligned (the base is page-aligned); the memory lives as long
-        // as `self` (kept by `_keep`); every access to this word in any process is atomic.
-        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU32>() })
-    }
-
-    /// The `u64` word at `off`, if in bounds and aligned.
-    pub fn u64_at(&self, off: usize) -> Option<&AtomicU64> {
-        if off % 8 != 0 || off.checked_add(8)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds and 8-aligned; lives as long as `self`; accessed atomically only.
-        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU64>() })
-    }
-
-    /// Read `len` bytes at `off` into a vector (header fields written before the mapping was
-    /// shared).
-    pub fn read_bytes(&self, off: usize, len: usize) -> Option<Vec<u8>> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        let mut v = vec![0u8; len];
-        // SAFETY: the source range is in bounds; `v` is a distinct allocation of `len` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), v.as_mut_ptr(), len) };
-        Some(v)
-    }
-
-    /// Write `bytes` at `off` (header fields, before the segment is published).
-    pub fn write_bytes(&self, off: usize, bytes: &[u8]) -> Option<()> {
-        if off.checked_add(bytes.len())? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds; only called on the creator's segment before its name is published,
-        // so nobody else accesses the range.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(off), bytes.len()) };
-        Some(())
-    }
 }
 
 /// One ring inside a region: its header block and data area.
@@ -206,9 +65,9 @@ pub struct RingView {
 }
 
 impl RingView {
-    /// The ring at `base` with capacity `cap`, if it fits in the region.
+    /// The ring at `base` with capacity `cap`, if it fits in the region and starts on a page.
     pub fn new(region: Region, base: usize, cap: usize) -> Option<Self> {
-        if !index::valid_cap(cap) || base % 4096 != 0 {
+        if !index::valid_cap(cap) || (region.as_ptr() as usize).wrapping_add(base) % 4096 != 0 {
             return None;
         }
         let end = base.checked_add(layout::HDR)?.checked_add(cap)?;
@@ -290,7 +149,7 @@ impl RingView {
     fn data(&self, off: usize) -> *mut u8 {
         debug_assert!(off < self.cap as usize);
         // SAFETY: `base + HDR + off` is inside the region (`new` checked `base + HDR + cap`).
-        unsafe { self.region.ptr.add(self.base + layout::HDR + off) }
+        unsafe { self.region.as_ptr().add(self.base + layout::HDR + off) }
     }
 }
 
@@ -521,27 +380,6 @@ impl Consumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ring_index_arithmetic() {
-        let cap = 4096;
-        assert_eq!(index::used(10, 4, cap), Some(6));
-        assert_eq!(index::used(4, 10, cap), None);
-        assert_eq!(index::used(5000, 0, cap), None);
-        assert_eq!(index::free_run(0, 0, cap), Some((0, 4096)));
-        assert_eq!(index::free_run(4000, 100, cap), Some((4000, 96)));
-        assert_eq!(index::free_run(4196, 4000, cap), Some((100, 3900)));
-        assert_eq!(index::data_run(4196, 4000, cap), Some((4000, 96)));
-        assert_eq!(
-            index::data_run(u64::MAX - 5, u64::MAX - 10, cap),
-            Some((4085, 5))
-        );
-        assert_eq!(index::split(4090, 10, cap), ((4090, 6), (0, 4)));
-        assert_eq!(index::split(4090, 6, cap), ((4090, 6), (0, 0)));
-        assert!(index::valid_cap(4096));
-        assert!(!index::valid_cap(3000));
-        assert!(!index::valid_cap(2048));
-    }
 
     fn pair(cap: usize) -> (Producer, Consumer) {
         let r = Region::heap(layout::HDR + cap);

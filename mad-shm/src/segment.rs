@@ -1,7 +1,7 @@
 //! Per-process shared-memory segments in `/dev/shm`.
 //!
-//! Each process of a channel creates one segment (`O_CREAT|O_EXCL`, mode 0600) holding its
-//! doorbell and one incoming ring per peer:
+//! Each process of a channel creates one segment (`O_CREAT|O_EXCL`, mode 0600: mad-core's
+//! [`SegmentFile`]) holding its doorbell and one incoming ring per peer:
 //!
 //! ```text
 //! 0      magic "MADSHM01" (u64) | version u32 | ranks u32 | ring capacity u64 | pid u32
@@ -15,19 +15,15 @@
 //! The name is `mad-shm-<pid>-<channel hash>-<rank>-<random>`; the pid lets a later open
 //! sweep segments whose creator died before unlinking them.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
+use mad_core::hostmem::{self, Bell, SegmentFile};
 use mad_core::{Error, Result};
 
-use crate::ring::{layout, Region, RingView};
-use crate::sys;
+use crate::ring::{layout, RingView};
 
 /// Directory of POSIX shared memory.
-pub const SHM_DIR: &str = "/dev/shm";
+pub const SHM_DIR: &str = hostmem::SHM_DIR;
 /// Prefix of every segment this driver creates.
 pub const PREFIX: &str = "mad-shm-";
 const MAGIC: u64 = u64::from_le_bytes(*b"MADSHM01");
@@ -52,9 +48,7 @@ fn ring_base(i: usize, cap: usize) -> usize {
 
 /// One mapped segment.
 pub struct Segment {
-    region: Region,
-    path: PathBuf,
-    owner_unlink_pending: bool,
+    file: SegmentFile,
     n: usize,
     cap: usize,
 }
@@ -63,42 +57,20 @@ impl Segment {
     /// Create this process's segment `name` (fails if it exists), mode 0600, and write its
     /// header.
     pub fn create(name: &str, n: usize, cap: usize, proof: &[u8; PROOF_LEN]) -> Result<Self> {
-        let path = Path::new(SHM_DIR).join(name);
         let size = segment_size(n, cap)
             .ok_or_else(|| Error::BadConfig(format!("shm: {n} rings of {cap} B overflow")))?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| Error::io(format!("shm: creating {}", path.display()), e))?;
-        let mut seg = Segment {
-            region: Region::heap(0),
-            path,
-            owner_unlink_pending: true,
-            n,
-            cap,
-        };
-        file.set_len(size as u64).map_err(|e| {
-            Error::Resource(format!(
-                "shm: sizing {} to {size} B: {e}",
-                seg.path.display()
-            ))
-        })?;
-        seg.region = map(&file, &seg.path)?;
+        let file = SegmentFile::create(name, size, "shm")?;
         let mut h = Vec::with_capacity(64);
         h.extend_from_slice(&MAGIC.to_le_bytes());
         h.extend_from_slice(&VERSION.to_le_bytes());
         h.extend_from_slice(&(n as u32).to_le_bytes());
         h.extend_from_slice(&(cap as u64).to_le_bytes());
         h.extend_from_slice(&std::process::id().to_le_bytes());
-        let ok = seg
-            .region
-            .write_bytes(0, &h)
-            .and_then(|_| seg.region.write_bytes(OFF_PROOF, proof));
-        ok.ok_or_else(|| Error::Resource("shm: segment smaller than its header".into()))?;
-        Ok(seg)
+        let r = file.region();
+        r.write(0, &h)
+            .and_then(|_| r.write(OFF_PROOF, proof))
+            .ok_or_else(|| Error::Resource("shm: segment smaller than its header".into()))?;
+        Ok(Segment { file, n, cap })
     }
 
     /// Map a peer's segment and check its header (size, magic, geometry, creator pid, proof).
@@ -110,29 +82,11 @@ impl Segment {
         pid: u32,
         check_proof: &dyn Fn(&[u8]) -> bool,
     ) -> Result<Self> {
-        if name.contains('/') || !name.starts_with(PREFIX) {
-            return Err(Error::protocol(rank, format!("bad segment name `{name}`")));
-        }
-        let path = Path::new(SHM_DIR).join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io(format!("shm: opening rank {rank}'s {}", path.display()), e))?;
         let want = segment_size(n, cap).unwrap_or(usize::MAX);
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(format!("shm: stat {}", path.display()), e))?
-            .len();
-        if len != want as u64 {
-            return Err(Error::protocol(
-                rank,
-                format!("segment is {len} B, expected {want} B"),
-            ));
-        }
-        let region = map(&file, &path)?;
-        let h = region
-            .read_bytes(0, OFF_PROOF + PROOF_LEN)
+        let file = SegmentFile::open(name, PREFIX, rank, want, "shm")?;
+        let mut h = [0u8; OFF_PROOF + PROOF_LEN];
+        file.region()
+            .read(0, &mut h)
             .ok_or_else(|| Error::protocol(rank, "segment too small"))?;
         let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap_or([0; 8]));
         let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap_or([0; 4]));
@@ -153,23 +107,12 @@ impl Segment {
                 "shm: segment of rank {rank} does not prove the session secret"
             )));
         }
-        Ok(Segment {
-            region,
-            path,
-            owner_unlink_pending: false,
-            n,
-            cap,
-        })
+        Ok(Segment { file, n, cap })
     }
 
     /// Remove the file (the mappings stay valid). Idempotent.
     pub fn unlink(&mut self) -> Result<()> {
-        if self.owner_unlink_pending {
-            self.owner_unlink_pending = false;
-            std::fs::remove_file(&self.path)
-                .map_err(|e| Error::io(format!("shm: unlinking {}", self.path.display()), e))?;
-        }
-        Ok(())
+        self.file.unlink()
     }
 
     /// The incoming ring written by rank `from`.
@@ -177,88 +120,32 @@ impl Segment {
         if from >= self.n {
             return None;
         }
-        RingView::new(self.region.clone(), ring_base(from, self.cap), self.cap)
+        RingView::new(
+            self.file.region().clone(),
+            ring_base(from, self.cap),
+            self.cap,
+        )
     }
 
     /// The doorbell futex word.
     pub fn bell(&self) -> &AtomicU32 {
-        self.region
+        self.file
+            .region()
             .u32_at(OFF_BELL)
             .unwrap_or_else(|| unreachable!("segment header checked at map time"))
     }
 
     /// Number of threads asleep on the doorbell.
     pub fn bell_sleepers(&self) -> &AtomicU32 {
-        self.region
+        self.file
+            .region()
             .u32_at(OFF_BELL_SLEEPERS)
             .unwrap_or_else(|| unreachable!("segment header checked at map time"))
     }
 
-    /// Ring the doorbell if somebody sleeps on it. Call after publishing (the SeqCst fence
-    /// pairs with the one in [`Segment::sleep`]).
-    pub fn notify(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.bell_sleepers().load(Ordering::Relaxed) != 0 {
-            self.bell().fetch_add(1, Ordering::SeqCst);
-            sys::futex_wake(self.bell());
-        }
+    /// The doorbell: this process's futex word and its sleeper count. Writers
+    /// [`notify`](Bell::notify) it after publishing; readers [`sleep`](Bell::sleep) on it.
+    pub fn doorbell(&self) -> Bell<'_> {
+        Bell::new(self.bell(), self.bell_sleepers())
     }
-
-    /// Ring the doorbell unconditionally.
-    pub fn ring_bell(&self) {
-        self.bell().fetch_add(1, Ordering::SeqCst);
-        sys::futex_wake(self.bell());
-    }
-
-    /// Sleep on the doorbell for at most `t` unless `ready()` holds once this thread is
-    /// registered as a sleeper (so a writer publishing concurrently either is seen by `ready`
-    /// or sees the sleeper and wakes it).
-    pub fn sleep(&self, t: std::time::Duration, ready: &mut dyn FnMut() -> bool) {
-        self.bell_sleepers().fetch_add(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let seen = self.bell().load(Ordering::SeqCst);
-        if !ready() {
-            sys::futex_wait(self.bell(), seen, t);
-        }
-        self.bell_sleepers().fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        if self.owner_unlink_pending {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
-}
-
-fn map(file: &File, path: &Path) -> Result<Region> {
-    let m = sys::Mapping::map(file)
-        .map_err(|e| Error::Resource(format!("shm: mapping {}: {e}", path.display())))?;
-    Ok(Region::from_mapping(Arc::new(m)))
-}
-
-/// The pid encoded in a segment name, if it is one of ours.
-pub fn creator_pid(name: &str) -> Option<u32> {
-    name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
-}
-
-/// Remove segments of this driver whose creator process is gone (left behind by a crash
-/// between create and unlink). Returns how many were removed. Errors are ignored: another
-/// process may be sweeping at the same time.
-pub fn sweep_stale() -> usize {
-    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for e in dir.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(pid) = creator_pid(name) {
-            if !sys::pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
-                removed += 1;
-            }
-        }
-    }
-    removed
 }

@@ -1,92 +1,13 @@
-//! Every foreign call of the driver: shared mappings, futexes, Cross Memory Attach, pidfds,
-//! `prctl` and `kill(pid, 0)`.
+//! The foreign calls of this driver alone: Cross Memory Attach (`process_vm_readv`) and
+//! `prctl(PR_SET_PTRACER)`. The shared-memory machinery it has in common with mad-sisci
+//! (mappings, futexes, pidfds, `kill(pid, 0)`) is in [`mad_core::hostmem::sys`].
 //!
-//! Each function hands back safe types (owned descriptors, mappings that unmap on drop) or plain
-//! values; the rest of the crate is safe Rust apart from [`crate::ring`], which does the pointer
-//! arithmetic inside the mapped data areas.
+//! Each function hands back plain values; the rest of the crate is safe Rust apart from
+//! [`crate::ring`], which does the pointer arithmetic inside the mapped data areas.
 
 #![allow(unsafe_code)]
 
-use std::fs::File;
 use std::io::{self, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::AtomicU32;
-use std::time::Duration;
-
-/// A shared, writable mapping of a whole file (unmapped on drop).
-pub struct Mapping {
-    raw: memmap2::MmapRaw,
-}
-
-impl Mapping {
-    /// Map `file` shared and writable.
-    pub fn map(file: &File) -> io::Result<Self> {
-        Ok(Mapping {
-            raw: memmap2::MmapRaw::map_raw(file)?,
-        })
-    }
-
-    /// Base address of the mapping (page-aligned).
-    pub fn ptr(&self) -> *mut u8 {
-        self.raw.as_mut_ptr()
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.raw.len()
-    }
-
-    /// Whether the region is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-// SAFETY: the mapping is plain memory shared with other processes; every access to it goes
-// through atomics or through ranges the ring protocol gives to exactly one side.
-unsafe impl Send for Mapping {}
-// SAFETY: as above; `&Mapping` only exposes the base pointer and the length.
-unsafe impl Sync for Mapping {}
-
-/// Block while `word` holds `expected`, for at most `timeout` (a shared futex: the word may
-/// live in a mapping shared with other processes). Spurious returns are possible.
-pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: `word` is a valid, aligned 32-bit word for the duration of the call (borrowed);
-    // FUTEX_WAIT only reads it; `ts` outlives the call. The result (EAGAIN, ETIMEDOUT, EINTR,
-    // or 0) needs no handling: callers re-check their condition.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-/// Wake every thread (of any process) blocked in [`futex_wait`] on `word`.
-pub fn futex_wake(word: &AtomicU32) {
-    // SAFETY: `word` is a valid, aligned 32-bit word; FUTEX_WAKE does not access memory
-    // through the other arguments.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
 
 /// One remote slice of a Cross Memory Attach transfer: an address in the peer process and a
 /// length.
@@ -212,58 +133,5 @@ pub fn allow_ptracer_any() {
     // SAFETY: PR_SET_PTRACER takes an integer argument and touches no memory.
     unsafe {
         libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
-    }
-}
-
-/// Whether process `pid` exists (`kill(pid, 0)`: `ESRCH` means gone; `EPERM` means alive).
-pub fn pid_alive(pid: u32) -> bool {
-    if pid == 0 || pid > i32::MAX as u32 {
-        return false;
-    }
-    // SAFETY: signal 0 performs only the existence and permission checks.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// A process descriptor (`pidfd_open`), readable once the process has exited.
-#[derive(Debug)]
-pub struct PidFd {
-    fd: Option<OwnedFd>,
-    pid: u32,
-}
-
-impl PidFd {
-    /// Open a descriptor on `pid`; falls back to `kill(pid, 0)` checks where pidfds are not
-    /// supported.
-    pub fn open(pid: u32) -> io::Result<Self> {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENOSYS) {
-                return Ok(PidFd { fd: None, pid });
-            }
-            return Err(e);
-        }
-        // SAFETY: `fd` is a fresh descriptor owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(PidFd { fd: Some(fd), pid })
-    }
-
-    /// Whether the process has exited (non-blocking).
-    pub fn exited(&self) -> bool {
-        match &self.fd {
-            None => !pid_alive(self.pid),
-            Some(fd) => {
-                let mut p = libc::pollfd {
-                    fd: fd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: `p` is one valid pollfd for the duration of the call; timeout 0.
-                let r = unsafe { libc::poll(&mut p, 1, 0) };
-                r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0
-            }
-        }
     }
 }

@@ -215,7 +215,7 @@ fn stale_segment_of_dead_pid_is_swept() {
     // A pid that cannot exist (above pid_max on Linux).
     let path = "/dev/shm/mad-shm-2147483646-deadbeef-0-0";
     std::fs::write(path, b"stale").unwrap();
-    mad_shm::segment::sweep_stale();
+    mad_core::hostmem::sweep_stale(mad_shm::segment::PREFIX);
     assert!(!std::path::Path::new(path).exists());
 }
 

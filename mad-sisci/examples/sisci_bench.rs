@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
 use mad_core::bootstrap::Bootstrap;
+use mad_core::hostmem::sys::Mapping;
+use mad_core::hostmem::Region;
 use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
 use mad_core::{Channel, ChannelConfig, RecvMode, SendMode, Session};
 use mad_shm::ShmDriver;
-use mad_sisci::sys::Mem;
 use mad_sisci::SisciDriver;
 
 const RUNS: usize = 5;
@@ -62,8 +63,8 @@ fn engine_pingpong(ch: &Channel, me: usize, size: usize, buf: &mut [u8]) -> f64 
 /// is a copy into the peer's buffer, a Release store of the flag, an Acquire poll and a copy
 /// out on the other side. No ring, no acknowledgement (ping-pong serialises the buffer).
 struct Raw {
-    own: Mem,
-    peer: Mem,
+    own: Region,
+    peer: Region,
     seq: u64,
 }
 
@@ -80,14 +81,14 @@ fn raw_open(b: &dyn Bootstrap) -> Raw {
         .open(&name)
         .unwrap();
     f.set_len((RAW + 4096) as u64).unwrap();
-    let own = Mem::from_mapping(Arc::new(mad_shm::sys::Mapping::map(&f).unwrap()));
+    let own = Region::from_mapping(Arc::new(Mapping::map(&f).unwrap()));
     let all = b.allgather("rawbench", name.as_bytes()).unwrap();
     let pf = OpenOptions::new()
         .read(true)
         .write(true)
         .open(String::from_utf8(all[1 - me].clone()).unwrap())
         .unwrap();
-    let peer = Mem::from_mapping(Arc::new(mad_shm::sys::Mapping::map(&pf).unwrap()));
+    let peer = Region::from_mapping(Arc::new(Mapping::map(&pf).unwrap()));
     b.allgather("rawbench-mapped", &[]).unwrap();
     std::fs::remove_file(&name).unwrap();
     Raw { own, peer, seq: 0 }

@@ -24,6 +24,8 @@
 //! receiver reads data and offsets from its own segment and writes acknowledgements into the
 //! sender's. No location is polled by both sides.
 
+use mad_core::hostmem::index;
+
 /// Size of one short slot (one cache line).
 pub const SLOT: usize = 64;
 /// Data bytes per short slot (after the 8-byte flag word).
@@ -94,7 +96,7 @@ impl Geometry {
     pub fn valid(&self) -> bool {
         self.slots.is_power_of_two()
             && (2..=65536).contains(&self.slots)
-            && mad_shm::ring::index::valid_cap(self.ring)
+            && index::valid_cap(self.ring)
             && self.ring <= 1 << 30
             && self.chunks <= 1024
             && (self.chunks == 0
@@ -182,7 +184,7 @@ pub fn decode_flag(word: u64, pos: u64, n: u64, max: usize) -> Flag {
 /// Entries in flight (`sent - acked`) if the acknowledgement is plausible: not ahead of what
 /// was sent and not more than `cap` behind.
 pub fn in_flight(sent: u64, acked: u64, cap: u64) -> Option<u64> {
-    mad_shm::ring::index::used(sent, acked, cap)
+    index::used(sent, acked, cap)
 }
 
 /// Check a DMA chunk of `len` bytes against the group: it may not exceed what is left, and

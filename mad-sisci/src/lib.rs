@@ -45,6 +45,7 @@ use mad_core::{Error, Result};
 
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
+use mad_core::hostmem::{self, MappedPeer};
 use segment::Segment;
 
 /// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
@@ -179,15 +180,6 @@ pub fn dolphin_unavailable(o: &Options) -> Error {
     }
 }
 
-fn fnv(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &x in b {
-        h ^= x as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 struct PeerInfo {
     pid: u32,
     fingerprint: u64,
@@ -288,18 +280,10 @@ impl Driver for SisciDriver {
         }
         let b = ctx.bootstrap;
         let (me, n) = (b.rank(), b.size());
-        let local = b.local_ranks();
-        segment::sweep_stale();
+        hostmem::sweep_stale(segment::PREFIX);
 
-        let mut rnd = [0u8; 8];
-        mad_core::auth::fill_random(&mut rnd)?;
         let pid = std::process::id();
-        let name = format!(
-            "{}{pid}-{:08x}-{me}-{:016x}",
-            segment::PREFIX,
-            fnv(ctx.config.name.as_bytes()) as u32,
-            u64::from_le_bytes(rnd)
-        );
+        let name = hostmem::segment_name(segment::PREFIX, &ctx.config.name, me)?;
         let tag = ctx.tag("segs");
         let proof = b
             .secret()
@@ -307,22 +291,12 @@ impl Driver for SisciDriver {
         let mut own = Segment::create(&name, n, o.geom, &proof)?;
         let info = PeerInfo {
             pid,
-            fingerprint: ctx.table.fingerprint() ^ fnv(format!("{:?}", o.geom).as_bytes()),
+            fingerprint: ctx.table.fingerprint()
+                ^ hostmem::fnv1a(format!("{:?}", o.geom).as_bytes()),
             name,
         };
-        let all = b.allgather(&tag, &info.encode())?;
-        if all.len() != n {
-            return Err(Error::protocol(
-                me,
-                "sisci: allgather returned the wrong number of entries",
-            ));
-        }
-        let mut peers: Vec<Option<(PeerInfo, Arc<Segment>)>> = (0..n).map(|_| None).collect();
-        for &r in &local {
-            if r == me || r >= n {
-                continue;
-            }
-            let pi = PeerInfo::decode(r, &all[r])?;
+        let peers = hostmem::map_peers(b, &tag, &info.encode(), "sisci", |r, bytes| {
+            let pi = PeerInfo::decode(r, bytes)?;
             if pi.fingerprint != info.fingerprint {
                 return Err(Error::BadConfig(format!(
                     "sisci: rank {r} has a different TM table or geometry (options or thresholds differ)"
@@ -338,8 +312,8 @@ impl Driver for SisciDriver {
                 )
             };
             let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
-            peers[r] = Some((pi, Arc::new(seg)));
-        }
+            Ok(((), seg, pi.pid))
+        })?;
         // Everyone has mapped everyone: remove the files.
         b.allgather(&ctx.tag("mapped"), &[1])?;
         own.unlink()?;
@@ -348,10 +322,9 @@ impl Driver for SisciDriver {
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
         for (r, p) in peers.into_iter().enumerate() {
-            let Some((pi, seg)) = p else { continue };
-            let pidfd = Arc::new(
-                mad_shm::sys::PidFd::open(pi.pid).map_err(|_| Error::PeerClosed { rank: r })?,
-            );
+            let Some(MappedPeer { seg, watch, .. }) = p else {
+                continue;
+            };
             let (Some(l), Some(rm)) = (own.area(r), seg.area(me)) else {
                 return Err(Error::protocol(r, "sisci: segment lacks an area"));
             };
@@ -362,11 +335,11 @@ impl Driver for SisciDriver {
                 rank: r,
                 local: l,
                 shared: shared.clone(),
-                pidfd: pidfd.clone(),
+                watch: watch.clone(),
             });
             links[r] = Some(LinkPair {
-                tx: Box::new(SciTx::new(r, ends.clone(), seg, pidfd.clone())),
-                rx: Box::new(SciRx::new(r, ends, own.clone(), pidfd, shared)),
+                tx: Box::new(SciTx::new(r, ends.clone(), seg, watch.clone())),
+                rx: Box::new(SciRx::new(r, ends, own.clone(), watch, shared)),
             });
         }
         let notes = vec![format!(

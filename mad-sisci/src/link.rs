@@ -4,25 +4,21 @@
 //! peer's: write remote, read local, as in the SCALE channel protocol.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::hostmem::{index, Bell, DeathCheck, Liveness, PeerWatch, Region};
 use mad_core::{Error, Result};
-use mad_shm::ring::index;
-use mad_shm::sys::{futex_wait, futex_wake, PidFd};
 
 use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
 use crate::segment::Segment;
-use crate::sys::Mem;
 
 /// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
-/// a dead peer while blocked.
-pub const WAIT_SLICE: Duration = Duration::from_millis(50);
-/// How often (at most) a polling loop checks the peer's pidfd.
-const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+/// a dead peer while blocked (mad-core's, shared with mad-shm).
+pub use mad_core::hostmem::WAIT_SLICE;
 
 /// TM numbers.
 pub const TM_SHORT: TmId = 0;
@@ -36,16 +32,16 @@ pub const TM_DMA: TmId = 2;
 #[derive(Clone)]
 pub struct Ends {
     /// Area of this process's segment that the peer writes.
-    pub local: Mem,
+    pub local: Region,
     /// Area of the peer's segment that this process writes.
-    pub remote: Mem,
+    pub remote: Region,
     /// Geometry of both.
     pub geom: Geometry,
 }
 
 impl Ends {
     /// Both areas, if they are large enough for `geom`.
-    pub fn new(local: Mem, remote: Mem, geom: Geometry) -> Option<Self> {
+    pub fn new(local: Region, remote: Region, geom: Geometry) -> Option<Self> {
         let need = geom.area_size()?;
         (local.len() >= need && remote.len() >= need).then_some(Ends {
             local,
@@ -55,14 +51,20 @@ impl Ends {
     }
 }
 
-fn w64(m: &Mem, off: usize) -> &AtomicU64 {
+fn w64(m: &Region, off: usize) -> &AtomicU64 {
     m.u64_at(off)
         .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
 }
 
-fn w32(m: &Mem, off: usize) -> &AtomicU32 {
+fn w32(m: &Region, off: usize) -> &AtomicU32 {
     m.u32_at(off)
         .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
+}
+
+/// The bell a blocked sender sleeps on, in the control block of `m` (its own segment's area
+/// for the sender; the peer's, written remotely, for the receiver that wakes it).
+fn writer_bell(m: &Region) -> Bell<'_> {
+    Bell::new(w32(m, ctl::TX_SEQ), w32(m, ctl::TX_SLEEP))
 }
 
 fn slot_flag(g: &Geometry, pos: u64) -> usize {
@@ -83,40 +85,6 @@ fn bad_ack(rank: usize, what: &str) -> Error {
 
 fn oob(rank: usize) -> Error {
     Error::protocol(rank, "sisci: access outside the segment")
-}
-
-/// Rate-limited liveness checks of a peer process.
-pub struct Liveness {
-    pidfd: Arc<PidFd>,
-    polls: u32,
-    last: Instant,
-}
-
-impl Liveness {
-    /// Watch the process behind `pidfd`.
-    pub fn new(pidfd: Arc<PidFd>) -> Self {
-        Liveness {
-            pidfd,
-            polls: 0,
-            last: Instant::now(),
-        }
-    }
-    fn maybe_dead(&mut self) -> bool {
-        self.polls = self.polls.wrapping_add(1);
-        if self.polls % 64 != 0 {
-            return false;
-        }
-        let now = Instant::now();
-        if now - self.last < POLL_CHECK_EVERY {
-            return false;
-        }
-        self.last = now;
-        self.pidfd.exited()
-    }
-    fn dead_now(&mut self) -> bool {
-        self.last = Instant::now();
-        self.pidfd.exited()
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,12 +114,12 @@ pub struct SciTx {
 
 impl SciTx {
     /// The sending half towards `peer`.
-    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, pidfd: Arc<PidFd>) -> Self {
+    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, watch: Arc<PeerWatch>) -> Self {
         SciTx {
             peer,
             e,
             peer_seg,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             slot_pos: 0,
             slot_ack: 0,
             head: 0,
@@ -224,7 +192,7 @@ impl SciTx {
                 Ordering::Release,
             );
             self.slot_pos += 1;
-            self.peer_seg.notify();
+            self.peer_seg.doorbell().notify();
         }
         Ok(Poll::Ready(()))
     }
@@ -249,7 +217,7 @@ impl SciTx {
         if n > 0 {
             self.head += n as u64;
             w64(&self.e.remote, ctl::HEAD).store(self.head, Ordering::Release);
-            self.peer_seg.notify();
+            self.peer_seg.doorbell().notify();
         }
         Ok(Poll::Ready(()))
     }
@@ -299,7 +267,7 @@ impl SciTx {
                 Ordering::Release,
             );
             self.chunk_pos += 1;
-            self.peer_seg.notify();
+            self.peer_seg.doorbell().notify();
         }
     }
 }
@@ -353,22 +321,17 @@ impl TxLink for SciTx {
         }
         self.broken = Some("a message was abandoned midway".into());
         w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
         AbortOutcome::Broken
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let local = self.e.local.clone();
+        let local = &self.e.local;
         let (ack_off, cached) = self.ack_of(self.blocked);
-        w32(&local, ctl::TX_SLEEP).fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let seq = w32(&local, ctl::TX_SEQ).load(Ordering::SeqCst);
-        let ready = w64(&local, ack_off).load(Ordering::Acquire) != cached
-            || w32(&local, ctl::R_CLOSED).load(Ordering::Acquire) != 0;
-        if !ready {
-            futex_wait(w32(&local, ctl::TX_SEQ), seq, timeout.min(WAIT_SLICE));
-        }
-        w32(&local, ctl::TX_SLEEP).fetch_sub(1, Ordering::SeqCst);
+        writer_bell(local).sleep(timeout.min(WAIT_SLICE), || {
+            w64(local, ack_off).load(Ordering::Acquire) != cached
+                || w32(local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+        });
         if self.live.dead_now() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
@@ -379,7 +342,7 @@ impl TxLink for SciTx {
 impl Drop for SciTx {
     fn drop(&mut self) {
         w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
-        self.peer_seg.notify();
+        self.peer_seg.doorbell().notify();
     }
 }
 
@@ -411,14 +374,14 @@ impl SciRx {
         peer: usize,
         e: Ends,
         own: Arc<Segment>,
-        pidfd: Arc<PidFd>,
+        watch: Arc<PeerWatch>,
         shared: Arc<RxShared>,
     ) -> Self {
         SciRx {
             peer,
             e,
             own,
-            live: Liveness::new(pidfd),
+            live: Liveness::new(watch),
             shared,
             slot_pos: 0,
             slot_off: 0,
@@ -469,9 +432,16 @@ impl SciRx {
     fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
         let closed = w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0;
         if (closed || self.live.maybe_dead()) && !self.has(b) {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(Poll::Pending)
+    }
+
+    /// The writer is gone for good: report it (once: the any-source wait stops counting
+    /// this peer as ready).
+    fn gone(&self) -> Error {
+        self.live.retire();
+        Error::PeerClosed { rank: self.peer }
     }
 
     fn corrupt(&self, what: &str) -> Error {
@@ -481,12 +451,7 @@ impl SciRx {
     /// Wake the peer's sender if it sleeps (a remote read of its sleeper count, then a futex
     /// wake on its word; on Dolphin this would be a remote interrupt).
     fn notify_writer(&self) {
-        fence(Ordering::SeqCst);
-        if w32(&self.e.remote, ctl::TX_SLEEP).load(Ordering::Relaxed) != 0 {
-            let seq = w32(&self.e.remote, ctl::TX_SEQ);
-            seq.fetch_add(1, Ordering::SeqCst);
-            futex_wake(seq);
-        }
+        writer_bell(&self.e.remote).notify();
     }
 
     fn recv_short(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
@@ -623,17 +588,18 @@ impl RxLink for SciRx {
     fn abort_message(&mut self) {
         self.cursor = None;
         self.broken = Some("a message was abandoned midway by the receiver".into());
+        self.live.retire();
         w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
         self.notify_writer();
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let own = self.own.clone();
-        own.sleep(timeout.min(WAIT_SLICE), &mut || {
+        own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             self.has_any() || w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && !self.has_any() {
-            return Err(Error::PeerClosed { rank: self.peer });
+            return Err(self.gone());
         }
         Ok(())
     }
@@ -651,63 +617,50 @@ pub struct Watched {
     /// Its rank.
     pub rank: usize,
     /// The area it writes in this process's segment.
-    pub local: Mem,
+    pub local: Region,
     /// The receiver's slot position.
     pub shared: Arc<RxShared>,
-    /// Its process.
-    pub pidfd: Arc<PidFd>,
+    /// Its process, and whether the receiving half has reported it gone.
+    pub watch: Arc<PeerWatch>,
 }
 
 /// Any-source readiness: looks at the next short slot of every peer; blocks on the doorbell.
+///
+/// A peer counts as ready when its next slot is written, or when it closed or died and the
+/// receiving half has not reported that yet; once reported it is ignored, so a wait with
+/// closed peers still sleeps.
 pub struct SciIncoming {
     own: Arc<Segment>,
     geom: Geometry,
     peers: Vec<Watched>,
-    dead: Vec<AtomicBool>,
-    polls: AtomicU32,
-    last_check: Mutex<Instant>,
+    deaths: DeathCheck,
 }
 
 impl SciIncoming {
     /// Watch `peers` through `own`'s doorbell.
     pub fn new(own: Arc<Segment>, geom: Geometry, peers: Vec<Watched>) -> Self {
-        let dead = peers.iter().map(|_| AtomicBool::new(false)).collect();
         SciIncoming {
             own,
             geom,
             peers,
-            dead,
-            polls: AtomicU32::new(0),
-            last_check: Mutex::new(Instant::now()),
+            deaths: DeathCheck::default(),
         }
     }
 
     fn ready_at(&self, i: usize) -> bool {
         let p = &self.peers[i];
+        if p.watch.retired() {
+            return false;
+        }
         let pos = p.shared.slot_pos.load(Ordering::Relaxed);
         let w = w64(&p.local, slot_flag(&self.geom, pos)).load(Ordering::Acquire);
         layout::decode_flag(w, pos, self.geom.slots as u64, SLOT_DATA) != Flag::Empty
             || w32(&p.local, ctl::W_CLOSED).load(Ordering::Relaxed) != 0
-            || self.dead[i].load(Ordering::Relaxed)
+            || p.watch.known_dead()
     }
 
     fn check_deaths(&self, force: bool) {
-        if !force && self.polls.fetch_add(1, Ordering::Relaxed) % 64 != 0 {
-            return;
-        }
-        let Ok(mut last) = self.last_check.try_lock() else {
-            return;
-        };
-        let now = Instant::now();
-        if !force && now - *last < POLL_CHECK_EVERY {
-            return;
-        }
-        *last = now;
-        for (i, p) in self.peers.iter().enumerate() {
-            if p.pidfd.exited() {
-                self.dead[i].store(true, Ordering::Relaxed);
-            }
-        }
+        self.deaths.run(force, self.peers.iter().map(|p| &*p.watch));
     }
 }
 
@@ -723,7 +676,7 @@ impl Incoming for SciIncoming {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        self.own.sleep(timeout.min(WAIT_SLICE), &mut || {
+        self.own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             (0..self.peers.len()).any(|i| self.ready_at(i))
         });
         self.check_deaths(true);
@@ -731,7 +684,7 @@ impl Incoming for SciIncoming {
     }
 
     fn wake(&self) {
-        self.own.ring_bell();
+        self.own.doorbell().ring();
     }
 }
 
@@ -754,11 +707,11 @@ mod tests {
             Arc::new(Segment::create(&name, 2, G, &[0; 32]).unwrap())
         };
         let (a, b) = (seg(0), seg(1));
-        let pidfd = Arc::new(PidFd::open(pid).unwrap());
+        let watch = Arc::new(PeerWatch::open(pid).unwrap());
         let tx_ends = Ends::new(a.area(1).unwrap(), b.area(0).unwrap(), G).unwrap();
         let rx_ends = Ends::new(b.area(0).unwrap(), a.area(1).unwrap(), G).unwrap();
-        let tx = SciTx::new(1, tx_ends, b.clone(), pidfd.clone());
-        let rx = SciRx::new(0, rx_ends, b.clone(), pidfd, Arc::default());
+        let tx = SciTx::new(1, tx_ends, b.clone(), watch.clone());
+        let rx = SciRx::new(0, rx_ends, b.clone(), watch, Arc::default());
         (a, b, tx, rx)
     }
 

@@ -1,152 +1,15 @@
-//! Every foreign call and raw-memory access of the crate.
+//! The foreign calls of this driver alone: [`SisciLib`], Dolphin's `libsisci.so`, loaded with
+//! `dlopen` at run time, its entry points declared by hand (signatures below, from Dolphin's
+//! public SISCI API reference).
 //!
-//! * [`Mem`]: a window on a mapped segment (local: a `/dev/shm` mapping from mad-shm's
-//!   [`Mapping`](mad_shm::sys::Mapping); dolphin: what `SCIMapRemoteSegment` /
-//!   `SCIMapLocalSegment` return). Bounds-checked atomic words and block copies: the PIO
-//!   stores of SCI.
-//! * [`SisciLib`]: Dolphin's `libsisci.so`, loaded with `dlopen` at run time, its entry points
-//!   declared by hand (signatures below, from Dolphin's public SISCI API reference).
+//! The memory the protocol works on is a [`Region`](mad_core::hostmem::Region) (mad-core's
+//! `hostmem`, shared with mad-shm): a bounds-checked window with atomic words and block
+//! copies, the PIO stores of SCI. On `local` it covers a `/dev/shm` mapping; on `dolphin` it
+//! would cover what `SCIMapRemoteSegment` / `SCIMapLocalSegment` return.
 
 #![allow(unsafe_code)]
 
-use std::any::Any;
 use std::ffi::{c_char, c_uint, c_void, CStr, CString};
-use std::sync::atomic::{AtomicU32, AtomicU64};
-use std::sync::Arc;
-
-/// A window of `len` bytes on mapped (possibly remote) memory, kept alive by `keep`.
-#[derive(Clone)]
-pub struct Mem {
-    ptr: *mut u8,
-    len: usize,
-    _keep: Arc<dyn Any + Send + Sync>,
-}
-
-// SAFETY: the window is memory shared by design; every access goes through atomics or through
-// ranges the protocol hands to exactly one side at a time (a slot, a ring run, a chunk).
-unsafe impl Send for Mem {}
-// SAFETY: as above.
-unsafe impl Sync for Mem {}
-
-impl Mem {
-    /// The whole of a `/dev/shm` mapping.
-    pub fn from_mapping(m: Arc<mad_shm::sys::Mapping>) -> Self {
-        Mem {
-            ptr: m.ptr(),
-            len: m.len(),
-            _keep: m,
-        }
-    }
-
-    /// A zeroed, page-aligned heap block (unit tests).
-    pub fn heap(len: usize) -> Self {
-        #[repr(C, align(4096))]
-        struct Page([u8; 4096]);
-        let mut pages: Box<[Page]> = (0..len.div_ceil(4096).max(1))
-            .map(|_| Page([0; 4096]))
-            .collect();
-        let ptr = pages.as_mut_ptr().cast::<u8>();
-        let n = pages.len() * 4096;
-        Mem {
-            ptr,
-            len: n,
-            _keep: Arc::new(pages),
-        }
-    }
-
-    /// The sub-window `[off, off + len)`, if inside this one.
-    pub fn sub(&self, off: usize, len: usize) -> Option<Mem> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        Some(Mem {
-            // SAFETY: `off <= self.len`, so the pointer stays inside (or one past) the window.
-            ptr: unsafe { self.ptr.add(off) },
-            len,
-            _keep: self._keep.clone(),
-        })
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the window is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The `u32` word at `off`, if in bounds and aligned.
-    pub fn u32_at(&self, off: usize) -> Option<&AtomicU32> {
-        if off % 4 != 0 || off.checked_add(4)? > self.len || (self.ptr as usize) % 4 != 0 {
-            return None;
-        }
-        // SAFETY: in bounds and 4-aligned; the memory lives as long as `self` (`_keep`); every
-        // access to this word, in any process, is atomic.
-        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU32>() })
-    }
-
-    /// The `u64` word at `off`, if in bounds and aligned.
-    pub fn u64_at(&self, off: usize) -> Option<&AtomicU64> {
-        if off % 8 != 0 || off.checked_add(8)? > self.len || (self.ptr as usize) % 8 != 0 {
-            return None;
-        }
-        // SAFETY: in bounds and 8-aligned; lives as long as `self`; accessed atomically only.
-        Some(unsafe { &*self.ptr.add(off).cast::<AtomicU64>() })
-    }
-
-    /// Store `src` at `off` (a PIO write into the peer's memory). `None` if out of bounds.
-    pub fn write(&self, off: usize, src: &[u8]) -> Option<()> {
-        if off.checked_add(src.len())? > self.len {
-            return None;
-        }
-        // SAFETY: the destination range is in bounds; the protocol gives it to this side only
-        // (a free slot, ring run or chunk the reader has acknowledged); `src` is local memory
-        // that cannot overlap a shared mapping range owned by the writer.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
-        Some(())
-    }
-
-    /// Load `dst.len()` bytes at `off` into `dst`. `None` if out of bounds.
-    pub fn read(&self, off: usize, dst: &mut [u8]) -> Option<()> {
-        if off.checked_add(dst.len())? > self.len {
-            return None;
-        }
-        // SAFETY: the source range is in bounds and holds published bytes the writer will not
-        // touch before this side acknowledges them; `dst` is a distinct user buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
-        Some(())
-    }
-
-    /// Lend `[off, off + len)` for writing to `f`; returns what `f` returns (capped at `len`).
-    pub fn lend_mut(
-        &self,
-        off: usize,
-        len: usize,
-        f: &mut dyn FnMut(&mut [u8]) -> usize,
-    ) -> Option<usize> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds; the range is free space owned by the writer until it publishes a
-        // flag or offset covering it, so nothing else in this process aliases it while `f`
-        // runs (the peer does not read it before the Release store that follows).
-        let s = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) };
-        Some(f(s).min(len))
-    }
-
-    /// Lend `[off, off + len)` for reading to `f`; returns what `f` returns (capped at `len`).
-    pub fn lend(&self, off: usize, len: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> Option<usize> {
-        if off.checked_add(len)? > self.len {
-            return None;
-        }
-        // SAFETY: in bounds; the range holds published bytes that the writer leaves alone until
-        // this side acknowledges them (after `f` returns).
-        let s = unsafe { std::slice::from_raw_parts(self.ptr.add(off).cast_const(), len) };
-        Some(f(s).min(len))
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Dolphin SISCI, loaded at run time.

@@ -1,8 +1,12 @@
 //! Real processes: the test binary re-executes itself as ranks, joined through mad-core's
 //! madrun bootstrap server (started in the test process). The conformance kit over 2 and 4
-//! processes, and peer death: a rank killed with SIGKILL in the middle of a message.
+//! processes (then no segment of any child left in `/dev/shm`); peer death: a rank killed with
+//! SIGKILL in the middle of a message; an any-source receiver whose peer died keeps sleeping
+//! while it waits for another one.
 
 #![cfg(not(miri))]
+
+mod common;
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -106,6 +110,25 @@ fn rank_program() {
             let _ = p.pack(&big, RecvMode::Cheaper);
             std::thread::sleep(Duration::from_secs(60));
         }
+        "late-sender" => {
+            let ch = session
+                .open_channel_with(ChannelConfig::parse("anysrc", &spec).unwrap())
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(2000));
+            let body = common::pattern(100_000, 9);
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_value(&(body.len() as u64), RecvMode::Express)
+                .unwrap();
+            p.pack(&body, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        }
+        "vanish" => {
+            let _ch = session
+                .open_channel_with(ChannelConfig::parse("anysrc", &spec).unwrap())
+                .unwrap();
+            // Gone without a destructor (no W_CLOSED): only the pidfd tells.
+            std::process::exit(0);
+        }
         "deaf" => {
             // Open the channel and never read.
             let _ch = session
@@ -130,11 +153,17 @@ fn kit_processes(n: usize, spec: &str) {
     let kids: Vec<Child> = (0..n)
         .map(|r| spawn("rank_program", "kit", spec, &env_of(&addr, &secret, r, n)))
         .collect();
+    let pids: Vec<u32> = kids.iter().map(Child::id).collect();
     for (r, c) in kids.into_iter().enumerate() {
         let (ok, out) = wait_bounded(c);
         assert!(ok, "{spec} x{n} processes: rank {r} failed:\n{out}");
         assert!(out.contains(&format!("kit: rank {r} ran ")), "{out}");
     }
+    let left = common::segments_of(&pids);
+    assert!(
+        left.is_empty(),
+        "{spec} x{n}: segments of the child ranks {pids:?} left in /dev/shm: {left:?}"
+    );
 }
 
 #[test]
@@ -149,17 +178,35 @@ fn kit_4_processes_small_geometry() {
 
 /// This process is rank 0, the child rank 1 (with `role`).
 fn with_child(role: &str, spec: &str) -> (Child, Session) {
+    let (mut kids, session) = with_children(&[role], spec);
+    (kids.remove(0), session)
+}
+
+/// This process is rank 0, the children ranks 1, 2, ... (with `roles`).
+fn with_children(roles: &[&str], spec: &str) -> (Vec<Child>, Session) {
+    let n = roles.len() + 1;
     let secret = Secret::random().unwrap();
     let server = BootstrapServer::start(
         "127.0.0.1:0".parse().unwrap(),
-        2,
+        n,
         secret.clone(),
         Box::new(|l| eprintln!("{l}")),
     )
     .unwrap();
     let addr = server.advertised_addr().to_string();
-    let child = spawn("rank_program", role, spec, &env_of(&addr, &secret, 1, 2));
-    let env0 = env_of(&addr, &secret, 0, 2);
+    let kids = roles
+        .iter()
+        .enumerate()
+        .map(|(i, role)| {
+            spawn(
+                "rank_program",
+                role,
+                spec,
+                &env_of(&addr, &secret, i + 1, n),
+            )
+        })
+        .collect();
+    let env0 = env_of(&addr, &secret, 0, n);
     let env = MadrunEnv::parse(|k| env0.get(k).cloned()).unwrap().unwrap();
     let b = MadrunBootstrap::connect(env).unwrap();
     let session = Session::builder()
@@ -168,7 +215,7 @@ fn with_child(role: &str, spec: &str) -> (Child, Session) {
         .build()
         .unwrap();
     std::mem::forget(server); // serves until the test process exits
-    (child, session)
+    (kids, session)
 }
 
 fn kill_after(mut child: Child, after: Duration) -> std::sync::mpsc::Receiver<Instant> {
@@ -248,11 +295,52 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
             .filter(|e| e.file_name().to_string_lossy().starts_with("mad-sisci-"))
             .filter(|e| {
                 let n = e.file_name().to_string_lossy().to_string();
-                mad_sisci::segment::creator_pid(&n)
+                mad_core::hostmem::creator_pid(mad_sisci::segment::PREFIX, &n)
                     .map(|p| p == std::process::id())
                     .unwrap_or(false)
             })
             .count();
         assert_eq!(left, 0, "segments of this process left in /dev/shm");
+    }
+}
+
+/// Rank 2 dies right after the channel opens, without closing anything; rank 0 (this
+/// process) then waits in an any-source `begin_unpacking()` for rank 1, which sends after
+/// 2 s. The wait must sleep: before the fix, the dead peer kept `SciIncoming::wait`
+/// returning at once for the rest of the channel's life.
+#[test]
+fn any_source_sleeps_after_a_peer_died() {
+    for spec in ["sisci:local", "sisci:local,progress=block"] {
+        let (mut kids, session) = with_children(&["late-sender", "vanish"], spec);
+        let ch = session
+            .open_channel_with(ChannelConfig::parse("anysrc", spec).unwrap())
+            .unwrap();
+        let (ok, out) = wait_bounded(kids.pop().unwrap());
+        assert!(ok, "{spec}: rank 2 failed: {out}");
+        let cpu0 = common::thread_cpu_time();
+        let t0 = Instant::now();
+        let mut u = ch.begin_unpacking().unwrap();
+        let wall = t0.elapsed();
+        let cpu = common::thread_cpu_time() - cpu0;
+        assert_eq!(u.remote(), 1);
+        let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        let mut body = vec![0u8; n as usize];
+        u.unpack(&mut body, SendMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(
+            body == common::pattern(100_000, 9),
+            "{spec}: message altered"
+        );
+        eprintln!("{spec}: any-source wait of {wall:?} with a dead peer used {cpu:?} of CPU");
+        assert!(
+            wall >= Duration::from_millis(500),
+            "{spec}: wait too short ({wall:?})"
+        );
+        assert!(
+            cpu.as_secs_f64() < 0.3 * wall.as_secs_f64(),
+            "{spec}: the any-source receiver spun: {cpu:?} of CPU over a {wall:?} wait"
+        );
+        let (ok, out) = wait_bounded(kids.pop().unwrap());
+        assert!(ok, "{spec}: rank 1 failed: {out}");
     }
 }

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub mod sys;
+
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Mutex;
@@ -179,14 +182,47 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// CPU time (user + system) the calling thread has used so far, from
+/// `/proc/thread-self/schedstat` (nanoseconds on the CPU), or `/proc/thread-self/stat`
+/// (clock ticks of 1/100 s) where scheduler statistics are missing.
+pub fn thread_cpu_time() -> Duration {
+    if let Ok(s) = std::fs::read_to_string("/proc/thread-self/schedstat") {
+        if let Some(ns) = s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            return Duration::from_nanos(ns);
+        }
+    }
+    let s = std::fs::read_to_string("/proc/thread-self/stat").expect("/proc/thread-self/stat");
+    // Fields after the command name (which may contain spaces) start at field 3: utime and
+    // stime are fields 14 and 15.
+    let rest = &s[s.rfind(')').expect("stat format") + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    Duration::from_millis((f[11] + f[12]) * 10)
+}
+
 /// Entries of /dev/shm created by this process.
 pub fn my_segments() -> Vec<String> {
-    let prefix = format!("mad-shm-{}-", std::process::id());
+    segments_of(&[std::process::id()])
+}
+
+/// Entries of /dev/shm created by any of the processes `pids` (segment names start with
+/// `mad-shm-<creator pid>-`).
+pub fn segments_of(pids: &[u32]) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| n.starts_with(&prefix))
+                .filter(|n| {
+                    mad_core::hostmem::creator_pid(mad_shm::segment::PREFIX, n)
+                        .map(|p| pids.contains(&p))
+                        .unwrap_or(false)
+                })
                 .collect()
         })
         .unwrap_or_default()

@@ -1,0 +1,228 @@
+//! Segment files in `/dev/shm`: created `O_CREAT|O_EXCL` with mode 0600, mapped by every local
+//! peer, unlinked by the creator once all have mapped it; named
+//! `<driver prefix><creator pid>-<channel hash>-<rank>-<random>` so that a later open can sweep
+//! the files of creators that died before unlinking them. What is inside (header, proof of the
+//! session secret, rings or areas) is the driver's business.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::sys::{self, Mapping};
+use super::{PeerWatch, Region};
+use crate::bootstrap::Bootstrap;
+use crate::{Error, Result};
+
+/// Directory of POSIX shared memory.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// FNV-1a, 64 bits: the channel-name hash in segment names (not a security measure: the
+/// segments are authenticated by an HMAC of the session secret in their header).
+pub fn fnv1a(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in b {
+        h ^= x as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// A fresh segment name for `rank` of channel `channel`: `<prefix><pid>-<hash>-<rank>-<random>`.
+pub fn segment_name(prefix: &str, channel: &str, rank: usize) -> Result<String> {
+    let mut rnd = [0u8; 8];
+    crate::auth::fill_random(&mut rnd)?;
+    Ok(format!(
+        "{prefix}{}-{:08x}-{rank}-{:016x}",
+        std::process::id(),
+        fnv1a(channel.as_bytes()) as u32,
+        u64::from_le_bytes(rnd)
+    ))
+}
+
+/// The creator pid encoded in a segment name with this `prefix`, if it is one.
+pub fn creator_pid(prefix: &str, name: &str) -> Option<u32> {
+    name.strip_prefix(prefix)?.split('-').next()?.parse().ok()
+}
+
+/// Remove the segments named with `prefix` whose creator process is gone (left behind by a
+/// crash between create and unlink). Only that prefix is swept, never other files. Returns
+/// how many were removed; errors are ignored (another process may be sweeping too).
+pub fn sweep_stale(prefix: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(pid) = creator_pid(prefix, name) {
+            if !sys::pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
+}
+
+/// A local peer as [`map_peers`] returns it.
+pub struct MappedPeer<I, S> {
+    /// What it announced, decoded.
+    pub info: I,
+    /// Its segment, mapped and checked.
+    pub seg: Arc<S>,
+    /// Its process, watched from the open on.
+    pub watch: Arc<PeerWatch>,
+}
+
+/// The exchange every intra-host driver's open starts with: allgather this rank's segment
+/// announcement under `tag`, then, for every other rank on this host, `map(rank, bytes)`
+/// decodes its announcement, checks it (fingerprints, geometry, the proof of the session
+/// secret in its header) and maps its segment, returning the decoded announcement, the
+/// segment and the peer's pid. Returns one entry per rank (`None` for this rank and for
+/// ranks on other hosts).
+///
+/// Each peer's process is watched ([`PeerWatch::open`]) right after its segment is mapped,
+/// while it is known alive (it waits for this rank in the driver's next collective): a peer
+/// that exits right after the open is then reported dead later instead of making this open
+/// fail. The driver must therefore run at least one more collective before returning (the
+/// one after which every creator unlinks its file).
+pub fn map_peers<I, S>(
+    b: &dyn Bootstrap,
+    tag: &str,
+    announce: &[u8],
+    driver: &str,
+    mut map: impl FnMut(usize, &[u8]) -> Result<(I, S, u32)>,
+) -> Result<Vec<Option<MappedPeer<I, S>>>> {
+    let (me, n) = (b.rank(), b.size());
+    let all = b.allgather(tag, announce)?;
+    if all.len() != n {
+        return Err(Error::protocol(
+            me,
+            format!("{driver}: allgather returned the wrong number of entries"),
+        ));
+    }
+    let mut peers: Vec<Option<MappedPeer<I, S>>> = (0..n).map(|_| None).collect();
+    for r in b.local_ranks() {
+        if r == me || r >= n {
+            continue;
+        }
+        let (info, seg, pid) = map(r, &all[r])?;
+        let watch = PeerWatch::open(pid).map_err(|_| Error::PeerClosed { rank: r })?;
+        peers[r] = Some(MappedPeer {
+            info,
+            seg: Arc::new(seg),
+            watch: Arc::new(watch),
+        });
+    }
+    Ok(peers)
+}
+
+/// A mapped segment file: this process's own (created, removed on drop until
+/// [`unlink`](Self::unlink)ed) or a peer's (opened).
+pub struct SegmentFile {
+    region: Region,
+    path: PathBuf,
+    unlink_pending: bool,
+}
+
+fn map(file: &File, path: &Path, driver: &str) -> Result<Region> {
+    let m = Mapping::map(file)
+        .map_err(|e| Error::Resource(format!("{driver}: mapping {}: {e}", path.display())))?;
+    Ok(Region::from_mapping(Arc::new(m)))
+}
+
+impl SegmentFile {
+    /// Create `name` in [`SHM_DIR`] (fails if it exists), mode 0600, `size` bytes of zeros,
+    /// and map it. `driver` prefixes error messages.
+    pub fn create(name: &str, size: usize, driver: &str) -> Result<Self> {
+        let path = Path::new(SHM_DIR).join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| Error::io(format!("{driver}: creating {}", path.display()), e))?;
+        let mut seg = SegmentFile {
+            region: Region::heap(0),
+            path,
+            unlink_pending: true,
+        };
+        file.set_len(size as u64).map_err(|e| {
+            Error::Resource(format!(
+                "{driver}: sizing {} to {size} B: {e}",
+                seg.path.display()
+            ))
+        })?;
+        seg.region = map(&file, &seg.path, driver)?;
+        Ok(seg)
+    }
+
+    /// Map rank `rank`'s segment `name`, which must carry `prefix` and be exactly `size`
+    /// bytes long (`Protocol` errors otherwise: the name and size come from the peer).
+    pub fn open(name: &str, prefix: &str, rank: usize, size: usize, driver: &str) -> Result<Self> {
+        if name.contains('/') || !name.starts_with(prefix) {
+            return Err(Error::protocol(
+                rank,
+                format!("{driver}: bad segment name `{name}`"),
+            ));
+        }
+        let path = Path::new(SHM_DIR).join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| {
+                Error::io(
+                    format!("{driver}: opening rank {rank}'s {}", path.display()),
+                    e,
+                )
+            })?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(format!("{driver}: stat {}", path.display()), e))?
+            .len();
+        if len != size as u64 {
+            return Err(Error::protocol(
+                rank,
+                format!("{driver}: segment is {len} B, expected {size} B"),
+            ));
+        }
+        Ok(SegmentFile {
+            region: map(&file, &path, driver)?,
+            path,
+            unlink_pending: false,
+        })
+    }
+
+    /// The mapped memory.
+    #[inline]
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Remove the file of a created segment (the mappings stay valid). Idempotent; nothing
+    /// for an opened one.
+    pub fn unlink(&mut self) -> Result<()> {
+        if self.unlink_pending {
+            self.unlink_pending = false;
+            std::fs::remove_file(&self.path)
+                .map_err(|e| Error::io(format!("unlinking {}", self.path.display()), e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SegmentFile {
+    fn drop(&mut self) {
+        if self.unlink_pending {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! Peer liveness: a pidfd per peer process, checked at a bounded rate while polling and after
+//! every blocking slice, shared by a connection's two halves and the any-source watcher.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::sys::PidFd;
+
+/// Longest single sleep of a blocking wait before the peer's liveness is checked again: the
+/// bound on noticing a dead peer while blocked.
+pub const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// How often (at most) a polling loop checks the peer's pidfd.
+pub const POLL_CHECK_EVERY: Duration = Duration::from_millis(10);
+/// A polling loop looks at the clock every this many `Pending`s.
+const POLLS_PER_CLOCK: u32 = 64;
+
+/// What the two halves of a connection and the any-source watcher know about the peer
+/// process: whether it is known dead, and whether the receiving half has reported the peer
+/// gone, after which the any-source wait stops counting it as ready (a peer that closed or
+/// died is reported once; a sticky "ready" would make every later wait return at once).
+#[derive(Debug)]
+pub struct PeerWatch {
+    pidfd: PidFd,
+    dead: AtomicBool,
+    retired: AtomicBool,
+}
+
+impl PeerWatch {
+    /// Watch process `pid`. Open it while the peer is known alive (during the channel's open
+    /// collectives): a pid that is already gone is an error.
+    pub fn open(pid: u32) -> io::Result<Self> {
+        Ok(PeerWatch {
+            pidfd: PidFd::open(pid)?,
+            dead: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether the process has exited (a non-blocking pidfd poll unless already known).
+    pub fn exited(&self) -> bool {
+        if self.known_dead() {
+            return true;
+        }
+        let dead = self.pidfd.exited();
+        if dead {
+            self.dead.store(true, Ordering::Relaxed);
+        }
+        dead
+    }
+
+    /// Whether the process is already known to have exited (no syscall).
+    #[inline]
+    pub fn known_dead(&self) -> bool {
+        self.dead.load(Ordering::Relaxed)
+    }
+
+    /// The receiving half reported the peer gone (or failed and was abandoned): the core will
+    /// not poll it again, so the any-source wait must not count it as ready.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`retire`](Self::retire) was called.
+    #[inline]
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+}
+
+/// Rate-limited liveness checks of a peer process, for one link half.
+pub struct Liveness {
+    watch: Arc<PeerWatch>,
+    polls: u32,
+    last: Instant,
+}
+
+impl Liveness {
+    /// Checks of the peer behind `watch`.
+    pub fn new(watch: Arc<PeerWatch>) -> Self {
+        Liveness {
+            watch,
+            polls: 0,
+            last: Instant::now(),
+        }
+    }
+
+    /// Called on every `Pending`: true at once if the peer is already known dead, otherwise a
+    /// syscall at most every [`POLL_CHECK_EVERY`].
+    #[inline]
+    pub fn maybe_dead(&mut self) -> bool {
+        if self.watch.known_dead() {
+            return true;
+        }
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % POLLS_PER_CLOCK != 0 {
+            return false;
+        }
+        self.check_if_due()
+    }
+
+    #[cold]
+    fn check_if_due(&mut self) -> bool {
+        let now = Instant::now();
+        if now - self.last < POLL_CHECK_EVERY {
+            return false;
+        }
+        self.last = now;
+        self.watch.exited()
+    }
+
+    /// Check now (after a blocking sleep).
+    pub fn dead_now(&mut self) -> bool {
+        self.last = Instant::now();
+        self.watch.exited()
+    }
+
+    /// See [`PeerWatch::retire`].
+    pub fn retire(&self) {
+        self.watch.retire();
+    }
+}
+
+/// Rate limiting of the any-source watcher's liveness checks (it is shared by every thread
+/// waiting on the channel: the counter and the clock are behind atomics and a `try_lock`).
+#[derive(Debug)]
+pub struct DeathCheck {
+    polls: AtomicU32,
+    last: Mutex<Instant>,
+}
+
+impl Default for DeathCheck {
+    fn default() -> Self {
+        DeathCheck {
+            polls: AtomicU32::new(0),
+            last: Mutex::new(Instant::now()),
+        }
+    }
+}
+
+impl DeathCheck {
+    /// Poll the pidfd of every peer of `watches` not yet retired: at most every
+    /// [`POLL_CHECK_EVERY`] when called from a polling loop, always when `force` (after a
+    /// blocking slice). Skipped when another thread is checking.
+    pub fn run<'w>(&self, force: bool, watches: impl IntoIterator<Item = &'w PeerWatch>) {
+        if !force && self.polls.fetch_add(1, Ordering::Relaxed) % POLLS_PER_CLOCK != 0 {
+            return;
+        }
+        let Ok(mut last) = self.last.try_lock() else {
+            return;
+        };
+        let now = Instant::now();
+        if !force && now - *last < POLL_CHECK_EVERY {
+            return;
+        }
+        *last = now;
+        for w in watches {
+            if !w.retired() {
+                w.exited();
+            }
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! Real processes: the test binary re-executes itself as ranks, joined through mad-core's
+//! madrun bootstrap server (started in the test process).
+//!
+//! * the conformance kit over 2 and 3 processes, then no segment of any child left in
+//!   `/dev/shm`;
+//! * an any-source receiver whose peer died without closing (no destructor ran) sleeps while
+//!   it waits for another peer (CPU time well below wall time);
+//! * Cross Memory Attach forbidden by a seccomp filter installed in each child before its
+//!   channel opens: the selection table names the ring fallback and messages of several MiB
+//!   arrive intact.
+
+// Real mappings, futexes and processes: nothing here runs under miri.
+#![cfg(not(miri))]
+#![deny(unsafe_code)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mad_core::auth::Secret;
+use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::launch::server::BootstrapServer;
+use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
+use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
+use mad_shm::ShmDriver;
+
+const ROLE: &str = "MAD_SHM_TEST_ROLE";
+const SPEC: &str = "MAD_SHM_TEST_SPEC";
+/// Bound on any child run.
+const CHILD_BOUND: Duration = Duration::from_secs(240);
+
+fn env_of(addr: &str, secret: &Secret, rank: usize, size: usize) -> HashMap<String, String> {
+    HashMap::from([
+        (vars::RANK.to_string(), rank.to_string()),
+        (vars::SIZE.to_string(), size.to_string()),
+        (vars::BOOTSTRAP.to_string(), addr.to_string()),
+        (vars::SECRET.to_string(), secret.to_hex()),
+        (vars::LOCAL_SIZE.to_string(), size.to_string()),
+    ])
+}
+
+fn spawn(role: &str, spec: &str, env: &HashMap<String, String>) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "rank_program",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env)
+        .env(ROLE, role)
+        .env(SPEC, spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_bounded(mut c: Child) -> (bool, String) {
+    let end = Instant::now() + CHILD_BOUND;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            let mut out = String::new();
+            if let Some(mut o) = c.stdout.take() {
+                let _ = std::io::Read::read_to_string(&mut o, &mut out);
+            }
+            return (st.success(), out);
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            let _ = c.wait();
+            return (false, "timed out".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn session_with(b: MadrunBootstrap) -> Session {
+    Session::builder()
+        .driver(ShmDriver::new())
+        .bootstrap(Box::new(b))
+        .build()
+        .unwrap()
+}
+
+fn open(session: &Session, spec: &str) -> mad_core::Channel {
+    session
+        .open_channel_with(ChannelConfig::parse("procs", spec).unwrap())
+        .unwrap()
+}
+
+/// Sizes of the big-message exchange (several MiB, not multiples of the ring).
+const BIG: [usize; 3] = [3 << 20, (5 << 20) + 4093, 1 << 20];
+
+/// Rank 0 sends every size of [`BIG`] to rank 1, which sends it back; both check the bytes.
+fn big_exchange(session: &Session, ch: &mad_core::Channel) {
+    for (i, &len) in BIG.iter().enumerate() {
+        let seed = i as u8;
+        if session.rank() == 0 {
+            let out = common::pattern(len, seed);
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack_value(&(len as u64), RecvMode::Express).unwrap();
+            p.pack(&out, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+            let mut u = ch.begin_unpacking_from(1).unwrap();
+            let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let mut back = vec![0u8; n as usize];
+            u.unpack(&mut back, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert!(back == out, "{len} B came back altered");
+        } else {
+            let mut u = ch.begin_unpacking_from(0).unwrap();
+            let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let mut got = vec![0u8; n as usize];
+            u.unpack(&mut got, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert!(got == common::pattern(len, seed), "{len} B arrived altered");
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_value(&n, RecvMode::Express).unwrap();
+            p.pack(&got, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        }
+    }
+}
+
+/// The rank program (does nothing unless started by [`spawn`]).
+#[test]
+#[ignore = "rank program of the process tests"]
+fn rank_program() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let spec = std::env::var(SPEC).unwrap();
+    if let Some(block) = role.strip_prefix("no-cma-") {
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        {
+            use common::sys::{forbid_cma, CmaBlock};
+            let block = match block {
+                "all" => CmaBlock::All,
+                _ => CmaBlock::OtherProcesses,
+            };
+            // Before anything of the driver runs (its CMA self-check is cached).
+            forbid_cma(block).expect("installing the seccomp filter");
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        let _ = block;
+    }
+    let b = MadrunBootstrap::from_env().unwrap().expect("bootstrap env");
+    let session = session_with(b);
+    let rank = session.rank();
+    match role.as_str() {
+        "kit" => {
+            let mut opts = KitOptions::new(&spec);
+            opts.volume = 100;
+            let ran = run_rank(&session, &opts).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            println!("kit: rank {rank} ran {} cases", ran.len());
+        }
+        "late-sender" => {
+            let ch = open(&session, &spec);
+            std::thread::sleep(Duration::from_millis(2000));
+            let body = common::pattern(100_000, 9);
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_value(&(body.len() as u64), RecvMode::Express)
+                .unwrap();
+            p.pack(&body, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+            println!("late-sender: sent");
+        }
+        "vanish" => {
+            let _ch = open(&session, &spec);
+            // Gone without a destructor (no writer-closed flag): only the pidfd tells.
+            std::process::exit(0);
+        }
+        r if r.starts_with("no-cma-") => {
+            let ch = open(&session, &spec);
+            let table = ch.selection_table();
+            big_exchange(&session, &ch);
+            println!("no-cma: rank {rank} exchanged {BIG:?} intact\n{table}");
+        }
+        r => panic!("unknown role {r}"),
+    }
+}
+
+/// Start a job of `roles.len()` ranks: rank `r` runs `roles[r]` in a child process, except
+/// rank 0 when `roles[0]` is `None` (this process: its session is returned).
+fn job(roles: &[Option<&str>], spec: &str) -> (Vec<(usize, Child)>, Option<Session>) {
+    let n = roles.len();
+    let secret = Secret::random().unwrap();
+    let server = BootstrapServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        n,
+        secret.clone(),
+        Box::new(|l| eprintln!("{l}")),
+    )
+    .unwrap();
+    let addr = server.advertised_addr().to_string();
+    let kids: Vec<(usize, Child)> = roles
+        .iter()
+        .enumerate()
+        .filter_map(|(r, role)| {
+            role.map(|role| (r, spawn(role, spec, &env_of(&addr, &secret, r, n))))
+        })
+        .collect();
+    let me = roles[0].is_none().then(|| {
+        let env0 = env_of(&addr, &secret, 0, n);
+        let env = MadrunEnv::parse(|k| env0.get(k).cloned()).unwrap().unwrap();
+        session_with(MadrunBootstrap::connect(env).unwrap())
+    });
+    std::mem::forget(server); // serves until the test process exits
+    (kids, me)
+}
+
+/// Wait for every child; returns their outputs (asserting success) and checks that none of
+/// their segments is left in `/dev/shm`.
+fn finish(kids: Vec<(usize, Child)>, what: &str) -> Vec<String> {
+    let pids: Vec<u32> = kids.iter().map(|(_, c)| c.id()).collect();
+    let outs = kids
+        .into_iter()
+        .map(|(r, c)| {
+            let (ok, out) = wait_bounded(c);
+            assert!(ok, "{what}: rank {r} failed:\n{out}");
+            out
+        })
+        .collect();
+    let left = common::segments_of(&pids);
+    assert!(
+        left.is_empty(),
+        "{what}: segments of the child ranks {pids:?} left in /dev/shm: {left:?}"
+    );
+    outs
+}
+
+fn kit_processes(n: usize, spec: &str) {
+    let (kids, _) = job(&vec![Some("kit"); n], spec);
+    let outs = finish(kids, &format!("{spec} x{n} processes"));
+    for (r, out) in outs.iter().enumerate() {
+        assert!(out.contains(&format!("kit: rank {r} ran ")), "{out}");
+    }
+}
+
+#[test]
+fn kit_2_processes() {
+    kit_processes(2, "shm");
+}
+
+#[test]
+fn kit_3_processes_small_ring_no_cma() {
+    kit_processes(3, "shm,ring=8192,cma=off");
+}
+
+/// Rank 2 dies right after the channel opens, without closing anything; rank 0 (this
+/// process) then waits in an any-source `begin_unpacking()` for rank 1, which sends after
+/// 2 s. The wait must sleep: before the fix, the dead peer kept `ShmIncoming::wait`
+/// returning at once for the rest of the channel's life.
+#[test]
+fn any_source_sleeps_after_a_peer_died() {
+    for spec in ["shm", "shm,progress=block"] {
+        let (mut kids, me) = job(&[None, Some("late-sender"), Some("vanish")], spec);
+        let session = me.unwrap();
+        let ch = open(&session, spec);
+        let (_, vanished) = kids.pop().unwrap();
+        let (ok, out) = wait_bounded(vanished);
+        assert!(ok, "{spec}: rank 2 failed: {out}");
+        let cpu0 = common::thread_cpu_time();
+        let t0 = Instant::now();
+        let mut u = ch.begin_unpacking().unwrap();
+        let wall = t0.elapsed();
+        let cpu = common::thread_cpu_time() - cpu0;
+        assert_eq!(u.remote(), 1);
+        let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        let mut body = vec![0u8; n as usize];
+        u.unpack(&mut body, SendMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(
+            body == common::pattern(100_000, 9),
+            "{spec}: message altered"
+        );
+        eprintln!("{spec}: any-source wait of {wall:?} with a dead peer used {cpu:?} of CPU");
+        assert!(
+            wall >= Duration::from_millis(500),
+            "{spec}: wait too short ({wall:?})"
+        );
+        assert!(
+            cpu.as_secs_f64() < 0.3 * wall.as_secs_f64(),
+            "{spec}: the any-source receiver spun: {cpu:?} of CPU over a {wall:?} wait"
+        );
+        finish(kids, spec);
+    }
+}
+
+/// Cross Memory Attach refused by seccomp in both ranks (children), installed before their
+/// channel opens. `block` says which calls fail; `expect` is the line the selection table must
+/// carry.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn cma_forbidden(block: &str, expect: &[&str]) {
+    let role = format!("no-cma-{block}");
+    let (kids, _) = job(&[Some(&role), Some(&role)], "shm");
+    let outs = finish(kids, &role);
+    for (r, out) in outs.iter().enumerate() {
+        eprintln!("{role}: rank {r}:\n{out}");
+        assert!(
+            out.contains(&format!("no-cma: rank {r} exchanged")),
+            "{role}: rank {r} did not finish:\n{out}"
+        );
+        for line in expect {
+            assert!(
+                out.contains(line),
+                "{role}: rank {r}: no `{line}` in\n{out}"
+            );
+        }
+    }
+}
+
+/// Every `process_vm_readv` fails (even on itself): the driver's self-check sees it, the
+/// `cma` TM is left out of the table and large pieces are pipelined through the ring.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[test]
+fn cma_forbidden_everywhere_pipelines_through_the_ring() {
+    cma_forbidden(
+        "all",
+        &["CMA not permitted by this kernel: large pieces are pipelined through the ring"],
+    );
+}
+
+/// Only reads of another process fail (as under Yama `ptrace_scope`): the self-check passes,
+/// the `cma` TM stays in the table, the probe of the peer fails with `EPERM` and the `cma`
+/// groups are streamed through the ring.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[test]
+fn cma_forbidden_between_processes_streams_through_the_ring() {
+    cma_forbidden(
+        "others",
+        &[
+            "cma",
+            "CMA not permitted between every pair of ranks",
+            "Operation not permitted",
+            "`cma` pieces are streamed through the ring",
+        ],
+    );
+}
