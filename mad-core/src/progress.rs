@@ -272,7 +272,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "timing: Miri is too slow for the spin phase to end before the deadline")]
+    #[cfg_attr(
+        miri,
+        ignore = "timing: Miri is too slow for the spin phase to end before the deadline"
+    )]
     fn drive_blocks_after_spinning_and_times_out() {
         let p = ProgressPolicy {
             mode: ProgressMode::Adaptive {

@@ -106,14 +106,14 @@ fn big_exchange(session: &Session, ch: &mad_core::Channel) {
             p.pack(&out, RecvMode::Cheaper).unwrap();
             p.end_packing().unwrap();
             let mut u = ch.begin_unpacking_from(1).unwrap();
-            let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let n: u64 = u.unpack_value().unwrap();
             let mut back = vec![0u8; n as usize];
             u.unpack(&mut back, SendMode::Cheaper).unwrap();
             u.end_unpacking().unwrap();
             assert!(back == out, "{len} B came back altered");
         } else {
             let mut u = ch.begin_unpacking_from(0).unwrap();
-            let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+            let n: u64 = u.unpack_value().unwrap();
             let mut got = vec![0u8; n as usize];
             u.unpack(&mut got, SendMode::Cheaper).unwrap();
             u.end_unpacking().unwrap();
@@ -270,7 +270,7 @@ fn any_source_sleeps_after_a_peer_died() {
         let wall = t0.elapsed();
         let cpu = common::thread_cpu_time() - cpu0;
         assert_eq!(u.remote(), 1);
-        let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        let n: u64 = u.unpack_value().unwrap();
         let mut body = vec![0u8; n as usize];
         u.unpack(&mut body, SendMode::Cheaper).unwrap();
         u.end_unpacking().unwrap();

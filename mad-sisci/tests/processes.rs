@@ -323,7 +323,7 @@ fn any_source_sleeps_after_a_peer_died() {
         let wall = t0.elapsed();
         let cpu = common::thread_cpu_time() - cpu0;
         assert_eq!(u.remote(), 1);
-        let n: u64 = u.unpack_value(SendMode::Cheaper).unwrap();
+        let n: u64 = u.unpack_value().unwrap();
         let mut body = vec![0u8; n as usize];
         u.unpack(&mut body, SendMode::Cheaper).unwrap();
         u.end_unpacking().unwrap();

@@ -436,7 +436,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "too long under Miri; the fuzz target covers it natively")]
+    #[cfg_attr(
+        miri,
+        ignore = "too long under Miri; the fuzz target covers it natively"
+    )]
     fn pseudo_random_garbage_never_panics() {
         // A small deterministic fuzz loop (xorshift); the real fuzzing uses the same entry points.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;

@@ -484,7 +484,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "20 000 inputs: minutes under Miri; the fuzz target covers it natively")]
+    #[cfg_attr(
+        miri,
+        ignore = "20 000 inputs: minutes under Miri; the fuzz target covers it natively"
+    )]
     fn garbage_is_an_error_not_a_panic() {
         // Unknown kind, bad magic, short fields, trailing bytes, bad UTF-8, lying counts.
         assert!(decode_frame(&frame_of(&[99])).is_err());
