@@ -7,7 +7,8 @@
 //! and serving as the smallest complete example of the driver contract. Use it with
 //! [`ThreadBootstrap`](crate::bootstrap::ThreadBootstrap).
 //!
-//! Spec: `mem[,buf=<bytes>][,frames=<n>][,copy_max=<bytes>]`. TMs: `copy` (Bmm::Copy, buffers
+//! Spec: `mem[,buf=<bytes>][,frames=<n>][,copy_max=<bytes>]` (`frames` ≤ 8: the frame pool is
+//! allocated at open, so nothing is allocated afterwards). TMs: `copy` (Bmm::Copy, buffers
 //! of `buf` bytes, default 4096) up to `copy_max` (default 1024), then `gather` (Bmm::Gather,
 //! groups of up to 8 slices). Each direction holds at most `frames` frames (default 64): a
 //! sender that finds it full gets `Poll::Pending` (back-pressure).
@@ -156,13 +157,21 @@ impl Driver for MemDriver {
                 .or_insert_with(|| {
                     let bells: Vec<Arc<Doorbell>> =
                         (0..size).map(|_| Arc::new(Doorbell::default())).collect();
+                    // Frames in existence never exceed the queue's bound plus the two the
+                    // receiver may hold (a copy frame and a group). For a small queue
+                    // (`frames` ≤ 8) allocate them all now, so the steady state allocates
+                    // nothing whatever the threads' interleaving (the engine's no-allocation
+                    // test runs over `mem,frames=8`); larger queues grow on demand.
+                    let pool = if p.frames <= 8 { p.frames + 2 } else { 0 };
                     let pipes = (0..size * size)
                         .map(|i| {
                             Arc::new(Pipe {
                                 st: Mutex::new(PipeState {
                                     frames: VecDeque::with_capacity(p.frames),
-                                    free: Vec::new(),
-                                    free_lens: Vec::new(),
+                                    free: (0..pool)
+                                        .map(|_| Vec::with_capacity(FRAME_CAPACITY))
+                                        .collect(),
+                                    free_lens: (0..pool).map(|_| Vec::with_capacity(16)).collect(),
                                     closed: false,
                                 }),
                                 cv: Condvar::new(),
