@@ -10,16 +10,22 @@
 //!   `bmm/gather_split`: 20 large pieces through a Gather TM of groups of 8 (three groups).
 //! * `mem_roundtrip/{1,4,16}`: pack and unpack of 1, 4, 16 small pieces through the in-process
 //!   `mem` driver (both ranks driven by one thread): engine + a strict in-memory driver.
+//! * `loop_roundtrip/{1,16}`: a message of 1 or 16 eight-byte pieces (the first received
+//!   EXPRESS, the rest CHEAPER) packed and unpacked through a *loopback* driver defined here
+//!   (one byte queue per direction, no locks taken twice, nothing waits): the engine's
+//!   per-message cost on both sides. `ENGINE_LOOP=N cargo bench --bench engine` runs N such
+//!   one-piece round trips without criterion and prints ns per message (for
+//!   `valgrind --tool=callgrind`, whose instruction counts do not depend on the machine's load).
 //!
 //! `cargo bench --bench engine -- --quick` (a short run); target: under 30 ns of engine
 //! overhead per small CHEAPER piece (`pack_null/16` time / 16).
 
 use std::io::IoSlice;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, Criterion, Throughput};
 use madeleine::bootstrap::ThreadBootstrap;
 use madeleine::driver::{
     AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
@@ -152,6 +158,189 @@ impl Driver for NullDriver {
     }
 }
 
+/// A loopback driver: each direction is one byte queue shared by the sending half of one rank
+/// and the receiving half of the other; nothing ever waits (a receive with no bytes is a bug
+/// of the benchmark, reported as `Pending`).
+#[derive(Clone, Copy)]
+struct LoopDriver;
+
+#[derive(Default)]
+struct ByteQueue {
+    bytes: Vec<u8>,
+    head: usize,
+}
+
+type Queues = Arc<Vec<Mutex<ByteQueue>>>;
+
+struct LoopTx {
+    q: Queues,
+    at: usize,
+}
+
+impl TxLink for LoopTx {
+    fn with_buffer(
+        &mut self,
+        _tm: TmId,
+        want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        let mut q = self.q[self.at].lock().expect("queue");
+        let old = q.bytes.len();
+        q.bytes.resize(old + want.max(1), 0);
+        let n = fill(&mut q.bytes[old..]);
+        q.bytes.truncate(old + n);
+        Ok(Poll::Ready(()))
+    }
+
+    fn send_refs(&mut self, _tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        let mut q = self.q[self.at].lock().expect("queue");
+        for s in iov {
+            q.bytes.extend_from_slice(s);
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        Ok(Poll::Ready(()))
+    }
+
+    fn abort_message(&mut self) -> AbortOutcome {
+        AbortOutcome::Discarded
+    }
+
+    fn wait(&mut self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+struct LoopRx {
+    q: Queues,
+    at: usize,
+}
+
+impl LoopRx {
+    fn take(&mut self, mut f: impl FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
+        let mut q = self.q[self.at].lock().expect("queue");
+        if q.head == q.bytes.len() {
+            return Ok(Poll::Pending);
+        }
+        let h = q.head;
+        let n = f(&q.bytes[h..]);
+        q.head += n;
+        if q.head == q.bytes.len() {
+            q.head = 0;
+            q.bytes.clear();
+        }
+        Ok(Poll::Ready(()))
+    }
+}
+
+impl RxLink for LoopRx {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        let q = self.q[self.at].lock().expect("queue");
+        Ok(if q.head < q.bytes.len() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        })
+    }
+
+    fn with_data(
+        &mut self,
+        _tm: TmId,
+        _want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        self.take(take)
+    }
+
+    fn recv_refs(&mut self, _tm: TmId, iov: &mut [std::io::IoSliceMut<'_>]) -> Result<Poll<()>> {
+        for d in iov.iter_mut() {
+            let mut off = 0;
+            while off < d.len() {
+                if self
+                    .take(|b| {
+                        let n = b.len().min(d.len() - off);
+                        d[off..off + n].copy_from_slice(&b[..n]);
+                        off += n;
+                        n
+                    })?
+                    .is_pending()
+                {
+                    return Ok(Poll::Pending);
+                }
+            }
+        }
+        Ok(Poll::Ready(()))
+    }
+
+    fn wait(&mut self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Driver for LoopDriver {
+    fn name(&self) -> &'static str {
+        "loop"
+    }
+
+    fn describe(&self) -> String {
+        "benchmark loopback".into()
+    }
+
+    fn tm_table(&self, _config: &ChannelConfig) -> Result<TmTable> {
+        TmTable::new([
+            TmSpec::copy("copy", 4096, "appended to the peer's byte queue"),
+            TmSpec::gather("gather", usize::MAX, 8, "appended to the peer's byte queue"),
+        ])
+    }
+
+    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+        Capabilities::default()
+    }
+
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        // One set of queues per channel name, shared by the two ranks of this process.
+        static QUEUES: Mutex<Option<Queues>> = Mutex::new(None);
+        let (rank, size) = (ctx.bootstrap.rank(), ctx.bootstrap.size());
+        assert_eq!(size, 2, "the loopback driver joins two ranks");
+        // Rank 0 makes the queues and publishes them before the barrier; rank 1 takes them after.
+        let mine: Option<Queues> = (rank == 0).then(|| {
+            let q: Queues = Arc::new((0..2).map(|_| Mutex::default()).collect());
+            *QUEUES.lock().expect("queues") = Some(q.clone());
+            q
+        });
+        ctx.bootstrap.barrier(&ctx.tag("queues"))?;
+        let q = match mine {
+            Some(q) => q,
+            None => QUEUES
+                .lock()
+                .expect("queues")
+                .take()
+                .expect("rank 0 published the queues"),
+        };
+        // Queue d carries rank d's messages to the other rank.
+        Ok(OpenedChannel {
+            links: (0..size)
+                .map(|p| {
+                    (p != rank).then(|| LinkPair {
+                        tx: Box::new(LoopTx {
+                            q: q.clone(),
+                            at: rank,
+                        }) as Box<dyn TxLink>,
+                        rx: Box::new(LoopRx {
+                            q: q.clone(),
+                            at: p,
+                        }) as Box<dyn RxLink>,
+                    })
+                })
+                .collect(),
+            incoming: Box::new(NullIncoming),
+            notes: Vec::new(),
+        })
+    }
+}
+
 /// Open the channel `spec` on a two-rank in-process session; returns both ranks' channels.
 fn pair(spec: &str) -> (Channel, Channel) {
     let spec = Arc::new(spec.to_string());
@@ -162,6 +351,7 @@ fn pair(spec: &str) -> (Channel, Channel) {
             std::thread::spawn(move || {
                 let s = Session::builder()
                     .driver(NullDriver)
+                    .driver(LoopDriver)
                     .driver(madeleine::mem::MemDriver)
                     .bootstrap(Box::new(b))
                     .build()
@@ -280,5 +470,64 @@ fn mem_roundtrip(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, select, pack_null, bmm, mem_roundtrip);
-criterion_main!(benches);
+/// One message of `k` eight-byte pieces from `a` to `b` (the first received EXPRESS).
+#[inline(never)]
+fn loop_once(a: &Channel, b: &Channel, data: &[u8], out: &mut [u8], k: usize) {
+    let mut p = a.begin_packing(1).expect("begin");
+    p.pack(&data[..8], RecvMode::Express).expect("pack");
+    for piece in data[8..].chunks(8).take(k - 1) {
+        p.pack(piece, RecvMode::Cheaper).expect("pack");
+    }
+    p.end_packing().expect("end");
+    let mut u = b.begin_unpacking_from(0).expect("begin unpack");
+    let (first, rest) = out.split_at_mut(8);
+    u.unpack_express(first, SendMode::Cheaper).expect("unpack");
+    for piece in rest.chunks_mut(8).take(k - 1) {
+        u.unpack(piece, SendMode::Cheaper).expect("unpack");
+    }
+    u.end_unpacking().expect("end unpack");
+}
+
+fn loop_roundtrip(c: &mut Criterion) {
+    let (a, b) = pair("loop");
+    let data = [5u8; 8 * 16];
+    let mut out = [0u8; 8 * 16];
+    let mut g = c.benchmark_group("loop_roundtrip");
+    for k in [1usize, 16] {
+        g.throughput(Throughput::Elements(k as u64));
+        g.bench_function(k.to_string(), |bch| {
+            bch.iter(|| loop_once(&a, &b, &data, &mut out, k))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    select,
+    pack_null,
+    bmm,
+    mem_roundtrip,
+    loop_roundtrip
+);
+
+fn main() {
+    if let Some(n) = std::env::var("ENGINE_LOOP")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        // A fixed number of one-piece round trips, for callgrind (no criterion, no sampling).
+        let (a, b) = pair("loop");
+        let data = [5u8; 8 * 16];
+        let mut out = [0u8; 8 * 16];
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            loop_once(&a, &b, &data, &mut out, 1);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / n as f64;
+        println!("engine loop: {n} one-piece messages, {ns:.1} ns per message (send + receive)");
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -25,6 +25,8 @@ pub(crate) struct TxState {
     pub(crate) link: Box<dyn TxLink>,
     pub(crate) seq: u32,
     pub(crate) broken: Option<String>,
+    /// The lists a `Packer` borrows for its message (see `lists.rs`).
+    pub(crate) spare: crate::pack::TxSpare,
 }
 
 pub(crate) struct RxState {
@@ -33,6 +35,8 @@ pub(crate) struct RxState {
     pub(crate) broken: Option<String>,
     /// Whether the failure in `broken` was already reported by an any-source receive.
     pub(crate) reported: bool,
+    /// The lists an `Unpacker` borrows for its message (see `lists.rs`).
+    pub(crate) spare: crate::unpack::RxSpare,
 }
 
 /// A number for the calling thread, never 0 (cheaper than `thread::current().id()`).
@@ -267,12 +271,14 @@ impl ChannelInner {
                             link: l.tx,
                             seq: 0,
                             broken: None,
+                            spare: Default::default(),
                         }),
                         rx: Half::new(RxState {
                             link: l.rx,
                             seq: 0,
                             broken: None,
                             reported: false,
+                            spare: Default::default(),
                         }),
                         hint: AtomicBool::new(false),
                         sent: LinkCounters::default(),
@@ -450,6 +456,7 @@ impl ChannelInner {
 impl Channel {
     /// Start a message to `remote`. Blocks while another thread sends to the same peer on this
     /// channel (a connection carries one message at a time in each direction).
+    #[inline]
     pub fn begin_packing<'b>(&self, remote: usize) -> Result<Packer<'_, 'b>> {
         Packer::start(&self.inner, remote)
     }
@@ -483,6 +490,7 @@ impl Channel {
     }
 
     /// Start receiving the next message from `remote`.
+    #[inline]
     pub fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         let conn = inner.conn(remote)?;

@@ -20,7 +20,7 @@ use std::io::IoSlice;
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
-use crate::lists::{InlineList, RefList, INLINE};
+use crate::lists::{Cells, Family, Slices, Spare};
 use crate::modes::{RecvMode, SendMode};
 use crate::wire;
 
@@ -92,12 +92,27 @@ use crate::wire;
 /// ```
 pub struct Packer<'c, 'b> {
     st: PackState<'c>,
-    group: RefList<'b>,
-    tail: InlineList<&'b [Cell<u8>], INLINE>,
+    group: Vec<IoSlice<'b>>,
+    tail: Vec<&'b [Cell<u8>]>,
     held: Vec<Held<'b>>,
 }
 
-enum Held<'b> {
+/// The lists a connection's sending direction lends to each message (see `lists.rs`).
+#[derive(Default)]
+pub(crate) struct TxSpare {
+    group: Spare<Slices>,
+    /// A gather group extended by a SAFER piece that is only borrowed for one call.
+    tmp: Spare<Slices>,
+    tail: Spare<Cells>,
+    held: Spare<HeldPieces>,
+}
+
+pub(crate) struct HeldPieces;
+impl Family for HeldPieces {
+    type At<'b> = Held<'b>;
+}
+
+pub(crate) enum Held<'b> {
     Cheaper(&'b [u8], RecvMode),
     Safer(Vec<u8>, RecvMode),
     Later(&'b [Cell<u8>], RecvMode),
@@ -245,6 +260,7 @@ impl Drop for PackState<'_> {
 }
 
 impl<'c, 'b> Packer<'c, 'b> {
+    #[inline]
     pub(crate) fn start(ch: &'c ChannelInner, remote: usize) -> Result<Packer<'c, 'b>> {
         let conn = ch.conn(remote)?;
         let mut tx = conn.tx.lock().ok_or(Error::InUse {
@@ -265,7 +281,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             checked: ch.config.checked,
             seq: tx.seq,
         });
-        let st = PackState {
+        let mut st = PackState {
             ch,
             remote,
             tx,
@@ -278,12 +294,23 @@ impl<'c, 'b> Packer<'c, 'b> {
             bytes: 0,
             header: Some(header),
         };
+        let spare = &mut st.tx.spare;
+        let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
         Ok(Packer {
             st,
-            group: RefList::new(),
-            tail: InlineList::new(),
-            held: Vec::new(),
+            group,
+            tail,
+            held,
         })
+    }
+
+    /// Give the lists back to the connection for its next message (emptied).
+    #[inline]
+    fn recycle(&mut self) {
+        let spare = &mut self.st.tx.spare;
+        spare.group.restore(std::mem::take(&mut self.group));
+        spare.tail.restore(std::mem::take(&mut self.tail));
+        spare.held.restore(std::mem::take(&mut self.held));
     }
 
     #[inline]
@@ -325,7 +352,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             return Ok(());
         }
         let tm = self.st.cur;
-        self.st.send_group(tm, self.group.as_slice())?;
+        self.st.send_group(tm, &self.group)?;
         self.group.clear();
         Ok(())
     }
@@ -369,12 +396,12 @@ impl<'c, 'b> Packer<'c, 'b> {
             Bmm::Copy => self.st.copy_in(tm, d),
             Bmm::Gather => {
                 // The memory is only ours for this call: send the group now.
-                let mut tmp: RefList<'_> = RefList::new();
-                for s in self.group.as_slice() {
-                    tmp.push(*s);
-                }
+                let mut tmp = self.st.tx.spare.tmp.lend();
+                tmp.extend_from_slice(&self.group);
                 tmp.push(IoSlice::new(d));
-                self.st.send_group(tm, tmp.as_slice())?;
+                let r = self.st.send_group(tm, &tmp);
+                self.st.tx.spare.tmp.restore(tmp);
+                r?;
                 self.group.clear();
                 Ok(())
             }
@@ -456,7 +483,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[allow(unsafe_code)]
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
-        let held = std::mem::take(&mut self.held);
+        let mut held = std::mem::take(&mut self.held);
         self.st.holding = false;
         for h in &held {
             match h {
@@ -471,13 +498,15 @@ impl<'c, 'b> Packer<'c, 'b> {
                 Held::Desc(d) => self.emit_desc(d)?,
             }
         }
+        held.clear();
+        self.held = held; // (kept for the connection's next message)
         if self.st.checked {
             self.emit_desc(&wire::encode_desc(PieceOrEnd::End {
                 pieces: self.st.index,
             }))?;
         }
         for i in 0..self.tail.len() {
-            let c = self.tail.as_slice()[i];
+            let c = self.tail[i];
             // SAFETY: as above: inside end_packing, no user code runs, cells are `!Sync`.
             let bytes = unsafe { later::bytes(c) };
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
@@ -582,6 +611,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// when this returns every CHEAPER piece's memory is released.
     pub fn end_packing(mut self) -> Result<()> {
         let r = self.finish_inner();
+        self.recycle();
         match r {
             Ok(()) => {
                 let st = &mut self.st;

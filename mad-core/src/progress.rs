@@ -160,29 +160,36 @@ impl ProgressPolicy {
         mut block: impl FnMut(&mut S, Duration) -> Result<()>,
         mark: impl Fn(&S) -> u64,
     ) -> Result<T> {
-        let (_waiting, waiters) = Waiting::enter();
-        let crowded = self.oversubscribed || waiters > SHARE.load(Ordering::Relaxed);
+        // The process-wide count of waiting threads (two atomic read-modify-writes) is taken at
+        // the first look at the clock, not on entry: most waits end before it (a ping-pong's
+        // reply), and crowding only matters once the spin phase is over.
+        let mut waiting: Option<Waiting> = None;
+        let mut crowded = self.oversubscribed;
         // Most waits end within a few attempts: read the clock only when it is needed (block
         // mode, or every 32 attempts), not on entry.
         let mut start: Option<Instant> = None;
         let mut deadline: Option<Instant> = None;
         let mut last_mark = mark(state);
-        let (spin, yield_for) = match self.mode {
-            ProgressMode::Poll => (Duration::MAX, Duration::ZERO),
-            ProgressMode::Block => (Duration::ZERO, Duration::ZERO),
-            ProgressMode::Adaptive { spin } => {
-                if crowded {
-                    (spin.min(OVERSUBSCRIBED_SPIN), Duration::from_micros(200))
-                } else {
-                    (spin, Duration::from_micros(20))
+        let phases = |crowded: bool| -> (Duration, Duration, Duration) {
+            let (spin, yield_for) = match self.mode {
+                ProgressMode::Poll => (Duration::MAX, Duration::ZERO),
+                ProgressMode::Block => (Duration::ZERO, Duration::ZERO),
+                ProgressMode::Adaptive { spin } => {
+                    if crowded {
+                        (spin.min(OVERSUBSCRIBED_SPIN), Duration::from_micros(200))
+                    } else {
+                        (spin, Duration::from_micros(20))
+                    }
                 }
-            }
+            };
+            let poll_yield_after = if crowded {
+                Duration::ZERO
+            } else {
+                POLL_YIELD_AFTER
+            };
+            (spin, yield_for, poll_yield_after)
         };
-        let poll_yield_after = if crowded {
-            Duration::ZERO
-        } else {
-            POLL_YIELD_AFTER
-        };
+        let (mut spin, mut yield_for, mut poll_yield_after) = phases(crowded);
         let mut i: u32 = 0;
         loop {
             i = i.wrapping_add(1);
@@ -192,6 +199,12 @@ impl ProgressPolicy {
                 None
             };
             if let Some(now) = now {
+                if waiting.is_none() {
+                    let (w, waiters) = Waiting::enter();
+                    waiting = Some(w);
+                    crowded = self.oversubscribed || waiters > SHARE.load(Ordering::Relaxed);
+                    (spin, yield_for, poll_yield_after) = phases(crowded);
+                }
                 let began = *start.get_or_insert_with(|| {
                     deadline = self.op_timeout.map(|t| now + t);
                     now

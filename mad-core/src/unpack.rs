@@ -10,7 +10,7 @@ use std::io::IoSliceMut;
 use crate::channel::{ChannelInner, HalfGuard, RxState};
 use crate::driver::{Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
-use crate::lists::MutList;
+use crate::lists::{MutSlices, Spare};
 use crate::modes::{RecvMode, SendMode};
 use crate::wire;
 
@@ -51,8 +51,17 @@ use crate::wire;
 /// from that peer on this channel return [`Error::Poisoned`].
 pub struct Unpacker<'c, 'b> {
     st: UnpackState<'c>,
-    group: MutList<'b>,
-    tail: MutList<'b>,
+    group: Vec<IoSliceMut<'b>>,
+    tail: Vec<IoSliceMut<'b>>,
+}
+
+/// The lists a connection's receiving direction lends to each message (see `lists.rs`).
+#[derive(Default)]
+pub(crate) struct RxSpare {
+    group: Spare<MutSlices>,
+    /// A gather group ended by an EXPRESS piece that is only borrowed for one call.
+    tmp: Spare<MutSlices>,
+    tail: Spare<MutSlices>,
 }
 
 /// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
@@ -149,6 +158,7 @@ impl Drop for UnpackState<'_> {
 }
 
 impl<'c, 'b> Unpacker<'c, 'b> {
+    #[inline]
     pub(crate) fn start(
         ch: &'c ChannelInner,
         remote: usize,
@@ -183,11 +193,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         match r {
             Ok(hdr) => {
                 st.checked = hdr.checked;
-                Ok(Unpacker {
-                    st,
-                    group: MutList::new(),
-                    tail: MutList::new(),
-                })
+                let spare = &mut st.rx().spare;
+                let (group, tail) = (spare.group.lend(), spare.tail.lend());
+                Ok(Unpacker { st, group, tail })
             }
             Err(e) => {
                 st.fail(format!("bad message start: {e}"));
@@ -213,8 +221,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         if let Err(e) = &r {
             if !self.st.done {
                 self.st.fail(format!("unpack failed: {e}"));
-                self.group.clear();
-                self.tail.clear();
+                self.recycle();
                 self.st.release();
             }
         }
@@ -238,7 +245,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return Ok(());
         }
         let tm = self.st.cur;
-        self.st.recv_group(tm, self.group.as_mut_slice())?;
+        self.st.recv_group(tm, &mut self.group)?;
         self.group.clear();
         Ok(())
     }
@@ -305,10 +312,14 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             Bmm::Copy => self.st.copy_out(tm, buf),
             Bmm::Gather => {
                 // The group ends with this piece (the sender flushed it after an EXPRESS piece).
-                let mut tmp: MutList<'_, 17> = MutList::new();
-                self.group.drain_into(&mut tmp);
+                let mut tmp = self.st.rx().spare.tmp.lend();
+                // Not `append`: `tmp` borrows for this call only, a shorter lifetime than the group's.
+                #[allow(clippy::extend_with_drain)]
+                tmp.extend(self.group.drain(..));
                 tmp.push(IoSliceMut::new(buf));
-                self.st.recv_group(tm, tmp.as_mut_slice())
+                let r = self.st.recv_group(tm, &mut tmp);
+                self.st.rx().spare.tmp.restore(tmp);
+                r
             }
         }
     }
@@ -346,9 +357,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 });
             }
         }
-        let mut tail = std::mem::replace(&mut self.tail, MutList::new());
-        for b in tail.take_all() {
-            self.recv_ref(b, SendMode::Later)?;
+        if !self.tail.is_empty() {
+            let mut tail = std::mem::take(&mut self.tail);
+            for b in tail.drain(..) {
+                self.recv_ref(b, SendMode::Later)?;
+            }
+            self.tail = tail; // (kept for the connection's next message)
         }
         self.flush_group()?;
         let cur = self.st.cur;
@@ -400,9 +414,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.unpack(bytemuck::cast_slice_mut(v), s)
     }
 
+    /// Give the lists back to the connection for its next message (emptied).
+    #[inline]
+    fn recycle(&mut self) {
+        if let Some(rx) = self.st.rx.as_deref_mut() {
+            rx.spare.group.restore(std::mem::take(&mut self.group));
+            rx.spare.tail.restore(std::mem::take(&mut self.tail));
+        }
+    }
+
     /// Finish the message: every CHEAPER destination is filled when this returns.
     pub fn end_unpacking(mut self) -> Result<()> {
         let r = self.finish_inner();
+        self.recycle();
         match r {
             Ok(()) => {
                 let st = &mut self.st;

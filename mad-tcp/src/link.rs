@@ -115,12 +115,15 @@ impl Liveness {
             return Ok(());
         }
         let cause = self.lost.get_or_init(|| {
+            let [retrans, probes, backoff, unacked, rto] = k.raw;
             format!(
                 "rank {} unreachable: nothing received for {} ms while the kernel waited for \
-                 an acknowledgement (liveness bound {} ms)",
+                 an acknowledgement (liveness bound {} ms; retransmissions {retrans}, probes \
+                 {probes}, backoff {backoff}, unacknowledged segments {unacked}, rto {} ms)",
                 self.peer,
                 k.silent.as_millis(),
-                self.bound.as_millis()
+                self.bound.as_millis(),
+                rto / 1000
             )
         });
         let _ = self.sock.shutdown(Shutdown::Both);

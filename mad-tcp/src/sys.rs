@@ -84,12 +84,17 @@ pub fn set_keepalive(fd: RawFd, horizon: Duration) -> io::Result<()> {
 pub struct TcpState {
     /// Time since anything (data or acknowledgement) last came from the peer.
     pub silent: Duration,
-    /// The kernel is waiting for an answer that has not come: retransmissions of unacknowledged
-    /// data, or zero-window / keepalive probes. A peer that answers its probes (even with a
-    /// closed window: a live receiver that does not read) clears this.
+    /// The kernel is waiting for an answer that has not come: a retransmission of
+    /// unacknowledged data with no acknowledgement since it left, or zero-window / keepalive
+    /// probes. A peer that answers (even with a closed window: a live receiver that does not
+    /// read, whose sender then retransmits into the closed window with backed-off timers)
+    /// clears this.
     pub unanswered: bool,
     /// The connection is closed or closing (`TCP_CLOSE`, `TCP_TIME_WAIT`, ...), not established.
     pub established: bool,
+    /// `tcpi_retransmits`, `tcpi_probes`, `tcpi_backoff`, `tcpi_unacked`, `tcpi_rto` (µs):
+    /// for messages.
+    pub raw: [u32; 5],
 }
 
 /// `TCP_ESTABLISHED` of `<netinet/tcp.h>` (the `tcpi_state` of a connection in data transfer).
@@ -113,10 +118,23 @@ pub fn tcp_state(fd: RawFd) -> io::Result<TcpState> {
     };
     cvt(r)?;
     let silent_ms = info.tcpi_last_data_recv.min(info.tcpi_last_ack_recv);
+    // `tcpi_retransmits` stays above 0 for as long as the oldest unacknowledged byte is not
+    // acknowledged, which includes a closed window (no acknowledgement can advance); what tells
+    // a peer that answers from one that does not is whether anything came back since our last
+    // transmission (`tcpi_last_*` are milliseconds since the event).
+    let retrans_unanswered =
+        info.tcpi_retransmits > 0 && info.tcpi_last_ack_recv >= info.tcpi_last_data_sent;
     Ok(TcpState {
         silent: Duration::from_millis(silent_ms as u64),
-        unanswered: info.tcpi_retransmits > 0 || info.tcpi_probes > 0,
+        unanswered: retrans_unanswered || info.tcpi_probes > 0,
         established: info.tcpi_state == TCP_ESTABLISHED,
+        raw: [
+            info.tcpi_retransmits as u32,
+            info.tcpi_probes as u32,
+            info.tcpi_backoff as u32,
+            info.tcpi_unacked,
+            info.tcpi_rto,
+        ],
     })
 }
 

@@ -188,7 +188,7 @@ fn slow_reader_is_not_a_dead_peer() {
         run(
             2,
             &format!("tcp,liveness_ms=1000,progress={progress},timeout_ms=60000"),
-            |rank, ch| {
+            move |rank, ch| {
                 let n = 32 << 20;
                 if rank == 0 {
                     let a: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
@@ -196,8 +196,11 @@ fn slow_reader_is_not_a_dead_peer() {
                     p.pack(&a, RecvMode::Cheaper).unwrap();
                     p.end_packing().expect("a slow reader is not a dead peer");
                 } else {
-                    // Compute for three liveness bounds before reading anything.
-                    thread::sleep(Duration::from_millis(3000));
+                    // Compute for three liveness bounds before reading anything (six in adaptive
+                    // mode: the sender's retransmissions into the closed window back off to
+                    // 1.6 and 3.2 s apart, longer than the bound, each one answered).
+                    let ms = if progress == "adaptive" { 6000 } else { 3000 };
+                    thread::sleep(Duration::from_millis(ms));
                     let mut a = vec![0u8; n];
                     let mut u = ch.begin_unpacking().unwrap();
                     u.unpack(&mut a, SendMode::Cheaper).unwrap();
