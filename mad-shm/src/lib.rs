@@ -180,9 +180,13 @@ impl Driver for ShmDriver {
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
         let o = options(config)?;
+        // With `auto` the `cma` TM is always in the table, whatever this process's self-check
+        // says: every rank must build the same table (its fingerprint is compared at open),
+        // and a host where CMA is refused to some ranks only (one under a seccomp profile)
+        // must fall back, not fail. The open's probe and vote choose the path.
         let cma = match o.cma {
             CmaWish::Off => false,
-            CmaWish::Auto => cma_supported(),
+            CmaWish::Auto => true,
             CmaWish::Ring => true,
             CmaWish::On => {
                 if !cma_supported() {
@@ -297,6 +301,10 @@ impl Driver for ShmDriver {
         } else {
             String::new()
         };
+        if cma_ok && !cma_supported() {
+            cma_ok = false;
+            why = format!("process_vm_readv is not permitted in rank {me}");
+        }
         if cma_ok {
             for (r, p) in peers.iter().enumerate() {
                 let Some(MappedPeer { info: pi, .. }) = p else {
@@ -378,8 +386,7 @@ impl Driver for ShmDriver {
             watched.len()
         )];
         notes.push(match (cma_tm, path) {
-            (None, _) if o.cma == CmaWish::Off => "shm: CMA disabled (cma=off): large pieces are pipelined through the ring".into(),
-            (None, _) => "shm: CMA not permitted by this kernel: large pieces are pipelined through the ring".into(),
+            (None, _) => "shm: CMA disabled (cma=off): large pieces are pipelined through the ring".into(),
             (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
             (Some(_), GatherPath::Ring) => format!(
                 "shm: CMA not permitted between every pair of ranks{}: `cma` pieces are streamed through the ring",
