@@ -14,10 +14,18 @@
 //! alone, then while one server thread per client saturates the video channel. (Send times are
 //! the wall clock: on several hosts, synchronise their clocks or read the numbers as offsets.)
 //!
+//! Threads are placed as a media server places them: with at least two CPUs, every video
+//! thread (the server's senders, the clients' receivers) runs on the last CPU and every subtitle
+//! thread on the first, so the bulk transfers saturate their channel and their core without
+//! taking the core the latency-sensitive stream needs (`madeleine::affinity`). `--no-pin` lets
+//! the scheduler place them: on a host with fewer cores than busy threads the subtitles then
+//! wait for a core, and the report shows by how much. Each client ends with a verdict line
+//! comparing its two phases.
+//!
 //! Options: `--video NAME|SPEC` (default `shm`), `--text NAME|SPEC` (default `tcp`), `--frame
 //! SIZE` (default 1m), `--subs N` (subtitles per phase, default 400), `--interval µs` (between
-//! subtitles, default 1000), `--quick` (50 subtitles of 200 µs intervals, 256 KiB frames, for
-//! CI).
+//! subtitles, default 1000), `--no-pin`, `--quick` (50 subtitles of 200 µs intervals, 256 KiB
+//! frames, for CI).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -57,6 +65,17 @@ struct Opts {
     frame: usize,
     subs: usize,
     interval: Duration,
+    pin: bool,
+}
+
+/// Put the calling thread where its stream belongs (see the module documentation); does
+/// nothing with `--no-pin` or on a single CPU.
+fn place(o: &Opts, video: bool) -> Result<()> {
+    let n = madeleine::affinity::cpu_count();
+    if o.pin && n >= 2 {
+        madeleine::affinity::pin_current_thread(Some(if video { n - 1 } else { 0 }))?;
+    }
+    Ok(())
 }
 
 fn opts() -> Result<Opts> {
@@ -66,6 +85,7 @@ fn opts() -> Result<Opts> {
         frame: 1 << 20,
         subs: 400,
         interval: Duration::from_micros(1000),
+        pin: true,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -92,6 +112,7 @@ fn opts() -> Result<Opts> {
                 let v = val("microseconds")?;
                 o.interval = Duration::from_micros(v.parse().map_err(|_| bad(&v))?);
             }
+            "--no-pin" => o.pin = false,
             "--quick" => {
                 o.subs = 50;
                 o.interval = Duration::from_micros(200);
@@ -157,15 +178,25 @@ fn run() -> Result<()> {
             "media_server needs a server and a client".into(),
         ));
     }
+    place(&o, false)?; // this thread carries the subtitles
     let video = open(&session, "video", &o.video)?;
     let text = open(&session, "text", &o.text)?;
     if session.rank() == 0 {
+        let cpus = madeleine::affinity::cpu_count();
         println!(
-            "server: video on `{}`, subtitles on `{}`, {} clients, {} B frames",
+            "server: video on `{}`, subtitles on `{}`, {} clients, {} B frames, {}",
             video.config().driver,
             text.config().driver,
             session.size() - 1,
-            o.frame
+            o.frame,
+            if o.pin && cpus >= 2 {
+                format!(
+                    "video threads on CPU {}, subtitle threads on CPU 0",
+                    cpus - 1
+                )
+            } else {
+                "threads placed by the scheduler".to_string()
+            }
         );
         for with_video in [false, true] {
             // Every client is listening before the phase starts (latency, not start-up time).
@@ -176,16 +207,27 @@ fn run() -> Result<()> {
         }
         Ok(())
     } else {
-        let mut lines = Vec::new();
+        let mut phases = Vec::new();
         for with_video in [false, true] {
             session
                 .bootstrap()
                 .barrier(&format!("media/{with_video}"))?;
-            lines.push(watch_phase(&video, &text, with_video)?);
+            phases.push(watch_phase(&video, &text, with_video, &o)?);
         }
-        for l in lines {
-            println!("rank {}: {l}", session.rank());
+        for (line, _) in &phases {
+            println!("rank {}: {line}", session.rank());
         }
+        let (alone, loaded) = (phases[0].1, phases[1].1);
+        println!(
+            "rank {}: verdict: subtitle median {loaded:.1} µs with the video running vs {alone:.1} µs alone (×{:.2}; {})",
+            session.rank(),
+            loaded / alone.max(1e-9),
+            if o.pin && madeleine::affinity::cpu_count() >= 2 {
+                "threads pinned apart"
+            } else {
+                "threads not pinned: they share the cores"
+            }
+        );
         Ok(())
     }
 }
@@ -200,7 +242,10 @@ fn serve_phase(video: &Channel, text: &Channel, o: &Opts, with_video: bool) -> R
         if with_video {
             for &c in &clients {
                 let stop = &stop;
-                senders.push(s.spawn(move || send_video(video, c, o.frame, stop)));
+                senders.push(s.spawn(move || {
+                    place(o, true)?;
+                    send_video(video, c, o.frame, stop)
+                }));
             }
         }
         let subs = (|| -> Result<()> {
@@ -282,10 +327,20 @@ fn send_video(video: &Channel, client: usize, size: usize, stop: &AtomicBool) ->
 }
 
 /// One phase on a client: a subtitle thread and, with video, a frame thread. Returns the
-/// report line.
-fn watch_phase(video: &Channel, text: &Channel, with_video: bool) -> Result<String> {
-    std::thread::scope(|s| -> Result<String> {
-        let frames = with_video.then(|| s.spawn(|| receive_video(video)));
+/// report line and the subtitles' median latency (µs).
+fn watch_phase(
+    video: &Channel,
+    text: &Channel,
+    with_video: bool,
+    o: &Opts,
+) -> Result<(String, f64)> {
+    std::thread::scope(|s| -> Result<(String, f64)> {
+        let frames = with_video.then(|| {
+            s.spawn(|| {
+                place(o, true)?;
+                receive_video(video)
+            })
+        });
         let mut lat = Vec::new();
         let subs = (|| -> Result<()> {
             let mut expect = 0u64;
@@ -343,7 +398,7 @@ fn watch_phase(video: &Channel, text: &Channel, with_video: bool) -> Result<Stri
                 bytes as f64 / secs.max(1e-9) / 1e6
             );
         }
-        Ok(line)
+        Ok((line, pct(0.5)))
     })
 }
 

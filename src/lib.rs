@@ -25,6 +25,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod affinity;
 mod local;
 pub use local::{in_session, run_local_if_alone};
 

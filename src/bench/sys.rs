@@ -183,54 +183,12 @@ impl Ring<'_> {
     }
 }
 
-/// The CPUs this process could run on when first asked (before any pinning).
-fn allowed_cpus() -> Result<&'static [usize]> {
-    static CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
-    if let Some(v) = CPUS.get() {
-        return Ok(v);
-    }
-    // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is the calling thread; `set` is a writable cpu_set_t of the size passed.
-    let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    if rc != 0 {
-        return Err(Error::io(
-            "sched_getaffinity",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    let v: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-        // SAFETY: `c` is below CPU_SETSIZE, the size of the bit array.
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect();
-    Ok(CPUS.get_or_init(|| v))
-}
-
 /// Number of CPUs this process may use (before any pinning).
 pub fn cpu_count() -> usize {
-    allowed_cpus().map_or(1, |v| v.len().max(1))
+    madeleine::affinity::cpu_count()
 }
 
-/// Pin the calling thread (and threads it creates later) to the `cpu`-th allowed CPU, or back
-/// to every allowed CPU with `None`.
+/// Pin the calling thread to the `cpu`-th allowed CPU, or back to all with `None`.
 pub fn pin(cpu: Option<usize>) -> Result<()> {
-    let cpus = allowed_cpus()?;
-    // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for (i, &c) in cpus.iter().enumerate() {
-        if cpu.map_or(true, |want| want % cpus.len() == i) {
-            // SAFETY: `c` came from CPU_ISSET over 0..CPU_SETSIZE, so it is in range.
-            unsafe { libc::CPU_SET(c, &mut set) };
-        }
-    }
-    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the size passed.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    if rc != 0 {
-        return Err(Error::io(
-            format!("sched_setaffinity({cpu:?})"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    madeleine::affinity::pin_current_thread(cpu)
 }
