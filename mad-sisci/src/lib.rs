@@ -30,6 +30,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod fabric;
 pub mod layout;
 pub mod link;
 pub mod segment;
@@ -43,6 +44,7 @@ use mad_core::driver::{
 };
 use mad_core::{Error, Result};
 
+use fabric::{Local, LocalRx, LocalTx};
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
 use mad_core::hostmem::{self, MappedPeer};
@@ -338,8 +340,19 @@ impl Driver for SisciDriver {
                 watch: watch.clone(),
             });
             links[r] = Some(LinkPair {
-                tx: Box::new(SciTx::new(r, ends.clone(), seg, watch.clone())),
-                rx: Box::new(SciRx::new(r, ends, own.clone(), watch, shared)),
+                tx: Box::new(SciTx::<Local>::new(
+                    r,
+                    ends.clone(),
+                    LocalTx::new(seg),
+                    watch.clone(),
+                )),
+                rx: Box::new(SciRx::<Local>::new(
+                    r,
+                    ends,
+                    LocalRx::new(own.clone()),
+                    watch,
+                    shared,
+                )),
             });
         }
         let notes = vec![format!(
@@ -353,7 +366,7 @@ impl Driver for SisciDriver {
         )];
         Ok(OpenedChannel {
             links,
-            incoming: Box::new(SciIncoming::new(own, o.geom, watched)),
+            incoming: Box::new(SciIncoming::<Local>::new(own, o.geom, watched)),
             notes,
         })
     }
