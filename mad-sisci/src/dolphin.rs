@@ -49,10 +49,11 @@
 //!
 //! Dropping the channel releases in reverse order through the `Arc` chain: the halves publish
 //! their close flags, then each [`RemoteSegment`] (sequence, unmap, disconnect), the DMA
-//! queues, the [`LocalSegment`] (unavailable, unmap, remove: `SCI_ERR_BUSY` while peers are
-//! still connected is retried for [`RELEASE_PATIENCE`](crate::sys::RELEASE_PATIENCE)), the
-//! descriptor (`SCIClose`) and, with the last user in the process, `SCITerminate` and
-//! `dlclose`.
+//! queues, the [`LocalSegment`] (unavailable, unmap, remove), the descriptor (`SCIClose`)
+//! and, with the last user in the process, `SCITerminate` and `dlclose`. The local segment
+//! is removed only after every connection of this process to its peers is closed (each
+//! [`RemoteSegment`] holds it); removal while peers are still connected (they close later)
+//! answers `SCI_ERR_BUSY` and is finished by a background thread (see [`crate::sys`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -532,6 +533,7 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
         }
         let rs = RemoteSegment::connect(
             &desc,
+            &own,
             pr.node,
             pr.segment,
             o.adapter_no,

@@ -11,8 +11,16 @@
 //! | [`RemoteSegment`] | `SCIConnectSegment`, `SCIMapRemoteSegment`, `SCICreateMapSequence` | `SCIRemoveSequence`, `SCIUnmapSegment`, `SCIDisconnectSegment` |
 //! | [`DmaQueue`] | `SCICreateDMAQueue` | `SCIRemoveDMAQueue` |
 //!
-//! Each holds an `Arc` of what it was made from (segment → descriptor → library), so the
-//! release order is the reverse of the acquisition order whatever order the owners drop in.
+//! Each holds an `Arc` of what it was made from (segment → descriptor → library), and every
+//! [`RemoteSegment`] holds this process's [`LocalSegment`], so the release order is the reverse
+//! of the acquisition order whatever order the owners drop in: connections to peers are
+//! closed before this process's segment is removed. That matters because SISCI refuses
+//! (`SCI_ERR_BUSY`) to remove a segment that peers are still connected to: if every rank
+//! removed its own segment first, each would wait for the others. A release that still
+//! answers `SCI_ERR_BUSY` (a peer that has not closed the channel yet) is finished by a
+//! background thread that retries every 10 ms, with the remaining steps in order and the
+//! descriptor held until they are done ([`release`]): a drop never blocks on a peer, and
+//! nothing is closed under a live object.
 //! The mapped memory is handed to the protocol as a [`Region`] whose keep-alive is the segment
 //! itself. Every SISCI error code becomes a [`SciError`], converted to the crate's typed
 //! errors in one place ([`SciError::to_error`]).
@@ -708,31 +716,79 @@ impl Drop for Desc {
     }
 }
 
-/// Call `release(h, 0, &err)` until it stops answering `SCI_ERR_BUSY`, for at most about
-/// `patience` (a peer may still be disconnecting). Returns the last error.
+/// One release call of a drop sequence: `call(h, 0, &err)`.
+#[derive(Clone, Copy)]
+struct Step {
+    call: FnRelease,
+    h: SciHandle,
+}
+
+/// The steps of a release that SISCI answered `SCI_ERR_BUSY`, and what must outlive them.
+struct Leftover {
+    steps: Vec<Step>,
+    _keep: Box<dyn std::any::Any + Send>,
+}
+
+// SAFETY: the handles are only passed to SISCI release calls, on the reaper thread, after
+// their owner is gone (see `release`).
+unsafe impl Send for Leftover {}
+
+/// How often a busy release is retried.
+pub const REAP_EVERY: Duration = Duration::from_millis(10);
+
+/// Run `steps` in order, each until it stops answering `SCI_ERR_BUSY`; the first busy one
+/// and the rest are handed, with `keep` (the descriptor, and anything else that must be
+/// released after them), to a background thread that retries every [`REAP_EVERY`]. Without
+/// a thread (spawn failure) they are left to the SISCI driver's cleanup at process exit, and
+/// `keep` is leaked so that nothing is closed under them.
 ///
 /// # Safety
 ///
-/// `release` must be the SISCI call that releases handles of `h`'s kind, `h` must be live,
-/// and nothing may use `h` afterwards.
-unsafe fn release_patiently(release: FnRelease, h: SciHandle, patience: Duration) -> SciErrorCode {
-    let step = Duration::from_millis(10);
-    let mut waited = Duration::ZERO;
-    loop {
+/// Each step's `call` must be the SISCI call that releases handles of its `h`'s kind; each
+/// `h` must be live and not used again by the caller; the steps must be in a valid release
+/// order.
+unsafe fn release(steps: &[Step], keep: Box<dyn std::any::Any + Send>) {
+    for (i, st) in steps.iter().enumerate() {
         let mut err = SCI_ERR_OK;
-        // SAFETY: the caller's contract: a live handle of the kind `release` takes; a BUSY
-        // answer leaves it live, so calling again is allowed.
-        unsafe { release(h, 0, &mut err) };
-        if !SciError::new("", err).is_busy() || waited >= patience {
-            return err;
+        // SAFETY: the caller's contract: a live handle of the kind `call` takes, released in
+        // order.
+        unsafe { (st.call)(st.h, 0, &mut err) };
+        if SciError::new("", err).is_busy() {
+            let left = Leftover {
+                steps: steps[i..].to_vec(),
+                _keep: keep,
+            };
+            // Shared with the thread, so that a failed spawn (which drops the closure) does
+            // not drop the leftover: it is then leaked, and nothing is closed under it.
+            let slot = Arc::new(Mutex::new(Some(left)));
+            let theirs = slot.clone();
+            let spawned = std::thread::Builder::new()
+                .name("sisci-release".into())
+                .spawn(move || {
+                    let taken = theirs.lock().map(|mut g| g.take()).unwrap_or(None);
+                    let Some(left) = taken else { return };
+                    for st in &left.steps {
+                        loop {
+                            let mut err = SCI_ERR_OK;
+                            // SAFETY: as above; a BUSY answer leaves the handle live, so the
+                            // call may be repeated.
+                            unsafe { (st.call)(st.h, 0, &mut err) };
+                            if !SciError::new("", err).is_busy() {
+                                break;
+                            }
+                            std::thread::sleep(REAP_EVERY);
+                        }
+                    }
+                });
+            if spawned.is_err() {
+                if let Some(left) = slot.lock().ok().and_then(|mut g| g.take()) {
+                    std::mem::forget(left);
+                }
+            }
+            return;
         }
-        std::thread::sleep(step);
-        waited += step;
     }
 }
-
-/// How long a drop waits for a segment that is still in use by peers.
-pub const RELEASE_PATIENCE: Duration = Duration::from_secs(2);
 
 // ---------------------------------------------------------------------------------------------
 // Local segment.
@@ -853,14 +909,21 @@ impl Drop for LocalSegment {
             // SAFETY: `seg` is live and was made available on `adapter`.
             unsafe { (api.set_unavailable)(self.seg, self.adapter, 0, &mut err) };
         }
-        // SAFETY: `map` is the live local mapping, unmapped once; no `Region` on it is left
-        // (each holds an `Arc` of this segment). Then `seg`, unmapped, is removed once; peers
-        // still connected make SISCI answer BUSY for a while (bounded wait), after which it
-        // is left to the driver's cleanup at process exit.
-        unsafe {
-            release_patiently(api.unmap, self.map, RELEASE_PATIENCE);
-            release_patiently(api.remove_segment, self.seg, RELEASE_PATIENCE);
-        }
+        let steps = [
+            Step {
+                call: api.unmap,
+                h: self.map,
+            },
+            Step {
+                call: api.remove_segment,
+                h: self.seg,
+            },
+        ];
+        // SAFETY: `map` is the live local mapping, unmapped once, and no `Region` on it is
+        // left (each holds an `Arc` of this segment); then `seg`, unmapped, is removed once.
+        // Peers still connected make SISCI answer BUSY until they disconnect: `release`
+        // finishes in the background, holding the descriptor.
+        unsafe { release(&steps, Box::new(self.desc.clone())) };
     }
 }
 
@@ -871,6 +934,8 @@ impl Drop for LocalSegment {
 /// A peer's segment: connected, mapped remotely, with a map sequence for store barriers.
 pub struct RemoteSegment {
     desc: Arc<Desc>,
+    /// This process's segment, removed only after this connection is closed.
+    own: Option<Arc<LocalSegment>>,
     rseg: SciHandle,
     map: SciHandle,
     seq: SciHandle,
@@ -888,9 +953,11 @@ unsafe impl Sync for RemoteSegment {}
 
 impl RemoteSegment {
     /// `SCIConnectSegment(node, id, adapter)` within `timeout_ms`, `SCIMapRemoteSegment` of
-    /// `size` bytes, `SCICreateMapSequence`.
+    /// `size` bytes, `SCICreateMapSequence`. `own` (this process's segment) is kept until
+    /// this connection is closed.
     pub fn connect(
         desc: &Arc<Desc>,
+        own: &Arc<LocalSegment>,
         node: u32,
         id: u32,
         adapter: u32,
@@ -942,6 +1009,7 @@ impl RemoteSegment {
         }
         let s = RemoteSegment {
             desc: desc.clone(),
+            own: Some(own.clone()),
             rseg,
             map,
             seq,
@@ -1010,15 +1078,26 @@ pub fn remote_event_means_gone(reason: c_uint, err: SciErrorCode) -> bool {
 impl Drop for RemoteSegment {
     fn drop(&mut self) {
         let api = *self.desc.api();
-        let mut err = SCI_ERR_OK;
+        let steps = [
+            Step {
+                call: api.remove_sequence,
+                h: self.seq,
+            },
+            Step {
+                call: api.unmap,
+                h: self.map,
+            },
+            Step {
+                call: api.disconnect,
+                h: self.rseg,
+            },
+        ];
+        // Released after the steps: this process's segment, then the descriptor.
+        let keep = (self.own.take(), self.desc.clone());
         // SAFETY: `seq` is the live sequence of `map`, removed once, before the map; `map` is
         // live, unmapped once, and no `Region` on it is left (each holds an `Arc` of this);
         // then the connection, unmapped, is closed once.
-        unsafe {
-            (api.remove_sequence)(self.seq, 0, &mut err);
-            release_patiently(api.unmap, self.map, RELEASE_PATIENCE);
-            release_patiently(api.disconnect, self.rseg, RELEASE_PATIENCE);
-        }
+        unsafe { release(&steps, Box::new(keep)) };
     }
 }
 
@@ -1127,9 +1206,13 @@ impl DmaQueue {
 
 impl Drop for DmaQueue {
     fn drop(&mut self) {
+        let steps = [Step {
+            call: self.api.remove,
+            h: self.dq,
+        }];
         // SAFETY: live queue, removed once; a transfer still running (after a failure) makes
         // SISCI answer BUSY for a while.
-        unsafe { release_patiently(self.api.remove, self.dq, RELEASE_PATIENCE) };
+        unsafe { release(&steps, Box::new(self._desc.clone())) };
     }
 }
 
