@@ -182,6 +182,22 @@ fn kit_2_over_dolphin_without_dma_calls_copies_by_pio() {
     assert_eq!(r.dma_transfers, 0);
 }
 
+/// DMA transfers that fail for a reason that is not the peer: the connection switches to PIO
+/// and the kit still passes.
+#[test]
+fn kit_2_over_dolphin_dma_failing_falls_back_to_pio() {
+    let _one = ONE_LIBRARY.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lib) = build("dmafail", &[]) else {
+        return;
+    };
+    std::env::set_var("FAKE_SISCI_DMA_FAIL", "1");
+    let r = with_report("dmafail", &[], || {
+        kit(2, &format!("sisci:dolphin,lib={}", lib.display()));
+    });
+    std::env::remove_var("FAKE_SISCI_DMA_FAIL");
+    assert_eq!(r.dma_transfers, 0, "{r:?}");
+}
+
 #[test]
 fn kit_2_over_dolphin_bare_names_dma_off() {
     let _one = ONE_LIBRARY.lock().unwrap_or_else(|e| e.into_inner());

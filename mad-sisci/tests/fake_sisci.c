@@ -13,6 +13,7 @@
  *
  * Environment: FAKE_SISCI_NODE (node id, default 8), FAKE_SISCI_TAKEN (comma-separated
  * segment ids already "in use on this node", read at the first SCIInitialize),
+ * FAKE_SISCI_DMA_FAIL (if set, SCIStartDmaTransfer fails with SCI_ERR_ILLEGAL_OPERATION),
  * FAKE_SISCI_REPORT (a file the library appends "clean <dma transfers> <store barriers>
  * <taken-id collisions>" to each time it is unloaded with nothing left; it aborts the process
  * instead if anything leaked or SCIInitialize/SCITerminate do not pair).
@@ -43,6 +44,7 @@ typedef unsigned int sci_error_t;
 #define E_OFFSET_ALIGNMENT (0x911u | M)
 #define E_ILLEGAL_PARAMETER (0x912u | M)
 #define E_NOT_PREPARED (0x914u | M)
+#define E_ILLEGAL_OPERATION (0x916u | M)
 #define E_TIMEOUT (0x90Au | M)
 #define E_SEGMENTID_USED (0x918u | M)
 #define E_NOT_INITIALIZED (0x920u | M)
@@ -467,6 +469,8 @@ void F(SCIStartDmaTransfer)(struct sci_dma_queue *dq, struct sci_local_segment *
     (void)flags;
     if (cb) {
         *err = E_ILLEGAL_PARAMETER;
+    } else if (getenv("FAKE_SISCI_DMA_FAIL")) {
+        *err = E_ILLEGAL_OPERATION; /* e.g. no DMA engine for this path */
     } else if (loff % 8 || roff % 8) {
         *err = E_OFFSET_ALIGNMENT;
     } else if (size == 0 || size % 8) {
