@@ -35,7 +35,7 @@
 use std::ffi::{c_char, c_uint, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mad_core::hostmem::Region;
 use mad_core::Error;
@@ -942,7 +942,8 @@ pub struct RemoteSegment {
     ptr: *mut u8,
     len: usize,
     lost: AtomicBool,
-    probing: Mutex<()>,
+    /// When the last event poll ran (`None`: never); locked while one runs.
+    probing: Mutex<Option<Instant>>,
 }
 
 // SAFETY: see `Desc`; concurrent calls on one remote segment are `SCIStoreBarrier` (the MT
@@ -1016,7 +1017,7 @@ impl RemoteSegment {
             ptr: p.cast::<u8>(),
             len: size,
             lost: AtomicBool::new(false),
-            probing: Mutex::new(()),
+            probing: Mutex::new(None),
         };
         if s.ptr.is_null() || s.ptr as usize % 64 != 0 {
             return Err(SciError::new("SCIMapRemoteSegment", 0x915 | SCI_ERR_MASK));
@@ -1034,15 +1035,21 @@ impl RemoteSegment {
 
     /// Whether SISCI reported the connection gone: a non-blocking
     /// `SCIWaitForRemoteSegmentEvent` (timeout 0) that answers `SCI_CB_DISCONNECT` or
-    /// `SCI_CB_LOST`, or fails with a peer-class error. Sticky. Concurrent callers skip the
-    /// poll while another one runs.
+    /// `SCI_CB_LOST`, or fails with a peer-class error. Sticky. The poll runs at most every
+    /// [`EVENT_POLL_EVERY`] (waits on Dolphin return every few hundred microseconds, and each
+    /// is followed by a liveness check); concurrent callers skip it while another one runs.
     pub fn gone(&self) -> bool {
         if self.lost.load(Ordering::Relaxed) {
             return true;
         }
-        let Ok(_g) = self.probing.try_lock() else {
+        let Ok(mut last) = self.probing.try_lock() else {
             return false;
         };
+        let now = Instant::now();
+        if last.is_some_and(|t| now.duration_since(t) < EVENT_POLL_EVERY) {
+            return false;
+        }
+        *last = Some(now);
         let mut status = SCI_ERR_OK;
         let mut err = SCI_ERR_OK;
         // SAFETY: `rseg` is connected; valid out-pointers; timeout 0 returns at once.
@@ -1063,6 +1070,9 @@ impl RemoteSegment {
         unsafe { Region::from_raw(self.ptr, self.len, self.clone()) }
     }
 }
+
+/// Least interval between two event polls of one remote segment ([`RemoteSegment::gone`]).
+pub const EVENT_POLL_EVERY: Duration = Duration::from_millis(10);
 
 /// Whether an answer of `SCIWaitForRemoteSegmentEvent` (its return value and error code)
 /// means the connection is gone for good. Pure (tested).

@@ -281,3 +281,58 @@ fn wrong_adapter_is_unavailable_and_releases_everything() {
         }
     });
 }
+
+/// SISCI reports a peer's connection lost (no close flag was written: the peer is alive as
+/// far as the protocol knows, as after a crash): a receiver blocked on it gets a peer failure
+/// within the liveness bound, through `PeerWatch::custom` and
+/// `SCIWaitForRemoteSegmentEvent`.
+#[test]
+fn connection_lost_event_fails_a_blocked_receiver_quickly() {
+    let _one = ONE_LIBRARY.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lib) = build("lost", &[]) else {
+        return;
+    };
+    let lost = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fakesisci-lost.ids");
+    let _ = std::fs::remove_file(&lost);
+    std::env::set_var("FAKE_SISCI_LOST_FILE", &lost);
+    let name = "death";
+    let spec = format!("sisci:dolphin,lib={}", lib.display());
+    let reported: Mutex<Option<std::time::Instant>> = Mutex::new(None);
+    let done = std::sync::Barrier::new(2);
+    with_report("lost", &[], || {
+        std::thread::scope(|s| {
+            for b in ThreadBootstrap::group(2) {
+                let (spec, lost, reported, done) = (&spec, &lost, &reported, &done);
+                s.spawn(move || {
+                    let me = b.rank();
+                    let sess = session(b).unwrap();
+                    let ch = sess
+                        .open_channel_with(ChannelConfig::parse(name, spec).unwrap())
+                        .unwrap();
+                    if me == 0 {
+                        let e = ch.begin_unpacking_from(1).map(|_| ()).unwrap_err();
+                        let at = reported.lock().unwrap().expect("failed before the event");
+                        let after = at.elapsed();
+                        eprintln!("rank 0: {e} ({after:?} after the event)");
+                        assert!(
+                            matches!(
+                                e,
+                                Error::PeerClosed { rank: 1 } | Error::Poisoned { rank: 1, .. }
+                            ),
+                            "{e:?}"
+                        );
+                        assert!(after < std::time::Duration::from_millis(500), "{after:?}");
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_millis(300));
+                        let id = segment_id(name, 1, 0).unwrap();
+                        *reported.lock().unwrap() = Some(std::time::Instant::now());
+                        std::fs::write(lost, format!("{id:x}\n")).unwrap();
+                    }
+                    // Rank 1 keeps its channel open until rank 0 has seen the failure.
+                    done.wait();
+                });
+            }
+        });
+    });
+    std::env::remove_var("FAKE_SISCI_LOST_FILE");
+}

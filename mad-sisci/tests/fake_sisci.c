@@ -14,6 +14,8 @@
  * Environment: FAKE_SISCI_NODE (node id, default 8), FAKE_SISCI_TAKEN (comma-separated
  * segment ids already "in use on this node", read at the first SCIInitialize),
  * FAKE_SISCI_DMA_FAIL (if set, SCIStartDmaTransfer fails with SCI_ERR_ILLEGAL_OPERATION),
+ * FAKE_SISCI_LOST_FILE (a file of hexadecimal segment ids whose connections report
+ * SCI_CB_LOST from then on: a peer dead without closing),
  * FAKE_SISCI_REPORT (a file the library appends "clean <dma transfers> <store barriers>
  * <taken-id collisions>" to each time it is unloaded with nothing left; it aborts the process
  * instead if anything leaked or SCIInitialize/SCITerminate do not pair).
@@ -389,11 +391,25 @@ unsigned F(SCIWaitForRemoteSegmentEvent)(struct sci_remote_segment *seg, sci_err
         die("blocking SCIWaitForRemoteSegmentEvent");
     pthread_mutex_lock(&mu);
     int gone = !seg->s->available;
+    unsigned id = seg->s->id;
     pthread_mutex_unlock(&mu);
     *status = OK;
     if (gone) {
         *err = OK;
         return 2; /* SCI_CB_DISCONNECT */
+    }
+    const char *lost = getenv("FAKE_SISCI_LOST_FILE");
+    FILE *f = lost ? fopen(lost, "r") : NULL;
+    if (f) {
+        unsigned l;
+        while (fscanf(f, "%x", &l) == 1)
+            if (l == id)
+                gone = 1;
+        fclose(f);
+        if (gone) {
+            *err = OK;
+            return 5; /* SCI_CB_LOST */
+        }
     }
     *err = E_TIMEOUT;
     return 0;
