@@ -11,12 +11,13 @@
 
 #![cfg(not(miri))]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
 use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
-use mad_core::conformance::{run_rank, KitOptions};
 use mad_core::{ChannelConfig, Error, RecvMode, SendMode, Session};
 use mad_sisci::dolphin::segment_id;
 use mad_sisci::SisciDriver;
@@ -110,32 +111,7 @@ fn session(b: ThreadBootstrap) -> mad_core::Result<Session> {
 }
 
 fn kit(ranks: usize, spec: &str) {
-    let opts = KitOptions::new(spec);
-    let results: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = ThreadBootstrap::group(ranks)
-            .into_iter()
-            .map(|b| {
-                let opts = &opts;
-                s.spawn(move || run_rank(&session(b)?, opts))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join()).collect()
-    });
-    let mut failed = false;
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(Ok(cases)) => eprintln!("{spec} x{ranks} rank {r}: {} cases passed", cases.len()),
-            Ok(Err(e)) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: {e}");
-            }
-            Err(_) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: panicked");
-            }
-        }
-    }
-    assert!(!failed, "{spec} x{ranks}: conformance failed (see above)");
+    common::kit_threads(ranks, spec);
 }
 
 #[test]
