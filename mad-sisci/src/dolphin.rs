@@ -40,10 +40,12 @@
 //!   therefore sees new data up to `NAP` late, and costs about 1/`NAP` wake-ups per second.
 //! * Peer death: [`RemoteSegment::gone`] (`SCIWaitForRemoteSegmentEvent` with timeout 0:
 //!   `SCI_CB_DISCONNECT` / `SCI_CB_LOST`, or a peer-class error) is the probe of the peer's
-//!   [`PeerWatch`], run at the same bounded rate as the pidfd on `local` (at most every 10 ms
-//!   while polling, after every 50 ms wait slice). Bound: `PeerClosed` within one wait slice
-//!   after SISCI reports the event; how fast SISCI reports a dead process or node is the
-//!   driver's business (untested). Orderly close is the protocol's `W_CLOSED` / `R_CLOSED`.
+//!   [`PeerWatch`], checked at the same bounded rate as the pidfd on `local`, and the SISCI
+//!   poll itself runs at most every 10 ms per peer
+//!   ([`EVENT_POLL_EVERY`](crate::sys::EVENT_POLL_EVERY)). Bound: `PeerClosed` within one
+//!   wait slice (50 ms) plus 10 ms after SISCI reports the event; how fast SISCI reports a
+//!   dead process or node is the driver's business (untested). Orderly close is the
+//!   protocol's `W_CLOSED` / `R_CLOSED`.
 //!
 //! # Close
 //!

@@ -209,7 +209,7 @@ impl Driver for SisciDriver {
 
     fn describe(&self) -> String {
         "sisci: SCI-style remote-write segments; backends local (shared memory on this host) \
-         and dolphin (libsisci.so, loaded at run time)"
+         and dolphin (libsisci.so, loaded at run time; untested against hardware)"
             .into()
     }
 

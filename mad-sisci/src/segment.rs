@@ -1,6 +1,8 @@
 //! The `local` backend's exported segments: one per process in `/dev/shm`, created
 //! `O_CREAT|O_EXCL` mode 0600, mapped by every peer, unlinked by its creator once every peer
-//! has mapped it (mad-core's [`SegmentFile`], the discipline mad-shm follows too).
+//! has mapped it (mad-core's [`SegmentFile`], the discipline mad-shm follows too). The header
+//! ([`write_header`], [`check_header`]) is the same on `dolphin`, written into a SISCI
+//! segment.
 
 use std::sync::atomic::AtomicU32;
 

@@ -19,7 +19,7 @@
 //! removed its own segment first, each would wait for the others. A release that still
 //! answers `SCI_ERR_BUSY` (a peer that has not closed the channel yet) is finished by a
 //! background thread that retries every 10 ms, with the remaining steps in order and the
-//! descriptor held until they are done ([`release`]): a drop never blocks on a peer, and
+//! descriptor held until they are done: a drop never blocks on a peer, and
 //! nothing is closed under a live object.
 //! The mapped memory is handed to the protocol as a [`Region`] whose keep-alive is the segment
 //! itself. Every SISCI error code becomes a [`SciError`], converted to the crate's typed
@@ -164,7 +164,7 @@ pub const SCI_DMAQUEUE_DONE: c_uint = 3;
 /// `SCIInitialize` is used for every symbol; the bare names are the last resort.
 pub const SYMBOL_FAMILIES: &[&str] = &["_SISCI_PUBLIC_FUNC_MT_", "_SISCI_PUBLIC_FUNC_ST_", ""];
 
-/// The calls every SISCI library must have (in the order of [`Api`]'s fields).
+/// The calls every SISCI library must have (in the order of the private `Api` table).
 pub const REQUIRED: &[&str] = &[
     "SCIInitialize",
     "SCITerminate",
