@@ -7,11 +7,15 @@
 //! * `sisci:local` (default): each process exports one segment in `/dev/shm` and maps its
 //!   peers' segments ([`segment`]); stores into a peer's mapping stand for SCI remote stores,
 //!   Release fences for `SCIStoreBarrier`. Runs and is tested on any Linux host.
-//! * `sisci:dolphin`: Dolphin's SISCI library, loaded with `dlopen` at run time ([`sys`]).
-//!   Without the library or an adapter, opening a channel fails with
-//!   [`Error::Unavailable`] naming the cause and suggesting `sisci:local`. The data path over
-//!   real SCI mappings is not written yet (see `NOTES.md`): with a library and an adapter the
-//!   open fails with `Unavailable` too, saying so.
+//! * `sisci:dolphin` ([`dolphin`]): Dolphin's SISCI library, loaded with `dlopen` at run time
+//!   ([`sys`]): segments created, exported, connected and mapped through SISCI, store barriers
+//!   on every publication, DMA for the large blocks. Without the library or an adapter,
+//!   opening a channel fails with [`Error::Unavailable`] naming the cause and suggesting
+//!   `sisci:local`. **Untested against hardware**: it has only run against a stand-in
+//!   library in the tests (see `NOTES.md`).
+//!
+//! Both backends run the same protocol code: the link halves are generic over a [`fabric`]
+//! (the seam: publish, bulk copy, wake, sleep), monomorphised per backend.
 //!
 //! **Write remote, read local** ([`layout`]): a sender stores data, flags and its write offset
 //! into the receiver's segment and reads acknowledgements from its own; the receiver reads its
@@ -30,6 +34,8 @@
 
 #![deny(unsafe_code)]
 
+pub mod dolphin;
+pub mod fabric;
 pub mod layout;
 pub mod link;
 pub mod segment;
@@ -43,6 +49,7 @@ use mad_core::driver::{
 };
 use mad_core::{Error, Result};
 
+use fabric::{Local, LocalRx, LocalTx};
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
 use mad_core::hostmem::{self, MappedPeer};
@@ -161,25 +168,6 @@ impl SisciDriver {
     }
 }
 
-/// Why `sisci:dolphin` cannot open here: the `dlopen` error, or the failing SISCI call.
-pub fn dolphin_unavailable(o: &Options) -> Error {
-    let reason = match sys::SisciLib::load(&o.lib) {
-        Err(e) => format!("cannot load the SISCI library ({e}); use sisci:local on one host"),
-        Ok(lib) => match lib.probe_adapter(o.adapter_no) {
-            Err(e) => format!("{}: {e}; use sisci:local on one host", o.lib),
-            Ok(node) => format!(
-                "{}: adapter {} answers (node id {node}), but this build has no data path over \
-                 SISCI mappings yet (untested backend); use sisci:local on one host",
-                o.lib, o.adapter_no
-            ),
-        },
-    };
-    Error::Unavailable {
-        driver: "sisci:dolphin".into(),
-        reason,
-    }
-}
-
 struct PeerInfo {
     pid: u32,
     fingerprint: u64,
@@ -221,7 +209,7 @@ impl Driver for SisciDriver {
 
     fn describe(&self) -> String {
         "sisci: SCI-style remote-write segments; backends local (shared memory on this host) \
-         and dolphin (libsisci.so, loaded at run time)"
+         and dolphin (libsisci.so, loaded at run time; untested against hardware)"
             .into()
     }
 
@@ -276,7 +264,7 @@ impl Driver for SisciDriver {
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
         let o = options(ctx.config)?;
         if o.backend == Backend::Dolphin {
-            return Err(dolphin_unavailable(&o));
+            return dolphin::open(ctx, &o);
         }
         let b = ctx.bootstrap;
         let (me, n) = (b.rank(), b.size());
@@ -338,8 +326,19 @@ impl Driver for SisciDriver {
                 watch: watch.clone(),
             });
             links[r] = Some(LinkPair {
-                tx: Box::new(SciTx::new(r, ends.clone(), seg, watch.clone())),
-                rx: Box::new(SciRx::new(r, ends, own.clone(), watch, shared)),
+                tx: Box::new(SciTx::<Local>::new(
+                    r,
+                    ends.clone(),
+                    LocalTx::new(seg),
+                    watch.clone(),
+                )),
+                rx: Box::new(SciRx::<Local>::new(
+                    r,
+                    ends,
+                    LocalRx::new(own.clone()),
+                    watch,
+                    shared,
+                )),
             });
         }
         let notes = vec![format!(
@@ -353,7 +352,7 @@ impl Driver for SisciDriver {
         )];
         Ok(OpenedChannel {
             links,
-            incoming: Box::new(SciIncoming::new(own, o.geom, watched)),
+            incoming: Box::new(SciIncoming::<Local>::new(own, o.geom, watched)),
             notes,
         })
     }

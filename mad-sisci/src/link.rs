@@ -2,6 +2,10 @@
 //! their flags/offsets) and reads acknowledgements from this process's segment; [`SciRx`]
 //! reads data and offsets from this process's segment and stores acknowledgements into the
 //! peer's: write remote, read local, as in the SCALE channel protocol.
+//!
+//! The halves are generic over the backend ([`Fabric`]): every store that publishes into the
+//! peer's area, every bulk copy, wake-up and sleep goes through the fabric's wires, so one
+//! protocol runs over `local` and `dolphin`, each monomorphised.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -10,11 +14,11 @@ use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
-use mad_core::hostmem::{index, Bell, DeathCheck, Liveness, PeerWatch, Region};
+use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Region};
 use mad_core::{Error, Result};
 
+use crate::fabric::{Fabric, OwnWire, RxWire, TxWire};
 use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
-use crate::segment::Segment;
 
 /// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
 /// a dead peer while blocked (mad-core's, shared with mad-shm).
@@ -51,20 +55,16 @@ impl Ends {
     }
 }
 
+#[inline]
 fn w64(m: &Region, off: usize) -> &AtomicU64 {
     m.u64_at(off)
         .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
 }
 
+#[inline]
 fn w32(m: &Region, off: usize) -> &AtomicU32 {
     m.u32_at(off)
         .unwrap_or_else(|| unreachable!("area size checked by Ends::new"))
-}
-
-/// The bell a blocked sender sleeps on, in the control block of `m` (its own segment's area
-/// for the sender; the peer's, written remotely, for the receiver that wakes it).
-fn writer_bell(m: &Region) -> Bell<'_> {
-    Bell::new(w32(m, ctl::TX_SEQ), w32(m, ctl::TX_SLEEP))
 }
 
 fn slot_flag(g: &Geometry, pos: u64) -> usize {
@@ -95,10 +95,10 @@ enum Blocked {
 }
 
 /// The sending half towards one peer.
-pub struct SciTx {
+pub struct SciTx<F: Fabric> {
     peer: usize,
     e: Ends,
-    peer_seg: Arc<Segment>,
+    wire: F::Tx,
     live: Liveness,
     slot_pos: u64,
     slot_ack: u64,
@@ -112,13 +112,13 @@ pub struct SciTx {
     broken: Option<String>,
 }
 
-impl SciTx {
+impl<F: Fabric> SciTx<F> {
     /// The sending half towards `peer`.
-    pub fn new(peer: usize, e: Ends, peer_seg: Arc<Segment>, watch: Arc<PeerWatch>) -> Self {
+    pub fn new(peer: usize, e: Ends, wire: F::Tx, watch: Arc<PeerWatch>) -> Self {
         SciTx {
             peer,
             e,
-            peer_seg,
+            wire,
             live: Liveness::new(watch),
             slot_pos: 0,
             slot_ack: 0,
@@ -186,13 +186,13 @@ impl SciTx {
             .lend_mut(off + 8, SLOT_DATA, fill)
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
-            // Data and flag in one line; the Release store is the store barrier.
-            w64(&self.e.remote, off).store(
+            // Data and flag in one line; the publish is the store barrier.
+            self.wire.publish(
+                w64(&self.e.remote, off),
                 layout::encode_flag(self.slot_pos, g.slots as u64, n),
-                Ordering::Release,
             );
             self.slot_pos += 1;
-            self.peer_seg.doorbell().notify();
+            self.wire.wake_reader();
         }
         Ok(Poll::Ready(()))
     }
@@ -216,8 +216,8 @@ impl SciTx {
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
             self.head += n as u64;
-            w64(&self.e.remote, ctl::HEAD).store(self.head, Ordering::Release);
-            self.peer_seg.doorbell().notify();
+            self.wire.publish(w64(&self.e.remote, ctl::HEAD), self.head);
+            self.wire.wake_reader();
         }
         Ok(Poll::Ready(()))
     }
@@ -251,9 +251,8 @@ impl SciTx {
             while filled < g.chunk && slice < iov.len() {
                 let src = &iov[slice][off..];
                 let n = src.len().min(g.chunk - filled);
-                self.e
-                    .remote
-                    .write(base + filled, &src[..n])
+                self.wire
+                    .block_write(&self.e.remote, base, filled, &src[..n])
                     .ok_or_else(|| oob(self.peer))?;
                 filled += n;
                 off += n;
@@ -262,17 +261,24 @@ impl SciTx {
                     off = 0;
                 }
             }
-            w64(&self.e.remote, chunk_flag(&g, self.chunk_pos)).store(
+            if let Err(e) = self
+                .wire
+                .finish_block(self.peer, &self.e.remote, base, filled)
+            {
+                self.broken = Some(e.to_string());
+                return Err(e);
+            }
+            self.wire.publish(
+                w64(&self.e.remote, chunk_flag(&g, self.chunk_pos)),
                 layout::encode_flag(self.chunk_pos, k, filled),
-                Ordering::Release,
             );
             self.chunk_pos += 1;
-            self.peer_seg.doorbell().notify();
+            self.wire.wake_reader();
         }
     }
 }
 
-impl TxLink for SciTx {
+impl<F: Fabric> TxLink for SciTx<F> {
     fn begin_message(&mut self) -> Result<()> {
         self.check_usable()?;
         self.used = false;
@@ -320,15 +326,15 @@ impl TxLink for SciTx {
             return AbortOutcome::Discarded;
         }
         self.broken = Some("a message was abandoned midway".into());
-        w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
-        self.peer_seg.doorbell().notify();
+        self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
+        self.wire.wake_reader();
         AbortOutcome::Broken
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let local = &self.e.local;
         let (ack_off, cached) = self.ack_of(self.blocked);
-        writer_bell(local).sleep(timeout.min(WAIT_SLICE), || {
+        self.wire.sleep(local, timeout.min(WAIT_SLICE), || {
             w64(local, ack_off).load(Ordering::Acquire) != cached
                 || w32(local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
         });
@@ -339,10 +345,10 @@ impl TxLink for SciTx {
     }
 }
 
-impl Drop for SciTx {
+impl<F: Fabric> Drop for SciTx<F> {
     fn drop(&mut self) {
-        w32(&self.e.remote, ctl::W_CLOSED).store(1, Ordering::Release);
-        self.peer_seg.doorbell().notify();
+        self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
+        self.wire.wake_reader();
     }
 }
 
@@ -354,10 +360,10 @@ pub struct RxShared {
 }
 
 /// The receiving half from one peer.
-pub struct SciRx {
+pub struct SciRx<F: Fabric> {
     peer: usize,
     e: Ends,
-    own: Arc<Segment>,
+    wire: F::Rx,
     live: Liveness,
     shared: Arc<RxShared>,
     slot_pos: u64,
@@ -368,19 +374,19 @@ pub struct SciRx {
     broken: Option<String>,
 }
 
-impl SciRx {
+impl<F: Fabric> SciRx<F> {
     /// The receiving half from `peer`.
     pub fn new(
         peer: usize,
         e: Ends,
-        own: Arc<Segment>,
+        wire: F::Rx,
         watch: Arc<PeerWatch>,
         shared: Arc<RxShared>,
     ) -> Self {
         SciRx {
             peer,
             e,
-            own,
+            wire,
             live: Liveness::new(watch),
             shared,
             slot_pos: 0,
@@ -448,10 +454,11 @@ impl SciRx {
         Error::protocol(self.peer, format!("sisci: corrupt {what} flag"))
     }
 
-    /// Wake the peer's sender if it sleeps (a remote read of its sleeper count, then a futex
-    /// wake on its word; on Dolphin this would be a remote interrupt).
+    /// Wake the peer's sender if it sleeps (on `local` a remote read of its sleeper count,
+    /// then a futex wake on its word; on `dolphin` nothing: blocked senders nap).
+    #[inline]
     fn notify_writer(&self) {
-        writer_bell(&self.e.remote).notify();
+        self.wire.wake_writer(&self.e.remote);
     }
 
     fn recv_short(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
@@ -474,7 +481,8 @@ impl SciRx {
             self.slot_pos += 1;
             self.slot_off = 0;
             self.shared.slot_pos.store(self.slot_pos, Ordering::Relaxed);
-            w64(&self.e.remote, ctl::SHORT_ACK).store(self.slot_pos, Ordering::Release);
+            self.wire
+                .publish(w64(&self.e.remote, ctl::SHORT_ACK), self.slot_pos);
             self.notify_writer();
         }
         Ok(Poll::Ready(()))
@@ -494,7 +502,8 @@ impl SciRx {
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
             self.tail += n as u64;
-            w64(&self.e.remote, ctl::RING_ACK).store(self.tail, Ordering::Release);
+            self.wire
+                .publish(w64(&self.e.remote, ctl::RING_ACK), self.tail);
             self.notify_writer();
         }
         Ok(Poll::Ready(()))
@@ -540,14 +549,15 @@ impl SciRx {
             }
             left -= len;
             self.chunk_pos += 1;
-            w64(&self.e.remote, ctl::DMA_ACK).store(self.chunk_pos, Ordering::Release);
+            self.wire
+                .publish(w64(&self.e.remote, ctl::DMA_ACK), self.chunk_pos);
             self.notify_writer();
         }
         Ok(Poll::Ready(()))
     }
 }
 
-impl RxLink for SciRx {
+impl<F: Fabric> RxLink for SciRx<F> {
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
         match self.slot_state() {
@@ -589,14 +599,14 @@ impl RxLink for SciRx {
         self.cursor = None;
         self.broken = Some("a message was abandoned midway by the receiver".into());
         self.live.retire();
-        w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
+        self.wire.publish32(w32(&self.e.remote, ctl::R_CLOSED), 1);
         self.notify_writer();
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let own = self.own.clone();
-        own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
-            self.has_any() || w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
+        let this = &*self;
+        this.wire.sleep(timeout.min(WAIT_SLICE), || {
+            this.has_any() || w32(&this.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
         });
         if self.live.dead_now() && !self.has_any() {
             return Err(self.gone());
@@ -605,9 +615,9 @@ impl RxLink for SciRx {
     }
 }
 
-impl Drop for SciRx {
+impl<F: Fabric> Drop for SciRx<F> {
     fn drop(&mut self) {
-        w32(&self.e.remote, ctl::R_CLOSED).store(1, Ordering::Release);
+        self.wire.publish32(w32(&self.e.remote, ctl::R_CLOSED), 1);
         self.notify_writer();
     }
 }
@@ -624,21 +634,22 @@ pub struct Watched {
     pub watch: Arc<PeerWatch>,
 }
 
-/// Any-source readiness: looks at the next short slot of every peer; blocks on the doorbell.
+/// Any-source readiness: looks at the next short slot of every peer; blocks through the
+/// fabric (the doorbell on `local`).
 ///
 /// A peer counts as ready when its next slot is written, or when it closed or died and the
 /// receiving half has not reported that yet; once reported it is ignored, so a wait with
 /// closed peers still sleeps.
-pub struct SciIncoming {
-    own: Arc<Segment>,
+pub struct SciIncoming<F: Fabric> {
+    own: F::Own,
     geom: Geometry,
     peers: Vec<Watched>,
     deaths: DeathCheck,
 }
 
-impl SciIncoming {
-    /// Watch `peers` through `own`'s doorbell.
-    pub fn new(own: Arc<Segment>, geom: Geometry, peers: Vec<Watched>) -> Self {
+impl<F: Fabric> SciIncoming<F> {
+    /// Watch `peers`, sleeping through `own`.
+    pub fn new(own: F::Own, geom: Geometry, peers: Vec<Watched>) -> Self {
         SciIncoming {
             own,
             geom,
@@ -664,7 +675,7 @@ impl SciIncoming {
     }
 }
 
-impl Incoming for SciIncoming {
+impl<F: Fabric> Incoming for SciIncoming<F> {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
         self.check_deaths(false);
         for i in 0..self.peers.len() {
@@ -676,7 +687,7 @@ impl Incoming for SciIncoming {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        self.own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
+        self.own.sleep(timeout.min(WAIT_SLICE), || {
             (0..self.peers.len()).any(|i| self.ready_at(i))
         });
         self.check_deaths(true);
@@ -684,13 +695,18 @@ impl Incoming for SciIncoming {
     }
 
     fn wake(&self) {
-        self.own.doorbell().ring();
+        self.own.wake();
     }
 }
 
 #[cfg(all(test, not(miri)))]
 mod tests {
     use super::*;
+    use crate::fabric::{Local, LocalRx, LocalTx};
+    use crate::segment::Segment;
+
+    type SciTx = super::SciTx<Local>;
+    type SciRx = super::SciRx<Local>;
 
     const G: Geometry = Geometry {
         slots: 2,
@@ -710,8 +726,8 @@ mod tests {
         let watch = Arc::new(PeerWatch::open(pid).unwrap());
         let tx_ends = Ends::new(a.area(1).unwrap(), b.area(0).unwrap(), G).unwrap();
         let rx_ends = Ends::new(b.area(0).unwrap(), a.area(1).unwrap(), G).unwrap();
-        let tx = SciTx::new(1, tx_ends, b.clone(), watch.clone());
-        let rx = SciRx::new(0, rx_ends, b.clone(), watch, Arc::default());
+        let tx = SciTx::new(1, tx_ends, LocalTx::new(b.clone()), watch.clone());
+        let rx = SciRx::new(0, rx_ends, LocalRx::new(b.clone()), watch, Arc::default());
         (a, b, tx, rx)
     }
 

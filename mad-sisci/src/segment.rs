@@ -1,6 +1,8 @@
 //! The `local` backend's exported segments: one per process in `/dev/shm`, created
 //! `O_CREAT|O_EXCL` mode 0600, mapped by every peer, unlinked by its creator once every peer
-//! has mapped it (mad-core's [`SegmentFile`], the discipline mad-shm follows too).
+//! has mapped it (mad-core's [`SegmentFile`], the discipline mad-shm follows too). The header
+//! ([`write_header`], [`check_header`]) is the same on `dolphin`, written into a SISCI
+//! segment.
 
 use std::sync::atomic::AtomicU32;
 
@@ -36,6 +38,61 @@ fn geom_words(n: usize, g: &Geometry, pid: u32) -> [u64; 8] {
     ]
 }
 
+/// Write a segment header into `r` (any backend): magic, geometry of `n` areas, `pid` (the
+/// creator's on `local`, 0 on `dolphin`) and the proof of the session secret.
+pub fn write_header(
+    r: &Region,
+    n: usize,
+    geom: &Geometry,
+    pid: u32,
+    proof: &[u8; PROOF_LEN],
+) -> Result<()> {
+    let mut h = Vec::with_capacity(80);
+    h.extend_from_slice(&MAGIC.to_le_bytes());
+    for w in geom_words(n, geom, pid) {
+        h.extend_from_slice(&w.to_le_bytes());
+    }
+    r.write(0, &h)
+        .and_then(|_| r.write(hdr::PROOF, proof))
+        .ok_or_else(|| Error::Resource("sisci: segment smaller than its header".into()))
+}
+
+/// Check the header of rank `rank`'s segment in `r` (any backend): magic, geometry of `n`
+/// areas, `pid`, and the proof (`check_proof`). Errors are `Protocol` or `Auth`.
+pub fn check_header(
+    r: &Region,
+    rank: usize,
+    n: usize,
+    geom: &Geometry,
+    pid: u32,
+    check_proof: &dyn Fn(&[u8]) -> bool,
+) -> Result<()> {
+    let mut h = [0u8; hdr::PROOF + PROOF_LEN];
+    r.read(0, &mut h)
+        .ok_or_else(|| Error::protocol(rank, "sisci: segment too small"))?;
+    let word = |i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&h[8 * i..8 * i + 8]);
+        u64::from_le_bytes(a)
+    };
+    if word(0) != MAGIC {
+        return Err(Error::protocol(rank, "sisci: segment header: bad magic"));
+    }
+    let expect = geom_words(n, geom, pid);
+    if (0..8).any(|i| word(1 + i) != expect[i]) {
+        return Err(Error::protocol(
+            rank,
+            "sisci: segment header disagrees with the published geometry",
+        ));
+    }
+    if !check_proof(&h[hdr::PROOF..hdr::PROOF + PROOF_LEN]) {
+        return Err(Error::Auth(format!(
+            "sisci: segment of rank {rank} does not prove the session secret"
+        )));
+    }
+    Ok(())
+}
+
 impl Segment {
     /// Create this process's segment `name` (fails if it exists) and write its header.
     pub fn create(name: &str, n: usize, geom: Geometry, proof: &[u8; PROOF_LEN]) -> Result<Self> {
@@ -43,15 +100,7 @@ impl Segment {
             .segment_size(n)
             .ok_or_else(|| Error::BadConfig(format!("sisci: {n} areas of {geom:?} overflow")))?;
         let file = SegmentFile::create(name, size, "sisci")?;
-        let mut h = Vec::with_capacity(80);
-        h.extend_from_slice(&MAGIC.to_le_bytes());
-        for w in geom_words(n, &geom, std::process::id()) {
-            h.extend_from_slice(&w.to_le_bytes());
-        }
-        let r = file.region();
-        r.write(0, &h)
-            .and_then(|_| r.write(hdr::PROOF, proof))
-            .ok_or_else(|| Error::Resource("sisci: segment smaller than its header".into()))?;
+        write_header(file.region(), n, &geom, std::process::id(), proof)?;
         Ok(Segment { file, geom, n })
     }
 
@@ -66,30 +115,7 @@ impl Segment {
     ) -> Result<Self> {
         let want = geom.segment_size(n).unwrap_or(usize::MAX);
         let file = SegmentFile::open(name, PREFIX, rank, want, "sisci")?;
-        let mut h = [0u8; hdr::PROOF + PROOF_LEN];
-        file.region()
-            .read(0, &mut h)
-            .ok_or_else(|| Error::protocol(rank, "sisci: segment too small"))?;
-        let word = |i: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&h[8 * i..8 * i + 8]);
-            u64::from_le_bytes(a)
-        };
-        if word(0) != MAGIC {
-            return Err(Error::protocol(rank, "sisci: segment header: bad magic"));
-        }
-        let expect = geom_words(n, &geom, pid);
-        if (0..8).any(|i| word(1 + i) != expect[i]) {
-            return Err(Error::protocol(
-                rank,
-                "sisci: segment header disagrees with the published geometry",
-            ));
-        }
-        if !check_proof(&h[hdr::PROOF..hdr::PROOF + PROOF_LEN]) {
-            return Err(Error::Auth(format!(
-                "sisci: segment of rank {rank} does not prove the session secret"
-            )));
-        }
+        check_header(file.region(), rank, n, &geom, pid, check_proof)?;
         Ok(Segment { file, geom, n })
     }
 

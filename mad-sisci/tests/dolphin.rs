@@ -1,7 +1,12 @@
 //! The `dolphin` backend where no SISCI library or adapter exists (this host): opening a
 //! channel fails with `Unavailable`, naming the cause and suggesting `sisci:local`.
+//!
+//! On a machine with a Dolphin adapter, `MAD_SISCI_DOLPHIN=<libsisci.so path>` makes
+//! `kit_over_a_real_sisci_library` run the conformance kit over it (skipped otherwise).
 
 #![cfg(not(miri))]
+
+mod common;
 
 use mad_core::bootstrap::ThreadBootstrap;
 use mad_core::driver::Driver;
@@ -82,4 +87,22 @@ fn dolphin_table_matches_local_and_bad_backends_are_rejected() {
         let e = d.tm_table(&ChannelConfig::parse("x", bad).unwrap());
         assert!(matches!(e, Err(Error::BadConfig(_))), "{bad}: {e:?}");
     }
+}
+
+/// The kit over a real SISCI library, on thread ranks of this process (all segments on this
+/// node, connected through the adapter): run by hand where Dolphin's software and an adapter
+/// exist, `MAD_SISCI_DOLPHIN=/opt/DIS/lib64/libsisci.so cargo test -p mad-sisci --test dolphin
+/// -- --nocapture`. Never run by the authors (no adapter): the first run is the first test.
+#[test]
+fn kit_over_a_real_sisci_library() {
+    let Ok(lib) = std::env::var("MAD_SISCI_DOLPHIN") else {
+        eprintln!("skipped: set MAD_SISCI_DOLPHIN to a libsisci.so to run the kit over it");
+        return;
+    };
+    let adapter = std::env::var("MAD_SISCI_ADAPTER").unwrap_or_else(|_| "0".into());
+    let base = format!("sisci:dolphin,lib={lib},adapter_no={adapter}");
+    common::kit_threads(2, &base);
+    common::kit_threads(2, &format!("{base},slots=2,ring=4096,chunk=4096,chunks=1"));
+    common::kit_threads(4, &format!("{base},progress=block"));
+    common::kit_threads(2, &format!("{base},dma=off"));
 }

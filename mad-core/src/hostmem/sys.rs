@@ -105,6 +105,25 @@ impl Region {
         }
     }
 
+    /// A window on memory mapped by foreign code (for instance what Dolphin's
+    /// `SCIMapLocalSegment` / `SCIMapRemoteSegment` return), kept mapped by `keep`: the driver
+    /// type that unmaps it when dropped.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads and writes of `len` bytes for as long as `keep` lives, and
+    /// be at least 8-aligned (atomic words are checked against the address, but a misaligned
+    /// base would make every word unreachable); every other accessor of that memory (other
+    /// processes, adapters) must follow the protocol that gives each range to one side at a
+    /// time, as for a shared file mapping.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, keep: Arc<dyn Any + Send + Sync>) -> Self {
+        Region {
+            ptr,
+            len,
+            _keep: keep,
+        }
+    }
+
     /// The sub-window `[off, off + len)`, if inside this one.
     pub fn sub(&self, off: usize, len: usize) -> Option<Region> {
         if off.checked_add(len)? > self.len {

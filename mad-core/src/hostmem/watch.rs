@@ -22,20 +22,50 @@ const POLLS_PER_CLOCK: u32 = 64;
 /// died is reported once; a sticky "ready" would make every later wait return at once).
 #[derive(Debug)]
 pub struct PeerWatch {
-    pidfd: PidFd,
+    probe: Probe,
     dead: AtomicBool,
     retired: AtomicBool,
+}
+
+/// How a [`PeerWatch`] learns that the peer is gone.
+enum Probe {
+    /// A pidfd of a process on this host.
+    Pid(PidFd),
+    /// A driver's own check, for peers that are not processes of this host (mad-sisci's
+    /// `dolphin` backend asks the SISCI library about the remote segment).
+    Custom(Box<dyn Fn() -> bool + Send + Sync>),
+}
+
+impl std::fmt::Debug for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Probe::Pid(p) => f.debug_tuple("Pid").field(p).finish(),
+            Probe::Custom(_) => f.write_str("Custom"),
+        }
+    }
 }
 
 impl PeerWatch {
     /// Watch process `pid`. Open it while the peer is known alive (during the channel's open
     /// collectives): a pid that is already gone is an error.
     pub fn open(pid: u32) -> io::Result<Self> {
-        Ok(PeerWatch {
-            pidfd: PidFd::open(pid)?,
+        Ok(Self::with_probe(Probe::Pid(PidFd::open(pid)?)))
+    }
+
+    /// Watch a peer through `gone`, a driver's non-blocking check that returns true once the
+    /// peer is known dead or unreachable for good. It is called at the same bounded rate as
+    /// the pidfd poll ([`Liveness`], [`DeathCheck`]), possibly from several threads at once;
+    /// after it returned true once it is not called again.
+    pub fn custom(gone: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self::with_probe(Probe::Custom(Box::new(gone)))
+    }
+
+    fn with_probe(probe: Probe) -> Self {
+        PeerWatch {
+            probe,
             dead: AtomicBool::new(false),
             retired: AtomicBool::new(false),
-        })
+        }
     }
 
     /// Whether the process has exited (a non-blocking pidfd poll unless already known).
@@ -43,7 +73,10 @@ impl PeerWatch {
         if self.known_dead() {
             return true;
         }
-        let dead = self.pidfd.exited();
+        let dead = match &self.probe {
+            Probe::Pid(p) => p.exited(),
+            Probe::Custom(gone) => gone(),
+        };
         if dead {
             self.dead.store(true, Ordering::Relaxed);
         }

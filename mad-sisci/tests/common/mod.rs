@@ -50,3 +50,42 @@ pub fn segments_of(pids: &[u32]) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// The conformance kit over `spec` on `ranks` thread ranks of this process (panics with every
+/// rank's result if any failed).
+pub fn kit_threads(ranks: usize, spec: &str) {
+    use mad_core::bootstrap::ThreadBootstrap;
+    use mad_core::conformance::{run_rank, KitOptions};
+    let opts = KitOptions::new(spec);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = ThreadBootstrap::group(ranks)
+            .into_iter()
+            .map(|b| {
+                let opts = &opts;
+                s.spawn(move || {
+                    let session = mad_core::Session::builder()
+                        .driver(mad_sisci::SisciDriver::new())
+                        .bootstrap(Box::new(b))
+                        .build()?;
+                    run_rank(&session, opts)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join()).collect()
+    });
+    let mut failed = false;
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(Ok(cases)) => eprintln!("{spec} x{ranks} rank {r}: {} cases passed", cases.len()),
+            Ok(Err(e)) => {
+                failed = true;
+                eprintln!("{spec} x{ranks} rank {r}: {e}");
+            }
+            Err(_) => {
+                failed = true;
+                eprintln!("{spec} x{ranks} rank {r}: panicked");
+            }
+        }
+    }
+    assert!(!failed, "{spec} x{ranks}: conformance failed (see above)");
+}
