@@ -177,7 +177,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         };
         let mut h = [0u8; wire::HEADER_LEN];
         let r = st.copy_out(0, &mut h).and_then(|()| {
-            let hdr = wire::decode_header(&h).map_err(|w| Error::protocol(remote, w))?;
+            let hdr =
+                wire::decode_header(&h).map_err(|w| Error::protocol(remote, w.to_string()))?;
             let expect = st.rx().seq;
             if hdr.seq != expect {
                 return Err(Error::protocol(
@@ -254,7 +255,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.switch_to(0)?;
         let mut b = [0u8; wire::DESC_LEN];
         self.st.copy_out(0, &mut b)?;
-        wire::decode_desc(&b).map_err(|w| Error::protocol(self.st.remote, w))
+        wire::decode_desc(&b).map_err(|w| Error::protocol(self.st.remote, w.to_string()))
     }
 
     #[inline]

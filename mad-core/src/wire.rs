@@ -24,6 +24,49 @@
 use crate::error::{PieceDesc, PieceOrEnd};
 use crate::modes::{RecvMode, SendMode};
 
+/// What is wrong with bytes that should be a header or a descriptor (the wire layer's error;
+/// the engine reports it as [`Error::Protocol`](crate::Error::Protocol) from the peer).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// Not the length of the record.
+    #[error("{what} is {got} bytes, expected {want}")]
+    Length {
+        /// `"header"` or `"descriptor"`.
+        what: &'static str,
+        /// Length given.
+        got: usize,
+        /// Length of the record.
+        want: usize,
+    },
+    /// The header does not start with the magic bytes.
+    #[error(
+        "bad message magic {0:02x?} (the previous message was probably unpacked with a different \
+         sequence of pieces than it was packed with; enable checked mode to find where)"
+    )]
+    Magic([u8; 2]),
+    /// A protocol version this build does not speak.
+    #[error("unsupported protocol version {0} (this build speaks {VERSION})")]
+    Version(u8),
+    /// Header flags this build does not know.
+    #[error("unknown header flags {0:#04x}")]
+    Flags(u8),
+    /// A descriptor kind other than piece (1) or end of message (2).
+    #[error("bad descriptor kind {0}")]
+    Kind(u8),
+    /// A send or receive mode that does not exist.
+    #[error("bad {what} mode {got} in descriptor")]
+    Mode {
+        /// `"send"` or `"receive"`.
+        what: &'static str,
+        /// The byte found.
+        got: u8,
+    },
+    /// Reserved bytes not zero, or an end-of-message descriptor with a length.
+    #[error("malformed {0} descriptor")]
+    Malformed(&'static str),
+}
+
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 8;
 /// Descriptor length in bytes.
@@ -57,28 +100,22 @@ pub fn encode_header(h: Header) -> [u8; HEADER_LEN] {
 }
 
 /// Decode a header; the error says what is wrong.
-pub fn decode_header(b: &[u8]) -> Result<Header, String> {
+pub fn decode_header(b: &[u8]) -> Result<Header, WireError> {
     if b.len() != HEADER_LEN {
-        return Err(format!(
-            "header is {} bytes, expected {HEADER_LEN}",
-            b.len()
-        ));
+        return Err(WireError::Length {
+            what: "header",
+            got: b.len(),
+            want: HEADER_LEN,
+        });
     }
     if b[0..2] != MAGIC {
-        return Err(format!(
-            "bad message magic {:02x}{:02x} (the previous message was probably unpacked with a different \
-             sequence of pieces than it was packed with; enable checked mode to find where)",
-            b[0], b[1]
-        ));
+        return Err(WireError::Magic([b[0], b[1]]));
     }
     if b[2] != VERSION {
-        return Err(format!(
-            "unsupported protocol version {} (this build speaks {VERSION})",
-            b[2]
-        ));
+        return Err(WireError::Version(b[2]));
     }
     if b[3] & !FLAG_CHECKED != 0 {
-        return Err(format!("unknown header flags {:#04x}", b[3]));
+        return Err(WireError::Flags(b[3]));
     }
     Ok(Header {
         checked: b[3] & FLAG_CHECKED != 0,
@@ -106,12 +143,13 @@ pub fn encode_desc(d: PieceOrEnd) -> [u8; DESC_LEN] {
 }
 
 /// Decode a descriptor; the error says what is wrong.
-pub fn decode_desc(b: &[u8]) -> Result<PieceOrEnd, String> {
+pub fn decode_desc(b: &[u8]) -> Result<PieceOrEnd, WireError> {
     if b.len() != DESC_LEN {
-        return Err(format!(
-            "descriptor is {} bytes, expected {DESC_LEN}",
-            b.len()
-        ));
+        return Err(WireError::Length {
+            what: "descriptor",
+            got: b.len(),
+            want: DESC_LEN,
+        });
     }
     let idx = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
     let mut len = [0u8; 8];
@@ -119,12 +157,16 @@ pub fn decode_desc(b: &[u8]) -> Result<PieceOrEnd, String> {
     let len = u64::from_le_bytes(len);
     match b[0] {
         1 => {
-            let send = SendMode::from_u8(b[1])
-                .ok_or_else(|| format!("bad send mode {} in descriptor", b[1]))?;
-            let recv = RecvMode::from_u8(b[2])
-                .ok_or_else(|| format!("bad receive mode {} in descriptor", b[2]))?;
+            let send = SendMode::from_u8(b[1]).ok_or(WireError::Mode {
+                what: "send",
+                got: b[1],
+            })?;
+            let recv = RecvMode::from_u8(b[2]).ok_or(WireError::Mode {
+                what: "receive",
+                got: b[2],
+            })?;
             if b[3] != 0 {
-                return Err("reserved descriptor byte is not zero".into());
+                return Err(WireError::Malformed("piece"));
             }
             Ok(PieceOrEnd::Piece(PieceDesc {
                 index: idx,
@@ -135,11 +177,11 @@ pub fn decode_desc(b: &[u8]) -> Result<PieceOrEnd, String> {
         }
         2 => {
             if b[1..4] != [0, 0, 0] || len != 0 {
-                return Err("malformed end-of-message descriptor".into());
+                return Err(WireError::Malformed("end-of-message"));
             }
             Ok(PieceOrEnd::End { pieces: idx })
         }
-        k => Err(format!("bad descriptor kind {k}")),
+        k => Err(WireError::Kind(k)),
     }
 }
 
@@ -161,10 +203,26 @@ mod tests {
         ] {
             assert_eq!(decode_header(&encode_header(h)).unwrap(), h);
         }
-        assert!(decode_header(b"XX\x01\x00\0\0\0\0").is_err());
-        assert!(decode_header(b"M2\x09\x00\0\0\0\0").is_err());
-        assert!(decode_header(b"M2\x01\x80\0\0\0\0").is_err());
-        assert!(decode_header(b"M2").is_err());
+        assert_eq!(
+            decode_header(b"XX\x01\x00\0\0\0\0"),
+            Err(WireError::Magic(*b"XX"))
+        );
+        assert_eq!(
+            decode_header(b"M2\x09\x00\0\0\0\0"),
+            Err(WireError::Version(9))
+        );
+        assert_eq!(
+            decode_header(b"M2\x01\x80\0\0\0\0"),
+            Err(WireError::Flags(0x80))
+        );
+        assert!(matches!(
+            decode_header(b"M2"),
+            Err(WireError::Length { got: 2, .. })
+        ));
+        assert!(decode_header(b"XX\x01\x00\0\0\0\0")
+            .unwrap_err()
+            .to_string()
+            .contains("enable checked mode"));
     }
 
     #[test]

@@ -90,24 +90,80 @@ pub fn context(channel: &str, connector: u32, acceptor: u32) -> Vec<u8> {
     c
 }
 
-fn check_head(b: &[u8], kind: u8, what: &str) -> Result<(), String> {
+/// What is wrong with bytes that should be a handshake message (the handshake layer's error;
+/// the acceptor logs it and refuses the connection, the connector reports it as
+/// `Error::Protocol`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// Fewer bytes than the message's head.
+    #[error("{what} too short ({got} bytes)")]
+    TooShort {
+        /// `"challenge"`, `"hello"` or `"reply"`.
+        what: &'static str,
+        /// Bytes given.
+        got: usize,
+    },
+    /// Not the mad-tcp magic: another protocol.
+    #[error("not a mad-tcp {what} (bad magic {got:02x?})")]
+    Magic {
+        /// The message expected.
+        what: &'static str,
+        /// The first four bytes.
+        got: [u8; 4],
+    },
+    /// Another kind of message than the one expected at this step.
+    #[error("expected a {what}, got message kind {got}")]
+    Kind {
+        /// The message expected.
+        what: &'static str,
+        /// The kind byte found.
+        got: u8,
+    },
+    /// A protocol version this side does not speak.
+    #[error("{what} version {got} (this side speaks {VERSION})")]
+    Version {
+        /// The message.
+        what: &'static str,
+        /// The version byte found.
+        got: u8,
+    },
+    /// The message's length is not what its kind (or its own header) says.
+    #[error("{what} is {got} bytes, expected {want}")]
+    Length {
+        /// The message.
+        what: &'static str,
+        /// Bytes given.
+        got: usize,
+        /// Bytes expected.
+        want: usize,
+    },
+    /// A channel name longer than [`MAX_NAME_LEN`] (announced, or given to the encoder).
+    #[error("channel name of {0} bytes (at most {MAX_NAME_LEN})")]
+    NameTooLong(usize),
+    /// A channel name that is not UTF-8.
+    #[error("channel name is not UTF-8")]
+    NameNotUtf8,
+    /// A reply status this side does not know.
+    #[error("unknown reply status {0}")]
+    Status(u8),
+}
+
+fn check_head(b: &[u8], kind: u8, what: &'static str) -> Result<(), HandshakeError> {
     if b.len() < 6 {
-        return Err(format!("{what} too short ({} bytes)", b.len()));
+        return Err(HandshakeError::TooShort { what, got: b.len() });
     }
     if b[0..4] != MAGIC {
-        return Err(format!(
-            "not a mad-tcp {what} (bad magic {:02x?})",
-            &b[0..4]
-        ));
+        return Err(HandshakeError::Magic {
+            what,
+            got: arr(b, 0),
+        });
     }
     if b[4] != kind {
-        return Err(format!("expected a {what}, got message kind {}", b[4]));
+        return Err(HandshakeError::Kind { what, got: b[4] });
     }
     if b[5] != VERSION {
-        return Err(format!(
-            "{what} version {} (this side speaks {VERSION})",
-            b[5]
-        ));
+        return Err(HandshakeError::Version { what, got: b[5] });
     }
     Ok(())
 }
@@ -132,13 +188,14 @@ pub fn encode_challenge(c: &Challenge) -> [u8; CHALLENGE_LEN] {
 }
 
 /// Decode a challenge.
-pub fn decode_challenge(b: &[u8]) -> Result<Challenge, String> {
+pub fn decode_challenge(b: &[u8]) -> Result<Challenge, HandshakeError> {
     check_head(b, KIND_CHALLENGE, "challenge")?;
     if b.len() != CHALLENGE_LEN {
-        return Err(format!(
-            "challenge is {} bytes, expected {CHALLENGE_LEN}",
-            b.len()
-        ));
+        return Err(HandshakeError::Length {
+            what: "challenge",
+            got: b.len(),
+            want: CHALLENGE_LEN,
+        });
     }
     Ok(Challenge {
         rank: u32::from_le_bytes(arr(b, 6)),
@@ -147,13 +204,10 @@ pub fn decode_challenge(b: &[u8]) -> Result<Challenge, String> {
 }
 
 /// Encode a hello (fails only if the channel name is longer than [`MAX_NAME_LEN`]).
-pub fn encode_hello(h: &Hello) -> Result<Vec<u8>, String> {
+pub fn encode_hello(h: &Hello) -> Result<Vec<u8>, HandshakeError> {
     let name = h.channel.as_bytes();
     if name.len() > MAX_NAME_LEN {
-        return Err(format!(
-            "channel name is {} bytes, at most {MAX_NAME_LEN}",
-            name.len()
-        ));
+        return Err(HandshakeError::NameTooLong(name.len()));
     }
     let mut b = Vec::with_capacity(HELLO_FIXED_LEN + name.len());
     b.extend_from_slice(&MAGIC);
@@ -173,39 +227,38 @@ pub const HEAD_LEN: usize = 6;
 
 /// Check the head of a hello (its first [`HEAD_LEN`] bytes): a stranger speaking another
 /// protocol is refused as soon as these bytes are in, not at the handshake timeout.
-pub fn check_hello_head(head: &[u8]) -> Result<(), String> {
+pub fn check_hello_head(head: &[u8]) -> Result<(), HandshakeError> {
     check_head(head, KIND_HELLO, "hello")
 }
 
 /// From the fixed part of a hello, the total length of the hello (fixed part + name).
-pub fn hello_len(fixed: &[u8]) -> Result<usize, String> {
+pub fn hello_len(fixed: &[u8]) -> Result<usize, HandshakeError> {
     check_head(fixed, KIND_HELLO, "hello")?;
     if fixed.len() < HELLO_FIXED_LEN {
-        return Err(format!(
-            "hello is {} bytes, expected at least {HELLO_FIXED_LEN}",
-            fixed.len()
-        ));
+        return Err(HandshakeError::TooShort {
+            what: "hello",
+            got: fixed.len(),
+        });
     }
     let n = u16::from_le_bytes(arr(fixed, 6)) as usize;
     if n > MAX_NAME_LEN {
-        return Err(format!(
-            "channel name of {n} bytes (at most {MAX_NAME_LEN})"
-        ));
+        return Err(HandshakeError::NameTooLong(n));
     }
     Ok(HELLO_FIXED_LEN + n)
 }
 
 /// Decode a complete hello.
-pub fn decode_hello(b: &[u8]) -> Result<Hello, String> {
+pub fn decode_hello(b: &[u8]) -> Result<Hello, HandshakeError> {
     let total = hello_len(b)?;
     if b.len() != total {
-        return Err(format!(
-            "hello is {} bytes, its header says {total}",
-            b.len()
-        ));
+        return Err(HandshakeError::Length {
+            what: "hello",
+            got: b.len(),
+            want: total,
+        });
     }
     let channel = std::str::from_utf8(&b[HELLO_FIXED_LEN..])
-        .map_err(|_| "channel name is not UTF-8".to_string())?
+        .map_err(|_| HandshakeError::NameNotUtf8)?
         .to_string();
     Ok(Hello {
         rank: u32::from_le_bytes(arr(b, 8)),
@@ -230,15 +283,19 @@ pub fn encode_reply(r: &Reply) -> [u8; REPLY_LEN] {
 }
 
 /// Decode a reply.
-pub fn decode_reply(b: &[u8]) -> Result<Reply, String> {
+pub fn decode_reply(b: &[u8]) -> Result<Reply, HandshakeError> {
     check_head(b, KIND_REPLY, "reply")?;
     if b.len() != REPLY_LEN {
-        return Err(format!("reply is {} bytes, expected {REPLY_LEN}", b.len()));
+        return Err(HandshakeError::Length {
+            what: "reply",
+            got: b.len(),
+            want: REPLY_LEN,
+        });
     }
     let status = match b[6] {
         0 => Status::Ok,
         1 => Status::FingerprintMismatch,
-        s => return Err(format!("unknown reply status {s}")),
+        s => return Err(HandshakeError::Status(s)),
     };
     Ok(Reply {
         status,
@@ -347,5 +404,77 @@ mod tests {
         }
         assert!(decode_hello(&hb[..hb.len() - 1]).is_err());
         assert!(decode_challenge(b"MTCP").is_err());
+    }
+
+    #[test]
+    fn errors_are_typed() {
+        let c = encode_challenge(&Challenge {
+            rank: 1,
+            nonce_a: [0; NONCE_LEN],
+        });
+        assert_eq!(
+            decode_challenge(&c[..3]),
+            Err(HandshakeError::TooShort {
+                what: "challenge",
+                got: 3
+            })
+        );
+        assert_eq!(
+            decode_challenge(b"GET / HTTP/1.1\r\n\r\n\0\0\0\0\0\0\0\0"),
+            Err(HandshakeError::Magic {
+                what: "challenge",
+                got: *b"GET "
+            })
+        );
+        assert_eq!(
+            decode_reply(&c),
+            Err(HandshakeError::Kind {
+                what: "reply",
+                got: KIND_CHALLENGE
+            })
+        );
+        let mut v = c;
+        v[5] = 99;
+        assert_eq!(
+            decode_challenge(&v),
+            Err(HandshakeError::Version {
+                what: "challenge",
+                got: 99
+            })
+        );
+        assert!(matches!(
+            decode_challenge(&[&c[..], &[0]].concat()),
+            Err(HandshakeError::Length {
+                what: "challenge",
+                ..
+            })
+        ));
+        let long = Hello {
+            rank: 1,
+            fingerprint: 0,
+            nonce_c: [0; NONCE_LEN],
+            proof: [0; PROOF_LEN],
+            channel: "x".repeat(MAX_NAME_LEN + 1),
+        };
+        assert_eq!(
+            encode_hello(&long),
+            Err(HandshakeError::NameTooLong(MAX_NAME_LEN + 1))
+        );
+        let mut h = encode_hello(&Hello {
+            channel: "ok".into(),
+            ..long
+        })
+        .unwrap();
+        let n = h.len();
+        h[n - 1] = 0xff;
+        assert_eq!(decode_hello(&h), Err(HandshakeError::NameNotUtf8));
+        let mut r = encode_reply(&Reply {
+            status: Status::Ok,
+            rank: 0,
+            fingerprint: 0,
+            proof: [0; PROOF_LEN],
+        });
+        r[6] = 7;
+        assert_eq!(decode_reply(&r), Err(HandshakeError::Status(7)));
     }
 }

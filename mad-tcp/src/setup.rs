@@ -154,7 +154,7 @@ fn connect_one(
     let mut stream = &st;
     let mut cb = [0u8; handshake::CHALLENGE_LEN];
     stream.read_exact(&mut cb).map_err(ctx_err)?;
-    let ch = handshake::decode_challenge(&cb).map_err(|w| Error::protocol(r, w))?;
+    let ch = handshake::decode_challenge(&cb).map_err(|w| Error::protocol(r, w.to_string()))?;
     if ch.rank as usize != r {
         return Err(Error::protocol(
             r,
@@ -172,7 +172,7 @@ fn connect_one(
             .proof(b"mad-tcp-connect", &ch.nonce_a, &nonce_c, &context),
         channel: p.channel.to_string(),
     };
-    let hb = handshake::encode_hello(&hello).map_err(Error::BadConfig)?;
+    let hb = handshake::encode_hello(&hello).map_err(|e| Error::BadConfig(e.to_string()))?;
     stream.write_all(&hb).map_err(ctx_err)?;
     let mut rb = [0u8; handshake::REPLY_LEN];
     if let Err(e) = stream.read_exact(&mut rb) {
@@ -185,7 +185,8 @@ fn connect_one(
             ctx_err(e)
         });
     }
-    let reply: Reply = handshake::decode_reply(&rb).map_err(|w| Error::protocol(r, w))?;
+    let reply: Reply =
+        handshake::decode_reply(&rb).map_err(|w| Error::protocol(r, w.to_string()))?;
     if reply.rank as usize != r
         || !p.secret.verify(
             b"mad-tcp-accept",
@@ -351,14 +352,14 @@ fn accept_one(c: &AcceptCtx, st: TcpStream, addr: SocketAddr, deadline: Instant)
         return refused(format!("reading hello: {e}"));
     }
     if let Err(w) = handshake::check_hello_head(&hb[..handshake::HEAD_LEN]) {
-        return refused(w);
+        return refused(w.to_string());
     }
     if let Err(e) = stream.read_exact(&mut hb[handshake::HEAD_LEN..]) {
         return refused(format!("reading hello: {e}"));
     }
     let total = match handshake::hello_len(&hb) {
         Ok(t) => t,
-        Err(w) => return refused(w),
+        Err(w) => return refused(w.to_string()),
     };
     hb.resize(total, 0);
     if let Err(e) = stream.read_exact(&mut hb[handshake::HELLO_FIXED_LEN..]) {
@@ -366,7 +367,7 @@ fn accept_one(c: &AcceptCtx, st: TcpStream, addr: SocketAddr, deadline: Instant)
     }
     let h = match handshake::decode_hello(&hb) {
         Ok(h) => h,
-        Err(w) => return refused(w),
+        Err(w) => return refused(w.to_string()),
     };
     if h.channel != c.channel {
         return refused(format!("it asked for channel `{}`", h.channel));
