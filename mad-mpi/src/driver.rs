@@ -41,6 +41,7 @@ use mad_core::driver::{
     TmId, TmSpec, TmTable, TxLink,
 };
 use mad_core::{Error, Result};
+use mpi::environment::Threading;
 
 use crate::sys::{self, Comm, GatherOp, OwnedSend, Preposted};
 
@@ -151,6 +152,67 @@ pub fn use_datatype(policy: GatherPolicy, family: MpiFamily, slices: usize, tota
             family == MpiFamily::OpenMpi && (DATATYPE_MIN_SLICE..=DATATYPE_MAX_SLICE).contains(&avg)
         }
     }
+}
+
+/// The wire code of a threading level in the channel descriptor (0 = SINGLE .. 3 = MULTIPLE).
+fn level_code(t: Threading) -> u8 {
+    match t {
+        Threading::Single => 0,
+        Threading::Funneled => 1,
+        Threading::Serialized => 2,
+        Threading::Multiple => 3,
+    }
+}
+
+fn level_of_code(c: u8) -> Threading {
+    match c {
+        3 => Threading::Multiple,
+        2 => Threading::Serialized,
+        1 => Threading::Funneled,
+        _ => Threading::Single,
+    }
+}
+
+/// Why the channel cannot open, given every rank's level code (`None` for a malformed
+/// descriptor, reported later), or `None` when every rank has at least
+/// `MPI_THREAD_SERIALIZED`. A pure decision, the same on every rank.
+///
+/// The engine calls a channel's links from whichever thread packs, unpacks or waits (and the
+/// any-source poll from any of them); a lock makes those calls one at a time, which is what
+/// `SERIALIZED` asks, but under `FUNNELED` (and `SINGLE`) MPI may only be called by the thread
+/// that initialised it, which no lock can ensure.
+pub fn thread_level_refusal(levels: impl Iterator<Item = Option<u8>>) -> Option<String> {
+    let (rank, t) = levels
+        .enumerate()
+        .filter_map(|(r, c)| c.map(|c| (r, level_of_code(c))))
+        .find(|&(_, t)| !sys::channel_level_ok(t))?;
+    Some(format!(
+        "MPI granted {} on rank {rank}: only the thread that initialised MPI may call it, but \
+         a channel's connections are driven from whichever thread packs, unpacks or polls; the \
+         mpi driver needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (ask for it: \
+         MAD_MPI_THREAD_LEVEL unset or `multiple`, or the application's MPI_Init_thread). The \
+         bootstrap still works from the main thread, and so do channels of other drivers",
+        sys::level_name(t)
+    ))
+}
+
+/// The selection table's line on the threading level.
+fn thread_note(granted: Threading, requested: Option<Threading>, serialised: bool) -> String {
+    let asked = match requested {
+        Some(r) => format!("requested {}", sys::level_name(r)),
+        None => "MPI initialised by the application".into(),
+    };
+    let how = if !serialised {
+        "MPI calls run concurrently"
+    } else if granted == Threading::Multiple {
+        "every MPI call serialised by one process-wide lock (forced by MAD_MPI_SERIALISE=1)"
+    } else {
+        "every MPI call serialised by one process-wide lock"
+    };
+    format!(
+        "thread level: {} granted ({asked}): {how}",
+        sys::level_name(granted)
+    )
 }
 
 /// The MPI driver.
@@ -280,25 +342,37 @@ impl Driver for MpiDriver {
         let bs = ctx.bootstrap;
         let rt = sys::runtime()?;
         let p = params(ctx.config)?.with_family(MpiFamily::from_version(rt.version()));
-        let world = Comm::world(&rt);
-        if world.size() != bs.size() {
+        // Rank and size were read when MPI was initialised: no MPI call before the checks
+        // below, which a thread other than MPI's main one may not make under FUNNELED.
+        if rt.world_size() != bs.size() {
             return Err(Error::Unavailable {
                 driver: "mpi".into(),
                 reason: format!(
                     "the session has {} processes but MPI_COMM_WORLD has {}: start the job with \
                      the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built for",
                     bs.size(),
-                    world.size()
+                    rt.world_size()
                 ),
             });
         }
         let me = bs.rank();
-        let mut mine = Vec::with_capacity(25);
-        mine.extend_from_slice(&(world.rank() as u64).to_le_bytes());
+        // Descriptor: MPI world rank, granted threading level, then what must be equal on
+        // every rank (TM table, eager buffer, gather policy). The level is exchanged so that
+        // every rank refuses the channel when one cannot run it (instead of that rank failing
+        // alone while the others wait in the next collective).
+        let mut mine = Vec::with_capacity(26);
+        mine.extend_from_slice(&(rt.world_rank() as u64).to_le_bytes());
+        mine.push(level_code(rt.threading()));
         mine.extend_from_slice(&ctx.table.fingerprint().to_le_bytes());
         mine.extend_from_slice(&(p.eager_buf as u64).to_le_bytes());
         mine.push(p.policy.code());
         let all = bs.allgather(&ctx.tag("mpi-open"), &mine)?;
+        if let Some(reason) = thread_level_refusal(all.iter().map(|v| v.get(8).copied())) {
+            return Err(Error::Unavailable {
+                driver: "mpi".into(),
+                reason,
+            });
+        }
         let mut seen = vec![false; all.len()];
         let mut identity = true;
         for (r, v) in all.iter().enumerate() {
@@ -314,7 +388,7 @@ impl Driver for MpiDriver {
             }
             seen[wr] = true;
             identity &= wr == r;
-            if v[8..] != mine[8..] {
+            if v[9..] != mine[9..] {
                 return Err(Error::BadConfig(format!(
                     "channel `{}`: rank {r} has a different mpi TM table, eager_buf or gather \
                      policy than rank {me}; every rank must use the same channel spec",
@@ -322,6 +396,7 @@ impl Driver for MpiDriver {
                 )));
             }
         }
+        let world = Comm::world(&rt);
         let comm = if identity {
             world.dup()?
         } else {
@@ -344,19 +419,7 @@ impl Driver for MpiDriver {
         }
         let notes = vec![
             format!("MPI library: {}", rt.version()),
-            if rt.serialised() {
-                format!(
-                    "MPI granted {:?}{}: every MPI call is serialised by one process-wide lock",
-                    rt.threading(),
-                    if rt.threading() == mpi::environment::Threading::Multiple {
-                        " (lock forced by MAD_MPI_SERIALISE=1)"
-                    } else {
-                        ", not THREAD_MULTIPLE"
-                    }
-                )
-            } else {
-                "MPI_THREAD_MULTIPLE granted".to_string()
-            },
+            thread_note(rt.threading(), rt.requested(), rt.serialised()),
             format!(
                 "communicator: {}; eager buffer {} B, blocking MPI_Send up to {} B; gather policy {:?} ({})",
                 if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
@@ -934,6 +997,36 @@ mod tests {
         );
         assert_eq!(MpiFamily::from_version("MPICH Version:\t4.0.2"), Mpich);
         assert_eq!(MpiFamily::from_version("Intel(R) MPI"), Other);
+    }
+
+    #[test]
+    fn thread_level_decision() {
+        let codes = |v: &[Threading]| {
+            v.iter()
+                .map(|&t| Some(level_code(t)))
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        use Threading::*;
+        assert_eq!(thread_level_refusal(codes(&[Multiple, Multiple])), None);
+        assert_eq!(thread_level_refusal(codes(&[Serialized, Multiple])), None);
+        let r = thread_level_refusal(codes(&[Multiple, Funneled, Single])).unwrap();
+        assert!(r.contains("MPI_THREAD_FUNNELED on rank 1"), "{r}");
+        let r = thread_level_refusal(codes(&[Single])).unwrap();
+        assert!(r.contains("MPI_THREAD_SINGLE on rank 0"), "{r}");
+        // A malformed descriptor is reported by the descriptor checks, not here.
+        assert_eq!(thread_level_refusal([None, Some(3)].into_iter()), None);
+        for t in [Single, Funneled, Serialized, Multiple] {
+            assert_eq!(level_of_code(level_code(t)), t);
+        }
+        assert_eq!(
+            thread_note(Multiple, Some(Multiple), false),
+            "thread level: MPI_THREAD_MULTIPLE granted (requested MPI_THREAD_MULTIPLE): MPI calls run concurrently"
+        );
+        assert!(thread_note(Multiple, Some(Multiple), true).contains("MAD_MPI_SERIALISE=1"));
+        let n = thread_note(Serialized, None, true);
+        assert!(n.contains("MPI_THREAD_SERIALIZED granted (MPI initialised by the application)"));
+        assert!(n.contains("lock") && !n.contains("MAD_MPI_SERIALISE"));
     }
 
     #[test]
