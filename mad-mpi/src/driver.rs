@@ -25,8 +25,10 @@
 //! path), so polling is one `MPI_Test` and any-source readiness one `MPI_Testsome` over the
 //! channel's eager receives. MPI has no file
 //! descriptor to block on and progresses only inside MPI calls, so `wait` keeps testing
-//! (yielding the processor between tests) for [`WAIT_POLL`], then sleeps with an exponential
-//! backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
+//! (yielding the processor between tests) for as long as the transfer in flight can take at a
+//! pessimistic bandwidth ([`poll_budget`]: [`WAIT_POLL`] plus its size at [`WAIT_MIN_BW`]), or
+//! [`WAIT_POLL`] when none is (waiting for a message to start), then sleeps with an
+//! exponential backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -446,19 +448,63 @@ impl Driver for MpiDriver {
 }
 
 /// How long `wait` keeps calling into MPI (yielding the processor between calls) before it
-/// starts sleeping. MPI progresses only inside MPI calls: a rendezvous transfer (the
-/// receiver's single copy, the sender's completion) stalls while both ends sleep, so the
-/// first part of a wait keeps testing. 4 MiB at 10 GB/s take about 400 µs.
+/// starts sleeping, when no large transfer is in flight (waiting for a message to start, or
+/// for eager sends): MPI progresses only inside MPI calls, and a wait that sleeps at once
+/// adds a nap to every short wait.
 pub const WAIT_POLL: Duration = Duration::from_micros(500);
+/// The pessimistic bandwidth (bytes per second) that bounds how long a wait keeps polling for a
+/// gather send or scatter receive in flight: 1 GB/s, a tenth of what both MPIs move here
+/// (9–13 GB/s), so a transfer slowed by a busy machine still completes while polled.
+pub const WAIT_MIN_BW: u64 = 1_000_000_000;
 /// Longest single sleep of the backoff phase.
 pub const WAIT_MAX_NAP: Duration = Duration::from_micros(100);
 
-/// Wait until `ready()` or `timeout`: poll (yielding the processor between tests) for
-/// [`WAIT_POLL`], then sleep with an exponential backoff from 1 µs to [`WAIT_MAX_NAP`], testing
-/// after each sleep.
-fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
-    let start = Instant::now();
-    let poll_for = WAIT_POLL.min(timeout);
+/// How long waits keep polling (yielding between tests) for a transfer of `bytes` in flight,
+/// counted from the first wait for it: [`WAIT_POLL`] plus the time `bytes` take at
+/// [`WAIT_MIN_BW`] (16 MiB: 17.3 ms). A pure function.
+///
+/// MPI moves a rendezvous transfer (the receiver's copy, the completion the sender waits for)
+/// only inside MPI calls: a side that sleeps stalls it. With a fixed 500 µs (tuned for 4 MiB,
+/// ~400 µs at 10 GB/s) the waits of an 8 MiB or 16 MiB transfer went to sleep mid-transfer.
+/// Bounded by the size, so a wait for a peer that does not take part (computing, not yet in
+/// its receive) still backs off after that time.
+pub fn poll_budget(bytes: usize) -> Duration {
+    let ns = (bytes as u128 * 1_000_000_000 / WAIT_MIN_BW as u128).min(u64::MAX as u128) as u64;
+    WAIT_POLL.saturating_add(Duration::from_nanos(ns))
+}
+
+/// A gather send or scatter receive in flight, and when a wait first waited for it.
+struct Transfer {
+    op: GatherOp,
+    waited_since: Option<Instant>,
+}
+
+impl Transfer {
+    fn new(op: GatherOp) -> Self {
+        Transfer {
+            op,
+            waited_since: None,
+        }
+    }
+
+    /// Until when a wait starting `now` keeps polling: the transfer's [`poll_budget`] from the
+    /// first wait, and at least [`WAIT_POLL`] from `now`.
+    fn poll_until(&mut self, now: Instant) -> Instant {
+        let since = *self.waited_since.get_or_insert(now);
+        (since + poll_budget(self.op.bytes())).max(now + WAIT_POLL)
+    }
+}
+
+/// Wait until `ready()` or `timeout` (from `start`): poll (yielding the processor between
+/// tests) until `poll_until`, then sleep with an exponential backoff from 1 µs to
+/// [`WAIT_MAX_NAP`], testing after each sleep.
+fn backoff_wait(
+    start: Instant,
+    timeout: Duration,
+    poll_until: Instant,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let poll_end = poll_until.min(start + timeout);
     let mut i: u32 = 0;
     loop {
         if ready()? {
@@ -466,7 +512,7 @@ fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> R
         }
         i = i.wrapping_add(1);
         if i % 16 == 0 {
-            if start.elapsed() >= poll_for {
+            if Instant::now() >= poll_end {
                 break;
             }
             std::thread::yield_now();
@@ -507,7 +553,7 @@ struct MpiTx {
     fill: usize,
     free: Vec<Vec<u8>>,
     inflight: VecDeque<OwnedSend>,
-    gather: Option<GatherOp>,
+    gather: Option<Transfer>,
     sent_any: bool,
     broken: Option<String>,
     /// Last field: dropped after the requests above, so MPI is still alive for them.
@@ -656,10 +702,10 @@ impl TxLink for MpiTx {
                 .gather_send(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
             self.sent_any = true;
-            self.gather = Some(op);
+            self.gather = Some(Transfer::new(op));
         }
         let done = match self.gather.as_mut() {
-            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            Some(t) => t.op.test().map_err(|e| lost(self.peer, e))?,
             None => true,
         };
         if done {
@@ -683,8 +729,8 @@ impl TxLink for MpiTx {
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.usable()?;
         self.flush()?;
-        if let Some(op) = self.gather.as_mut() {
-            if !op.test().map_err(|e| lost(self.peer, e))? {
+        if let Some(t) = self.gather.as_mut() {
+            if !t.op.test().map_err(|e| lost(self.peer, e))? {
                 return Ok(Poll::Pending);
             }
             self.gather = None;
@@ -712,9 +758,14 @@ impl TxLink for MpiTx {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
-            if let Some(op) = self.gather.as_mut() {
-                return op.test().map_err(|e| lost(self.peer, e));
+        let now = Instant::now();
+        let poll_until = match self.gather.as_mut() {
+            Some(t) => t.poll_until(now),
+            None => now + WAIT_POLL,
+        };
+        backoff_wait(now, timeout, poll_until, || {
+            if let Some(t) = self.gather.as_mut() {
+                return t.op.test().map_err(|e| lost(self.peer, e));
             }
             self.reap()
         })
@@ -731,7 +782,7 @@ struct MpiRx {
     /// Whether our eager buffer is in `ch.pre` (a receive from this peer posted, or to be
     /// posted by the next test).
     parked: bool,
-    gather: Option<GatherOp>,
+    gather: Option<Transfer>,
     p: Params,
     broken: Option<String>,
     /// Last field: dropped after the requests above, so MPI is still alive for them.
@@ -872,10 +923,10 @@ impl RxLink for MpiRx {
                 .comm
                 .scatter_recv(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
-            self.gather = Some(op);
+            self.gather = Some(Transfer::new(op));
         }
         let done = match self.gather.as_mut() {
-            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            Some(t) => t.op.test().map_err(|e| lost(self.peer, e))?,
             None => true,
         };
         if done {
@@ -912,9 +963,14 @@ impl RxLink for MpiRx {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
-            if let Some(op) = self.gather.as_mut() {
-                return op.test().map_err(|e| lost(self.peer, e));
+        let now = Instant::now();
+        let poll_until = match self.gather.as_mut() {
+            Some(t) => t.poll_until(now),
+            None => now + WAIT_POLL,
+        };
+        backoff_wait(now, timeout, poll_until, || {
+            if let Some(t) = self.gather.as_mut() {
+                return t.op.test().map_err(|e| lost(self.peer, e));
             }
             Ok(self.fill()?.is_ready())
         })
@@ -940,7 +996,8 @@ impl Incoming for MpiIncoming {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
+        let now = Instant::now();
+        backoff_wait(now, timeout, now + WAIT_POLL, || {
             if self.woken.swap(false, Ordering::AcqRel) {
                 return Ok(true);
             }
@@ -1027,6 +1084,19 @@ mod tests {
         let n = thread_note(Serialized, None, true);
         assert!(n.contains("MPI_THREAD_SERIALIZED granted (MPI initialised by the application)"));
         assert!(n.contains("lock") && !n.contains("MAD_MPI_SERIALISE"));
+    }
+
+    #[test]
+    fn wait_poll_budget() {
+        assert_eq!(poll_budget(0), WAIT_POLL);
+        // 4 MiB: 0.5 + 4.19 ms; 16 MiB: 0.5 + 16.8 ms (1 GB/s: one byte per ns).
+        assert_eq!(
+            poll_budget(4 << 20),
+            WAIT_POLL + Duration::from_nanos(4 << 20)
+        );
+        assert!(poll_budget(16 << 20) > Duration::from_millis(17));
+        assert!(poll_budget(16 << 20) < Duration::from_millis(18));
+        assert!(poll_budget(usize::MAX) > Duration::from_secs(1 << 30));
     }
 
     #[test]

@@ -653,6 +653,7 @@ impl Comm {
         let mut op = GatherOp {
             reqs: Vec::new(),
             send,
+            bytes: blocks.iter().map(|b| b.1).sum(),
         };
         let total_ok = blocks.iter().map(|b| b.1).sum::<usize>() <= MAX_BLOCK;
         if as_datatype && blocks.len() > 1 && total_ok {
@@ -1212,12 +1213,18 @@ impl Drop for OwnedSend {
 pub struct GatherOp {
     reqs: Vec<ffi::MPI_Request>,
     send: bool,
+    bytes: usize,
 }
 
 // SAFETY: request handles may be tested from any thread (one at a time: `&mut self`).
 unsafe impl Send for GatherOp {}
 
 impl GatherOp {
+    /// How many bytes the operation moves.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// Whether every request has completed (MPI no longer needs the memory).
     pub fn test(&mut self) -> Result<bool> {
         let what = if self.send {
