@@ -331,7 +331,9 @@ impl Driver for MpiDriver {
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
         Capabilities {
-            // One MPI_Improbe per peer costs about one MPI_Iprobe(ANY_SOURCE).
+            // Up to 2 peers, any-source reception polls each link (one compare-and-swap and one
+            // MPI_Test of its posted eager receive); beyond, one MPI_Testsome over every slot
+            // (`Preposted::poll_any`). Kept from the probe-based first version, not re-measured.
             direct_poll_limit: 2,
             // MPI aborts the job (or hangs) on a dead peer; it does not report it.
             detects_peer_death: false,
