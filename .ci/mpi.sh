@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # MPI checks for mad-mpi: install MPICH and Open MPI (Debian 12, idempotent), then build and run
 # the MPI job test (own checks + the core conformance kit over an MPI channel) under both MPIs
-# with 2 and 4 ranks, the kit through the datatype, blocking-progress and serialised paths, a
-# mixed job (TCP + shm + MPI channels over the MPI bootstrap), and the wrong-launcher check. Each MPI has its own target directory
-# because the `mpi` crate's build script does not rebuild when MPICC changes.
+# with 2 and 4 ranks, the kit through the datatype, blocking-progress and serialised paths, the
+# thread levels below MULTIPLE, a mixed job (TCP + shm + MPI channels over the MPI bootstrap),
+# the wrong-launcher checks, and a build without the `mpi` feature under a launcher (must
+# refuse) and in a Slurm batch script (must start its own ranks). Every run's output is checked for the number of kit cases that
+# passed. Each MPI has its own target directory because the `mpi` crate's build script does not
+# rebuild when MPICC changes.
 #
 # Usage: .ci/mpi.sh            (from the repository root)
 #        MPI_CI_SKIP_INSTALL=1 .ci/mpi.sh                 (never call apt-get)
@@ -42,36 +45,85 @@ build() { # $1 = mpich|openmpi
     ls -t "$CARGO_TARGET_DIR"/debug/deps/mpi_job-* | grep -v '\.d$' | head -1
 }
 
-run() { # $1 = label, rest = command
+# The kit's cases an MPI job runs: every case of mad-core's conformance table but `peer_closes`
+# (MPI does not report a dead peer). Counted from the table so a new case needs no edit here.
+KIT_CASES=$(sed -n '/^const CASES/,/^];/p' mad-core/src/conformance.rs | grep -c '^ *("')
+KIT_CASES=$((KIT_CASES - 1))
+[ "$KIT_CASES" -ge 1 ] || { echo "FAILED: cannot count the kit's cases in mad-core/src/conformance.rs" >&2; exit 1; }
+unset MAD_KIT_CASES   # every case, whatever the caller's environment says
+
+OUT=""
+run() { # $1 = label, rest = command; the output is echoed and kept in $OUT
     local label=$1; shift
     echo "== $label"
-    if ! timeout 300 "$@"; then
+    if ! OUT=$(timeout 300 "$@" 2>&1 | tr -d '\000'); then
+        echo "$OUT"
         echo "FAILED: $label" >&2
         exit 1
     fi
+    echo "$OUT"
+}
+
+need() { # $1 = label, $2 = a line the last run must have printed (fixed string)
+    if ! grep -qF -- "$2" <<<"$OUT"; then
+        echo "FAILED: $1: expected the line: $2" >&2
+        exit 1
+    fi
+}
+
+# An MPI job test run: all checks and the whole kit over `$spec` passed.
+run_job() { # $1 = label, $2 = kit spec, rest = command
+    local label=$1 spec=$2; shift 2
+    run "$label" env MAD_MPI_KIT_SPEC="$spec" "$@"
+    need "$label" "mpi_job: conformance kit over \`$spec\`: $KIT_CASES cases passed"
+    need "$label" "mpi_job: all checks passed on"
 }
 
 MPICH_BIN=$(build mpich)
 OMPI_BIN=$(build openmpi)
 
 for n in 2 4; do
-    run "MPICH, $n ranks" "${MPICH_RUN[@]}" -n "$n" "$MPICH_BIN"
-    run "Open MPI, $n ranks" "${OMPI_RUN[@]}" -n "$n" "$OMPI_BIN"
+    run_job "MPICH, $n ranks" mpi "${MPICH_RUN[@]}" -n "$n" "$MPICH_BIN"
+    run_job "Open MPI, $n ranks" mpi "${OMPI_RUN[@]}" -n "$n" "$OMPI_BIN"
 done
 
 # The kit again through the other paths: every gather group as one hindexed-datatype message,
 # and blocking progress (every wait goes through the driver's poll-then-sleep `wait`).
 for spec in "mpi,gather=datatype" "mpi,progress=block"; do
-    run "MPICH, 2 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
-    run "Open MPI, 4 ranks, $spec" env MAD_MPI_KIT_SPEC="$spec" "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
+    run_job "MPICH, 2 ranks, $spec" "$spec" "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+    run_job "Open MPI, 4 ranks, $spec" "$spec" "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
 done
-# The path of an MPI that grants less than THREAD_MULTIPLE: every MPI call behind one lock.
-run "MPICH, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
-run "Open MPI, 2 ranks, serialised" env MAD_MPI_SERIALISE=1 "${OMPI_RUN[@]}" -n 2 "$OMPI_BIN"
+# An MPI that grants MPI_THREAD_SERIALIZED (asked for with MAD_MPI_THREAD_LEVEL): every MPI call
+# behind one lock; and the same lock forced under THREAD_MULTIPLE.
+run_job "MPICH, 2 ranks, THREAD_SERIALIZED" mpi env MAD_MPI_THREAD_LEVEL=serialized "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+need "MPICH, THREAD_SERIALIZED" "thread level: MPI_THREAD_SERIALIZED granted"
+run_job "Open MPI, 4 ranks, THREAD_SERIALIZED" mpi env MAD_MPI_THREAD_LEVEL=serialized "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
+need "Open MPI, THREAD_SERIALIZED" "thread level: MPI_THREAD_SERIALIZED granted"
+run_job "MPICH, 2 ranks, serialised" mpi env MAD_MPI_SERIALISE=1 "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+run_job "Open MPI, 2 ranks, serialised" mpi env MAD_MPI_SERIALISE=1 "${OMPI_RUN[@]}" -n 2 "$OMPI_BIN"
+# Less than SERIALIZED: only MPI's main thread may call MPI, which no lock ensures: MPI channels
+# are refused on every rank, the bootstrap works from the main thread only.
+for lvl in funneled single; do
+    run "MPICH, 2 ranks, THREAD_${lvl^^}" env MAD_MPI_THREAD_LEVEL=$lvl "${MPICH_RUN[@]}" -n 2 "$MPICH_BIN"
+    need "MPICH, THREAD_${lvl^^}" "mpi_job: MPI channel refused as expected on every rank: MPI granted MPI_THREAD_${lvl^^}"
+done
+run "Open MPI, 4 ranks, THREAD_FUNNELED" env MAD_MPI_THREAD_LEVEL=funneled "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
+need "Open MPI, THREAD_FUNNELED" "mpi_job: MPI channel refused as expected on every rank: MPI granted MPI_THREAD_FUNNELED"
 
 # One MPI job, three drivers: TCP, shm and MPI channels over the MPI bootstrap (the kit each).
-run "MPICH, 2 ranks, mixed tcp+shm+mpi" "${MPICH_RUN[@]}" -n 2 "${CI_PREFIX}mpich/debug/examples/mixed_job"
-run "Open MPI, 4 ranks, mixed tcp+shm+mpi" "${OMPI_RUN[@]}" -n 4 "${CI_PREFIX}openmpi/debug/examples/mixed_job"
+for mpi in mpich openmpi; do
+    if [ $mpi = mpich ]; then launch=("${MPICH_RUN[@]}" -n 2); else launch=("${OMPI_RUN[@]}" -n 4); fi
+    run "$mpi, ${launch[-1]} ranks, mixed tcp+shm+mpi" "${launch[@]}" "${CI_PREFIX}$mpi/debug/examples/mixed_job"
+    for ch in tcp shm mpi; do
+        need "$mpi mixed job" "mixed_job: \`$ch\` over the MPI bootstrap: $KIT_CASES cases passed"
+    done
+done
+# Not under a launcher, the mixed job must fail, not pass vacuously.
+echo "== mixed job without a launcher must fail"
+if out=$("${CI_PREFIX}mpich/debug/examples/mixed_job" 2>&1); then
+    echo "$out" >&2; echo "FAILED: mixed_job exited 0 without an MPI launcher" >&2; exit 1
+fi
+echo "$out" | grep -q "no MPI launcher detected" || { echo "$out" >&2; echo "FAILED: mixed_job's message without a launcher" >&2; exit 1; }
 
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
@@ -87,4 +139,22 @@ if out=$(timeout 120 "${MPICH_RUN[@]}" -n 2 "$OMPI_BIN" 2>&1 | tr -d '\000'); th
     exit 1
 fi
 echo "$out" | grep -q "different MPI than the launcher" || { echo "$out" >&2; echo "FAILED: wrong-launcher message" >&2; exit 1; }
+# A build of the root package WITHOUT the `mpi` feature started by an MPI launcher must refuse to
+# run (BadConfig naming the launcher and the feature), not run N one-process sessions; the same
+# build run bare inside a Slurm batch script (SLURM_PROCID, no MPI launch) starts its own ranks.
+NOMPI_TARGET="${CI_PREFIX}nompi"
+CARGO_TARGET_DIR="$NOMPI_TARGET" cargo build --no-default-features --features tcp,shm --example hello >&2
+HELLO="$NOMPI_TARGET/debug/examples/hello"
+for launch in "mpiexec.mpich" "mpirun.openmpi"; do
+    if [ $launch = mpiexec.mpich ]; then cmd=("${MPICH_RUN[@]}"); else cmd=("${OMPI_RUN[@]}"); fi
+    echo "== build without the mpi feature under $launch -n 2 must fail"
+    if out=$(timeout 120 "${cmd[@]}" -n 2 "$HELLO" 2>&1 | tr -d '\000'); then
+        echo "$out" >&2; echo "FAILED: a build without the mpi feature ran under $launch" >&2; exit 1
+    fi
+    echo "$out" | grep -q "as rank [01] of 2, but this build of madeleine has no MPI bootstrap.*--features mpi" \
+        || { echo "$out" >&2; echo "FAILED: the no-mpi-feature message under $launch" >&2; exit 1; }
+done
+run "build without the mpi feature, bare in a Slurm batch script" env SLURM_PROCID=0 SLURM_NTASKS=4 "$HELLO"
+need "hello under a bare SLURM_PROCID" "rank 1: received 1000 bytes from rank 0, intact"
+
 echo "mpi.sh: all MPI checks passed"

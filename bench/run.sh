@@ -6,14 +6,16 @@
 #                           target-bench/quick-results, BENCHMARKS.md untouched (what CI runs)
 #   NO_MPI=1 bench/run.sh   skip the MPI builds and jobs even when an MPI is installed
 #
-# Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), one MPI job per
+# Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), two MPI jobs per
 # installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build with
-# --no-default-features --features shm,bench-mpi in target-bench-<mpi>/), Figure 4 of the paper
+# --no-default-features --features shm,bench-mpi in target-bench-<mpi>/): the pair patterns
+# with 2 ranks, the message rate with 4), Figure 4 of the paper
 # on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion
 # engine benches; then `mad-bench report` computes the targets table and the comparisons.
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
-# pair.csv mr.csv mpich.csv openmpi.csv (mad-bench rows), figure4.csv, rpc_example.txt,
+# pair.csv mr.csv mpich.csv openmpi.csv mpich-mr.csv openmpi-mr.csv (mad-bench rows),
+# figure4.csv, rpc_example.txt,
 # engine.txt, the raw stdout of each step (*.txt), status.tsv (what ran, what did not and why),
 # results.md and section.md (the generated section), *.svg.
 #
@@ -91,8 +93,10 @@ step mr "\`madrun -n 4 mad-bench\`: message rate" mr "$@"
 # --- the MPI jobs: shm, the MPI channel, raw MPI (two RPC idioms), the raw ring, memcpy ------
 # Sizes up to 16 MiB (the shm issue's sweep); quick: up to 4 MiB (the targets' sizes).
 if [[ ${#QUICK[@]} -gt 0 ]]; then MPIMAX=4m; else MPIMAX=16m; fi
-MPIARGS=(--channels 'shm;mpi' --modes cheaper --bench latency,bw,rpc --max "$MPIMAX"
+MPIARGS=(--channels 'shm;mpi' --modes cheaper --bench latency,bw,bibw,latency_mt,rpc --max "$MPIMAX"
          --baselines raw-mpi,raw-mpi-packed,raw-shm,memcpy)
+# The message rate of the same channels and baselines, 4 ranks (2 pairs) in a second job.
+MRARGS=(--channels 'shm;mpi' --modes cheaper --bench mbw_mr --baselines raw-mpi,raw-shm)
 
 has_libclang() {
     [[ -n "${LIBCLANG_PATH:-}" ]] && return 0
@@ -141,6 +145,18 @@ mpi_job() {
         FAILED+=("$name")
         rm -f "$OUT/$name.csv"
     fi
+    t0=$(date +%s)
+    echo "== $name-mr: ${launcher[*]} -n 4 mad-bench ${MRARGS[*]}"
+    timeout 1800 "${launcher[@]}" -n 4 "$target/release/mad-bench" "${QUICK[@]}" "${MRARGS[@]}" \
+        --csv "$OUT/$name-mr.csv" "${EXTRA[@]}" 2>&1 | tr -d '\000' | tee "$OUT/$name-mr.txt"
+    rc=${PIPESTATUS[0]}
+    if [[ $rc -eq 0 ]]; then
+        status "$name-mr" ran $(( $(date +%s) - t0 )) "\`${launcher[*]} -n 4 mad-bench ${MRARGS[*]}\`"
+    else
+        status "$name-mr" failed $(( $(date +%s) - t0 )) "\`${launcher[0]} -n 4 mad-bench\` exited with $rc (see $OUT/$name-mr.txt)"
+        FAILED+=("$name-mr")
+        rm -f "$OUT/$name-mr.csv"
+    fi
 }
 EXTRA=("$@")
 mpi_job mpich mpiexec.mpich
@@ -180,7 +196,7 @@ step engine "\`cargo bench --bench engine -- ${CRIT[*]}\`" engine
 
 # --- the report ---------------------------------------------------------------------------------
 CSVS=()
-for s in pair mr mpich openmpi; do [[ -s "$OUT/$s.csv" ]] && CSVS+=("$OUT/$s.csv"); done
+for s in pair mr mpich openmpi mpich-mr openmpi-mr; do [[ -s "$OUT/$s.csv" ]] && CSVS+=("$OUT/$s.csv"); done
 if ! "$BIN/mad-bench" report --out "$OUT" --status "$STATUS" --engine "$OUT/engine.txt" \
         --fig4 "$OUT/figure4.csv" --rpc-example "$OUT/rpc_example.txt" "${CSVS[@]}"; then
     echo "bench/run.sh: mad-bench report failed" >&2

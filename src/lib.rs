@@ -72,6 +72,10 @@ pub fn builder() -> SessionBuilder {
 /// Build the session of this process with every driver of this build: under `mpiexec` /
 /// `mpirun` / `srun` (with the `mpi` feature) the MPI bootstrap, under `madrun` the madrun
 /// bootstrap, otherwise a one-process session.
+///
+/// A build without the `mpi` feature started by an MPI launcher with more than one process
+/// fails with [`Error::BadConfig`] naming the launcher (each process would otherwise run its
+/// own one-process session).
 pub fn session() -> Result<Session> {
     #[cfg(feature = "mpi")]
     {
@@ -79,5 +83,7 @@ pub fn session() -> Result<Session> {
             return builder().bootstrap(Box::new(b)).build();
         }
     }
+    #[cfg(not(feature = "mpi"))]
+    local::refuse_mpi_launch(&|k| std::env::var(k).ok())?;
     builder().build()
 }

@@ -7,16 +7,22 @@
 //! ```
 //!
 //! `MAD_KIT_CASES` restricts the cases (every case but `peer_closes` by default: a dead peer
-//! ends an MPI job).
+//! ends an MPI job). The job fails (exit status 1) when it was not started by an MPI launcher,
+//! when it has fewer than 2 ranks, and when a channel ran fewer cases than were selected; rank 0
+//! prints one line per channel, `mixed_job: `<spec>` over the MPI bootstrap: N cases passed`,
+//! which `.ci/mpi.sh` checks.
 
 use mad_core::conformance::{case_names, run_rank, KitOptions};
-use mad_core::{Result, Session};
+use mad_core::{Error, Result, Session};
 use mad_mpi::{MpiBootstrap, MpiDriver};
 
 fn run() -> Result<()> {
     let Some(bs) = MpiBootstrap::from_env()? else {
-        println!("mixed_job: start me with mpiexec/mpirun");
-        return Ok(());
+        return Err(Error::BadConfig(
+            "no MPI launcher detected: start me with mpiexec/mpirun/srun and at least 2 ranks \
+             (e.g. mpiexec.mpich -n 2 mixed_job)"
+                .into(),
+        ));
     };
     let session = Session::builder()
         .driver(mad_tcp::TcpDriver::new())
@@ -24,6 +30,12 @@ fn run() -> Result<()> {
         .driver(MpiDriver::new())
         .bootstrap(Box::new(bs))
         .build()?;
+    if session.size() < 2 {
+        return Err(Error::BadConfig(format!(
+            "the MPI job has {} rank: the kit needs at least 2 (mpiexec -n 2 or more)",
+            session.size()
+        )));
+    }
     for spec in ["tcp", "shm", "mpi"] {
         let mut opts = KitOptions::new(spec);
         if opts.cases.is_none() {
@@ -35,7 +47,15 @@ fn run() -> Result<()> {
                     .collect(),
             );
         }
+        let selected = opts.cases.as_ref().map_or(0, Vec::len);
         let ran = run_rank(&session, &opts)?;
+        if ran.is_empty() || ran.len() != selected {
+            return Err(Error::BadConfig(format!(
+                "`{spec}`: {} of {selected} selected kit cases ran (MAD_KIT_CASES names an \
+                 unknown case?)",
+                ran.len()
+            )));
+        }
         if session.rank() == 0 {
             println!(
                 "mixed_job: `{spec}` over the MPI bootstrap: {} cases passed",

@@ -6,6 +6,11 @@
 //! [`local_ranks`](Bootstrap::local_ranks) comes from
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Every channel of the session (TCP, shm, MPI,
 //! ...) can use it, so one `mpiexec` job can mix drivers.
+//!
+//! When MPI granted less than `MPI_THREAD_SERIALIZED` (`FUNNELED`, `SINGLE`), only the thread
+//! that initialised MPI may call it: the bootstrap's collectives then fail with
+//! `Error::Unavailable` on any other thread (before any MPI call), and MPI channels are refused
+//! (see [`crate::driver`]); TCP and shared-memory channels opened from the main thread work.
 
 use std::sync::{Arc, Mutex};
 
@@ -64,6 +69,7 @@ impl MpiBootstrap {
 
     fn init(launcher: Option<Launcher>) -> Result<Self> {
         let rt = sys::runtime()?;
+        rt.check_thread("the MPI bootstrap was created")?;
         let world = Comm::world(&rt);
         let (rank, size) = (world.rank(), world.size());
         if let Some(l) = launcher {
@@ -118,6 +124,11 @@ impl MpiBootstrap {
         self.rt.version()
     }
 
+    /// The threading level MPI granted.
+    pub fn threading(&self) -> mpi::environment::Threading {
+        self.rt.threading()
+    }
+
     /// Whether MPI calls run concurrently (`MPI_THREAD_MULTIPLE` granted and the lock not
     /// forced by `MAD_MPI_SERIALISE=1`); otherwise they are serialised by one lock.
     pub fn thread_multiple(&self) -> bool {
@@ -145,6 +156,8 @@ impl Bootstrap for MpiBootstrap {
         &self.secret
     }
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.rt
+            .check_thread(&format!("bootstrap collective `{tag}` was called"))?;
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // Prefix the tag's hash so ranks that issue collectives in different orders get an
         // error instead of each other's values.
@@ -167,7 +180,9 @@ impl Bootstrap for MpiBootstrap {
             })
             .collect()
     }
-    fn barrier(&self, _tag: &str) -> Result<()> {
+    fn barrier(&self, tag: &str) -> Result<()> {
+        self.rt
+            .check_thread(&format!("bootstrap barrier `{tag}` was called"))?;
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.comm.barrier()
     }

@@ -25,8 +25,10 @@
 //! path), so polling is one `MPI_Test` and any-source readiness one `MPI_Testsome` over the
 //! channel's eager receives. MPI has no file
 //! descriptor to block on and progresses only inside MPI calls, so `wait` keeps testing
-//! (yielding the processor between tests) for [`WAIT_POLL`], then sleeps with an exponential
-//! backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
+//! (yielding the processor between tests) for as long as the transfer in flight can take at a
+//! pessimistic bandwidth ([`poll_budget`]: [`WAIT_POLL`] plus its size at [`WAIT_MIN_BW`]), or
+//! [`WAIT_POLL`] when none is (waiting for a message to start), then sleeps with an
+//! exponential backoff (1 µs doubling to [`WAIT_MAX_NAP`]).
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -41,6 +43,7 @@ use mad_core::driver::{
     TmId, TmSpec, TmTable, TxLink,
 };
 use mad_core::{Error, Result};
+use mpi::environment::Threading;
 
 use crate::sys::{self, Comm, GatherOp, OwnedSend, Preposted};
 
@@ -151,6 +154,67 @@ pub fn use_datatype(policy: GatherPolicy, family: MpiFamily, slices: usize, tota
             family == MpiFamily::OpenMpi && (DATATYPE_MIN_SLICE..=DATATYPE_MAX_SLICE).contains(&avg)
         }
     }
+}
+
+/// The wire code of a threading level in the channel descriptor (0 = SINGLE .. 3 = MULTIPLE).
+fn level_code(t: Threading) -> u8 {
+    match t {
+        Threading::Single => 0,
+        Threading::Funneled => 1,
+        Threading::Serialized => 2,
+        Threading::Multiple => 3,
+    }
+}
+
+fn level_of_code(c: u8) -> Threading {
+    match c {
+        3 => Threading::Multiple,
+        2 => Threading::Serialized,
+        1 => Threading::Funneled,
+        _ => Threading::Single,
+    }
+}
+
+/// Why the channel cannot open, given every rank's level code (`None` for a malformed
+/// descriptor, reported later), or `None` when every rank has at least
+/// `MPI_THREAD_SERIALIZED`. A pure decision, the same on every rank.
+///
+/// The engine calls a channel's links from whichever thread packs, unpacks or waits (and the
+/// any-source poll from any of them); a lock makes those calls one at a time, which is what
+/// `SERIALIZED` asks, but under `FUNNELED` (and `SINGLE`) MPI may only be called by the thread
+/// that initialised it, which no lock can ensure.
+pub fn thread_level_refusal(levels: impl Iterator<Item = Option<u8>>) -> Option<String> {
+    let (rank, t) = levels
+        .enumerate()
+        .filter_map(|(r, c)| c.map(|c| (r, level_of_code(c))))
+        .find(|&(_, t)| !sys::channel_level_ok(t))?;
+    Some(format!(
+        "MPI granted {} on rank {rank}: only the thread that initialised MPI may call it, but \
+         a channel's connections are driven from whichever thread packs, unpacks or polls; the \
+         mpi driver needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (ask for it: \
+         MAD_MPI_THREAD_LEVEL unset or `multiple`, or the application's MPI_Init_thread). The \
+         bootstrap still works from the main thread, and so do channels of other drivers",
+        sys::level_name(t)
+    ))
+}
+
+/// The selection table's line on the threading level.
+fn thread_note(granted: Threading, requested: Option<Threading>, serialised: bool) -> String {
+    let asked = match requested {
+        Some(r) => format!("requested {}", sys::level_name(r)),
+        None => "MPI initialised by the application".into(),
+    };
+    let how = if !serialised {
+        "MPI calls run concurrently"
+    } else if granted == Threading::Multiple {
+        "every MPI call serialised by one process-wide lock (forced by MAD_MPI_SERIALISE=1)"
+    } else {
+        "every MPI call serialised by one process-wide lock"
+    };
+    format!(
+        "thread level: {} granted ({asked}): {how}",
+        sys::level_name(granted)
+    )
 }
 
 /// The MPI driver.
@@ -267,7 +331,9 @@ impl Driver for MpiDriver {
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
         Capabilities {
-            // One MPI_Improbe per peer costs about one MPI_Iprobe(ANY_SOURCE).
+            // Up to 2 peers, any-source reception polls each link (one compare-and-swap and one
+            // MPI_Test of its posted eager receive); beyond, one MPI_Testsome over every slot
+            // (`Preposted::poll_any`). Kept from the probe-based first version, not re-measured.
             direct_poll_limit: 2,
             // MPI aborts the job (or hangs) on a dead peer; it does not report it.
             detects_peer_death: false,
@@ -280,25 +346,37 @@ impl Driver for MpiDriver {
         let bs = ctx.bootstrap;
         let rt = sys::runtime()?;
         let p = params(ctx.config)?.with_family(MpiFamily::from_version(rt.version()));
-        let world = Comm::world(&rt);
-        if world.size() != bs.size() {
+        // Rank and size were read when MPI was initialised: no MPI call before the checks
+        // below, which a thread other than MPI's main one may not make under FUNNELED.
+        if rt.world_size() != bs.size() {
             return Err(Error::Unavailable {
                 driver: "mpi".into(),
                 reason: format!(
                     "the session has {} processes but MPI_COMM_WORLD has {}: start the job with \
                      the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built for",
                     bs.size(),
-                    world.size()
+                    rt.world_size()
                 ),
             });
         }
         let me = bs.rank();
-        let mut mine = Vec::with_capacity(25);
-        mine.extend_from_slice(&(world.rank() as u64).to_le_bytes());
+        // Descriptor: MPI world rank, granted threading level, then what must be equal on
+        // every rank (TM table, eager buffer, gather policy). The level is exchanged so that
+        // every rank refuses the channel when one cannot run it (instead of that rank failing
+        // alone while the others wait in the next collective).
+        let mut mine = Vec::with_capacity(26);
+        mine.extend_from_slice(&(rt.world_rank() as u64).to_le_bytes());
+        mine.push(level_code(rt.threading()));
         mine.extend_from_slice(&ctx.table.fingerprint().to_le_bytes());
         mine.extend_from_slice(&(p.eager_buf as u64).to_le_bytes());
         mine.push(p.policy.code());
         let all = bs.allgather(&ctx.tag("mpi-open"), &mine)?;
+        if let Some(reason) = thread_level_refusal(all.iter().map(|v| v.get(8).copied())) {
+            return Err(Error::Unavailable {
+                driver: "mpi".into(),
+                reason,
+            });
+        }
         let mut seen = vec![false; all.len()];
         let mut identity = true;
         for (r, v) in all.iter().enumerate() {
@@ -314,7 +392,7 @@ impl Driver for MpiDriver {
             }
             seen[wr] = true;
             identity &= wr == r;
-            if v[8..] != mine[8..] {
+            if v[9..] != mine[9..] {
                 return Err(Error::BadConfig(format!(
                     "channel `{}`: rank {r} has a different mpi TM table, eager_buf or gather \
                      policy than rank {me}; every rank must use the same channel spec",
@@ -322,6 +400,7 @@ impl Driver for MpiDriver {
                 )));
             }
         }
+        let world = Comm::world(&rt);
         let comm = if identity {
             world.dup()?
         } else {
@@ -344,19 +423,7 @@ impl Driver for MpiDriver {
         }
         let notes = vec![
             format!("MPI library: {}", rt.version()),
-            if rt.serialised() {
-                format!(
-                    "MPI granted {:?}{}: every MPI call is serialised by one process-wide lock",
-                    rt.threading(),
-                    if rt.threading() == mpi::environment::Threading::Multiple {
-                        " (lock forced by MAD_MPI_SERIALISE=1)"
-                    } else {
-                        ", not THREAD_MULTIPLE"
-                    }
-                )
-            } else {
-                "MPI_THREAD_MULTIPLE granted".to_string()
-            },
+            thread_note(rt.threading(), rt.requested(), rt.serialised()),
             format!(
                 "communicator: {}; eager buffer {} B, blocking MPI_Send up to {} B; gather policy {:?} ({})",
                 if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
@@ -383,19 +450,63 @@ impl Driver for MpiDriver {
 }
 
 /// How long `wait` keeps calling into MPI (yielding the processor between calls) before it
-/// starts sleeping. MPI progresses only inside MPI calls: a rendezvous transfer (the
-/// receiver's single copy, the sender's completion) stalls while both ends sleep, so the
-/// first part of a wait keeps testing. 4 MiB at 10 GB/s take about 400 µs.
+/// starts sleeping, when no large transfer is in flight (waiting for a message to start, or
+/// for eager sends): MPI progresses only inside MPI calls, and a wait that sleeps at once
+/// adds a nap to every short wait.
 pub const WAIT_POLL: Duration = Duration::from_micros(500);
+/// The pessimistic bandwidth (bytes per second) that bounds how long a wait keeps polling for a
+/// gather send or scatter receive in flight: 1 GB/s, a tenth of what both MPIs move here
+/// (9–13 GB/s), so a transfer slowed by a busy machine still completes while polled.
+pub const WAIT_MIN_BW: u64 = 1_000_000_000;
 /// Longest single sleep of the backoff phase.
 pub const WAIT_MAX_NAP: Duration = Duration::from_micros(100);
 
-/// Wait until `ready()` or `timeout`: poll (yielding the processor between tests) for
-/// [`WAIT_POLL`], then sleep with an exponential backoff from 1 µs to [`WAIT_MAX_NAP`], testing
-/// after each sleep.
-fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
-    let start = Instant::now();
-    let poll_for = WAIT_POLL.min(timeout);
+/// How long waits keep polling (yielding between tests) for a transfer of `bytes` in flight,
+/// counted from the first wait for it: [`WAIT_POLL`] plus the time `bytes` take at
+/// [`WAIT_MIN_BW`] (16 MiB: 17.3 ms). A pure function.
+///
+/// MPI moves a rendezvous transfer (the receiver's copy, the completion the sender waits for)
+/// only inside MPI calls: a side that sleeps stalls it. With a fixed 500 µs (tuned for 4 MiB,
+/// ~400 µs at 10 GB/s) the waits of an 8 MiB or 16 MiB transfer went to sleep mid-transfer.
+/// Bounded by the size, so a wait for a peer that does not take part (computing, not yet in
+/// its receive) still backs off after that time.
+pub fn poll_budget(bytes: usize) -> Duration {
+    let ns = (bytes as u128 * 1_000_000_000 / WAIT_MIN_BW as u128).min(u64::MAX as u128) as u64;
+    WAIT_POLL.saturating_add(Duration::from_nanos(ns))
+}
+
+/// A gather send or scatter receive in flight, and when a wait first waited for it.
+struct Transfer {
+    op: GatherOp,
+    waited_since: Option<Instant>,
+}
+
+impl Transfer {
+    fn new(op: GatherOp) -> Self {
+        Transfer {
+            op,
+            waited_since: None,
+        }
+    }
+
+    /// Until when a wait starting `now` keeps polling: the transfer's [`poll_budget`] from the
+    /// first wait, and at least [`WAIT_POLL`] from `now`.
+    fn poll_until(&mut self, now: Instant) -> Instant {
+        let since = *self.waited_since.get_or_insert(now);
+        (since + poll_budget(self.op.bytes())).max(now + WAIT_POLL)
+    }
+}
+
+/// Wait until `ready()` or `timeout` (from `start`): poll (yielding the processor between
+/// tests) until `poll_until`, then sleep with an exponential backoff from 1 µs to
+/// [`WAIT_MAX_NAP`], testing after each sleep.
+fn backoff_wait(
+    start: Instant,
+    timeout: Duration,
+    poll_until: Instant,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let poll_end = poll_until.min(start + timeout);
     let mut i: u32 = 0;
     loop {
         if ready()? {
@@ -403,7 +514,7 @@ fn backoff_wait(timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> R
         }
         i = i.wrapping_add(1);
         if i % 16 == 0 {
-            if start.elapsed() >= poll_for {
+            if Instant::now() >= poll_end {
                 break;
             }
             std::thread::yield_now();
@@ -444,7 +555,7 @@ struct MpiTx {
     fill: usize,
     free: Vec<Vec<u8>>,
     inflight: VecDeque<OwnedSend>,
-    gather: Option<GatherOp>,
+    gather: Option<Transfer>,
     sent_any: bool,
     broken: Option<String>,
     /// Last field: dropped after the requests above, so MPI is still alive for them.
@@ -593,10 +704,10 @@ impl TxLink for MpiTx {
                 .gather_send(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
             self.sent_any = true;
-            self.gather = Some(op);
+            self.gather = Some(Transfer::new(op));
         }
         let done = match self.gather.as_mut() {
-            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            Some(t) => t.op.test().map_err(|e| lost(self.peer, e))?,
             None => true,
         };
         if done {
@@ -628,8 +739,8 @@ impl TxLink for MpiTx {
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.usable()?;
         self.flush()?;
-        if let Some(op) = self.gather.as_mut() {
-            if !op.test().map_err(|e| lost(self.peer, e))? {
+        if let Some(t) = self.gather.as_mut() {
+            if !t.op.test().map_err(|e| lost(self.peer, e))? {
                 return Ok(Poll::Pending);
             }
             self.gather = None;
@@ -657,9 +768,14 @@ impl TxLink for MpiTx {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
-            if let Some(op) = self.gather.as_mut() {
-                return op.test().map_err(|e| lost(self.peer, e));
+        let now = Instant::now();
+        let poll_until = match self.gather.as_mut() {
+            Some(t) => t.poll_until(now),
+            None => now + WAIT_POLL,
+        };
+        backoff_wait(now, timeout, poll_until, || {
+            if let Some(t) = self.gather.as_mut() {
+                return t.op.test().map_err(|e| lost(self.peer, e));
             }
             self.reap()
         })
@@ -676,7 +792,7 @@ struct MpiRx {
     /// Whether our eager buffer is in `ch.pre` (a receive from this peer posted, or to be
     /// posted by the next test).
     parked: bool,
-    gather: Option<GatherOp>,
+    gather: Option<Transfer>,
     p: Params,
     broken: Option<String>,
     /// Last field: dropped after the requests above, so MPI is still alive for them.
@@ -817,10 +933,10 @@ impl RxLink for MpiRx {
                 .comm
                 .scatter_recv(iov, self.peer, DATA_TAG, dt)
                 .map_err(|e| lost(self.peer, e))?;
-            self.gather = Some(op);
+            self.gather = Some(Transfer::new(op));
         }
         let done = match self.gather.as_mut() {
-            Some(op) => op.test().map_err(|e| lost(self.peer, e))?,
+            Some(t) => t.op.test().map_err(|e| lost(self.peer, e))?,
             None => true,
         };
         if done {
@@ -857,9 +973,14 @@ impl RxLink for MpiRx {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
-            if let Some(op) = self.gather.as_mut() {
-                return op.test().map_err(|e| lost(self.peer, e));
+        let now = Instant::now();
+        let poll_until = match self.gather.as_mut() {
+            Some(t) => t.poll_until(now),
+            None => now + WAIT_POLL,
+        };
+        backoff_wait(now, timeout, poll_until, || {
+            if let Some(t) = self.gather.as_mut() {
+                return t.op.test().map_err(|e| lost(self.peer, e));
             }
             Ok(self.fill()?.is_ready())
         })
@@ -885,7 +1006,8 @@ impl Incoming for MpiIncoming {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        backoff_wait(timeout, || {
+        let now = Instant::now();
+        backoff_wait(now, timeout, now + WAIT_POLL, || {
             if self.woken.swap(false, Ordering::AcqRel) {
                 return Ok(true);
             }
@@ -942,6 +1064,49 @@ mod tests {
         );
         assert_eq!(MpiFamily::from_version("MPICH Version:\t4.0.2"), Mpich);
         assert_eq!(MpiFamily::from_version("Intel(R) MPI"), Other);
+    }
+
+    #[test]
+    fn thread_level_decision() {
+        let codes = |v: &[Threading]| {
+            v.iter()
+                .map(|&t| Some(level_code(t)))
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        use Threading::*;
+        assert_eq!(thread_level_refusal(codes(&[Multiple, Multiple])), None);
+        assert_eq!(thread_level_refusal(codes(&[Serialized, Multiple])), None);
+        let r = thread_level_refusal(codes(&[Multiple, Funneled, Single])).unwrap();
+        assert!(r.contains("MPI_THREAD_FUNNELED on rank 1"), "{r}");
+        let r = thread_level_refusal(codes(&[Single])).unwrap();
+        assert!(r.contains("MPI_THREAD_SINGLE on rank 0"), "{r}");
+        // A malformed descriptor is reported by the descriptor checks, not here.
+        assert_eq!(thread_level_refusal([None, Some(3)].into_iter()), None);
+        for t in [Single, Funneled, Serialized, Multiple] {
+            assert_eq!(level_of_code(level_code(t)), t);
+        }
+        assert_eq!(
+            thread_note(Multiple, Some(Multiple), false),
+            "thread level: MPI_THREAD_MULTIPLE granted (requested MPI_THREAD_MULTIPLE): MPI calls run concurrently"
+        );
+        assert!(thread_note(Multiple, Some(Multiple), true).contains("MAD_MPI_SERIALISE=1"));
+        let n = thread_note(Serialized, None, true);
+        assert!(n.contains("MPI_THREAD_SERIALIZED granted (MPI initialised by the application)"));
+        assert!(n.contains("lock") && !n.contains("MAD_MPI_SERIALISE"));
+    }
+
+    #[test]
+    fn wait_poll_budget() {
+        assert_eq!(poll_budget(0), WAIT_POLL);
+        // 4 MiB: 0.5 + 4.19 ms; 16 MiB: 0.5 + 16.8 ms (1 GB/s: one byte per ns).
+        assert_eq!(
+            poll_budget(4 << 20),
+            WAIT_POLL + Duration::from_nanos(4 << 20)
+        );
+        assert!(poll_budget(16 << 20) > Duration::from_millis(17));
+        assert!(poll_budget(16 << 20) < Duration::from_millis(18));
+        assert!(poll_budget(usize::MAX) > Duration::from_secs(1 << 30));
     }
 
     #[test]

@@ -24,8 +24,11 @@
 //!
 //! All foreign calls are in the private `sys` module; the rest of the crate is safe Rust.
 //! MPI is initialised once per process with `MPI_THREAD_MULTIPLE` requested (by the bootstrap
-//! or lazily by the driver) and finalised when the last bootstrap, driver channel or
-//! communicator is dropped; it cannot be initialised again in the same process afterwards.
+//! or lazily by the driver; `MAD_MPI_THREAD_LEVEL` asks for less) and finalised when the last
+//! bootstrap, driver channel or communicator is dropped; it cannot be initialised again in the
+//! same process afterwards. Under `MPI_THREAD_SERIALIZED` every MPI call takes one lock; under
+//! `FUNNELED` or `SINGLE` MPI channels are refused (`Error::Unavailable`) and the bootstrap
+//! works from the thread that initialised MPI only.
 
 #![deny(unsafe_code)]
 
@@ -37,4 +40,6 @@ mod sys;
 pub use bootstrap::MpiBootstrap;
 pub use driver::{GatherPolicy, MpiDriver, MpiFamily};
 pub use launcher::{Launcher, LauncherKind};
-pub use sys::Runtime;
+/// MPI threading levels (rsmpi's), as granted by `MPI_Init_thread`.
+pub use mpi::environment::Threading;
+pub use sys::{level_name, Runtime};

@@ -2,11 +2,14 @@
 //!
 //! The rest of the crate is safe Rust. Types here:
 //!
-//! * [`Runtime`]: MPI initialised once per process with `MPI_THREAD_MULTIPLE` requested;
-//!   `MPI_Finalize` runs when the last handle drops. When less than `MULTIPLE` is granted,
-//!   every call of this module takes one process-wide lock ([`guard`]).
+//! * [`Runtime`]: MPI initialised once per process with `MPI_THREAD_MULTIPLE` requested (or
+//!   the level of `MAD_MPI_THREAD_LEVEL`); `MPI_Finalize` runs when the last handle drops.
+//!   When less than `MULTIPLE` is granted, every call of this module takes one process-wide
+//!   lock ([`guard`]); that is enough under `SERIALIZED` only: under `FUNNELED` and `SINGLE`
+//!   only the thread that initialised MPI may call it ([`Runtime::check_thread`]), so the
+//!   driver refuses to open channels there and the bootstrap works from that thread alone.
 //! * [`Comm`]: a communicator (world, or a duplicate/split that is freed on drop), with the
-//!   collectives the bootstrap needs and the probes the driver needs.
+//!   collectives the bootstrap needs and the point-to-point calls of the driver.
 //! * [`OwnedSend`]: a non-blocking send of a buffer the request owns; dropping one that MPI
 //!   still uses leaks the buffer instead of freeing memory MPI may touch.
 //! * [`Preposted`]: the eager receive of every peer of a channel (parked at the end of a
@@ -57,8 +60,11 @@ static RT: Mutex<RtState> = Mutex::new(RtState::Never);
 /// initialised it).
 pub struct Runtime {
     universe: Mutex<Option<mpi::environment::Universe>>,
+    requested: Option<Threading>,
     threading: Threading,
     serialised: bool,
+    world_rank: usize,
+    world_size: usize,
     version: String,
 }
 
@@ -73,6 +79,11 @@ impl Runtime {
     pub fn threading(&self) -> Threading {
         self.threading
     }
+    /// The level this crate asked `MPI_Init_thread` for; `None` when the application had
+    /// initialised MPI itself.
+    pub fn requested(&self) -> Option<Threading> {
+        self.requested
+    }
     /// Whether MPI calls are serialised by a lock (less than `MPI_THREAD_MULTIPLE` granted).
     pub fn serialised(&self) -> bool {
         self.serialised
@@ -80,6 +91,31 @@ impl Runtime {
     /// The first line of `MPI_Get_library_version`.
     pub fn version(&self) -> &str {
         &self.version
+    }
+    /// This process's rank in `MPI_COMM_WORLD` (read once, at initialisation).
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+    /// The size of `MPI_COMM_WORLD` (read once, at initialisation).
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Whether the calling thread may call MPI: always under `SERIALIZED` and `MULTIPLE`
+    /// (with the lock for `SERIALIZED`); under `FUNNELED` and `SINGLE` only the thread that
+    /// initialised MPI (`MPI_Is_thread_main`). `Err(Unavailable)` naming the level otherwise.
+    pub fn check_thread(&self, what: &str) -> Result<()> {
+        if channel_level_ok(self.threading) {
+            return Ok(());
+        }
+        if is_thread_main() {
+            return Ok(());
+        }
+        Err(unavailable(&format!(
+            "{what} on a thread other than the one that initialised MPI, but MPI granted only {}: \
+             under that level only the main thread may call MPI",
+            level_name(self.threading)
+        )))
     }
 }
 
@@ -97,7 +133,64 @@ impl Drop for Runtime {
     }
 }
 
-/// The process's MPI runtime: initialises MPI on first use (asking for `MPI_THREAD_MULTIPLE`).
+/// `MPI_Is_thread_main` (MPI must be initialised and not finalised).
+fn is_thread_main() -> bool {
+    let mut main: c_int = 0;
+    // SAFETY: callers hold a live runtime or have just checked MPI is initialised; valid
+    // out-pointer. MPI_Is_thread_main may be called from any thread at any level.
+    let rc = unsafe { ffi::MPI_Is_thread_main(&mut main) };
+    rc == 0 && main != 0
+}
+
+/// The standard name of a threading level (`MPI_THREAD_FUNNELED`, ...).
+pub fn level_name(t: Threading) -> &'static str {
+    match t {
+        Threading::Single => "MPI_THREAD_SINGLE",
+        Threading::Funneled => "MPI_THREAD_FUNNELED",
+        Threading::Serialized => "MPI_THREAD_SERIALIZED",
+        Threading::Multiple => "MPI_THREAD_MULTIPLE",
+    }
+}
+
+/// Whether MPI channels can run at threading level `t`: the engine calls a channel's links
+/// from whichever thread packs, unpacks or polls, so the driver needs MPI calls from any
+/// thread: `SERIALIZED` (with the process-wide lock) or `MULTIPLE`. A pure decision.
+pub fn channel_level_ok(t: Threading) -> bool {
+    t >= Threading::Serialized
+}
+
+/// Parse a threading level (`MAD_MPI_THREAD_LEVEL`): `single`, `funneled`, `serialized`
+/// (or `serialised`), `multiple`, case-insensitive, with or without the `MPI_THREAD_` prefix.
+pub fn parse_level(s: &str) -> Result<Threading> {
+    let l = s.trim().to_ascii_lowercase();
+    let l = l.strip_prefix("mpi_thread_").unwrap_or(&l);
+    match l {
+        "single" => Ok(Threading::Single),
+        "funneled" | "funnelled" => Ok(Threading::Funneled),
+        "serialized" | "serialised" => Ok(Threading::Serialized),
+        "multiple" => Ok(Threading::Multiple),
+        _ => Err(Error::BadConfig(format!(
+            "MAD_MPI_THREAD_LEVEL={s}: expected single, funneled, serialized or multiple"
+        ))),
+    }
+}
+
+/// A level code `MPI_Query_thread` returned; an unknown code counts as the most restrictive.
+fn level_from_raw(v: c_int) -> Threading {
+    [
+        Threading::Multiple,
+        Threading::Serialized,
+        Threading::Funneled,
+        Threading::Single,
+    ]
+    .into_iter()
+    .find(|&t| threading_raw(t) == v)
+    .unwrap_or(Threading::Single)
+}
+
+/// The process's MPI runtime: initialises MPI on first use, asking `MPI_Init_thread` for
+/// `MPI_THREAD_MULTIPLE` (or `MAD_MPI_THREAD_LEVEL`: a lower level, to run the paths of MPIs
+/// that grant less; `Err(BadConfig)` if it does not parse).
 pub fn runtime() -> Result<Arc<Runtime>> {
     let mut st = RT.lock().unwrap_or_else(|p| p.into_inner());
     match &*st {
@@ -113,21 +206,28 @@ pub fn runtime() -> Result<Arc<Runtime>> {
         }
         RtState::Never => {}
     }
-    let (universe, threading) = if mpi::environment::is_initialized() {
+    let (universe, requested, threading) = if mpi::environment::is_initialized() {
         // Someone else (the application, through rsmpi) initialised MPI: use it, never
         // finalise it.
         let mut provided: c_int = 0;
         // SAFETY: MPI is initialised; `provided` is a valid out-pointer.
         unsafe { ffi::MPI_Query_thread(&mut provided) };
-        let t = if provided == threading_raw(Threading::Multiple) {
-            Threading::Multiple
-        } else {
-            Threading::Serialized
-        };
-        (None, t)
+        let t = level_from_raw(provided);
+        if !channel_level_ok(t) && !is_thread_main() {
+            return Err(unavailable(&format!(
+                "the application initialised MPI with {} and this thread is not the one that \
+                 did: it may not call MPI",
+                level_name(t)
+            )));
+        }
+        (None, None, t)
     } else {
-        match mpi::initialize_with_threading(Threading::Multiple) {
-            Some((u, t)) => (Some(u), t),
+        let want = match std::env::var("MAD_MPI_THREAD_LEVEL") {
+            Ok(v) => parse_level(&v)?,
+            Err(_) => Threading::Multiple,
+        };
+        match mpi::initialize_with_threading(want) {
+            Some((u, t)) => (Some(u), Some(want), t),
             None => return Err(unavailable("MPI_Init_thread failed")),
         }
     };
@@ -136,15 +236,24 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     let serialised = threading != Threading::Multiple
         || std::env::var("MAD_MPI_SERIALISE").is_ok_and(|v| v == "1");
     SERIAL.store(serialised, Ordering::Relaxed);
+    let (mut rank, mut size): (c_int, c_int) = (0, 0);
     {
         let _g = guard();
-        // SAFETY: MPI is initialised; COMM_WORLD and ERRORS_RETURN are predefined handles.
-        unsafe { ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN) };
+        // SAFETY: MPI is initialised; COMM_WORLD and ERRORS_RETURN are predefined handles;
+        // valid out-pointers.
+        unsafe {
+            ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN);
+            ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank);
+            ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size);
+        }
     }
     let rt = Arc::new(Runtime {
         universe: Mutex::new(universe),
+        requested,
         threading,
         serialised,
+        world_rank: rank.max(0) as usize,
+        world_size: size.max(0) as usize,
         version: library_version(),
     });
     *st = RtState::Live(Arc::downgrade(&rt));
@@ -544,6 +653,7 @@ impl Comm {
         let mut op = GatherOp {
             reqs: Vec::new(),
             send,
+            bytes: blocks.iter().map(|b| b.1).sum(),
         };
         let total_ok = blocks.iter().map(|b| b.1).sum::<usize>() <= MAX_BLOCK;
         if as_datatype && blocks.len() > 1 && total_ok {
@@ -1103,12 +1213,18 @@ impl Drop for OwnedSend {
 pub struct GatherOp {
     reqs: Vec<ffi::MPI_Request>,
     send: bool,
+    bytes: usize,
 }
 
 // SAFETY: request handles may be tested from any thread (one at a time: `&mut self`).
 unsafe impl Send for GatherOp {}
 
 impl GatherOp {
+    /// How many bytes the operation moves.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// Whether every request has completed (MPI no longer needs the memory).
     pub fn test(&mut self) -> Result<bool> {
         let what = if self.send {
@@ -1130,5 +1246,29 @@ impl Drop for GatherOp {
         for r in &mut self.reqs {
             cancel_and_wait(r);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_levels() {
+        assert_eq!(parse_level("funneled").unwrap(), Threading::Funneled);
+        assert_eq!(
+            parse_level("MPI_THREAD_SERIALIZED").unwrap(),
+            Threading::Serialized
+        );
+        assert_eq!(parse_level(" serialised ").unwrap(), Threading::Serialized);
+        assert_eq!(parse_level("Multiple").unwrap(), Threading::Multiple);
+        assert_eq!(parse_level("single").unwrap(), Threading::Single);
+        assert!(matches!(parse_level("many"), Err(Error::BadConfig(_))));
+        // A lock serialises calls from any thread; it cannot make them come from one thread.
+        assert!(!channel_level_ok(Threading::Single));
+        assert!(!channel_level_ok(Threading::Funneled));
+        assert!(channel_level_ok(Threading::Serialized));
+        assert!(channel_level_ok(Threading::Multiple));
+        assert_eq!(level_name(Threading::Funneled), "MPI_THREAD_FUNNELED");
     }
 }

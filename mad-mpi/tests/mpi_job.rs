@@ -8,6 +8,10 @@
 //! Started without a launcher (plain `cargo test`), it checks the "not available" paths:
 //! `MpiBootstrap::from_env()` is `None`, and an MPI channel over a 2-rank in-process session
 //! fails with `Error::Unavailable` (MPI_COMM_WORLD has one process).
+//!
+//! With `MAD_MPI_THREAD_LEVEL=funneled` (or `single`) MPI grants less than `SERIALIZED`: the
+//! job then checks that the bootstrap works from the main thread only and that MPI channels
+//! are refused on every rank with `Error::Unavailable`, and prints "refused as expected".
 
 mod common;
 
@@ -376,16 +380,65 @@ fn not_available() -> Result<()> {
     }
 }
 
+/// MPI granted FUNNELED or SINGLE: the bootstrap works from the main thread, not from
+/// another one, and every MPI channel is refused on every rank (driver and session paths).
+fn thread_level_too_low(bs: MpiBootstrap) -> Result<()> {
+    let me = bs.rank();
+    t_bootstrap(&bs)?;
+    let other = std::thread::scope(|s| s.spawn(|| bs.barrier("t/other-thread")).join());
+    check(
+        matches!(other, Ok(Err(Error::Unavailable { .. }))),
+        "a bootstrap collective from another thread is refused",
+    )?;
+    let d = MpiDriver::new();
+    let reason = match open(&d, &bs, "mpi", "mpi") {
+        Err(Error::Unavailable { reason, .. }) => reason,
+        Err(e) => return Err(e),
+        Ok(_) => {
+            return Err(Error::protocol(
+                me,
+                "an MPI channel opened although MPI granted less than THREAD_SERIALIZED",
+            ))
+        }
+    };
+    check(
+        reason.contains(mad_mpi::level_name(bs.threading())),
+        "the refusal names the level",
+    )?;
+    bs.barrier("t/refused")?;
+    // The same through a session (what applications see).
+    let session = mad_core::Session::builder()
+        .driver(MpiDriver::new())
+        .bootstrap(Box::new(bs))
+        .build()?;
+    check(
+        matches!(
+            session.open_channel_with(ChannelConfig::parse("s", "mpi")?),
+            Err(Error::Unavailable { .. })
+        ),
+        "session: MPI channel refused",
+    )?;
+    session.bootstrap().barrier("t/refused2")?;
+    if me == 0 {
+        println!("mpi_job: MPI channel refused as expected on every rank: {reason}");
+    }
+    Ok(())
+}
+
 fn run() -> Result<()> {
     let Some(bs) = MpiBootstrap::from_env()? else {
         return not_available();
     };
+    if bs.threading() < mad_mpi::Threading::Serialized {
+        return thread_level_too_low(bs);
+    }
     let me = bs.rank();
     if me == 0 {
         println!(
-            "mpi_job: {} ranks, {}, THREAD_MULTIPLE: {}",
+            "mpi_job: {} ranks, {}, {:?} granted, THREAD_MULTIPLE without lock: {}",
             bs.size(),
             bs.library(),
+            bs.threading(),
             bs.thread_multiple()
         );
     }

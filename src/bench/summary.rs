@@ -1305,6 +1305,10 @@ fn suite_title(name: &str) -> String {
         "mr" => "Message rate (`madrun -n 4`)".into(),
         "mpich" => "MPICH job (`mpiexec.mpich -n 2`, `--features bench-mpi`)".into(),
         "openmpi" => "Open MPI job (`mpirun.openmpi -n 2`, `--features bench-mpi`)".into(),
+        "mpich-mr" => "MPICH message rate (`mpiexec.mpich -n 4`, `--features bench-mpi`)".into(),
+        "openmpi-mr" => {
+            "Open MPI message rate (`mpirun.openmpi -n 4`, `--features bench-mpi`)".into()
+        }
         other => format!("`{other}`"),
     }
 }
