@@ -45,6 +45,8 @@ use mad_core::config::ChannelConfig;
 use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec, TmTable};
 use mad_core::{Error, Result};
 
+mod proto;
+mod provider;
 pub mod reg;
 mod setup;
 pub mod soft;
@@ -52,8 +54,9 @@ mod sys;
 pub mod verbs;
 pub mod wire;
 
+pub use proto::{ConnStats, SlotConfig, TM_LARGE, TM_MEDIUM, TM_SMALL};
 pub use reg::{Pd, RegStats, RegisteredBuffer};
-pub use soft::{ConnStats, Endpoint, SlotConfig};
+pub use soft::Endpoint;
 
 /// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
 pub const SMALL_MAX: usize = 32 << 10;
@@ -146,9 +149,9 @@ impl ViaDriver {
                 ))
             })?,
         };
-        if !(1..=4096).contains(&slots) {
+        if !(2..=4096).contains(&slots) {
             return Err(Error::BadConfig(format!(
-                "channel `{}`: slots={slots}: expected 1 to 4096",
+                "channel `{}`: slots={slots}: expected 2 to 4096 (one credit is kept for rendezvous requests)",
                 config.name
             )));
         }
@@ -217,44 +220,32 @@ impl Driver for ViaDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        match Backend::of(ctx.config)? {
-            Backend::Verbs => verbs::open(ctx, &self.pd),
+        let backend = Backend::of(ctx.config)?;
+        let cfg = Self::slot_config(ctx.config)?;
+        // `regcache=<entries>` sizes this channel's cache of user registrations (soft only:
+        // the verbs provider never keeps user registrations, see `reg`).
+        let entries = ctx
+            .config
+            .option_parsed::<usize>("regcache")?
+            .unwrap_or(self.pd.cache_entries());
+        match backend {
+            Backend::Verbs => verbs::open(ctx, &self.pd, cfg, entries),
             Backend::Soft => {
-                let cfg = Self::slot_config(ctx.config)?;
-                // `regcache=<entries>` gives the channel its own protection domain with that
-                // cache size (registered buffers of the driver's handle are not found there).
-                let pd = match ctx.config.option_parsed::<usize>("regcache")? {
-                    Some(n) => Pd::new(n),
-                    None => self.pd.clone(),
-                };
-                let eps = setup::open_soft(ctx, &pd, cfg)?;
-                let mut links = Vec::with_capacity(eps.len());
-                let mut all = Vec::new();
-                for (r, ep) in eps.into_iter().enumerate() {
-                    match ep {
-                        Some(ep) => {
-                            links.push(Some(ep.links()?));
-                            all.push((r, ep));
-                        }
-                        None => links.push(None),
-                    }
-                }
-                let incoming = Box::new(soft::SoftIncoming::new(all)?);
-                let st = pd.stats();
-                Ok(OpenedChannel {
-                    links,
-                    incoming,
-                    notes: vec![
-                        format!(
-                            "via:soft: {} credits x {} B static buffers per connection, TCP wire",
-                            cfg.slots, cfg.slot_size
-                        ),
-                        format!(
-                            "registration = mlock (pin failures so far: {}), LRU cache of user ranges",
-                            st.pin_failures
-                        ),
-                    ],
-                })
+                let dev = soft::SoftDevice::new(&self.pd);
+                let cache = reg::RegCache::new(dev.clone(), &self.pd, entries);
+                let nics = setup::open_soft(ctx, &dev, cfg)?;
+                let st = self.pd.stats();
+                let notes = vec![
+                    format!(
+                        "via:soft: {} credits x {} B static buffers per connection, two TCP sockets (control, data QP)",
+                        cfg.slots, cfg.slot_size
+                    ),
+                    format!(
+                        "registration = mlock (pin failures so far: {}), LRU cache of {entries} user ranges",
+                        st.pin_failures
+                    ),
+                ];
+                proto::open_channel(nics, &cache, cfg, notes)
             }
         }
     }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use mad_core::driver::{OpenContext, OpenedChannel};
 use mad_core::{Error, Result};
 
+use crate::proto::SlotConfig;
 use crate::reg::Pd;
 
 /// What each rank publishes through the bootstrap allgather to connect its queue pairs: LID,
@@ -103,21 +104,26 @@ pub fn probe() -> Result<String> {
         .ok_or_else(|| unavailable("no RDMA device: ibv_get_device_list returned an empty list"))
 }
 
-/// Open a `via:verbs` channel.
-pub(crate) fn open(ctx: &OpenContext<'_>, pd: &Arc<Pd>) -> Result<OpenedChannel> {
-    let _ = pd;
+/// Open a `via:verbs` channel: probe, then build the verbs NICs and run the common protocol
+/// over them.
+pub(crate) fn open(
+    ctx: &OpenContext<'_>,
+    pd: &Arc<Pd>,
+    cfg: SlotConfig,
+    cache_entries: usize,
+) -> Result<OpenedChannel> {
     let dev = probe()?;
     #[cfg(feature = "verbs")]
     {
-        crate::sys::verbs::setup(ctx, &dev)?;
+        crate::sys::verbs::open(ctx, &dev, pd, cfg, cache_entries)
     }
     #[cfg(not(feature = "verbs"))]
     {
-        let _ = ctx;
+        let _ = (ctx, pd, cfg, cache_entries, dev);
+        Err(unavailable(
+            "unreachable: probe succeeded without the verbs feature",
+        ))
     }
-    Err(unavailable(format!(
-        "device `{dev}` found and queue pairs connected, but the verbs data path is not implemented in this version"
-    )))
 }
 
 #[cfg(test)]

@@ -431,3 +431,19 @@ pub fn setup(ctx: &mad_core::driver::OpenContext<'_>, dev: &str) -> mad_core::Re
     }
     Ok(())
 }
+
+/// Open a `via:verbs` channel (the data path is not written yet: connects, then reports
+/// `Unavailable`).
+pub fn open(
+    ctx: &mad_core::driver::OpenContext<'_>,
+    dev: &str,
+    pd: &std::sync::Arc<crate::reg::Pd>,
+    cfg: crate::proto::SlotConfig,
+    cache_entries: usize,
+) -> mad_core::Result<mad_core::driver::OpenedChannel> {
+    let _ = (pd, cfg, cache_entries);
+    setup(ctx, dev)?;
+    Err(crate::verbs::unavailable(format!(
+        "device `{dev}` found and queue pairs connected, but the verbs data path is not implemented in this version"
+    )))
+}
