@@ -15,13 +15,17 @@
 //!
 //! Two backends (the channel adapter):
 //!
-//! * `via:soft` ([`soft`]): a software NIC in user space, like M-VIA over Ethernet. Its wire is
-//!   a TCP connection per pair of ranks; it enforces what verbs enforce (registration before
-//!   use, RDMA writes only into advertised regions with the right key and within bounds, sends
-//!   only into posted receives / with a credit).
-//! * `via:verbs` (cargo feature `verbs`): real HCAs through `rdma-sys`. Without a device (or
-//!   without the feature) opening such a channel fails with [`Error::Unavailable`] naming the
-//!   cause and suggesting `via:soft`.
+//! * `via:soft` ([`soft`]): a software NIC in user space, like M-VIA over Ethernet. Its queue
+//!   pairs are TCP connections (two per pair of ranks: control and data); it enforces what
+//!   verbs enforce (registration before use, RDMA writes only into advertised regions with the
+//!   right key and within bounds, sends only into posted receives / with a credit).
+//! * `via:verbs` (cargo feature `verbs`): real HCAs through `rdma-sys` (**untested**: written
+//!   without a device). Without a device (or without the feature) opening such a channel
+//!   fails with [`Error::Unavailable`] naming the cause and suggesting `via:soft`.
+//!
+//! Both run the same protocol code: the transmission modules, credits, rendezvous and
+//! registration cache are written once against a verbs-shaped provider interface
+//! (`provider.rs`, `proto.rs`), implemented by the soft NIC and by the verbs NIC.
 //!
 //! Users can also borrow pre-registered memory ([`ViaHandle::request_buffer`], pCoR's buffer
 //! request/release): data packed from such a buffer travels without registration.
@@ -210,10 +214,13 @@ impl Driver for ViaDriver {
         default_table()
     }
 
-    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+    fn capabilities(&self, config: &ChannelConfig) -> Capabilities {
         Capabilities {
             direct_poll_limit: 4,
-            detects_peer_death: true,
+            // Soft: end of stream or reset on the sockets. Verbs has no orderly close: a dead
+            // peer shows only when a send exhausts its retries, so a waiting receiver may not
+            // notice.
+            detects_peer_death: !matches!(Backend::of(config), Ok(Backend::Verbs)),
             intra_node_only: false,
             max_message: None,
         }
