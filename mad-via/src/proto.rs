@@ -384,6 +384,10 @@ impl<N: Nic> Conn<N> {
         if to.rkey == 0 && to.addr == 0 {
             return Ok(()); // peer without a credit word (raw test endpoints): piggyback only
         }
+        if self.tx_free.is_empty() {
+            // Earlier credit writes may have completed without anyone reaping them.
+            self.reap()?;
+        }
         let Some(slot) = self.tx_free.pop() else {
             return Ok(()); // retried at the next poll, when a send buffer completes
         };
@@ -479,7 +483,7 @@ impl<N: Nic> Conn<N> {
         }
         if !self.rx_queue.is_empty() {
             Ok(Poll::Ready(()))
-        } else if self.nic.peer_closed() {
+        } else if self.nic.peer_closed(Qp::Ctrl) {
             Err(Error::PeerClosed { rank: self.rank })
         } else {
             Ok(Poll::Pending)
@@ -491,7 +495,7 @@ impl<N: Nic> Conn<N> {
             self.poll_nic(&mut [])?;
         }
         let Some(&(slot, off, len)) = self.rx_queue.front() else {
-            if self.nic.peer_closed() {
+            if self.nic.peer_closed(Qp::Ctrl) {
                 return Err(Error::PeerClosed { rank: self.rank });
             }
             return Ok(Poll::Pending);
@@ -612,6 +616,9 @@ impl<N: Nic> Conn<N> {
                     self.poll_nic(&mut [])?;
                 }
                 let Some(c) = self.cts.pop_front() else {
+                    if self.nic.peer_closed(Qp::Ctrl) {
+                        return Err(Error::PeerClosed { rank: self.rank });
+                    }
                     return Ok(Poll::Pending);
                 };
                 if c.len != st.total as u64 {
@@ -656,7 +663,7 @@ impl<N: Nic> Conn<N> {
             }
             self.poll_nic(iov)?;
             if self.data_rx.is_empty() {
-                if self.nic.peer_closed() {
+                if self.nic.peer_closed(Qp::Data) {
                     return Err(Error::PeerClosed { rank: self.rank });
                 }
                 return Ok(Poll::Pending);
@@ -703,7 +710,7 @@ impl<N: Nic> Conn<N> {
             }
             self.poll_nic(iov)?;
             if self.data_rx.is_empty() {
-                if self.nic.peer_closed() {
+                if self.nic.peer_closed(Qp::Data) {
                     return Err(Error::PeerClosed { rank: self.rank });
                 }
                 return Ok(Poll::Pending);
@@ -717,7 +724,7 @@ impl<N: Nic> Conn<N> {
     }
 
     fn ready_for_rx(&self) -> bool {
-        !self.rx_queue.is_empty() || self.failed.is_some() || self.nic.peer_closed()
+        !self.rx_queue.is_empty() || self.failed.is_some() || self.nic.peer_closed(Qp::Ctrl)
     }
 }
 
@@ -1174,7 +1181,7 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
                     }
                     // Connections that failed or ended were reported by `poll`; leave them out
                     // (an ended socket is always readable and would turn this wait into a spin).
-                    if c.failed.is_some() || c.nic.peer_closed() {
+                    if c.failed.is_some() || c.nic.peer_closed(Qp::Ctrl) {
                         continue;
                     }
                     if c.nic.prepare_wait(true, &mut one)? {

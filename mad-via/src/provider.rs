@@ -237,8 +237,10 @@ pub(crate) trait Nic: Send + 'static {
     /// complete when posted; a hardware NIC's completion queue), without landing data.
     fn reap(&mut self, out: &mut Vec<Wc>) -> Result<()>;
 
-    /// Whether the peer closed the connection cleanly (nothing more will arrive).
-    fn peer_closed(&self) -> bool;
+    /// Whether the peer closed queue pair `qp` cleanly and nothing more will arrive on it (a
+    /// message starts on the control QP; the data QP may still deliver a transfer the peer
+    /// completed just before closing).
+    fn peer_closed(&self, qp: Qp) -> bool;
 
     /// Descriptors a blocked thread polls for this connection (the same list for the NIC's
     /// whole life: the links keep duplicates so they can wait without holding the

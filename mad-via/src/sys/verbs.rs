@@ -1154,7 +1154,7 @@ impl Nic for VerbsNic {
         self.poll(&mut [], out)
     }
 
-    fn peer_closed(&self) -> bool {
+    fn peer_closed(&self, _qp: Qp) -> bool {
         // Verbs has no orderly close: a peer that goes away shows as completion errors.
         false
     }
