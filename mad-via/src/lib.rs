@@ -10,8 +10,9 @@
 //! | `medium` (1) | Gather | message passing from/to the user's buffers, registered on the fly through an LRU registration cache |
 //! | `large` (2) | Gather | rendezvous: the receiver registers its destination and sends key and address; the sender RDMA-writes into it and signals completion |
 //!
-//! The thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
-//! backend (see `NOTES.md`) and can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
+//! The soft thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
+//! backend (see `NOTES.md`); the verbs ones ([`VERBS_SMALL_MAX`], [`VERBS_MEDIUM_MAX`]) are not
+//! measured (no HCA). Both can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
 //!
 //! Two backends (the channel adapter):
 //!
@@ -62,10 +63,20 @@ pub use proto::{ConnStats, SlotConfig, TM_LARGE, TM_MEDIUM, TM_SMALL};
 pub use reg::{Pd, RegStats, RegisteredBuffer};
 pub use soft::Endpoint;
 
-/// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
-pub const SMALL_MAX: usize = 32 << 10;
-/// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
-pub const MEDIUM_MAX: usize = 4 << 20;
+/// Default largest piece of the `small` TM (static buffers) on `via:soft`, from the Figure 4
+/// sweep (static buffers beat registration up to 16 KiB, lose from 32 KiB).
+pub const SMALL_MAX: usize = 16 << 10;
+/// Default largest piece of the `medium` TM on `via:soft`: unbounded. In the sweep the
+/// rendezvous never beat send/receive on the soft provider (it serialises the receiver's
+/// registration and the transfer), so the default table sends everything above
+/// [`SMALL_MAX`] as medium; `tm.medium=<size>` brings the rendezvous back above that size.
+pub const MEDIUM_MAX: usize = usize::MAX;
+/// Default largest `small` piece on `via:verbs`: **not measured** (no HCA here).
+pub const VERBS_SMALL_MAX: usize = 32 << 10;
+/// Default largest `medium` piece on `via:verbs`: **not measured**. Above it the zero-copy
+/// rendezvous, which also avoids a medium send arriving before its receive is posted (an
+/// RNR retry on an RC QP).
+pub const VERBS_MEDIUM_MAX: usize = 4 << 20;
 
 /// Which provider a channel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -170,25 +181,48 @@ impl ViaDriver {
     }
 }
 
-/// The default TM table (before `tm.*` overrides).
+/// The default TM table of `via:soft` (before `tm.*` overrides).
 pub fn default_table() -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(
             "small",
             SMALL_MAX,
-            "copy into pre-registered static buffers, credit flow control (<= 32 KiB: Figure 4 sweep, NOTES.md)",
+            "copy into pre-registered static buffers, credit flow control (<= 16 KiB: Figure 4 sweep, NOTES.md)",
         ),
         TmSpec::gather(
             "medium",
             MEDIUM_MAX,
             16,
-            "send/recv of user memory registered on the fly, LRU registration cache (<= 4 MiB: Figure 4 sweep)",
+            "send/recv of user memory registered on the fly, LRU registration cache (every larger piece on soft: Figure 4 sweep)",
         ),
         TmSpec::gather(
             "large",
             usize::MAX,
             1,
-            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion",
+            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion (only with tm.medium=<size> on soft)",
+        ),
+    ])
+}
+
+/// The default TM table of `via:verbs` (before `tm.*` overrides): thresholds **not measured**.
+pub fn verbs_table() -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "small",
+            VERBS_SMALL_MAX,
+            "send from pre-registered static buffers, credit flow control (<= 32 KiB: not measured, no HCA)",
+        ),
+        TmSpec::gather(
+            "medium",
+            VERBS_MEDIUM_MAX,
+            16,
+            "send/recv of user memory registered for the call (<= 4 MiB: not measured, no HCA)",
+        ),
+        TmSpec::gather(
+            "large",
+            usize::MAX,
+            1,
+            "rendezvous: receiver advertises key+address, sender RDMA-writes, the last write with immediate",
         ),
     ])
 }
@@ -210,8 +244,10 @@ impl Driver for ViaDriver {
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
-        Backend::of(config)?;
-        default_table()
+        match Backend::of(config)? {
+            Backend::Soft => default_table(),
+            Backend::Verbs => verbs_table(),
+        }
     }
 
     fn capabilities(&self, config: &ChannelConfig) -> Capabilities {

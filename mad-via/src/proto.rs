@@ -981,6 +981,17 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         })
     }
 
+    fn publish(&mut self) -> Result<()> {
+        // The receiver needs the EXPRESS piece now: send the partly filled static buffer.
+        // Without this, a sender blocked in a rendezvous on another connection (waiting for a
+        // CTS the receiver will only send after reading this message) never lets it go: the
+        // kit's `two_channels` case with the large TM hung this way.
+        let mut c = lock(&self.conn);
+        c.check()?;
+        let r = c.send_slot();
+        c.guard(r).map(|_| ())
+    }
+
     fn abort_message(&mut self) -> AbortOutcome {
         let mut c = lock(&self.conn);
         let in_flight = self.st.active && self.st.posted > c.data_tx_done - self.st.base;

@@ -453,7 +453,9 @@ impl QueuePair {
         a.dest_qp_num = r.qpn;
         a.rq_psn = r.psn;
         a.max_dest_rd_atomic = 1;
-        a.min_rnr_timer = 12;
+        // A medium send that arrives before its receive is posted is NAKed and retried after
+        // this delay: code 1 = 0.01 ms (12 would be 0.64 ms). Not measured.
+        a.min_rnr_timer = 1;
         a.ah_attr.dlid = r.lid;
         a.ah_attr.port_num = port;
         if r.lid == 0 {
