@@ -27,7 +27,6 @@ fn shm_does_not_allocate() {
 }
 
 #[test]
-#[ignore = "via:soft allocates about 4 times per round on the sending rank (804 in 200 rounds, 2026-11-23): its soft provider's frames; to be fixed with the provider split"]
 fn via_soft_does_not_allocate() {
     check("via:soft");
 }

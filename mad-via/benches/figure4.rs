@@ -9,7 +9,9 @@
 //!
 //! `FIG4_CSV=<file>` writes one line per variant, size and repetition
 //! (`variant,spec,size,rep,one_way_us`) for `bench/run.sh`, which reports the median and spread;
-//! the table on stdout is unchanged.
+//! the table on stdout is unchanged. `FIG4_ORDER=rotate` and `FIG4_SHARED_BUFFER=1` bring back
+//! the old schedule (rotated fixed order) and the old buffer (one for every variant), to
+//! reproduce the bias they caused (see `NOTES.md`).
 //!
 //! Two ranks are two threads of this process with their own sessions and soft NICs, talking
 //! over TCP loopback. Variants (all with the registration cache *off*, so every dynamic
@@ -72,9 +74,33 @@ fn round(ch: &mad_core::Channel, me: usize, buf: &mut [u8]) {
     }
 }
 
+/// The order of the variants in repetition `rep` at size index `k`: a pseudo-random
+/// permutation (the same on both ranks), so no variant always runs right after the same other
+/// one. Rotating a fixed order, as this benchmark used to, keeps every variant's neighbours
+/// fixed: whatever one variant leaves behind always lands on the same next variant.
+fn order(n: usize, rep: usize, k: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((rep as u64) << 32) ^ (k as u64);
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    if std::env::var("FIG4_ORDER").as_deref() == Ok("rotate") {
+        // The old schedule, kept to reproduce the old bias.
+        return (0..n).map(|i| (i + rep) % n).collect();
+    }
+    v
+}
+
 /// One-way µs, `[variant][size][rep]`. Every variant is a channel of the same two sessions;
-/// for each size and repetition the variants run back to back (in an order rotated every
-/// repetition), so they share the machine's noise.
+/// for each size and repetition the variants run back to back (in a shuffled order), so they
+/// share the machine's noise. Each variant has its own buffer (allocated and touched before
+/// anything is timed at that size): with one shared buffer, the cached variant kept the
+/// pages pinned while the uncached ones pinned and unpinned the same pages (`mlock` does not
+/// nest), so one variant's registration state leaked into the next one's timing. Each run
+/// starts with a warm-up of a fifth of the budget (at least 3 rounds).
 fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
     let boots = ThreadBootstrap::group(2);
     std::thread::scope(|s| {
@@ -100,37 +126,43 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
                         .collect();
                     let mut out = vec![vec![Vec::new(); SIZES.len()]; specs.len()];
                     for (k, &size) in SIZES.iter().enumerate() {
-                        let mut buf = vec![1u8; size];
+                        let shared = std::env::var("FIG4_SHARED_BUFFER").is_ok();
+                        let mut bufs: Vec<Vec<u8>> = (0..if shared { 1 } else { chans.len() })
+                            .map(|_| vec![1u8; size])
+                            .collect();
                         for rep in 0..reps {
-                            // Rotate the order every repetition, so no variant always runs
-                            // right after the same other one.
-                            for i in 0..chans.len() {
-                                let v = (i + rep) % chans.len();
+                            for v in order(chans.len(), rep, k) {
                                 let ch = &chans[v];
+                                let buf = &mut bufs[if shared { 0 } else { v }];
                                 for _ in 0..2 {
-                                    round(ch, me, &mut buf);
+                                    round(ch, me, buf);
                                 }
-                                // Rank 0 times one round and tells rank 1 the iteration count.
-                                let n = if me == 0 {
+                                // Rank 0 times one round and tells rank 1 the warm-up and
+                                // timed round counts.
+                                let (warm, n) = if me == 0 {
                                     let t = Instant::now();
-                                    round(ch, me, &mut buf);
+                                    round(ch, me, buf);
                                     let per = t.elapsed().max(Duration::from_micros(1));
                                     let n = (budget.as_nanos() / per.as_nanos()).clamp(5, 20_000)
                                         as u64;
+                                    let warm = (n / 5).max(1);
                                     let mut p = ch.begin_packing(1).expect("pack");
-                                    p.pack_value(&n, RecvMode::Express).expect("pack");
+                                    p.pack_value(&[warm, n], RecvMode::Express).expect("pack");
                                     p.end_packing().expect("end");
-                                    n
+                                    (warm, n)
                                 } else {
-                                    round(ch, me, &mut buf);
+                                    round(ch, me, buf);
                                     let mut u = ch.begin_unpacking().expect("unpack");
-                                    let n: u64 = u.unpack_value().expect("n");
+                                    let [warm, n]: [u64; 2] = u.unpack_value().expect("n");
                                     u.end_unpacking().expect("end");
-                                    n
+                                    (warm, n)
                                 };
+                                for _ in 0..warm {
+                                    round(ch, me, buf);
+                                }
                                 let t = Instant::now();
                                 for _ in 0..n {
-                                    round(ch, me, &mut buf);
+                                    round(ch, me, buf);
                                 }
                                 out[v][k].push(t.elapsed().as_secs_f64() * 1e6 / (2.0 * n as f64));
                             }

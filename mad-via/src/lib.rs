@@ -10,18 +10,23 @@
 //! | `medium` (1) | Gather | message passing from/to the user's buffers, registered on the fly through an LRU registration cache |
 //! | `large` (2) | Gather | rendezvous: the receiver registers its destination and sends key and address; the sender RDMA-writes into it and signals completion |
 //!
-//! The thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
-//! backend (see `NOTES.md`) and can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
+//! The soft thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
+//! backend (see `NOTES.md`); the verbs ones ([`VERBS_SMALL_MAX`], [`VERBS_MEDIUM_MAX`]) are not
+//! measured (no HCA). Both can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
 //!
 //! Two backends (the channel adapter):
 //!
-//! * `via:soft` ([`soft`]): a software NIC in user space, like M-VIA over Ethernet. Its wire is
-//!   a TCP connection per pair of ranks; it enforces what verbs enforce (registration before
-//!   use, RDMA writes only into advertised regions with the right key and within bounds, sends
-//!   only into posted receives / with a credit).
-//! * `via:verbs` (cargo feature `verbs`): real HCAs through `rdma-sys`. Without a device (or
-//!   without the feature) opening such a channel fails with [`Error::Unavailable`] naming the
-//!   cause and suggesting `via:soft`.
+//! * `via:soft` ([`soft`]): a software NIC in user space, like M-VIA over Ethernet. Its queue
+//!   pairs are TCP connections (two per pair of ranks: control and data); it enforces what
+//!   verbs enforce (registration before use, RDMA writes only into advertised regions with the
+//!   right key and within bounds, sends only into posted receives / with a credit).
+//! * `via:verbs` (cargo feature `verbs`): real HCAs through `rdma-sys` (**untested**: written
+//!   without a device). Without a device (or without the feature) opening such a channel
+//!   fails with [`Error::Unavailable`] naming the cause and suggesting `via:soft`.
+//!
+//! Both run the same protocol code: the transmission modules, credits, rendezvous and
+//! registration cache are written once against a verbs-shaped provider interface
+//! (`provider.rs`, `proto.rs`), implemented by the soft NIC and by the verbs NIC.
 //!
 //! Users can also borrow pre-registered memory ([`ViaHandle::request_buffer`], pCoR's buffer
 //! request/release): data packed from such a buffer travels without registration.
@@ -45,6 +50,8 @@ use mad_core::config::ChannelConfig;
 use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec, TmTable};
 use mad_core::{Error, Result};
 
+mod proto;
+mod provider;
 pub mod reg;
 mod setup;
 pub mod soft;
@@ -52,13 +59,24 @@ mod sys;
 pub mod verbs;
 pub mod wire;
 
+pub use proto::{ConnStats, SlotConfig, TM_LARGE, TM_MEDIUM, TM_SMALL};
 pub use reg::{Pd, RegStats, RegisteredBuffer};
-pub use soft::{ConnStats, Endpoint, SlotConfig};
+pub use soft::Endpoint;
 
-/// Default largest piece of the `small` TM (static buffers), from the Figure 4 sweep.
-pub const SMALL_MAX: usize = 32 << 10;
-/// Default largest piece of the `medium` TM (send/receive with registration), from the sweep.
-pub const MEDIUM_MAX: usize = 4 << 20;
+/// Default largest piece of the `small` TM (static buffers) on `via:soft`, from the Figure 4
+/// sweep (static buffers beat registration up to 16 KiB, lose from 32 KiB).
+pub const SMALL_MAX: usize = 16 << 10;
+/// Default largest piece of the `medium` TM on `via:soft`: unbounded. In the sweep the
+/// rendezvous never beat send/receive on the soft provider (it serialises the receiver's
+/// registration and the transfer), so the default table sends everything above
+/// [`SMALL_MAX`] as medium; `tm.medium=<size>` brings the rendezvous back above that size.
+pub const MEDIUM_MAX: usize = usize::MAX;
+/// Default largest `small` piece on `via:verbs`: **not measured** (no HCA here).
+pub const VERBS_SMALL_MAX: usize = 32 << 10;
+/// Default largest `medium` piece on `via:verbs`: **not measured**. Above it the zero-copy
+/// rendezvous, which also avoids a medium send arriving before its receive is posted (an
+/// RNR retry on an RC QP).
+pub const VERBS_MEDIUM_MAX: usize = 4 << 20;
 
 /// Which provider a channel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,9 +164,9 @@ impl ViaDriver {
                 ))
             })?,
         };
-        if !(1..=4096).contains(&slots) {
+        if !(2..=4096).contains(&slots) {
             return Err(Error::BadConfig(format!(
-                "channel `{}`: slots={slots}: expected 1 to 4096",
+                "channel `{}`: slots={slots}: expected 2 to 4096 (one credit is kept for rendezvous requests)",
                 config.name
             )));
         }
@@ -163,25 +181,48 @@ impl ViaDriver {
     }
 }
 
-/// The default TM table (before `tm.*` overrides).
+/// The default TM table of `via:soft` (before `tm.*` overrides).
 pub fn default_table() -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(
             "small",
             SMALL_MAX,
-            "copy into pre-registered static buffers, credit flow control (<= 32 KiB: Figure 4 sweep, NOTES.md)",
+            "copy into pre-registered static buffers, credit flow control (<= 16 KiB: Figure 4 sweep, NOTES.md)",
         ),
         TmSpec::gather(
             "medium",
             MEDIUM_MAX,
             16,
-            "send/recv of user memory registered on the fly, LRU registration cache (<= 4 MiB: Figure 4 sweep)",
+            "send/recv of user memory registered on the fly, LRU registration cache (every larger piece on soft: Figure 4 sweep)",
         ),
         TmSpec::gather(
             "large",
             usize::MAX,
             1,
-            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion",
+            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion (only with tm.medium=<size> on soft)",
+        ),
+    ])
+}
+
+/// The default TM table of `via:verbs` (before `tm.*` overrides): thresholds **not measured**.
+pub fn verbs_table() -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "small",
+            VERBS_SMALL_MAX,
+            "send from pre-registered static buffers, credit flow control (<= 32 KiB: not measured, no HCA)",
+        ),
+        TmSpec::gather(
+            "medium",
+            VERBS_MEDIUM_MAX,
+            16,
+            "send/recv of user memory registered for the call (<= 4 MiB: not measured, no HCA)",
+        ),
+        TmSpec::gather(
+            "large",
+            usize::MAX,
+            1,
+            "rendezvous: receiver advertises key+address, sender RDMA-writes, the last write with immediate",
         ),
     ])
 }
@@ -203,58 +244,51 @@ impl Driver for ViaDriver {
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
-        Backend::of(config)?;
-        default_table()
+        match Backend::of(config)? {
+            Backend::Soft => default_table(),
+            Backend::Verbs => verbs_table(),
+        }
     }
 
-    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+    fn capabilities(&self, config: &ChannelConfig) -> Capabilities {
         Capabilities {
             direct_poll_limit: 4,
-            detects_peer_death: true,
+            // Soft: end of stream or reset on the sockets. Verbs has no orderly close: a dead
+            // peer shows only when a send exhausts its retries, so a waiting receiver may not
+            // notice.
+            detects_peer_death: !matches!(Backend::of(config), Ok(Backend::Verbs)),
             intra_node_only: false,
             max_message: None,
         }
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        match Backend::of(ctx.config)? {
-            Backend::Verbs => verbs::open(ctx, &self.pd),
+        let backend = Backend::of(ctx.config)?;
+        let cfg = Self::slot_config(ctx.config)?;
+        // `regcache=<entries>` sizes this channel's cache of user registrations (soft only:
+        // the verbs provider never keeps user registrations, see `reg`).
+        let entries = ctx
+            .config
+            .option_parsed::<usize>("regcache")?
+            .unwrap_or(self.pd.cache_entries());
+        match backend {
+            Backend::Verbs => verbs::open(ctx, &self.pd, cfg, entries),
             Backend::Soft => {
-                let cfg = Self::slot_config(ctx.config)?;
-                // `regcache=<entries>` gives the channel its own protection domain with that
-                // cache size (registered buffers of the driver's handle are not found there).
-                let pd = match ctx.config.option_parsed::<usize>("regcache")? {
-                    Some(n) => Pd::new(n),
-                    None => self.pd.clone(),
-                };
-                let eps = setup::open_soft(ctx, &pd, cfg)?;
-                let mut links = Vec::with_capacity(eps.len());
-                let mut all = Vec::new();
-                for (r, ep) in eps.into_iter().enumerate() {
-                    match ep {
-                        Some(ep) => {
-                            links.push(Some(ep.links()?));
-                            all.push((r, ep));
-                        }
-                        None => links.push(None),
-                    }
-                }
-                let incoming = Box::new(soft::SoftIncoming::new(all)?);
-                let st = pd.stats();
-                Ok(OpenedChannel {
-                    links,
-                    incoming,
-                    notes: vec![
-                        format!(
-                            "via:soft: {} credits x {} B static buffers per connection, TCP wire",
-                            cfg.slots, cfg.slot_size
-                        ),
-                        format!(
-                            "registration = mlock (pin failures so far: {}), LRU cache of user ranges",
-                            st.pin_failures
-                        ),
-                    ],
-                })
+                let dev = soft::SoftDevice::new(&self.pd);
+                let cache = reg::RegCache::new(dev.clone(), &self.pd, entries);
+                let nics = setup::open_soft(ctx, &dev, cfg)?;
+                let st = self.pd.stats();
+                let notes = vec![
+                    format!(
+                        "via:soft: {} credits x {} B static buffers per connection, two TCP sockets (control, data QP)",
+                        cfg.slots, cfg.slot_size
+                    ),
+                    format!(
+                        "registration = mlock (pin failures so far: {}), LRU cache of {entries} user ranges",
+                        st.pin_failures
+                    ),
+                ];
+                proto::open_channel(nics, &cache, cfg, notes)
             }
         }
     }

@@ -1,45 +1,53 @@
-//! Memory registration: the protection domain, its bounded LRU registration cache, the table of
-//! regions advertised for RDMA writes, and the pool of pre-registered buffers lent to users.
+//! Memory registration: the driver-wide pool of library-owned registered buffers ([`Pd`],
+//! [`RegisteredBuffer`]) and the per-channel registration cache (`RegCache`), the same code
+//! for both providers.
+//!
+//! # Which registrations may be kept
+//!
+//! * **Library-owned memory** (a [`RegisteredBuffer`], a connection's static buffers) is
+//!   registered when it is created and deregistered exactly when the library frees it, with
+//!   every channel's protection domain: those registrations never go stale. A buffer the
+//!   user releases goes back to the pool still registered (pCoR's request/release).
+//! * **User memory** is the caller's: the library cannot see it being freed. Whether its
+//!   registrations may outlive the call is the provider's decision
+//!   (`Device::caches_user_memory` in the provider interface):
+//!   * soft: yes, in a bounded LRU cache ([`DEFAULT_CACHE_ENTRIES`] entries, at most
+//!     [`CACHE_MAX_BYTES`]). A stale entry is harmless there: the soft NIC writes user memory
+//!     only through the borrow the receive call holds, never through a cached address, so a
+//!     stale entry costs at most a stale `mlock` until it is evicted.
+//!   * verbs: no. A registration pins the physical pages and the HCA writes them by DMA, so a
+//!     cached registration of memory the user freed (and the allocator handed out again)
+//!     would point the NIC at the wrong pages. The cache then registers user memory for the
+//!     call and deregisters it when the transfer ends (`regcache=` only sizes the soft cache),
+//!     so repeated large transfers on verbs pay registration each time unless they use
+//!     [`RegisteredBuffer`]s.
 //!
 //! # What "registered" means on the soft backend
 //!
 //! Registering a range pins it with `mlock(2)` (what M-VIA's kernel agent did for VIA memory
-//! handles) and gives it a key; deregistering unpins it. That is the soft provider's real
-//! registration cost, measured by the Figure 4 sweep, not an emulated delay. If the process may
-//! not lock memory (`RLIMIT_MEMLOCK`), registration still succeeds, unpinned, and
-//! [`RegStats::pin_failures`] counts it.
-//!
-//! # Why cache entries cannot outlive their memory in a harmful way
-//!
-//! * Memory the library owns ([`RegisteredBuffer`], small-TM slots) is registered once and
-//!   deregistered exactly when the library frees it: those entries never go stale.
-//! * User memory is cached by address range (bounded, least recently used). The library cannot
-//!   see the user free memory, so an entry may describe memory that was freed and reused. On the
-//!   soft backend that is harmless: the soft NIC never writes through a cached address (RDMA
-//!   writes land through the borrow the core holds for the duration of the receive call, and a
-//!   key is only *advertised* for that duration), so a stale entry costs at most a stale
-//!   `mlock` until it is evicted. On the verbs backend a stale memory region would let the HCA
-//!   DMA into freed pages, so that backend must register user memory for the call only (cache
-//!   disabled: `regcache=0`), caching only library-owned buffers; see NOTES.md.
+//! handles) and gives it a key the soft NIC checks on every use; deregistering unpins it. That
+//! is the soft provider's real registration cost, measured by the Figure 4 sweep, not an
+//! emulated delay. If the process may not lock memory (`RLIMIT_MEMLOCK`), registration still
+//! succeeds, unpinned, and [`RegStats::pin_failures`] counts it.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use mad_core::{Error, Result};
+use mad_core::Result;
 
-use crate::sys;
+use crate::provider::{Device, MemoryRegion};
 
-/// Default number of user registrations kept by the cache.
+/// Default number of user registrations kept by a channel's cache.
 pub const DEFAULT_CACHE_ENTRIES: usize = 64;
-/// Most bytes of user memory the cache keeps registered.
+/// Most bytes of user memory a cache keeps registered.
 pub const CACHE_MAX_BYTES: usize = 256 << 20;
 /// Pre-registered buffers kept for reuse after release.
 const POOL_KEEP: usize = 16;
 
-/// Counters of the registration layer (for tests and benchmarks).
+/// Counters of the registration layer (for tests and benchmarks), summed over the channels of
+/// one driver.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegStats {
-    /// Registrations performed (pin + key), including library-owned memory.
+    /// Registrations performed (user memory, library-owned buffers, static buffers).
     pub registrations: u64,
     /// Deregistrations performed.
     pub deregistrations: u64,
@@ -51,294 +59,360 @@ pub struct RegStats {
     pub evictions: u64,
     /// Registrations that could not pin (`mlock` refused); the range is registered unpinned.
     pub pin_failures: u64,
-    /// RDMA writes refused (bad key, out of bounds).
+    /// RDMA writes refused by the soft NIC (bad key, out of bounds).
     pub refused_writes: u64,
 }
 
+/// Something that keeps registrations of library-owned buffers (a channel's cache).
+pub(crate) trait OwnedListener: Send + Sync {
+    /// A library-owned buffer was created: register it.
+    fn owned_added(&self, addr: usize, len: usize);
+    /// A library-owned buffer is about to be freed: deregister it.
+    fn owned_removed(&self, addr: usize, len: usize);
+}
+
+#[derive(Default)]
+struct Owned {
+    /// Live library-owned buffers (in use or pooled), `(addr, len)`.
+    ranges: Vec<(usize, usize)>,
+    listeners: Vec<Weak<dyn OwnedListener>>,
+}
+
+/// The driver's registration domain: the pool of library-owned registered buffers, the list
+/// of channel caches that must register them, and the counters.
+pub struct Pd {
+    owned: Mutex<Owned>,
+    pool: Mutex<Vec<Box<[u8]>>>,
+    stats: Mutex<RegStats>,
+    cache_entries: usize,
+}
+
+impl std::fmt::Debug for Pd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pd(cache {} entries)", self.cache_entries)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave a table inconsistent in a way
+    // that matters for memory safety; keep going with the inner value.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Pd {
+    /// A domain whose channel caches keep `cache_entries` user registrations each (0: register
+    /// user memory for each call).
+    pub fn new(cache_entries: usize) -> Arc<Pd> {
+        Arc::new(Pd {
+            owned: Mutex::new(Owned::default()),
+            pool: Mutex::new(Vec::new()),
+            stats: Mutex::new(RegStats::default()),
+            cache_entries,
+        })
+    }
+
+    /// Cache size given to channels that do not set `regcache=`.
+    pub fn cache_entries(&self) -> usize {
+        self.cache_entries
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> RegStats {
+        *lock(&self.stats)
+    }
+
+    pub(crate) fn count(&self, f: impl FnOnce(&mut RegStats)) {
+        f(&mut lock(&self.stats));
+    }
+
+    /// Register every live library-owned buffer with `l` and keep it informed from now on.
+    pub(crate) fn add_listener(&self, l: Weak<dyn OwnedListener>) {
+        let mut o = lock(&self.owned);
+        o.listeners.retain(|w| w.strong_count() > 0);
+        if let Some(s) = l.upgrade() {
+            for &(a, n) in &o.ranges {
+                s.owned_added(a, n);
+            }
+        }
+        o.listeners.push(l);
+    }
+
+    fn add_owned(&self, b: &[u8]) {
+        let (addr, len) = (b.as_ptr() as usize, b.len());
+        let mut o = lock(&self.owned);
+        o.ranges.push((addr, len));
+        o.listeners.retain(|w| w.strong_count() > 0);
+        for l in o.listeners.iter().filter_map(|w| w.upgrade()) {
+            l.owned_added(addr, len);
+        }
+    }
+
+    fn remove_owned(&self, b: &[u8]) {
+        let (addr, len) = (b.as_ptr() as usize, b.len());
+        let mut o = lock(&self.owned);
+        o.ranges.retain(|&r| r != (addr, len));
+        for l in o.listeners.iter().filter_map(|w| w.upgrade()) {
+            l.owned_removed(addr, len);
+        }
+    }
+}
+
+/// Proof that a range is registered, held while it is in use; give it back with
+/// [`RegCache::release`].
+#[derive(Debug)]
+#[must_use]
+pub(crate) struct Lease {
+    id: u64,
+    lkey: u32,
+    rkey: u32,
+}
+
+impl Lease {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum EntryKind {
+enum Kind {
     /// User memory kept by the LRU cache.
     Cached,
-    /// User memory registered for one call (cache disabled).
+    /// User memory registered for one call.
     Temp,
     /// Memory the library owns.
     Owned,
 }
 
-#[derive(Debug)]
-struct Entry {
-    key: u32,
+struct Entry<M> {
+    id: u64,
     addr: usize,
     len: usize,
-    pinned: bool,
-    kind: EntryKind,
+    kind: Kind,
     last_use: u64,
     refs: u32,
+    mr: M,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Exposed {
-    addr: u64,
-    len: u64,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    entries: Vec<Entry>,
-    exposed: HashMap<u32, Exposed>,
+struct CacheState<M> {
+    entries: Vec<Entry<M>>,
     tick: u64,
-    next_key: u32,
-    stats: RegStats,
-    pool: Vec<Box<[u8]>>,
+    next_id: u64,
 }
 
-/// A protection domain: every registration and advertised region of one driver instance.
-#[derive(Debug)]
-pub struct Pd {
-    state: Mutex<State>,
-    cache_entries: usize,
+/// A channel's registration cache over its provider's protection domain.
+pub(crate) struct RegCache<D: Device> {
+    device: Arc<D>,
+    pd: Arc<Pd>,
+    capacity: usize,
+    state: Mutex<CacheState<D::Mr>>,
 }
 
-/// Proof that a range is registered, held while it is in use; give it back with
-/// [`Pd::release`].
-#[derive(Debug)]
-#[must_use]
-pub struct Lease {
-    key: u32,
-}
-
-impl Lease {
-    /// The registration's key.
-    pub fn key(&self) -> u32 {
-        self.key
-    }
-}
-
-impl Pd {
-    /// A protection domain whose cache keeps `cache_entries` user registrations (0: register
-    /// user memory for each call).
-    pub fn new(cache_entries: usize) -> Arc<Pd> {
-        Arc::new(Pd {
-            state: Mutex::new(State {
-                next_key: 0x5a00_0001,
-                ..Default::default()
+impl<D: Device> RegCache<D> {
+    /// A cache keeping up to `capacity` user registrations (when the device allows caching),
+    /// registered with `pd`'s library-owned buffers.
+    pub fn new(device: Arc<D>, pd: &Arc<Pd>, capacity: usize) -> Arc<RegCache<D>> {
+        let c = Arc::new(RegCache {
+            device,
+            pd: pd.clone(),
+            capacity,
+            state: Mutex::new(CacheState {
+                entries: Vec::new(),
+                tick: 0,
+                next_id: 1,
             }),
-            cache_entries,
-        })
+        });
+        let l: Arc<dyn OwnedListener> = c.clone();
+        pd.add_listener(Arc::downgrade(&l));
+        c
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding this lock cannot leave the table inconsistent in a way that
-        // matters for memory safety; keep going with the inner value.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn register(&self, addr: usize, len: usize) -> Result<D::Mr> {
+        let mr = self.device.reg_mr(addr, len)?;
+        self.pd.count(|s| s.registrations += 1);
+        Ok(mr)
     }
 
-    /// The counters.
-    pub fn stats(&self) -> RegStats {
-        self.lock().stats
-    }
-
-    /// Make sure `[addr, addr + len)` is registered and return a lease on it: a hit in the
-    /// library-owned buffers or in the cache costs nothing; a miss registers (pins) the range.
-    pub fn acquire(&self, addr: usize, len: usize) -> Lease {
-        let mut st = self.lock();
+    /// Make sure `[addr, addr + len)` is registered and lease it: a hit in library-owned
+    /// memory or in the cache costs nothing; a miss registers the range.
+    pub fn acquire(&self, addr: usize, len: usize) -> Result<Lease> {
+        if len == 0 {
+            return Ok(Lease {
+                id: 0,
+                lkey: 0,
+                rkey: 0,
+            });
+        }
+        let mut st = lock(&self.state);
         st.tick += 1;
         let tick = st.tick;
         let end = addr.saturating_add(len);
-        if let Some(i) = st.entries.iter().position(|e| {
-            e.kind != EntryKind::Temp && e.addr <= addr && end <= e.addr.saturating_add(e.len)
-        }) {
-            let e = &mut st.entries[i];
+        if let Some(e) = st
+            .entries
+            .iter_mut()
+            .find(|e| e.kind != Kind::Temp && e.addr <= addr && end <= e.addr.saturating_add(e.len))
+        {
             e.refs += 1;
             e.last_use = tick;
-            let (key, kind) = (e.key, e.kind);
-            if kind == EntryKind::Owned {
-                st.stats.owned_hits += 1;
-            } else {
-                st.stats.cache_hits += 1;
-            }
-            return Lease { key };
+            let lease = Lease {
+                id: e.id,
+                lkey: e.mr.lkey(),
+                rkey: e.mr.rkey(),
+            };
+            let owned = e.kind == Kind::Owned;
+            drop(st);
+            self.pd.count(|s| {
+                if owned {
+                    s.owned_hits += 1
+                } else {
+                    s.cache_hits += 1
+                }
+            });
+            return Ok(lease);
         }
-        let kind = if self.cache_entries == 0 {
-            EntryKind::Temp
+        let kind = if self.device.caches_user_memory() && self.capacity > 0 {
+            Kind::Cached
         } else {
-            EntryKind::Cached
+            Kind::Temp
         };
-        let key = Self::register_locked(&mut st, addr, len, kind, tick);
-        if let Some(e) = st.entries.iter_mut().find(|e| e.key == key) {
-            e.refs = 1;
-        }
-        self.evict_locked(&mut st);
-        Lease { key }
-    }
-
-    fn register_locked(st: &mut State, addr: usize, len: usize, kind: EntryKind, tick: u64) -> u32 {
-        let pinned = sys::pin(addr, len);
-        if !pinned && len > 0 {
-            st.stats.pin_failures += 1;
-        }
-        st.next_key = st.next_key.wrapping_add(0x9e37).max(1);
-        let key = st.next_key;
+        let mr = self.register(addr, len)?;
+        let id = st.next_id;
+        st.next_id += 1;
+        let lease = Lease {
+            id,
+            lkey: mr.lkey(),
+            rkey: mr.rkey(),
+        };
         st.entries.push(Entry {
-            key,
+            id,
             addr,
             len,
-            pinned,
             kind,
             last_use: tick,
-            refs: 0,
+            refs: 1,
+            mr,
         });
-        st.stats.registrations += 1;
-        key
+        let gone = self.evict(&mut st);
+        drop(st);
+        self.dropped(gone);
+        Ok(lease)
     }
 
-    fn deregister_at(st: &mut State, i: usize) {
-        let e = st.entries.swap_remove(i);
-        if e.pinned {
-            sys::unpin(e.addr, e.len);
+    /// Keys of a registration covering `[addr, addr + len)`, without registering.
+    pub fn lookup(&self, addr: usize, len: usize) -> Option<(u32, u32)> {
+        let end = addr.saturating_add(len);
+        lock(&self.state)
+            .entries
+            .iter()
+            .find(|e| e.addr <= addr && end <= e.addr.saturating_add(e.len))
+            .map(|e| (e.mr.lkey(), e.mr.rkey()))
+    }
+
+    /// Give a lease back; a per-call registration is deregistered now.
+    pub fn release(&self, lease: Lease) {
+        if lease.id == 0 {
+            return;
         }
-        st.exposed.retain(|_, x| {
-            !(x.addr as usize >= e.addr && (x.addr as usize) < e.addr.saturating_add(e.len.max(1)))
-        });
-        st.stats.deregistrations += 1;
+        let mut st = lock(&self.state);
+        let mut gone = Vec::new();
+        if let Some(i) = st.entries.iter().position(|e| e.id == lease.id) {
+            let e = &mut st.entries[i];
+            e.refs = e.refs.saturating_sub(1);
+            if e.kind == Kind::Temp && e.refs == 0 {
+                gone.push(st.entries.swap_remove(i).mr);
+            }
+        }
+        gone.extend(self.evict(&mut st));
+        drop(st);
+        self.dropped(gone);
     }
 
-    fn evict_locked(&self, st: &mut State) {
+    /// Remove least recently used idle cache entries beyond the bounds; returns them (their
+    /// drop deregisters, done outside the lock).
+    fn evict(&self, st: &mut CacheState<D::Mr>) -> Vec<D::Mr> {
+        let mut gone = Vec::new();
         loop {
             let (mut n, mut bytes) = (0usize, 0usize);
-            for e in st.entries.iter().filter(|e| e.kind == EntryKind::Cached) {
+            for e in st.entries.iter().filter(|e| e.kind == Kind::Cached) {
                 n += 1;
                 bytes = bytes.saturating_add(e.len);
             }
-            if n <= self.cache_entries && bytes <= CACHE_MAX_BYTES {
-                return;
+            if n <= self.capacity && bytes <= CACHE_MAX_BYTES {
+                break;
             }
             let victim = st
                 .entries
                 .iter()
                 .enumerate()
-                .filter(|(_, e)| e.kind == EntryKind::Cached && e.refs == 0)
+                .filter(|(_, e)| e.kind == Kind::Cached && e.refs == 0)
                 .min_by_key(|(_, e)| e.last_use)
                 .map(|(i, _)| i);
             match victim {
                 Some(i) => {
-                    Self::deregister_at(st, i);
-                    st.stats.evictions += 1;
+                    gone.push(st.entries.swap_remove(i).mr);
+                    self.pd.count(|s| s.evictions += 1);
                 }
-                None => return,
+                None => break,
             }
         }
+        gone
     }
 
-    /// Give a lease back; a per-call registration is deregistered now.
-    pub fn release(&self, lease: Lease) {
-        let mut st = self.lock();
-        if let Some(i) = st.entries.iter().position(|e| e.key == lease.key) {
-            let e = &mut st.entries[i];
-            e.refs = e.refs.saturating_sub(1);
-            if e.kind == EntryKind::Temp && e.refs == 0 {
-                Self::deregister_at(&mut st, i);
-            }
+    fn dropped(&self, gone: Vec<D::Mr>) {
+        let n = gone.len() as u64;
+        drop(gone);
+        if n > 0 {
+            self.pd.count(|s| s.deregistrations += n);
         }
-        self.evict_locked(&mut st);
     }
+}
 
-    /// Whether `[addr, addr + len)` lies in a registered range.
-    pub fn is_registered(&self, addr: usize, len: usize) -> bool {
-        let end = addr.saturating_add(len);
-        self.lock()
-            .entries
-            .iter()
-            .any(|e| e.addr <= addr && end <= e.addr.saturating_add(e.len))
-    }
-
-    /// Advertise a registered range for RDMA writes from peers; returns the key they must use.
-    /// Fails if the range is not registered (verbs would refuse it too).
-    pub fn expose(&self, lease: &Lease, addr: usize, len: usize) -> Result<u32> {
-        let mut st = self.lock();
-        let end = addr.saturating_add(len);
-        let covered = st
-            .entries
-            .iter()
-            .any(|e| e.key == lease.key && e.addr <= addr && end <= e.addr.saturating_add(e.len));
-        if !covered {
-            return Err(Error::Protocol {
-                rank: usize::MAX,
-                what: format!("exposing {len} B at {addr:#x}: range is not registered"),
+impl<D: Device> OwnedListener for RegCache<D> {
+    fn owned_added(&self, addr: usize, len: usize) {
+        // A buffer that cannot be registered is simply looked up (and registered per call)
+        // like user memory.
+        if let Ok(mr) = self.register(addr, len) {
+            let mut st = lock(&self.state);
+            let id = st.next_id;
+            st.next_id += 1;
+            st.entries.push(Entry {
+                id,
+                addr,
+                len,
+                kind: Kind::Owned,
+                last_use: 0,
+                refs: 0,
+                mr,
             });
         }
-        // Each advertisement gets its own key, so a write can never reach a range advertised
-        // earlier under the same registration.
-        st.next_key = st.next_key.wrapping_add(0x9e37).max(1);
-        let key = st.next_key;
-        st.exposed.insert(
-            key,
-            Exposed {
-                addr: addr as u64,
-                len: len as u64,
-            },
-        );
-        Ok(key)
     }
 
-    /// Withdraw an advertisement.
-    pub fn unexpose(&self, key: u32) {
-        self.lock().exposed.remove(&key);
-    }
-
-    /// The access check of an RDMA write: `key` must be advertised and `[addr, addr + len)`
-    /// inside it. Counts refusals.
-    pub fn check_write(&self, key: u32, addr: u64, len: u64) -> std::result::Result<(), String> {
-        let mut st = self.lock();
-        let r = match st.exposed.get(&key) {
-            None => Err(format!(
-                "RDMA write of {len} B with key {key:#x}: no region advertised under that key"
-            )),
-            Some(x) => {
-                let ok = addr >= x.addr
-                    && addr
-                        .checked_add(len)
-                        .is_some_and(|e| e <= x.addr.saturating_add(x.len));
-                if ok {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "RDMA write of {len} B at {addr:#x} with key {key:#x}: outside the advertised region [{:#x}, +{})",
-                        x.addr, x.len
-                    ))
-                }
-            }
-        };
-        if r.is_err() {
-            st.stats.refused_writes += 1;
-        }
-        r
-    }
-
-    /// Register memory the library owns (static slots, user-requested buffers).
-    fn register_owned(&self, buf: &[u8]) {
-        let mut st = self.lock();
-        st.tick += 1;
-        let tick = st.tick;
-        Self::register_locked(
-            &mut st,
-            buf.as_ptr() as usize,
-            buf.len(),
-            EntryKind::Owned,
-            tick,
-        );
-    }
-
-    fn deregister_owned(&self, buf: &[u8]) {
-        let mut st = self.lock();
-        let addr = buf.as_ptr() as usize;
-        if let Some(i) = st
+    fn owned_removed(&self, addr: usize, len: usize) {
+        let mut st = lock(&self.state);
+        let mut gone = Vec::new();
+        while let Some(i) = st
             .entries
             .iter()
-            .position(|e| e.kind == EntryKind::Owned && e.addr == addr)
+            .position(|e| e.kind == Kind::Owned && e.addr == addr && e.len == len)
         {
-            Self::deregister_at(&mut st, i);
+            gone.push(st.entries.swap_remove(i).mr);
         }
+        // Cached user registrations inside the freed range are stale now too.
+        let end = addr.saturating_add(len);
+        while let Some(i) = st.entries.iter().position(|e| {
+            e.kind == Kind::Cached
+                && e.refs == 0
+                && e.addr < end
+                && addr < e.addr.saturating_add(e.len)
+        }) {
+            gone.push(st.entries.swap_remove(i).mr);
+        }
+        drop(st);
+        self.dropped(gone);
     }
 }
 
@@ -349,6 +423,9 @@ impl Pd {
 /// small threshold, without copy). Dropping it is pCoR's "release": the memory returns to the
 /// driver's pool, still registered, for the next request. A `RegisteredBuffer` can also be the
 /// destination of an unpack, which then skips registration on the receiving side.
+///
+/// It is registered with every channel of the driver (channels opened later register it when
+/// they open), and deregistered from all of them before its memory is freed.
 pub struct RegisteredBuffer {
     mem: Option<Box<[u8]>>,
     len: usize,
@@ -367,15 +444,14 @@ impl RegisteredBuffer {
     pub fn request(pd: &Arc<Pd>, len: usize) -> RegisteredBuffer {
         let cap = len.max(64).next_power_of_two();
         let reused = {
-            let mut st = pd.lock();
-            st.pool
-                .iter()
+            let mut pool = lock(&pd.pool);
+            pool.iter()
                 .position(|b| b.len() == cap)
-                .map(|i| st.pool.swap_remove(i))
+                .map(|i| pool.swap_remove(i))
         };
         let mem = reused.unwrap_or_else(|| {
             let b = vec![0u8; cap].into_boxed_slice();
-            pd.register_owned(&b);
+            pd.add_owned(&b);
             b
         });
         RegisteredBuffer {
@@ -418,59 +494,14 @@ impl std::ops::DerefMut for RegisteredBuffer {
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
         if let Some(m) = self.mem.take() {
-            let mut st = self.pd.lock();
-            if st.pool.len() < POOL_KEEP {
-                st.pool.push(m);
+            let mut pool = lock(&self.pd.pool);
+            if pool.len() < POOL_KEEP {
+                pool.push(m);
                 return;
             }
-            drop(st);
-            self.pd.deregister_owned(&m);
-        }
-    }
-}
-
-/// Static buffers owned by one connection (small-TM slots): registered on creation,
-/// deregistered on drop.
-#[derive(Debug)]
-pub struct OwnedSlots {
-    slots: Vec<Box<[u8]>>,
-    pd: Arc<Pd>,
-}
-
-impl OwnedSlots {
-    /// `n` registered slots of `size` bytes.
-    pub fn new(pd: &Arc<Pd>, n: usize, size: usize) -> OwnedSlots {
-        let slots: Vec<Box<[u8]>> = (0..n).map(|_| vec![0u8; size].into_boxed_slice()).collect();
-        for s in &slots {
-            pd.register_owned(s);
-        }
-        OwnedSlots {
-            slots,
-            pd: pd.clone(),
-        }
-    }
-    /// Slot `i`.
-    pub fn get(&self, i: usize) -> &[u8] {
-        &self.slots[i]
-    }
-    /// Slot `i`, writable.
-    pub fn get_mut(&mut self, i: usize) -> &mut [u8] {
-        &mut self.slots[i]
-    }
-    /// Number of slots.
-    pub fn len(&self) -> usize {
-        self.slots.len()
-    }
-    /// Whether there are no slots.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-}
-
-impl Drop for OwnedSlots {
-    fn drop(&mut self) {
-        for s in &self.slots {
-            self.pd.deregister_owned(s);
+            drop(pool);
+            // Deregistered everywhere before the memory goes back to the allocator.
+            self.pd.remove_owned(&m);
         }
     }
 }
@@ -478,74 +509,141 @@ impl Drop for OwnedSlots {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A device that counts live registrations.
+    struct Counting {
+        live: Arc<AtomicU32>,
+        cache: bool,
+    }
+    struct Mr(Arc<AtomicU32>, u32);
+    impl MemoryRegion for Mr {
+        fn lkey(&self) -> u32 {
+            self.1
+        }
+        fn rkey(&self) -> u32 {
+            self.1
+        }
+    }
+    impl Drop for Mr {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    impl Device for Counting {
+        type Mr = Mr;
+        fn caches_user_memory(&self) -> bool {
+            self.cache
+        }
+        fn reg_mr(&self, _addr: usize, _len: usize) -> Result<Mr> {
+            let k = self.live.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok(Mr(self.live.clone(), k))
+        }
+    }
+
+    fn cache(n: usize, caches: bool) -> (Arc<Pd>, Arc<RegCache<Counting>>, Arc<AtomicU32>) {
+        let live = Arc::new(AtomicU32::new(0));
+        let pd = Pd::new(n);
+        let dev = Arc::new(Counting {
+            live: live.clone(),
+            cache: caches,
+        });
+        let c = RegCache::new(dev, &pd, n);
+        (pd, c, live)
+    }
 
     #[test]
     fn cache_hits_and_lru_eviction() {
-        let pd = Pd::new(2);
+        let (pd, c, live) = cache(2, true);
         let bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 4096]).collect();
         let a = |i: usize| bufs[i].as_ptr() as usize;
-        let l = pd.acquire(a(0), 4096);
-        pd.release(l);
-        let l = pd.acquire(a(0), 100);
-        pd.release(l);
+        let l = c.acquire(a(0), 4096).unwrap();
+        c.release(l);
+        let l = c.acquire(a(0), 100).unwrap();
+        c.release(l);
         assert_eq!(pd.stats().registrations, 1);
         assert_eq!(pd.stats().cache_hits, 1);
         for i in [1, 2] {
-            let l = pd.acquire(a(i), 4096);
-            pd.release(l);
+            let l = c.acquire(a(i), 4096).unwrap();
+            c.release(l);
         }
         assert_eq!(pd.stats().evictions, 1);
-        assert!(!pd.is_registered(a(0), 4096));
-        assert!(pd.is_registered(a(2), 4096));
+        assert!(c.lookup(a(0), 4096).is_none());
+        assert!(c.lookup(a(2), 4096).is_some());
+        assert_eq!(live.load(Ordering::SeqCst), 2);
     }
 
     #[test]
     fn per_call_registration_without_cache() {
-        let pd = Pd::new(0);
+        let (pd, c, live) = cache(0, true);
         let b = vec![0u8; 512];
         for _ in 0..3 {
-            let l = pd.acquire(b.as_ptr() as usize, b.len());
-            pd.release(l);
+            let l = c.acquire(b.as_ptr() as usize, b.len()).unwrap();
+            c.release(l);
         }
         let s = pd.stats();
         assert_eq!(
             (s.registrations, s.deregistrations, s.cache_hits),
             (3, 3, 0)
         );
+        assert_eq!(live.load(Ordering::SeqCst), 0);
     }
 
     #[test]
-    fn write_checks() {
-        let pd = Pd::new(4);
-        let b = [0u8; 100];
-        let addr = b.as_ptr() as usize;
-        let l = pd.acquire(addr, 100);
-        let key = pd.expose(&l, addr, 100).unwrap();
-        assert!(pd.check_write(key, addr as u64, 100).is_ok());
-        assert!(pd.check_write(key, addr as u64 + 1, 100).is_err());
-        assert!(pd.check_write(key ^ 1, addr as u64, 1).is_err());
-        pd.unexpose(key);
-        assert!(pd.check_write(key, addr as u64, 1).is_err());
-        assert_eq!(pd.stats().refused_writes, 3);
-        pd.release(l);
-        let other = [0u8; 10];
-        let l2 = pd.acquire(addr, 10);
-        assert!(pd.expose(&l2, other.as_ptr() as usize, 10).is_err());
-        pd.release(l2);
+    fn a_device_that_forbids_caching_registers_user_memory_per_call() {
+        // The verbs rule: whatever the configured size, user memory is never kept.
+        let (pd, c, live) = cache(64, false);
+        let b = vec![0u8; 512];
+        for _ in 0..3 {
+            let l = c.acquire(b.as_ptr() as usize, b.len()).unwrap();
+            assert_eq!(live.load(Ordering::SeqCst), 1);
+            c.release(l);
+            assert_eq!(
+                live.load(Ordering::SeqCst),
+                0,
+                "deregistered after the call"
+            );
+        }
+        assert_eq!(pd.stats().cache_hits, 0);
+        // Library-owned memory is still kept (and hit) on such a device.
+        let rb = RegisteredBuffer::request(&pd, 100);
+        assert_eq!(live.load(Ordering::SeqCst), 1);
+        for _ in 0..2 {
+            let l = c.acquire(rb.as_ptr() as usize, 100).unwrap();
+            c.release(l);
+        }
+        assert_eq!(pd.stats().owned_hits, 2);
+        assert_eq!(live.load(Ordering::SeqCst), 1);
     }
 
     #[test]
-    fn registered_buffers_are_owned_hits_and_pooled() {
-        let pd = Pd::new(4);
+    fn registered_buffers_are_owned_hits_pooled_and_deregistered_before_free() {
+        let (pd, c, live) = cache(4, true);
         let mut b = RegisteredBuffer::request(&pd, 1000);
         b[..3].copy_from_slice(b"abc");
-        let l = pd.acquire(b.as_ptr() as usize, 1000);
-        pd.release(l);
+        let l = c.acquire(b.as_ptr() as usize, 1000).unwrap();
+        c.release(l);
         assert_eq!(pd.stats().owned_hits, 1);
         let regs = pd.stats().registrations;
         drop(b);
         let b2 = RegisteredBuffer::request(&pd, 900);
         assert_eq!(pd.stats().registrations, regs, "pooled buffer reused");
         assert_eq!(b2.len(), 900);
+        // A channel opened later registers the existing buffers when it opens.
+        let dev = Arc::new(Counting {
+            live: live.clone(),
+            cache: true,
+        });
+        let c2 = RegCache::new(dev, &pd, 4);
+        assert_eq!(live.load(Ordering::SeqCst), 2);
+        // Beyond the pool, a released buffer is deregistered from every cache before it is
+        // freed.
+        let many: Vec<_> = (0..POOL_KEEP + 1)
+            .map(|_| RegisteredBuffer::request(&pd, 64))
+            .collect();
+        let before = live.load(Ordering::SeqCst);
+        drop(many);
+        assert_eq!(live.load(Ordering::SeqCst), before - 2);
+        drop((c, c2, b2));
     }
 }

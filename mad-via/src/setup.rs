@@ -1,59 +1,366 @@
-//! Connection setup of the soft backend: listen, exchange addresses through the session
-//! bootstrap, connect every pair once, and authenticate with the session secret.
+//! Connection setup of the soft backend: listen, publish the address (and where each
+//! connection's credit word is) through the session bootstrap, connect every pair once per
+//! queue pair (two sockets: control and data), and authenticate each socket with the session
+//! secret.
 //!
-//! Rank `i` connects to every rank `j > i` and accepts from every rank below it. The handshake
-//! ([`Hello`] records) proves both ends know the session secret (HMAC over both nonces, the
-//! channel and the two ranks; the secret never crosses the wire) and checks that both ends
-//! agree on the TM table fingerprint and the small-TM slot configuration.
+//! Rank `i` connects to every rank `j > i` and accepts from every rank below it. Accepting
+//! runs on a helper thread while this thread connects, and each accepted socket is
+//! authenticated on its own short-lived thread, so a silent stranger delays nobody; a
+//! stranger (wrong magic, bad proof, a rank that should not connect here, a duplicate) is
+//! refused and logged on stderr (`mad-via: refused connection from ADDR on channel NAME:
+//! WHY`) and the open goes on. The whole setup is bounded by [`SETUP_TIMEOUT`].
+//!
+//! The handshake ([`Hello`] records) proves both ends know the session secret (HMAC over both
+//! nonces, the channel, the two ranks and the queue pair; the secret never crosses the wire)
+//! and checks that both ends agree on the TM table fingerprint and the small-TM slot
+//! configuration.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use mad_core::auth::Secret;
 use mad_core::driver::OpenContext;
 use mad_core::{Error, Result};
 
-use crate::reg::Pd;
-use crate::soft::{Conn, Endpoint, SlotConfig, Sock};
-use crate::wire::{Hello, HELLO_LEN};
+use crate::proto::SlotConfig;
+use crate::provider::Remote;
+use crate::soft::{Sock, SoftArena, SoftDevice, SoftNic};
+use crate::wire::{Hello, SoftAddr, HELLO_LEN};
 
-const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on the whole setup of a channel.
+pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest one accepted socket may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accepting thread re-checks cancellation and the deadline.
+const ACCEPT_SLICE: Duration = Duration::from_millis(20);
 
-fn context(channel: &str, connector: usize, acceptor: usize) -> Vec<u8> {
-    format!("mad-via/{channel}/{connector}->{acceptor}").into_bytes()
+fn context(channel: &str, connector: usize, acceptor: usize, qp: u32) -> Vec<u8> {
+    format!("mad-via/{channel}/{connector}->{acceptor}/qp{qp}").into_bytes()
 }
 
-fn read_hello(s: &mut TcpStream, who: &str) -> Result<Hello> {
+/// What both ends of a handshake must agree on, and the secret.
+#[derive(Clone)]
+struct Params {
+    channel: String,
+    me: usize,
+    size: usize,
+    secret: Secret,
+    fingerprint: u64,
+    cfg: SlotConfig,
+}
+
+impl Params {
+    fn hello(&self, nonce: [u8; 16], qp: u32) -> Hello {
+        Hello {
+            rank: self.me as u32,
+            size: self.size as u32,
+            fingerprint: self.fingerprint,
+            slots: self.cfg.slots as u32,
+            slot_size: self.cfg.slot_size as u32,
+            nonce,
+            proof: [0; 32],
+            qp,
+        }
+    }
+
+    /// A real rank with another configuration: fatal (the channel cannot work).
+    fn check_peer(&self, theirs: &Hello, who: &str) -> Result<()> {
+        if theirs.fingerprint != self.fingerprint {
+            return Err(Error::BadConfig(format!(
+                "via: {who} uses a different TM table (fingerprint {:#x}, ours {:#x}): check the tm.* thresholds of the channel on every rank",
+                theirs.fingerprint, self.fingerprint
+            )));
+        }
+        if theirs.slots as usize != self.cfg.slots
+            || theirs.slot_size as usize != self.cfg.slot_size
+            || theirs.size as usize != self.size
+        {
+            return Err(Error::BadConfig(format!(
+                "via: {who} has {} slots of {} B in a session of {}, we have {} of {} B in {}",
+                theirs.slots,
+                theirs.slot_size,
+                theirs.size,
+                self.cfg.slots,
+                self.cfg.slot_size,
+                self.size
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn read_hello(s: &mut TcpStream) -> std::result::Result<Hello, String> {
     let mut b = [0u8; HELLO_LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| Error::io(format!("via:soft handshake with {who}"), e))?;
-    Hello::decode(&b).map_err(|e| Error::Auth(format!("handshake with {who}: {e}")))
+    s.read_exact(&mut b[..8])
+        .map_err(|e| format!("reading the handshake: {e}"))?;
+    // A stranger speaking another protocol is refused as soon as its first bytes are wrong.
+    Hello::check_magic(&b[..8]).map_err(|e| e.to_string())?;
+    s.read_exact(&mut b[8..])
+        .map_err(|e| format!("reading the handshake: {e}"))?;
+    Hello::decode(&b).map_err(|e| e.to_string())
 }
 
-fn check_peer(mine: &Hello, theirs: &Hello, who: &str) -> Result<()> {
-    if theirs.fingerprint != mine.fingerprint {
-        return Err(Error::BadConfig(format!(
-            "via: {who} uses a different TM table (fingerprint {:#x}, ours {:#x}): check the tm.* thresholds of the channel on every rank",
-            theirs.fingerprint, mine.fingerprint
+fn set_timeouts(s: &TcpStream, deadline: Instant, cap: Duration) -> std::io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .min(cap)
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))?;
+    s.set_write_timeout(Some(left))
+}
+
+/// Connect to rank `j` for queue pair `qp` and run the connector's side of the handshake.
+fn connect_one(
+    p: &Params,
+    j: usize,
+    target: SocketAddr,
+    qp: u32,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let who = format!("rank {j}");
+    let ctx_err = |e: std::io::Error| {
+        Error::io(
+            format!(
+                "via:soft channel `{}`: connecting to {who} at {target}",
+                p.channel
+            ),
+            e,
+        )
+    };
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ctx_err(std::io::ErrorKind::TimedOut.into()));
+        }
+        match TcpStream::connect_timeout(&target, left) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(ctx_err(e)),
+        }
+    };
+    set_timeouts(&s, deadline, Duration::MAX).map_err(ctx_err)?;
+    let ha = read_hello(&mut s).map_err(|w| {
+        Error::Auth(format!(
+            "via:soft channel `{}`: {who} at {target}: {w}",
+            p.channel
+        ))
+    })?;
+    if ha.rank as usize != j {
+        return Err(Error::Auth(format!(
+            "connected to {who} at {target} but the peer says it is rank {}",
+            ha.rank
         )));
     }
-    if theirs.slots != mine.slots || theirs.slot_size != mine.slot_size || theirs.size != mine.size
+    p.check_peer(&ha, &who)?;
+    let nonce_c = mad_core::auth::nonce()?;
+    let cx = context(&p.channel, p.me, j, qp);
+    let mut hc = p.hello(nonce_c, qp);
+    hc.proof = p.secret.proof(b"mad-via/connect", &ha.nonce, &nonce_c, &cx);
+    s.write_all(&hc.encode()).map_err(ctx_err)?;
+    let hack = read_hello(&mut s).map_err(|w| {
+        Error::Auth(format!(
+            "{who} at {target} refused our connection on channel `{}` (different session secret?): {w}",
+            p.channel
+        ))
+    })?;
+    if hack.nonce != ha.nonce
+        || hack.qp != qp
+        || !p
+            .secret
+            .verify(b"mad-via/accept", &ha.nonce, &nonce_c, &cx, &hack.proof)
     {
-        return Err(Error::BadConfig(format!(
-            "via: {who} has {} slots of {} B in a session of {}, we have {} of {} B in {}",
-            theirs.slots, theirs.slot_size, theirs.size, mine.slots, mine.slot_size, mine.size
+        return Err(Error::Auth(format!(
+            "{who} at {target} did not prove it knows the session secret"
         )));
     }
-    Ok(())
+    s.set_read_timeout(None)
+        .and_then(|_| s.set_write_timeout(None))
+        .map_err(ctx_err)?;
+    Ok(s)
 }
 
-/// Open every connection of a `via:soft` channel.
+/// Outcome of one accepted socket's handshake.
+enum Accepted {
+    Peer(usize, u32, TcpStream),
+    Refused(String, String),
+    Fatal(Error),
+}
+
+/// Acceptor side of the handshake for one incoming socket.
+fn accept_one(p: &Params, mut s: TcpStream, addr: SocketAddr, deadline: Instant) -> Accepted {
+    let a = addr.to_string();
+    let refused = |why: String| Accepted::Refused(a.clone(), why);
+    if let Err(e) = s
+        .set_nonblocking(false)
+        .and_then(|_| set_timeouts(&s, deadline, HANDSHAKE_TIMEOUT))
+    {
+        return refused(format!("cannot configure the socket: {e}"));
+    }
+    let nonce_a = match mad_core::auth::nonce() {
+        Ok(n) => n,
+        Err(e) => return Accepted::Fatal(e),
+    };
+    let ha = p.hello(nonce_a, 0);
+    if let Err(e) = s.write_all(&ha.encode()) {
+        return refused(format!("sending the handshake: {e}"));
+    }
+    let hc = match read_hello(&mut s) {
+        Ok(h) => h,
+        Err(w) => return refused(w),
+    };
+    let j = hc.rank as usize;
+    if j >= p.me {
+        return refused(format!(
+            "rank {j} should not connect to rank {} (session of {})",
+            p.me, p.size
+        ));
+    }
+    if hc.qp > 1 {
+        return refused(format!("unknown queue pair {}", hc.qp));
+    }
+    let cx = context(&p.channel, j, p.me, hc.qp);
+    if !p
+        .secret
+        .verify(b"mad-via/connect", &nonce_a, &hc.nonce, &cx, &hc.proof)
+    {
+        return refused("bad proof (wrong session secret or channel)".into());
+    }
+    if let Err(e) = p.check_peer(&hc, &format!("rank {j}")) {
+        return Accepted::Fatal(e);
+    }
+    let mut ack = p.hello(nonce_a, hc.qp);
+    ack.proof = p.secret.proof(b"mad-via/accept", &nonce_a, &hc.nonce, &cx);
+    if let Err(e) = s.write_all(&ack.encode()) {
+        return refused(format!("sending the handshake: {e}"));
+    }
+    if let Err(e) = s
+        .set_read_timeout(None)
+        .and_then(|_| s.set_write_timeout(None))
+    {
+        return refused(format!("cannot configure the socket: {e}"));
+    }
+    Accepted::Peer(j, hc.qp, s)
+}
+
+type Pairs = Vec<[Option<TcpStream>; 2]>;
+
+/// Accept the two sockets of every lower rank.
+fn accept_all(
+    p: &Params,
+    listener: &TcpListener,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> Result<Pairs> {
+    let mut got: Pairs = (0..p.size).map(|_| [None, None]).collect();
+    let mut missing = 2 * p.me;
+    if missing == 0 {
+        return Ok(got);
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("via:soft: making the listener non-blocking", e))?;
+    let (tx, rx) = mpsc::channel::<Accepted>();
+    let refuse = |addr: &str, why: &str| {
+        eprintln!(
+            "mad-via: refused connection from {addr} on channel {}: {why}",
+            p.channel
+        );
+    };
+    loop {
+        while let Ok(a) = rx.try_recv() {
+            match a {
+                Accepted::Peer(j, qp, s) => {
+                    let slot = &mut got[j][qp as usize];
+                    if slot.is_some() {
+                        let addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                        refuse(
+                            &addr,
+                            &format!("rank {j} queue pair {qp} is already connected"),
+                        );
+                    } else {
+                        *slot = Some(s);
+                        missing -= 1;
+                    }
+                }
+                Accepted::Refused(addr, why) => refuse(&addr, &why),
+                Accepted::Fatal(e) => return Err(e),
+            }
+        }
+        if missing == 0 {
+            return Ok(got);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return Err(Error::protocol(p.me, "via:soft setup cancelled"));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let ranks: Vec<usize> = (0..p.me)
+                .filter(|&r| got[r].iter().any(|s| s.is_none()))
+                .collect();
+            return Err(Error::io(
+                format!(
+                    "via:soft channel `{}`: rank {} got no connection from ranks {ranks:?} within {SETUP_TIMEOUT:?}",
+                    p.channel, p.me
+                ),
+                std::io::ErrorKind::TimedOut.into(),
+            ));
+        }
+        let _ = crate::proto::wait_fds(
+            &[listener.as_fd()],
+            &[crate::provider::Interest {
+                fd: 0,
+                read: true,
+                write: false,
+            }],
+            ACCEPT_SLICE.min(deadline - now),
+        );
+        loop {
+            match listener.accept() {
+                Ok((s, addr)) => {
+                    let (p2, tx) = (p.clone(), tx.clone());
+                    // Detached: a silent stranger only holds its own thread, until its timeout.
+                    let spawned = std::thread::Builder::new()
+                        .name("mad-via-handshake".into())
+                        .spawn(move || {
+                            let _ = tx.send(accept_one(&p2, s, addr, deadline));
+                        });
+                    if let Err(e) = spawned {
+                        return Err(Error::Resource(format!(
+                            "via:soft: cannot spawn a handshake thread: {e}"
+                        )));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) => {
+                    return Err(Error::Resource(format!(
+                        "via:soft: accepting connections: {e}"
+                    )));
+                }
+                // ECONNABORTED and friends: that connection is gone, keep accepting.
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Open every connection of a `via:soft` channel: one soft NIC per reachable rank.
 pub(crate) fn open_soft(
     ctx: &OpenContext<'_>,
-    pd: &Arc<Pd>,
+    dev: &Arc<SoftDevice>,
     cfg: SlotConfig,
-) -> Result<Vec<Option<Endpoint>>> {
+) -> Result<Vec<Option<SoftNic>>> {
     let b = ctx.bootstrap;
     let (me, n) = (b.rank(), b.size());
     let host = ctx
@@ -67,104 +374,95 @@ pub(crate) fn open_soft(
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("via:soft: local address", e))?;
-    let all = b.allgather(&ctx.tag("soft-addr"), addr.to_string().as_bytes())?;
-    let secret = b.secret();
-    let mine = |nonce: [u8; 16]| Hello {
-        rank: me as u32,
-        size: n as u32,
-        fingerprint: ctx.table.fingerprint(),
-        slots: cfg.slots as u32,
-        slot_size: cfg.slot_size as u32,
-        nonce,
-        proof: [0; 32],
+    let mut arenas: Vec<Option<SoftArena>> = (0..n)
+        .map(|j| (j != me).then(|| SoftArena::new(dev, cfg)))
+        .collect();
+    let mine = SoftAddr {
+        sock: addr.to_string(),
+        credit_words: arenas
+            .iter()
+            .map(|a| a.as_ref().map_or((0, 0), |a| a.credit_word()))
+            .collect(),
     };
-    let mut eps: Vec<Option<Endpoint>> = (0..n).map(|_| None).collect();
-
-    // Connect upward.
-    for (j, raw) in all.iter().enumerate().skip(me + 1) {
-        let who = format!("rank {j}");
-        let text = String::from_utf8_lossy(raw).to_string();
-        let target = text
+    let all = b.allgather(&ctx.tag("soft-addr"), &mine.encode())?;
+    let mut peers = Vec::with_capacity(n);
+    for (j, raw) in all.iter().enumerate() {
+        let a = SoftAddr::decode(raw, n).map_err(|e| Error::protocol(j, e.to_string()))?;
+        let target = a
+            .sock
             .to_socket_addrs()
             .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| Error::protocol(j, format!("bad via:soft address `{text}`")))?;
-        let mut s = TcpStream::connect_timeout(&target, SETUP_TIMEOUT)
-            .map_err(|e| Error::io(format!("via:soft: connecting to {who} at {target}"), e))?;
-        s.set_read_timeout(Some(SETUP_TIMEOUT))
-            .map_err(|e| Error::io("via:soft: socket option", e))?;
-        let ha = read_hello(&mut s, &who)?;
-        let nonce_c = mad_core::auth::nonce()?;
-        let mut hc = mine(nonce_c);
-        check_peer(&hc, &ha, &who)?;
-        if ha.rank as usize != j {
-            return Err(Error::Auth(format!(
-                "connected to {who} but the peer says it is rank {}",
-                ha.rank
-            )));
-        }
-        let cx = context(&ctx.config.name, me, j);
-        hc.proof = secret.proof(b"mad-via/connect", &ha.nonce, &nonce_c, &cx);
-        s.write_all(&hc.encode())
-            .map_err(|e| Error::io(format!("via:soft handshake with {who}"), e))?;
-        let hack = read_hello(&mut s, &who)?;
-        if hack.nonce != ha.nonce
-            || !secret.verify(b"mad-via/accept", &ha.nonce, &nonce_c, &cx, &hack.proof)
-        {
-            return Err(Error::Auth(format!(
-                "{who} did not prove it knows the session secret"
-            )));
-        }
-        eps[j] = Some(Endpoint::from_conn(Conn::new(j, Sock::Tcp(s), pd, cfg)?));
+            .and_then(|mut x| x.next())
+            .ok_or_else(|| Error::protocol(j, format!("bad via:soft address `{}`", a.sock)))?;
+        peers.push((target, a.credit_words[me]));
     }
-
-    // Accept from below.
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("via:soft: listener", e))?;
+    let p = Params {
+        channel: ctx.config.name.clone(),
+        me,
+        size: n,
+        secret: b.secret().clone(),
+        fingerprint: ctx.table.fingerprint(),
+        cfg,
+    };
     let deadline = Instant::now() + SETUP_TIMEOUT;
-    let mut missing = me;
-    while missing > 0 {
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout(SETUP_TIMEOUT));
+    let stop = AtomicBool::new(false);
+    let (accepted, connected) = std::thread::scope(|s| {
+        let acc = s.spawn(|| accept_all(&p, &listener, deadline, &stop));
+        let mut out: Pairs = Vec::new();
+        let mut err = None;
+        'peers: for (j, (target, _)) in peers.iter().enumerate().skip(me + 1) {
+            let mut pair = [None, None];
+            for qp in 0..2u32 {
+                match connect_one(&p, j, *target, qp, deadline) {
+                    Ok(st) => pair[qp as usize] = Some(st),
+                    Err(e) => {
+                        err = Some(e);
+                        stop.store(true, Ordering::Relaxed);
+                        break 'peers;
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
             }
-            Err(e) => return Err(Error::io("via:soft: accept", e)),
-        };
-        s.set_nonblocking(false)
-            .and_then(|_| s.set_read_timeout(Some(SETUP_TIMEOUT)))
-            .map_err(|e| Error::io("via:soft: socket option", e))?;
-        let nonce_a = mad_core::auth::nonce()?;
-        let ha = mine(nonce_a);
-        s.write_all(&ha.encode())
-            .map_err(|e| Error::io("via:soft handshake", e))?;
-        let hc = match read_hello(&mut s, "a connecting rank") {
-            Ok(h) => h,
-            // A stranger (or a peer that refused our table): drop it and keep accepting.
-            Err(_) => continue,
-        };
-        let j = hc.rank as usize;
-        let cx = context(&ctx.config.name, j, me);
-        if j >= me
-            || eps[j].is_some()
-            || !secret.verify(b"mad-via/connect", &nonce_a, &hc.nonce, &cx, &hc.proof)
-        {
-            continue;
+            out.push(pair);
         }
-        check_peer(&ha, &hc, &format!("rank {j}"))?;
-        let mut ack = mine(nonce_a);
-        ack.proof = secret.proof(b"mad-via/accept", &nonce_a, &hc.nonce, &cx);
-        s.write_all(&ack.encode())
-            .map_err(|e| Error::io(format!("via:soft handshake with rank {j}"), e))?;
-        s.set_read_timeout(None)
-            .map_err(|e| Error::io("via:soft: socket option", e))?;
-        eps[j] = Some(Endpoint::from_conn(Conn::new(j, Sock::Tcp(s), pd, cfg)?));
-        missing -= 1;
+        let acc = acc
+            .join()
+            .unwrap_or_else(|_| Err(Error::protocol(me, "via:soft accepting thread panicked")));
+        (acc, err.map_or(Ok(out), Err))
+    });
+    let connected = connected?;
+    let mut accepted = accepted?;
+    let mut nics: Vec<Option<SoftNic>> = (0..n).map(|_| None).collect();
+    let socks = accepted
+        .iter_mut()
+        .take(me)
+        .map(std::mem::take)
+        .chain(std::iter::once([None, None]))
+        .chain(connected);
+    for (j, pair) in socks.enumerate() {
+        let [Some(ctrl), Some(data)] = pair else {
+            continue;
+        };
+        let Some(arena) = arenas[j].take() else {
+            continue;
+        };
+        let (waddr, wkey) = peers[j].1;
+        nics[j] = Some(SoftNic::new(
+            j,
+            Sock::Tcp(ctrl),
+            Sock::Tcp(data),
+            dev,
+            arena,
+            Remote {
+                addr: waddr,
+                rkey: wkey,
+            },
+        )?);
     }
-    Ok(eps)
+    if let Some(j) = (0..n).find(|&j| j != me && nics[j].is_none()) {
+        return Err(Error::protocol(
+            j,
+            "via:soft: connection missing after setup",
+        ));
+    }
+    Ok(nics)
 }

@@ -5,21 +5,36 @@
 //! feature, the open fails with [`Error::Unavailable`] naming the cause and suggesting
 //! `via:soft`. Nothing panics.
 //!
-//! With a device, the open creates one protection domain, completion queue and RC queue pair
-//! per peer, exchanges (LID, GID, QP number, PSN) through the session bootstrap's allgather and
-//! moves every QP to RTS. **That path is untested** (no HCA here), and the verbs data path of
-//! the three TMs is not written yet, so after a successful setup the open still reports
-//! `Unavailable`; see NOTES.md.
+//! With a device, the open creates one protection domain, then per peer a completion queue
+//! (with a completion channel for blocking waits), a control and a data RC queue pair and a
+//! registered arena (static buffers, credit word); it exchanges [`ConnInfo`] (LID, GID, PSN,
+//! QP numbers and credit words) through the session bootstrap's allgather, moves every QP to
+//! RTS and runs the same protocol as `via:soft` over the verbs NICs. **That path is untested**:
+//! no HCA here, no rxe/siw module in this kernel; see NOTES.md.
 
 use std::sync::Arc;
 
 use mad_core::driver::{OpenContext, OpenedChannel};
 use mad_core::{Error, Result};
 
+use crate::proto::SlotConfig;
 use crate::reg::Pd;
 
+/// What a rank publishes about its connection to one peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerQps {
+    /// Number of the control QP dedicated to that peer.
+    pub ctrl_qpn: u32,
+    /// Number of the data QP dedicated to that peer.
+    pub data_qpn: u32,
+    /// Address of the credit word that peer RDMA-writes.
+    pub credit_addr: u64,
+    /// Remote key of the credit word.
+    pub credit_rkey: u32,
+}
+
 /// What each rank publishes through the bootstrap allgather to connect its queue pairs: LID,
-/// GID, initial PSN, and the number of the QP it created for every rank (0 for itself).
+/// GID, initial PSN, and per rank (zeros for itself) its QP numbers and credit word.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnInfo {
     /// Local identifier of the port (0 on RoCE).
@@ -28,27 +43,35 @@ pub struct ConnInfo {
     pub gid: [u8; 16],
     /// Initial packet sequence number of this rank's send queues.
     pub psn: u32,
-    /// QP number dedicated to each rank.
-    pub qpns: Vec<u32>,
+    /// Per rank.
+    pub peers: Vec<PeerQps>,
 }
+
+const PEER_LEN: usize = 20;
 
 impl ConnInfo {
     /// Encode (little-endian).
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(26 + 4 * self.qpns.len());
+        let mut v = Vec::with_capacity(26 + PEER_LEN * self.peers.len());
         v.extend_from_slice(&self.lid.to_le_bytes());
         v.extend_from_slice(&self.gid);
         v.extend_from_slice(&self.psn.to_le_bytes());
-        v.extend_from_slice(&(self.qpns.len() as u32).to_le_bytes());
-        for q in &self.qpns {
-            v.extend_from_slice(&q.to_le_bytes());
+        v.extend_from_slice(&(self.peers.len() as u32).to_le_bytes());
+        for p in &self.peers {
+            v.extend_from_slice(&p.ctrl_qpn.to_le_bytes());
+            v.extend_from_slice(&p.data_qpn.to_le_bytes());
+            v.extend_from_slice(&p.credit_addr.to_le_bytes());
+            v.extend_from_slice(&p.credit_rkey.to_le_bytes());
         }
         v
     }
 
     /// Decode a record for a session of `size` ranks; never panics.
     pub fn decode(b: &[u8], size: usize) -> std::result::Result<ConnInfo, String> {
-        let want = 26usize.saturating_add(size.saturating_mul(4));
+        let want = size
+            .checked_mul(PEER_LEN)
+            .and_then(|x| x.checked_add(26))
+            .ok_or("session too large")?;
         if b.len() != want {
             return Err(format!("{} bytes, expected {want}", b.len()));
         }
@@ -57,16 +80,31 @@ impl ConnInfo {
             x.copy_from_slice(&b[at..at + 4]);
             u32::from_le_bytes(x)
         };
+        let u64_at = |at: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(x)
+        };
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[2..18]);
         if u32_at(22) as usize != size {
-            return Err(format!("{} QPs for a session of {size}", u32_at(22)));
+            return Err(format!("{} peers for a session of {size}", u32_at(22)));
         }
         Ok(ConnInfo {
             lid: u16::from_le_bytes([b[0], b[1]]),
             gid,
             psn: u32_at(18),
-            qpns: (0..size).map(|i| u32_at(26 + 4 * i)).collect(),
+            peers: (0..size)
+                .map(|i| {
+                    let at = 26 + PEER_LEN * i;
+                    PeerQps {
+                        ctrl_qpn: u32_at(at),
+                        data_qpn: u32_at(at + 4),
+                        credit_addr: u64_at(at + 8),
+                        credit_rkey: u32_at(at + 16),
+                    }
+                })
+                .collect(),
         })
     }
 }
@@ -103,21 +141,26 @@ pub fn probe() -> Result<String> {
         .ok_or_else(|| unavailable("no RDMA device: ibv_get_device_list returned an empty list"))
 }
 
-/// Open a `via:verbs` channel.
-pub(crate) fn open(ctx: &OpenContext<'_>, pd: &Arc<Pd>) -> Result<OpenedChannel> {
-    let _ = pd;
+/// Open a `via:verbs` channel: probe, then build the verbs NICs and run the common protocol
+/// over them.
+pub(crate) fn open(
+    ctx: &OpenContext<'_>,
+    pd: &Arc<Pd>,
+    cfg: SlotConfig,
+    cache_entries: usize,
+) -> Result<OpenedChannel> {
     let dev = probe()?;
     #[cfg(feature = "verbs")]
     {
-        crate::sys::verbs::setup(ctx, &dev)?;
+        crate::sys::verbs::open(ctx, &dev, pd, cfg, cache_entries)
     }
     #[cfg(not(feature = "verbs"))]
     {
-        let _ = ctx;
+        let _ = (ctx, pd, cfg, cache_entries, dev);
+        Err(unavailable(
+            "unreachable: probe succeeded without the verbs feature",
+        ))
     }
-    Err(unavailable(format!(
-        "device `{dev}` found and queue pairs connected, but the verbs data path is not implemented in this version"
-    )))
 }
 
 #[cfg(test)]
@@ -130,7 +173,21 @@ mod tests {
             lid: 7,
             gid: [3; 16],
             psn: 0xabcdef,
-            qpns: vec![0, 11, 12],
+            peers: vec![
+                PeerQps::default(),
+                PeerQps {
+                    ctrl_qpn: 11,
+                    data_qpn: 12,
+                    credit_addr: 0x7f00_0000_1000,
+                    credit_rkey: 0x55,
+                },
+                PeerQps {
+                    ctrl_qpn: 13,
+                    data_qpn: 14,
+                    credit_addr: 8,
+                    credit_rkey: 9,
+                },
+            ],
         };
         assert_eq!(ConnInfo::decode(&c.encode(), 3).unwrap(), c);
         assert!(ConnInfo::decode(&c.encode(), 4).is_err());

@@ -1,5 +1,6 @@
 //! The mad-core conformance kit over `via:soft`: 2 and 4 ranks (threads of this process, real
-//! TCP sockets between their soft NICs), with default and small static buffers.
+//! TCP sockets between their soft NICs), with default and small static buffers, and with
+//! thresholds that send the kit's pieces through all three TMs.
 
 use mad_core::bootstrap::ThreadBootstrap;
 use mad_core::conformance::{run_rank, KitOptions};
@@ -54,4 +55,11 @@ fn kit_2_soft_few_credits() {
 #[test]
 fn kit_4_soft() {
     kit(4, "via:soft");
+}
+
+#[test]
+fn kit_2_soft_all_three_tms() {
+    // Small thresholds, so the kit's pieces travel through every TM, the rendezvous included
+    // (the default soft table never picks it: NOTES.md, Figure 4).
+    kit(2, "via:soft,tm.small=1k,tm.medium=8k");
 }

@@ -1,4 +1,4 @@
-//! A hostile or broken peer writing raw bytes into a soft NIC: every case ends in a typed
+//! A hostile or broken peer writing raw frames into a soft NIC: every case ends in a typed
 //! error on the receiving side, never a panic, a hang or a write outside registered memory.
 
 use std::io::Write;
@@ -7,22 +7,26 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::Error;
-use mad_via::wire::{self, Header, Kind, HEADER_LEN};
+use mad_via::wire::{self, Header, HEADER_LEN};
 use mad_via::{Endpoint, Pd, SlotConfig};
 
-fn victim() -> (Endpoint, UnixStream) {
+/// The victim endpoint and the raw other ends of its control and data sockets.
+fn victim() -> (Endpoint, UnixStream, UnixStream) {
     let (a, b) = UnixStream::pair().unwrap();
+    let (c, d) = UnixStream::pair().unwrap();
     let pd = Pd::new(4);
     let cfg = SlotConfig {
         slots: 2,
         slot_size: 128,
     };
-    (Endpoint::over_unix(a, 7, &pd, cfg).unwrap(), b)
+    (Endpoint::over_unix(a, c, 7, &pd, cfg).unwrap(), b, d)
 }
 
-fn error_after(bytes: &[u8]) -> Error {
-    let (ep, mut raw) = victim();
-    raw.write_all(bytes).unwrap(); // `raw` stays open until the error is seen
+fn error_after(ctrl: &[u8], data: &[u8]) -> Error {
+    let (ep, mut raw_c, mut raw_d) = victim();
+    // The raw ends stay open until the error is seen.
+    raw_c.write_all(ctrl).unwrap();
+    raw_d.write_all(data).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Err(e) = ep.progress() {
@@ -35,8 +39,8 @@ fn error_after(bytes: &[u8]) -> Error {
     }
 }
 
-fn small(len: usize) -> Vec<u8> {
-    let mut v = Header::new(Kind::Small, 0, 0, len).encode().to_vec();
+fn small(len: usize, imm: u32) -> Vec<u8> {
+    let mut v = Header::send(len, Some(imm)).encode().to_vec();
     v.resize(HEADER_LEN + len, 0xab);
     v
 }
@@ -53,9 +57,9 @@ fn garbage_bytes() {
                 x as u8
             })
             .collect();
-        let (ep, mut raw) = victim();
+        let (ep, mut raw, raw_d) = victim();
         raw.write_all(&junk).unwrap();
-        drop(raw);
+        drop((raw, raw_d));
         // A protocol error, or end of stream reported as `PeerClosed`; never a panic.
         let mut l = ep.links().unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -71,54 +75,71 @@ fn garbage_bytes() {
 
 #[test]
 fn oversized_frame_is_refused_before_allocation() {
-    let h = Header::new(Kind::Medium, 0, 0, 0);
-    let mut b = h.encode();
+    let mut b = Header::send(0, None).encode();
     b[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-    let e = error_after(&b);
+    let e = error_after(&b, &[]);
+    assert!(e.to_string().contains("bad payload length"), "{e}");
+    // On the data queue pair too.
+    let e = error_after(&[], &b);
     assert!(e.to_string().contains("bad payload length"), "{e}");
 }
 
 #[test]
 fn small_send_without_credit_is_refused() {
-    // Two slots: the third small frame has no posted receive.
+    // Two receive buffers: the third small send has no posted receive.
     let mut b = Vec::new();
     for _ in 0..3 {
-        b.extend_from_slice(&small(16));
+        b.extend_from_slice(&small(16, wire::encode_imm(wire::REC_DATA, 0)));
     }
-    let e = error_after(&b);
+    let e = error_after(&b, &[]);
     assert!(e.to_string().contains("no posted receive"), "{e}");
 }
 
 #[test]
 fn small_send_larger_than_a_slot_is_refused() {
-    let e = error_after(&small(129));
+    let e = error_after(&small(129, wire::encode_imm(wire::REC_DATA, 0)), &[]);
+    assert!(e.to_string().contains("slot"), "{e}");
+    // Larger than the control queue pair's whole input buffer: refused from the header.
+    let e = error_after(&small(100_000, 0)[..HEADER_LEN], &[]);
     assert!(e.to_string().contains("slot"), "{e}");
 }
 
 #[test]
 fn inflated_credits_are_refused() {
-    let mut b = Vec::new();
-    wire::encode_credit(&mut b, 1000);
-    let e = error_after(&b);
+    // A record returning 1000 credits to a victim that sent nothing.
+    let e = error_after(&small(8, wire::encode_imm(wire::REC_DATA, 1000)), &[]);
     assert!(e.to_string().contains("credits"), "{e}");
 }
 
 #[test]
+fn bad_control_records_are_refused() {
+    let e = error_after(&small(8, wire::encode_imm(9, 0)), &[]);
+    assert!(e.to_string().contains("record kind"), "{e}");
+    let mut no_imm = Header::send(8, None).encode().to_vec();
+    no_imm.resize(HEADER_LEN + 8, 0);
+    let e = error_after(&no_imm, &[]);
+    assert!(e.to_string().contains("immediate"), "{e}");
+    let e = error_after(&small(7, wire::encode_imm(wire::REC_CTS, 0)), &[]);
+    assert!(e.to_string().contains("CTS"), "{e}");
+}
+
+#[test]
 fn rdma_write_to_a_guessed_key_is_refused() {
-    let mut h = Header::new(Kind::RdmaWrite, wire::FLAG_LAST, 0, 8);
-    h.key = 0x5a00_0001;
-    h.addr = 0x1000;
-    let mut b = h.encode().to_vec();
-    b.extend_from_slice(&[1; 8]);
-    let e = error_after(&b);
-    assert!(e.to_string().contains("refused"), "{e}");
+    let mut h = Header::write(8, 0x5a00_0001, 0x1000, Some(wire::IMM_WRITE_DONE))
+        .encode()
+        .to_vec();
+    h.extend_from_slice(&[1; 8]);
+    for (c, d) in [(&h[..], &[][..]), (&[][..], &h[..])] {
+        let e = error_after(c, d);
+        assert!(e.to_string().contains("refused"), "{e}");
+    }
 }
 
 #[test]
 fn truncated_frame_then_close_is_an_error() {
-    let (ep, mut raw) = victim();
-    raw.write_all(&small(64)[..40]).unwrap();
-    drop(raw);
+    let (ep, mut raw, raw_d) = victim();
+    raw.write_all(&small(64, 0)[..40]).unwrap();
+    drop((raw, raw_d));
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut l = ep.links().unwrap();
     loop {

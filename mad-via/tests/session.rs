@@ -33,19 +33,9 @@ fn with_sessions(n: usize, spec: &str, f: impl Fn(Session, mad_core::Channel) + 
     });
 }
 
-#[test]
-fn every_tm_through_the_core() {
-    with_sessions(2, "via:soft", |s, ch| {
-        for len in [
-            0usize,
-            1,
-            100,
-            16 << 10,
-            (16 << 10) + 1,
-            256 << 10,
-            (256 << 10) + 1,
-            3 << 20,
-        ] {
+fn every_tm(spec: &str, lens: &'static [usize]) {
+    with_sessions(2, spec, |s, ch| {
+        for &len in lens {
             let data: Vec<u8> = (0..len).map(|i| (i % 239) as u8).collect();
             if s.rank() == 0 {
                 let mut p = ch.begin_packing(1).unwrap();
@@ -63,6 +53,18 @@ fn every_tm_through_the_core() {
             }
         }
     });
+}
+
+#[test]
+fn every_tm_through_the_core() {
+    // The default soft table: small up to SMALL_MAX, medium above (each threshold ±1).
+    const S: usize = mad_via::SMALL_MAX;
+    every_tm("via:soft", &[0, 1, 100, S, S + 1, 256 << 10, 3 << 20]);
+    // With a medium limit the rendezvous takes over above it.
+    every_tm(
+        "via:soft,tm.medium=1m",
+        &[S, S + 1, 1 << 20, (1 << 20) + 1, 3 << 20],
+    );
 }
 
 #[test]

@@ -1,8 +1,10 @@
 //! Every foreign call of the crate, wrapped in safe functions and types.
 //!
 //! * `pin` / `unpin`: `mlock(2)` / `munlock(2)`, the soft provider's registration cost.
-//! * [`verbs`] (feature `verbs`): ibverbs through `rdma-sys`; device list, context, protection
-//!   domain, completion queue, queue pair and memory region, each released on drop.
+//! * [`verbs`] (feature `verbs`): ibverbs through `rdma-sys`: device list, context, protection
+//!   domain, completion channel and queue, queue pair and memory region, each released on
+//!   drop, and the verbs provider (device and NIC) built on them. Untested: no RDMA device
+//!   on this project's machines.
 #![allow(unsafe_code)]
 
 /// Pin `[addr, addr + len)` in RAM. Returns false if the kernel refused (limit, bad range).

@@ -1,0 +1,200 @@
+//! Strangers at a `via:soft` listener during channel setup: each is refused and logged, none
+//! stalls or fails the open, and the real connection carries traffic afterwards.
+//!
+//! Rank 1 accepts rank 0's two sockets. A bootstrap wrapper leaks rank 1's published address
+//! to the test and holds rank 0 back for a moment, so three strangers reach rank 1's listener
+//! first: one that stays silent, one speaking HTTP, one sending a well-formed handshake
+//! record with a bad proof, and one that resets the connection at once. The case runs in a child process (this test binary re-executed)
+//! so that rank 1's stderr can be checked.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use mad_core::auth::Secret;
+use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
+use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
+use mad_via::wire::{Hello, SoftAddr, HELLO_LEN};
+use mad_via::ViaDriver;
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// A bootstrap that reports the soft address allgather to the test and may delay its rank.
+struct Spy {
+    inner: ThreadBootstrap,
+    leak: Option<mpsc::Sender<Vec<Vec<u8>>>>,
+    delay: Duration,
+}
+
+impl Bootstrap for Spy {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn secret(&self) -> &Secret {
+        self.inner.secret()
+    }
+    fn allgather(&self, tag: &str, value: &[u8]) -> mad_core::Result<Vec<Vec<u8>>> {
+        let all = self.inner.allgather(tag, value)?;
+        if tag.ends_with("soft-addr") {
+            if let Some(l) = &self.leak {
+                let _ = l.send(all.clone());
+            }
+            std::thread::sleep(self.delay);
+        }
+        Ok(all)
+    }
+    fn kind(&self) -> &'static str {
+        "spy"
+    }
+}
+
+fn knock(addr: SocketAddr) -> Vec<TcpStream> {
+    let mut keep = Vec::new();
+    // A silent stranger: connects and says nothing.
+    keep.push(TcpStream::connect_timeout(&addr, LIMIT).unwrap());
+    // A stranger speaking another protocol.
+    let mut http = TcpStream::connect_timeout(&addr, LIMIT).unwrap();
+    http.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    keep.push(http);
+    // A stranger with a well-formed record claiming rank 0, without the secret.
+    let mut forger = TcpStream::connect_timeout(&addr, LIMIT).unwrap();
+    forger.set_read_timeout(Some(LIMIT)).unwrap();
+    let mut theirs = [0u8; HELLO_LEN];
+    forger.read_exact(&mut theirs).unwrap();
+    let theirs = Hello::decode(&theirs).unwrap();
+    let fake = Hello {
+        rank: 0,
+        nonce: [7; 16],
+        proof: [9; 32],
+        qp: 0,
+        ..theirs
+    };
+    forger.write_all(&fake.encode()).unwrap();
+    keep.push(forger);
+    // A stranger that resets the connection at once (close with a zero linger time).
+    let rst = TcpStream::connect_timeout(&addr, LIMIT).unwrap();
+    nix::sys::socket::setsockopt(
+        &rst,
+        nix::sys::socket::sockopt::Linger,
+        &libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    )
+    .unwrap();
+    drop(rst);
+    keep
+}
+
+#[test]
+#[ignore = "child process of strangers_are_refused_logged_and_do_not_stall_the_open"]
+fn stranger_child() {
+    let mut bs = ThreadBootstrap::group(2);
+    let b1 = bs.pop().unwrap();
+    let b0 = bs.pop().unwrap();
+    let (leak_tx, leak_rx) = mpsc::channel();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let r0 = s.spawn(move || {
+            let spy = Spy {
+                inner: b0,
+                leak: None,
+                delay: Duration::from_millis(500),
+            };
+            let session = Session::builder()
+                .driver(ViaDriver::new())
+                .bootstrap(Box::new(spy))
+                .build()
+                .unwrap();
+            let ch = session
+                .open_channel_with(
+                    ChannelConfig::parse("s", "via:soft")
+                        .unwrap()
+                        .op_timeout(LIMIT),
+                )
+                .unwrap();
+            let body = vec![3u8; 100_000];
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack_value(&4242u64, RecvMode::Express).unwrap();
+            p.pack(&body, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        });
+        let r1 = s.spawn(move || {
+            let spy = Spy {
+                inner: b1,
+                leak: Some(leak_tx),
+                delay: Duration::ZERO,
+            };
+            let session = Session::builder()
+                .driver(ViaDriver::new())
+                .bootstrap(Box::new(spy))
+                .build()
+                .unwrap();
+            let ch = session
+                .open_channel_with(
+                    ChannelConfig::parse("s", "via:soft")
+                        .unwrap()
+                        .op_timeout(LIMIT),
+                )
+                .unwrap();
+            let opened = t0.elapsed();
+            let mut u = ch.begin_unpacking().unwrap();
+            let v: u64 = u.unpack_value().unwrap();
+            let mut body = vec![0u8; 100_000];
+            u.unpack(&mut body, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(v, 4242);
+            assert!(body.iter().all(|&b| b == 3));
+            opened
+        });
+        let all = leak_rx
+            .recv_timeout(LIMIT)
+            .expect("rank 1 published its address");
+        let a = SoftAddr::decode(&all[1], 2).unwrap();
+        let _strangers = knock(a.sock.parse().unwrap());
+        r0.join().expect("rank 0");
+        let opened = r1.join().expect("rank 1");
+        // The silent stranger holds only its own handshake thread (10 s): the open is not
+        // delayed by it.
+        assert!(opened < Duration::from_secs(5), "open took {opened:?}");
+    });
+    println!("STRANGER-CHILD-OK");
+}
+
+#[test]
+fn strangers_are_refused_logged_and_do_not_stall_the_open() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "stranger_child",
+            "--ignored",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && so.contains("STRANGER-CHILD-OK"),
+        "{so}\n{se}"
+    );
+    let refusals: Vec<&str> = se
+        .lines()
+        .filter(|l| l.contains("mad-via: refused connection from 127.0.0.1:"))
+        .collect();
+    assert!(
+        refusals.iter().any(|l| l.contains("MADVIA02")),
+        "the HTTP stranger is refused for its magic:\n{se}"
+    );
+    assert!(
+        refusals.iter().any(|l| l.contains("bad proof")),
+        "the forger is refused for its proof:\n{se}"
+    );
+    eprintln!("{se}");
+}
