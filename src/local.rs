@@ -9,7 +9,7 @@ use mad_core::launch::server::BootstrapServer;
 use mad_core::{Error, Result};
 
 /// Whether this process already belongs to a launched session: `madrun` (`MAD_BOOTSTRAP`) or an
-/// MPI launcher (see [`detect_mpi_launch`]; a batch script's bare `SLURM_PROCID` is not one, so
+/// MPI launcher (see `detect_mpi_launch`; a batch script's bare `SLURM_PROCID` is not one, so
 /// `cargo run --example pingpong` inside a Slurm allocation still starts its own ranks).
 pub fn in_session() -> bool {
     in_session_env(&|k| std::env::var(k).ok())
