@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every benchmark that runs on this host and regenerate the results section of BENCHMARKS.md.
 #
-#   bench/run.sh            full run (13 minutes on 2 cores with other work running; run it quiet)
+#   bench/run.sh            full run (15 minutes on 2 cores; run it on a quiet machine)
 #   bench/run.sh --quick    smoke run: tiny iteration counts, every path once; results in
 #                           target-bench/quick-results, BENCHMARKS.md untouched (what CI runs)
 #   NO_MPI=1 bench/run.sh   skip the MPI builds and jobs even when an MPI is installed
@@ -73,7 +73,10 @@ if ! cargo build --release --bin mad-bench --bin madrun --example rpc; then
     exit 1
 fi
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then COMMIT="$COMMIT (with local changes)"; fi
+# The run's own outputs (removed above, rewritten below) do not count as local changes.
+if [[ -n "$(git status --porcelain --untracked-files=no -- . ':!bench/results' ':!BENCHMARKS.md' 2>/dev/null)" ]]; then
+    COMMIT="$COMMIT (with local changes)"
+fi
 
 # --- the pair and message-rate suites -------------------------------------------------------
 # Quick: up to 4 MiB all the same, the size of the bandwidth targets.
