@@ -151,7 +151,7 @@ for launch in "mpiexec.mpich" "mpirun.openmpi"; do
     if out=$(timeout 120 "${cmd[@]}" -n 2 "$HELLO" 2>&1 | tr -d '\000'); then
         echo "$out" >&2; echo "FAILED: a build without the mpi feature ran under $launch" >&2; exit 1
     fi
-    echo "$out" | grep -q "as rank [01] of 2, but this build of madeleine has no MPI bootstrap.*--features mpi" \
+    echo "$out" | grep -q "as rank [01] of 2, but the session has no MPI bootstrap.*--features mpi" \
         || { echo "$out" >&2; echo "FAILED: the no-mpi-feature message under $launch" >&2; exit 1; }
 done
 run "build without the mpi feature, bare in a Slurm batch script" env SLURM_PROCID=0 SLURM_NTASKS=4 "$HELLO"

@@ -5,11 +5,12 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
+use mad_core::launch::mpi_env;
 use mad_core::launch::server::BootstrapServer;
 use mad_core::{Error, Result};
 
 /// Whether this process already belongs to a launched session: `madrun` (`MAD_BOOTSTRAP`) or an
-/// MPI launcher (see `detect_mpi_launch`; a batch script's bare `SLURM_PROCID` is not one, so
+/// MPI launcher (see [`mad_core::launch::mpi_env`]; a batch script's bare `SLURM_PROCID` is not one, so
 /// `cargo run --example pingpong` inside a Slurm allocation still starts its own ranks).
 pub fn in_session() -> bool {
     in_session_env(&|k| std::env::var(k).ok())
@@ -17,98 +18,7 @@ pub fn in_session() -> bool {
 
 fn in_session_env(env: &dyn Fn(&str) -> Option<String>) -> bool {
     // Malformed launcher variables count as a launch: the session then reports them.
-    env("MAD_BOOTSTRAP").is_some() || !matches!(detect_mpi_launch(env), Ok(None))
-}
-
-/// A process started by an MPI launcher, as its environment variables say.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct MpiLaunch {
-    /// Which launcher, for messages.
-    pub launcher: &'static str,
-    pub rank: usize,
-    pub size: usize,
-}
-
-fn num(env: &dyn Fn(&str) -> Option<String>, key: &str) -> Result<Option<usize>> {
-    match env(key) {
-        None => Ok(None),
-        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-            Error::BadConfig(format!(
-                "{key}={v}: the MPI launcher variable is not a number"
-            ))
-        }),
-    }
-}
-
-/// Which MPI launcher started this process, from environment lookups (a pure function). The
-/// same rules as `mad_mpi::launcher::detect` (this crate has no `mad-mpi` without the `mpi`
-/// feature; a test of the `mpi` build checks the two agree): Open MPI's
-/// `OMPI_COMM_WORLD_RANK/SIZE` first, then `PMI_RANK/PMI_SIZE` (Hydra, or `srun --mpi=pmi2`),
-/// then Slurm with PMIx (`SLURM_PROCID` + `SLURM_STEP_NUM_TASKS`/`SLURM_NTASKS` + a
-/// `PMI_*`/`PMIX_*` variable). A bare `SLURM_PROCID` (a batch script) is not an MPI launch.
-/// Malformed values are `Err(BadConfig)`.
-pub(crate) fn detect_mpi_launch(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<MpiLaunch>> {
-    let l = |launcher, rank, size| {
-        Some(MpiLaunch {
-            launcher,
-            rank,
-            size,
-        })
-    };
-    let found = if let (Some(rank), Some(size)) = (
-        num(env, "OMPI_COMM_WORLD_RANK")?,
-        num(env, "OMPI_COMM_WORLD_SIZE")?,
-    ) {
-        l("Open MPI's mpirun", rank, size)
-    } else if let (Some(rank), Some(size)) = (num(env, "PMI_RANK")?, num(env, "PMI_SIZE")?) {
-        if env("HYDI_CONTROL_FD").is_some() || env("SLURM_STEP_ID").is_none() {
-            l("MPICH's mpiexec (Hydra)", rank, size)
-        } else {
-            l("Slurm's srun", rank, size)
-        }
-    } else if let Some(rank) = num(env, "SLURM_PROCID")? {
-        let pmi = ["PMIX_RANK", "PMI_FD", "PMI_RANK", "PMI_JOBID"]
-            .iter()
-            .any(|k| env(k).is_some());
-        let size = match num(env, "SLURM_STEP_NUM_TASKS")? {
-            Some(s) => Some(s),
-            None => num(env, "SLURM_NTASKS")?,
-        };
-        match (pmi, size) {
-            (true, Some(size)) => l("Slurm's srun", rank, size),
-            _ => None,
-        }
-    } else {
-        None
-    };
-    if let Some(m) = found {
-        if m.size == 0 || m.rank >= m.size {
-            return Err(Error::BadConfig(format!(
-                "{} says rank {} of {} processes",
-                m.launcher, m.rank, m.size
-            )));
-        }
-    }
-    Ok(found)
-}
-
-/// For a build without the `mpi` feature: `Err(BadConfig)` when an MPI launcher started this
-/// process as one of several (each would run its own one-process session, silently); `Ok`
-/// alone, under `madrun` (`MAD_BOOTSTRAP` wins), or as a one-process MPI job.
-#[cfg_attr(feature = "mpi", allow(dead_code))]
-pub(crate) fn refuse_mpi_launch(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
-    if env("MAD_BOOTSTRAP").is_some() {
-        return Ok(());
-    }
-    match detect_mpi_launch(env)? {
-        Some(m) if m.size > 1 => Err(Error::BadConfig(format!(
-            "this process was started by {} as rank {} of {}, but this build of madeleine has no \
-             MPI bootstrap: each of the {} processes would run its own one-process session. \
-             Build with `--features mpi` (cargo build --features mpi), or start the job with madrun",
-            m.launcher, m.rank, m.size, m.size
-        ))),
-        _ => Ok(()),
-    }
+    env("MAD_BOOTSTRAP").is_some() || !matches!(mpi_env::detect(env), Ok(None))
 }
 
 /// If this process is not part of a session, run the current executable (with the same
@@ -223,23 +133,6 @@ mod tests {
     const ALL: &[&[(&str, &str)]] = &[HYDRA, OMPI, SRUN_PMIX, SRUN_PMI2, BATCH, &[]];
 
     #[test]
-    fn detects_launchers() {
-        let d = |v| {
-            detect_mpi_launch(&env_of(v))
-                .unwrap()
-                .map(|m| (m.launcher, m.rank, m.size))
-        };
-        assert_eq!(d(HYDRA), Some(("MPICH's mpiexec (Hydra)", 1, 2)));
-        assert_eq!(d(OMPI), Some(("Open MPI's mpirun", 3, 4)));
-        assert_eq!(d(SRUN_PMIX), Some(("Slurm's srun", 1, 3)));
-        assert_eq!(d(SRUN_PMI2), Some(("Slurm's srun", 2, 4)));
-        assert_eq!(d(BATCH), None);
-        assert_eq!(d(&[]), None);
-        assert!(detect_mpi_launch(&env_of(&[("PMI_RANK", "x"), ("PMI_SIZE", "2")])).is_err());
-        assert!(detect_mpi_launch(&env_of(&[("PMI_RANK", "2"), ("PMI_SIZE", "2")])).is_err());
-    }
-
-    #[test]
     fn in_session_rules() {
         assert!(in_session_env(&env_of(HYDRA)));
         assert!(in_session_env(&env_of(OMPI)));
@@ -252,7 +145,7 @@ mod tests {
         assert!(!in_session_env(&env_of(BATCH)));
         assert!(!in_session_env(&env_of(&[])));
         for v in ALL {
-            let launched = detect_mpi_launch(&env_of(v)).unwrap().is_some();
+            let launched = mpi_env::detect(&env_of(v)).unwrap().is_some();
             assert_eq!(in_session_env(&env_of(v)), launched, "{v:?}");
         }
         // Malformed launcher variables: not alone; the session reports them.
@@ -260,43 +153,5 @@ mod tests {
             ("PMI_RANK", "x"),
             ("PMI_SIZE", "2")
         ])));
-    }
-
-    #[test]
-    fn mpi_launch_without_the_mpi_feature_is_refused() {
-        for v in [HYDRA, OMPI, SRUN_PMIX, SRUN_PMI2] {
-            match refuse_mpi_launch(&env_of(v)) {
-                Err(Error::BadConfig(m)) => {
-                    assert!(m.contains("--features mpi"), "{m}");
-                    assert!(m.contains("rank "), "{m}");
-                }
-                other => panic!("{v:?}: {other:?}"),
-            }
-        }
-        let e = refuse_mpi_launch(&env_of(HYDRA)).unwrap_err().to_string();
-        assert!(e.contains("MPICH's mpiexec (Hydra) as rank 1 of 2"), "{e}");
-        assert!(refuse_mpi_launch(&env_of(BATCH)).is_ok());
-        assert!(refuse_mpi_launch(&env_of(&[])).is_ok());
-        // One-process MPI job: a one-process session is what it asked for.
-        assert!(refuse_mpi_launch(&env_of(&[("PMI_RANK", "0"), ("PMI_SIZE", "1")])).is_ok());
-        // madrun started under an MPI launcher: madrun's bootstrap wins.
-        let mut under = HYDRA.to_vec();
-        under.push(("MAD_BOOTSTRAP", "127.0.0.1:5000"));
-        assert!(refuse_mpi_launch(&env_of(&under)).is_ok());
-    }
-
-    /// The copy here and mad-mpi's detection agree (only in an `mpi` build, which has both).
-    #[cfg(feature = "mpi")]
-    #[test]
-    fn agrees_with_mad_mpi() {
-        for v in ALL {
-            let ours = detect_mpi_launch(&env_of(v))
-                .unwrap()
-                .map(|m| (m.rank, m.size));
-            let theirs = mad_mpi::launcher::detect(&env_of(v))
-                .unwrap()
-                .map(|l| (l.rank, l.size));
-            assert_eq!(ours, theirs, "{v:?}");
-        }
     }
 }

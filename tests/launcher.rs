@@ -621,3 +621,54 @@ fn child_role() {
         other => panic!("unknown role {other}"),
     }
 }
+
+/// A session built without a bootstrap in a process that an MPI launcher started as one of
+/// several is refused with the launcher named (each process would otherwise run alone), and a
+/// one-process MPI job is a one-process session. The child is this binary, started with the
+/// variables `mpiexec.mpich -n 2` sets (the real launchers are exercised by `.ci/mpi.sh`).
+#[test]
+fn a_session_without_bootstrap_refuses_a_multi_process_mpi_launch() {
+    let run = |size: &str| {
+        let out = Command::new(self_exe())
+            .args([
+                "mpi_launch_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("MPI_LAUNCH_TEST_CHILD", "1")
+            .env("PMI_RANK", "0")
+            .env("PMI_SIZE", size)
+            .env("HYDI_CONTROL_FD", "7")
+            .env_remove("MAD_BOOTSTRAP")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .env_remove("OMPI_COMM_WORLD_SIZE")
+            .env_remove("SLURM_PROCID")
+            .output()
+            .unwrap();
+        text(&out.stdout)
+    };
+    let two = run("2");
+    assert!(
+        two.contains("BUILD-REFUSED") && two.contains("MPICH's mpiexec (Hydra) as rank 0 of 2"),
+        "{two}"
+    );
+    let one = run("1");
+    assert!(one.contains("BUILD-OK size=1"), "{one}");
+}
+
+/// The child side of the test above (a no-op unless `MPI_LAUNCH_TEST_CHILD` is set).
+#[test]
+fn mpi_launch_child() {
+    if std::env::var("MPI_LAUNCH_TEST_CHILD").is_err() {
+        return;
+    }
+    match mad_core::Session::builder()
+        .driver(mad_core::mem::MemDriver)
+        .build()
+    {
+        Ok(s) => println!("\nBUILD-OK size={}", s.size()),
+        Err(mad_core::Error::BadConfig(m)) => println!("\nBUILD-REFUSED {m}"),
+        Err(e) => println!("\nBUILD-OTHER {e}"),
+    }
+}

@@ -67,7 +67,11 @@ impl SessionBuilder {
     }
 
     /// Build the session. Without an explicit bootstrap: the `madrun` one when the
-    /// environment has `MAD_BOOTSTRAP`, else a one-process session.
+    /// environment has `MAD_BOOTSTRAP`, else a one-process session, except in a process that
+    /// an MPI launcher started as one of several ([`crate::launch::mpi_env`]): that is
+    /// [`Error::BadConfig`], since each process would run its own one-process session (give
+    /// the builder an MPI bootstrap, e.g. `mad_mpi::MpiBootstrap`, or start the job with
+    /// `madrun`).
     pub fn build(self) -> Result<Session> {
         let bootstrap = match self.bootstrap {
             Some(b) => b,
@@ -98,7 +102,28 @@ fn detect_bootstrap() -> Result<Box<dyn Bootstrap>> {
     if let Some(b) = crate::launch::MadrunBootstrap::from_env()? {
         return Ok(Box::new(b));
     }
+    refuse_mpi_launch(&|k| std::env::var(k).ok())?;
     Ok(Box::new(SingleBootstrap::new()?))
+}
+
+/// `Err(BadConfig)` when an MPI launcher started this process as one of several (a session
+/// without an MPI bootstrap would leave each of them alone, silently). A one-process MPI job
+/// is a one-process session.
+fn refuse_mpi_launch(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    match crate::launch::mpi_env::detect(env)? {
+        Some(l) if l.size > 1 => Err(Error::BadConfig(format!(
+            "this process was started by {} as rank {} of {}, but the session has no MPI \
+             bootstrap: each of the {} processes would run its own one-process session. Use a \
+             build with MPI (madeleine's `mpi` feature: cargo build --features mpi, then \
+             madeleine::session()), give SessionBuilder::bootstrap an MPI bootstrap, or start \
+             the job with madrun",
+            l.kind.describe(),
+            l.rank,
+            l.size,
+            l.size
+        ))),
+        _ => Ok(()),
+    }
 }
 
 impl Session {
@@ -342,5 +367,50 @@ mod cpus {
             let mine = allowed().expect("/proc/self/status has Cpus_allowed_list");
             assert!(!mine.is_empty());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn a_multi_process_mpi_launch_without_an_mpi_bootstrap_is_refused() {
+        // What `mpiexec.mpich -n 2` sets.
+        let hydra = env_of(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("HYDI_CONTROL_FD", "7"),
+        ]);
+        match refuse_mpi_launch(&hydra) {
+            Err(Error::BadConfig(m)) => {
+                assert!(m.contains("MPICH's mpiexec (Hydra) as rank 1 of 2"), "{m}");
+                assert!(m.contains("--features mpi") && m.contains("madrun"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let ompi = env_of(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "4")]);
+        assert!(matches!(refuse_mpi_launch(&ompi), Err(Error::BadConfig(_))));
+        // Malformed launcher variables are reported, not taken for "alone".
+        let bad = env_of(&[("PMI_RANK", "x"), ("PMI_SIZE", "2")]);
+        assert!(matches!(refuse_mpi_launch(&bad), Err(Error::BadConfig(_))));
+    }
+
+    #[test]
+    fn alone_a_batch_script_or_a_one_process_job_is_a_one_process_session() {
+        assert!(refuse_mpi_launch(&env_of(&[])).is_ok());
+        // A batch script inside a Slurm allocation (no PMI): not an MPI launch.
+        assert!(
+            refuse_mpi_launch(&env_of(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")])).is_ok()
+        );
+        assert!(refuse_mpi_launch(&env_of(&[("PMI_RANK", "0"), ("PMI_SIZE", "1")])).is_ok());
     }
 }

@@ -31,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod mpi_env;
 pub mod server;
 pub mod wire;
 
