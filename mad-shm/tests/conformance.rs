@@ -5,8 +5,8 @@
 // Real mappings, futexes and processes: nothing here runs under miri.
 #![cfg(not(miri))]
 
-use mad_core::bootstrap::ThreadBootstrap;
-use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::conformance::{run_threads, KitOptions};
+use mad_core::hostmem::segment::segments_created_by;
 use mad_core::Session;
 use mad_shm::ShmDriver;
 
@@ -16,48 +16,18 @@ use mad_shm::ShmDriver;
 static SEGMENTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn kit(ranks: usize, spec: &str) {
-    let opts = KitOptions::new(spec);
     let running = SEGMENTS.read().unwrap_or_else(|e| e.into_inner());
-    // Like `conformance::run_threads`, but reporting every rank's outcome.
-    let results: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = ThreadBootstrap::group(ranks)
-            .into_iter()
-            .map(|b| {
-                let opts = &opts;
-                s.spawn(move || {
-                    let session = Session::builder()
-                        .driver(ShmDriver::new())
-                        .bootstrap(Box::new(b))
-                        .build()?;
-                    run_rank(&session, opts)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join()).collect()
-    });
-    let mut failed = false;
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(Ok(cases)) => eprintln!("{spec} x{ranks} rank {r}: {} cases passed", cases.len()),
-            Ok(Err(e)) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: {e}");
-            }
-            Err(_) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: panicked");
-            }
-        }
-    }
-    assert!(!failed, "{spec} x{ranks}: conformance failed (see above)");
+    let ran = run_threads(ranks, KitOptions::new(spec), |b| {
+        Session::builder()
+            .driver(ShmDriver::new())
+            .bootstrap(b)
+            .build()
+    })
+    .unwrap_or_else(|e| panic!("{spec} x{ranks}: conformance failed:\n{e}"));
+    eprintln!("{spec} x{ranks}: {} cases passed", ran.len());
     drop(running);
     let _checking = SEGMENTS.write().unwrap_or_else(|e| e.into_inner());
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|n| n.starts_with(&format!("mad-shm-{}-", std::process::id())))
-        .collect();
+    let left = segments_created_by(mad_shm::segment::PREFIX, &[std::process::id()]);
     assert!(left.is_empty(), "leftover segments: {left:?}");
 }
 

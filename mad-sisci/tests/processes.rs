@@ -289,18 +289,11 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
         // The child's segment went with it: its file was unlinked at open.
         drop(opening);
         let _checking = SEGMENTS.write().unwrap_or_else(|e| e.into_inner());
-        let left = std::fs::read_dir("/dev/shm")
-            .unwrap()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("mad-sisci-"))
-            .filter(|e| {
-                let n = e.file_name().to_string_lossy().to_string();
-                mad_core::hostmem::creator_pid(mad_sisci::segment::PREFIX, &n)
-                    .map(|p| p == std::process::id())
-                    .unwrap_or(false)
-            })
-            .count();
-        assert_eq!(left, 0, "segments of this process left in /dev/shm");
+        let left = common::segments_of(&[std::process::id()]);
+        assert!(
+            left.is_empty(),
+            "segments of this process left in /dev/shm: {left:?}"
+        );
     }
 }
 

@@ -45,24 +45,41 @@ pub fn creator_pid(prefix: &str, name: &str) -> Option<u32> {
     name.strip_prefix(prefix)?.split('-').next()?.parse().ok()
 }
 
+/// The entries of [`SHM_DIR`] named with `prefix`: (name, creator pid). Empty when the
+/// directory cannot be read.
+fn segments_named(prefix: &str) -> Vec<(String, u32)> {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let pid = creator_pid(prefix, &name)?;
+            Some((name, pid))
+        })
+        .collect()
+}
+
+/// The segments named with `prefix` that one of the processes `pids` created and that still
+/// exist: what a test checks to prove a driver cleaned up after itself.
+pub fn segments_created_by(prefix: &str, pids: &[u32]) -> Vec<String> {
+    segments_named(prefix)
+        .into_iter()
+        .filter(|(_, pid)| pids.contains(pid))
+        .map(|(name, _)| name)
+        .collect()
+}
+
 /// Remove the segments named with `prefix` whose creator process is gone (left behind by a
 /// crash between create and unlink). Only that prefix is swept, never other files. Returns
 /// how many were removed; errors are ignored (another process may be sweeping too).
 pub fn sweep_stale(prefix: &str) -> usize {
-    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for e in dir.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(pid) = creator_pid(prefix, name) {
-            if !sys::pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
-                removed += 1;
-            }
-        }
-    }
-    removed
+    segments_named(prefix)
+        .into_iter()
+        .filter(|(name, pid)| {
+            !sys::pid_alive(*pid) && std::fs::remove_file(Path::new(SHM_DIR).join(name)).is_ok()
+        })
+        .count()
 }
 
 /// A local peer as [`map_peers`] returns it.

@@ -214,18 +214,7 @@ pub fn my_segments() -> Vec<String> {
 /// Entries of /dev/shm created by any of the processes `pids` (segment names start with
 /// `mad-shm-<creator pid>-`).
 pub fn segments_of(pids: &[u32]) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| {
-                    mad_core::hostmem::creator_pid(mad_shm::segment::PREFIX, n)
-                        .map(|p| pids.contains(&p))
-                        .unwrap_or(false)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    mad_core::hostmem::segment::segments_created_by(mad_shm::segment::PREFIX, pids)
 }
 
 /// A two-process bootstrap over a Unix stream (rank 0 listens, rank 1 connects).

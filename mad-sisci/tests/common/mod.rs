@@ -37,55 +37,22 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// Names of the `/dev/shm` entries of this driver whose creator is one of `pids`.
 pub fn segments_of(pids: &[u32]) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                .filter(|n| {
-                    mad_core::hostmem::creator_pid(mad_sisci::segment::PREFIX, n)
-                        .map(|p| pids.contains(&p))
-                        .unwrap_or(false)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    mad_core::hostmem::segment::segments_created_by(mad_sisci::segment::PREFIX, pids)
 }
 
 /// The conformance kit over `spec` on `ranks` thread ranks of this process (panics with every
-/// rank's result if any failed).
+/// failed rank's error).
 pub fn kit_threads(ranks: usize, spec: &str) {
-    use mad_core::bootstrap::ThreadBootstrap;
-    use mad_core::conformance::{run_rank, KitOptions};
-    let opts = KitOptions::new(spec);
-    let results: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = ThreadBootstrap::group(ranks)
-            .into_iter()
-            .map(|b| {
-                let opts = &opts;
-                s.spawn(move || {
-                    let session = mad_core::Session::builder()
-                        .driver(mad_sisci::SisciDriver::new())
-                        .bootstrap(Box::new(b))
-                        .build()?;
-                    run_rank(&session, opts)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join()).collect()
-    });
-    let mut failed = false;
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(Ok(cases)) => eprintln!("{spec} x{ranks} rank {r}: {} cases passed", cases.len()),
-            Ok(Err(e)) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: {e}");
-            }
-            Err(_) => {
-                failed = true;
-                eprintln!("{spec} x{ranks} rank {r}: panicked");
-            }
-        }
-    }
-    assert!(!failed, "{spec} x{ranks}: conformance failed (see above)");
+    let ran = mad_core::conformance::run_threads(
+        ranks,
+        mad_core::conformance::KitOptions::new(spec),
+        |b| {
+            mad_core::Session::builder()
+                .driver(mad_sisci::SisciDriver::new())
+                .bootstrap(b)
+                .build()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{spec} x{ranks}: conformance failed:\n{e}"));
+    eprintln!("{spec} x{ranks}: {} cases passed", ran.len());
 }
