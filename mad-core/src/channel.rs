@@ -348,6 +348,7 @@ impl ChannelInner {
                 return Ok(None);
             }
             rx.reported = true;
+            self.incoming.forget(remote);
             return Err(Error::Poisoned {
                 rank: remote,
                 cause,
@@ -360,6 +361,7 @@ impl ChannelInner {
                 rx.broken = Some(e.to_string());
                 rx.reported = true;
                 rx.link.abort_message();
+                self.incoming.forget(remote);
                 // A peer that closed cleanly between two messages simply leaves the any-source
                 // set (clients come and go); anything else is reported once.
                 if matches!(e, Error::PeerClosed { .. }) {

@@ -10,7 +10,10 @@
 //! receive mode), `later`, `safer_reuse`, `many_pieces`, `unaligned`, `figure1`, `later_express`,
 //! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces), `in_flight`,
 //! `flush` (a sender that waits for its receiver's answer in the middle of a message, after
-//! `Packer::flush`), `any_source`, `two_channels`, `threads`, `checked_mismatch`, `peer_closes`
+//! `Packer::flush`), `any_source`, `idle_wait` (an any-source receiver waiting for a late
+//! sender, with a third peer closed, sleeps instead of spinning: its thread's CPU time stays
+//! under 30 % of the wait; skipped with `progress=poll`), `two_channels`, `threads`,
+//! `checked_mismatch`, `peer_closes`
 //! (a message abandoned after part of it left; skipped when the driver's capabilities say it
 //! cannot detect a dead peer). An unknown name in `MAD_KIT_CASES` is an error, not a kit that
 //! runs nothing.
@@ -72,6 +75,7 @@ const CASES: &[(&str, Case)] = &[
     ("in_flight", case_in_flight),
     ("flush", case_flush),
     ("any_source", case_any_source),
+    ("idle_wait", case_idle_wait),
     ("two_channels", case_two_channels),
     ("threads", case_threads),
     ("checked_mismatch", case_checked_mismatch),
@@ -889,6 +893,76 @@ fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
                 "connection still usable after the peer abandoned a message",
             ));
         }
+    }
+    Ok(())
+}
+
+/// How long the late sender of `idle_wait` waits before it sends.
+const IDLE_LATE: Duration = Duration::from_millis(400);
+
+/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_time() -> Result<Duration> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map_err(|e| Error::io("clock_gettime(CLOCK_THREAD_CPUTIME_ID)", e.into()))?;
+    Ok(Duration::from(t))
+}
+
+/// An any-source receiver whose senders are idle (one late, one closed when the driver can
+/// tell a closed peer) must sleep, not spin: the progress policy's spin-then-block, and no
+/// closed connection that keeps the wait returning at once. Skipped with `progress=poll`
+/// (spinning is what it asks for).
+fn case_idle_wait(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    if ch.config().progress == crate::progress::ProgressMode::Poll {
+        return Ok(());
+    }
+    let closer = c.size() >= 3 && ch.capabilities().detects_peer_death;
+    c.barrier("idle-open")?;
+    let body: Vec<u8> = (0..65_536).map(|i| pat(31, i)).collect();
+    match c.rank() {
+        0 => {
+            let cpu0 = thread_cpu_time()?;
+            let t0 = Instant::now();
+            let mut u = ch.begin_unpacking()?;
+            let wall = t0.elapsed();
+            let cpu = thread_cpu_time()? - cpu0;
+            if u.remote() != 1 {
+                return Err(fail(format!(
+                    "a message from rank {} while only rank 1 sent",
+                    u.remote()
+                )));
+            }
+            let n: u64 = u.unpack_value()?;
+            let mut got = vec![0u8; n as usize];
+            u.unpack(&mut got, SendMode::Cheaper)?;
+            u.end_unpacking()?;
+            check(31, &got, "the late sender's message")?;
+            if wall < IDLE_LATE / 2 {
+                return Err(fail(format!(
+                    "the any-source wait ended after {wall:?}, before the late sender sent"
+                )));
+            }
+            if cpu.as_secs_f64() > 0.3 * wall.as_secs_f64() {
+                return Err(fail(format!(
+                    "the any-source receiver spun: {cpu:?} of CPU over a {wall:?} wait \
+                     (progress {:?}{})",
+                    ch.config().progress,
+                    if closer { ", a peer closed" } else { "" }
+                )));
+            }
+        }
+        1 => {
+            std::thread::sleep(IDLE_LATE);
+            let mut p = ch.begin_packing(0)?;
+            p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        }
+        r if closer && r == c.size() - 1 => drop(ch),
+        _ => {}
     }
     Ok(())
 }

@@ -439,6 +439,16 @@ pub trait Incoming: Send + Sync {
     /// Wake threads blocked in [`wait`](Incoming::wait) (the core calls it when a connection
     /// with more buffered data is released by another thread).
     fn wake(&self);
+
+    /// The core will not receive from `rank` on this channel any more: its connection
+    /// failed or closed, and the failure was reported (or the close taken as the peer
+    /// leaving). Stop watching it, so that a descriptor or flag that stays readable after a
+    /// hang-up does not keep [`wait`](Incoming::wait) returning at once (an any-source
+    /// receiver would spin). Called once per peer; the default does nothing, which is right
+    /// for drivers whose readiness of a closed peer is not sticky.
+    fn forget(&self, rank: usize) {
+        let _ = rank;
+    }
 }
 
 /// The two halves of a connection to one peer.

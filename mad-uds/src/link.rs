@@ -5,6 +5,7 @@ use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -54,6 +55,7 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
     Ok(OpenedChannel {
         links,
         incoming: Box::new(Watch {
+            gone: watched.iter().map(|_| AtomicBool::new(false)).collect(),
             watched,
             wake_r: File::from(r),
             wake_w: File::from(w),
@@ -304,31 +306,35 @@ impl RxLink for Rx {
 /// Any-source readiness: `poll(2)` over every peer's descriptor and a wake-up pipe.
 struct Watch {
     watched: Vec<(usize, UnixStream)>,
+    /// Per entry of `watched`: the core gave up on that peer (`Incoming::forget`). A hung-up
+    /// socket stays readable, so polling it would end every wait at once.
+    gone: Vec<AtomicBool>,
     wake_r: File,
     wake_w: File,
 }
 
 impl Watch {
     fn poll_all(&self, timeout: PollTimeout, ready: &mut dyn FnMut(usize)) -> Result<bool> {
-        let mut fds: SmallVec<[PollFd<'_>; 8]> = self
-            .watched
-            .iter()
-            .map(|(_, s)| PollFd::new(s.as_fd(), PollFlags::POLLIN))
-            .collect();
+        let mut ranks: SmallVec<[usize; 8]> = SmallVec::new();
+        let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
+        for ((rank, s), gone) in self.watched.iter().zip(&self.gone) {
+            if !gone.load(Ordering::Relaxed) {
+                ranks.push(*rank);
+                fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN));
+            }
+        }
         fds.push(PollFd::new(self.wake_r.as_fd(), PollFlags::POLLIN));
         match poll(&mut fds, timeout) {
             Ok(0) | Err(nix::errno::Errno::EINTR) => return Ok(false),
             Ok(_) => {}
             Err(e) => return Err(Error::io("uds: poll", e.into())),
         }
-        for (i, (rank, _)) in self.watched.iter().enumerate() {
+        for (i, rank) in ranks.iter().enumerate() {
             if fds[i].revents().is_some_and(|r| !r.is_empty()) {
                 ready(*rank);
             }
         }
-        Ok(fds[self.watched.len()]
-            .revents()
-            .is_some_and(|r| !r.is_empty()))
+        Ok(fds[ranks.len()].revents().is_some_and(|r| !r.is_empty()))
     }
 }
 
@@ -348,5 +354,13 @@ impl Incoming for Watch {
 
     fn wake(&self) {
         let _ = (&self.wake_w).write(&[1]);
+    }
+
+    fn forget(&self, rank: usize) {
+        for ((r, _), gone) in self.watched.iter().zip(&self.gone) {
+            if *r == rank {
+                gone.store(true, Ordering::Relaxed);
+            }
+        }
     }
 }
