@@ -124,9 +124,18 @@ pub fn tcp_state(fd: RawFd) -> io::Result<TcpState> {
     // transmission (`tcpi_last_*` are milliseconds since the event).
     let retrans_unanswered =
         info.tcpi_retransmits > 0 && info.tcpi_last_ack_recv >= info.tcpi_last_data_sent;
+    // `tcpi_probes` counts the zero-window or keepalive probes sent since the last valid
+    // acknowledgement. One unanswered probe proves nothing: a live receiver answers probes
+    // (segments below its window) with duplicate acknowledgements rate-limited to one per
+    // `net.ipv4.tcp_invalid_ratelimit` (500 ms), so a probe that follows an answered one
+    // within 500 ms goes unanswered, and with the early, short backoff steps that leaves a
+    // live slow reader silent for over a second with one probe outstanding (seen in CI with a
+    // 1 s bound: "probes 1, backoff 2", nothing received for 1308 ms). The probe after it is
+    // at least twice as far, past the rate limit, and is answered: two unanswered in a row
+    // is a peer that does not answer.
     Ok(TcpState {
         silent: Duration::from_millis(silent_ms as u64),
-        unanswered: retrans_unanswered || info.tcpi_probes > 0,
+        unanswered: retrans_unanswered || info.tcpi_probes >= 2,
         established: info.tcpi_state == TCP_ESTABLISHED,
         raw: [
             info.tcpi_retransmits as u32,
