@@ -900,8 +900,9 @@ fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
 /// How long the late sender of `idle_wait` waits before it sends.
 const IDLE_LATE: Duration = Duration::from_millis(400);
 
-/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
-fn thread_cpu_time() -> Result<Duration> {
+/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`): how the kit, and driver
+/// tests of their own, tell a waiting thread that sleeps from one that spins.
+pub fn thread_cpu_time() -> Result<Duration> {
     let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
         .map_err(|e| Error::io("clock_gettime(CLOCK_THREAD_CPUTIME_ID)", e.into()))?;
     Ok(Duration::from(t))

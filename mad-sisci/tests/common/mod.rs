@@ -4,28 +4,9 @@
 
 use std::time::Duration;
 
-/// CPU time (user + system) the calling thread has used so far, from
-/// `/proc/thread-self/schedstat` (nanoseconds on the CPU), or `/proc/thread-self/stat`
-/// (clock ticks of 1/100 s) where scheduler statistics are missing.
+/// CPU time the calling thread has used so far (the conformance kit's clock).
 pub fn thread_cpu_time() -> Duration {
-    if let Ok(s) = std::fs::read_to_string("/proc/thread-self/schedstat") {
-        if let Some(ns) = s
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<u64>().ok())
-        {
-            return Duration::from_nanos(ns);
-        }
-    }
-    let s = std::fs::read_to_string("/proc/thread-self/stat").expect("/proc/thread-self/stat");
-    // Fields after the command name (which may contain spaces) start at field 3: utime and
-    // stime are fields 14 and 15.
-    let rest = &s[s.rfind(')').expect("stat format") + 2..];
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|v| v.parse().unwrap_or(0))
-        .collect();
-    Duration::from_millis((f[11] + f[12]) * 10)
+    mad_core::conformance::thread_cpu_time().expect("the thread's CPU clock")
 }
 
 /// Deterministic test pattern.
