@@ -150,51 +150,56 @@ fn chunk_len(total: usize, max: usize, k: usize) -> usize {
     total.saturating_sub(k * max).min(max)
 }
 
-/// The gather list of `[from, from + len)` of `iov`.
-fn gather<'a>(iov: &'a [IoSlice<'_>], lkeys: &[u32], from: usize, len: usize) -> Vec<Sge<'a>> {
-    let mut out = Vec::new();
+/// The parts of bytes `[from, from + len)` of a list of buffers of lengths `lens`, each as
+/// (buffer index, offset in it, length): what a gather or scatter list of one chunk holds.
+fn window(
+    lens: impl Iterator<Item = usize>,
+    from: usize,
+    len: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
     let (mut skip, mut left) = (from, len);
-    for (s, &lkey) in iov.iter().zip(lkeys) {
-        if left == 0 {
-            break;
-        }
-        if skip >= s.len() {
-            skip -= s.len();
-            continue;
-        }
-        let take = (s.len() - skip).min(left);
-        out.push(Sge {
-            buf: &s[skip..skip + take],
-            lkey,
-        });
-        left -= take;
-        skip = 0;
-    }
-    out
+    lens.enumerate()
+        .map_while(move |(i, n)| {
+            if left == 0 {
+                return None;
+            }
+            if skip >= n {
+                skip -= n;
+                return Some(None);
+            }
+            let take = (n - skip).min(left);
+            let part = (i, skip, take);
+            left -= take;
+            skip = 0;
+            Some(Some(part))
+        })
+        .flatten()
+}
+
+/// Gather or scatter list of one chunk: inline up to 4 parts (no allocation per chunk).
+type Sges<T> = smallvec::SmallVec<[T; 4]>;
+
+/// The gather list of `[from, from + len)` of `iov`.
+fn gather<'a>(iov: &'a [IoSlice<'_>], lkeys: &[u32], from: usize, len: usize) -> Sges<Sge<'a>> {
+    let n = iov.len().min(lkeys.len());
+    window(iov[..n].iter().map(|s| s.len()), from, len)
+        .map(|(i, off, take)| Sge {
+            buf: &iov[i][off..off + take],
+            lkey: lkeys[i],
+        })
+        .collect()
 }
 
 /// The scatter list of `[from, from + len)` of `iov`.
-fn scatter(iov: &[IoSliceMut<'_>], lkeys: &[u32], from: usize, len: usize) -> Vec<RecvSge> {
-    let mut out = Vec::new();
-    let (mut skip, mut left) = (from, len);
-    for (s, &lkey) in iov.iter().zip(lkeys) {
-        if left == 0 {
-            break;
-        }
-        if skip >= s.len() {
-            skip -= s.len();
-            continue;
-        }
-        let take = (s.len() - skip).min(left);
-        out.push(RecvSge {
-            addr: s.as_ptr() as usize + skip,
+fn scatter(iov: &[IoSliceMut<'_>], lkeys: &[u32], from: usize, len: usize) -> Sges<RecvSge> {
+    let n = iov.len().min(lkeys.len());
+    window(iov[..n].iter().map(|s| s.len()), from, len)
+        .map(|(i, off, take)| RecvSge {
+            addr: iov[i].as_ptr() as usize + off,
             len: take,
-            lkey,
-        });
-        left -= take;
-        skip = 0;
-    }
-    out
+            lkey: lkeys[i],
+        })
+        .collect()
 }
 
 impl<N: Nic> Conn<N> {
@@ -1299,7 +1304,7 @@ mod tests {
         let iov = [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)];
         let s = scatter(&iov, &[11, 22], 5, 6);
         assert_eq!(
-            s,
+            s.to_vec(),
             vec![
                 RecvSge {
                     addr: px + 5,
