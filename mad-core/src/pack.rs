@@ -124,7 +124,10 @@ struct PackState<'c> {
     ch: &'c ChannelInner,
     remote: usize,
     tx: HalfGuard<'c, TxState>,
+    /// The TM last handed data and not committed since (the header counts as TM 0 data).
     cur: TmId,
+    /// The TM of the pending gather group (meaningful while the group is not empty).
+    gtm: TmId,
     holding: bool,
     checked: bool,
     /// Finished (successfully or not): nothing left to abandon.
@@ -174,7 +177,35 @@ impl PackState<'_> {
         )
     }
 
+    /// Gather BMM: hand `group` to TM `tm`, announced in unchecked mode by a group frame and
+    /// a piece frame per slice through TM 0 (committed before the group, so a receiver that
+    /// expected something else finds out before it waits for the group).
     fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>]) -> Result<()> {
+        if !self.checked {
+            self.ensure(0)?;
+            const BATCH: usize = 16;
+            let mut buf = [0u8; wire::FRAME_LEN * (BATCH + 1)];
+            buf[..wire::FRAME_LEN].copy_from_slice(&wire::encode_frame(wire::Frame::Group {
+                tm,
+                count: group.len() as u64,
+            }));
+            let mut k = 1;
+            for s in group {
+                if k == BATCH + 1 {
+                    self.copy_in(0, &buf)?;
+                    k = 0;
+                }
+                buf[k * wire::FRAME_LEN..(k + 1) * wire::FRAME_LEN].copy_from_slice(
+                    &wire::encode_frame(wire::Frame::Piece {
+                        tm,
+                        len: s.len() as u64,
+                    }),
+                );
+                k += 1;
+            }
+            self.copy_in(0, &buf[..k * wire::FRAME_LEN])?;
+        }
+        self.ensure(tm)?;
         self.ch.progress.drive_marked(
             &mut *self.tx,
             |tx| tx.link.send_refs(tm, group),
@@ -187,11 +218,31 @@ impl PackState<'_> {
     /// header when `tm` is TM 0. Splits across as many lends as the driver makes.
     #[inline]
     fn copy_in(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
-        let header = if tm == 0 { self.header.take() } else { None };
-        let head: &[u8] = match &header {
-            Some(h) => h,
-            None => &[],
-        };
+        self.copy_in_framed(tm, None, data)
+    }
+
+    /// [`copy_in`](Self::copy_in) with an unchecked-mode frame before `data` (TM 0 only), so
+    /// header, frame and a short piece are one lend.
+    #[inline]
+    fn copy_in_framed(
+        &mut self,
+        tm: TmId,
+        frame: Option<&[u8; wire::FRAME_LEN]>,
+        data: &[u8],
+    ) -> Result<()> {
+        let mut pre = [0u8; wire::HEADER_LEN + wire::FRAME_LEN];
+        let mut k = 0;
+        if tm == 0 {
+            if let Some(h) = self.header.take() {
+                pre[..wire::HEADER_LEN].copy_from_slice(&h);
+                k = wire::HEADER_LEN;
+            }
+            if let Some(f) = frame {
+                pre[k..k + wire::FRAME_LEN].copy_from_slice(f);
+                k += wire::FRAME_LEN;
+            }
+        }
+        let head: &[u8] = &pre[..k];
         let total = head.len() + data.len();
         let mut off = 0;
         while off < total {
@@ -242,6 +293,18 @@ impl PackState<'_> {
         Ok(())
     }
 
+    /// Make `tm` the TM in use: when it changes, the header goes out if still pending and the
+    /// previous TM is committed (the receiver checks out at the same points).
+    #[inline]
+    fn ensure(&mut self, tm: TmId) -> Result<()> {
+        if tm != self.cur {
+            self.flush_header()?;
+            self.commit()?;
+            self.cur = tm;
+        }
+        Ok(())
+    }
+
     /// Abandon the message after an error or a drop.
     fn fail(&mut self, why: &str) {
         self.done = true;
@@ -286,6 +349,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             remote,
             tx,
             cur: 0,
+            gtm: 0,
             holding: false,
             checked: ch.config.checked,
             done: false,
@@ -335,23 +399,12 @@ impl<'c, 'b> Packer<'c, 'b> {
         r
     }
 
-    #[inline]
-    fn switch_to(&mut self, tm: TmId) -> Result<()> {
-        if tm == self.st.cur {
-            return Ok(());
-        }
-        self.st.flush_header()?;
-        self.flush_group()?;
-        self.st.commit()?;
-        self.st.cur = tm;
-        Ok(())
-    }
-
+    /// Send the pending gather group (announced by its frames in unchecked mode).
     fn flush_group(&mut self) -> Result<()> {
         if self.group.is_empty() {
             return Ok(());
         }
-        let tm = self.st.cur;
+        let tm = self.st.gtm;
         self.st.send_group(tm, &self.group)?;
         self.group.clear();
         Ok(())
@@ -359,7 +412,8 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline]
     fn emit_desc(&mut self, d: &[u8; wire::DESC_LEN]) -> Result<()> {
-        self.switch_to(0)?;
+        self.flush_group()?;
+        self.st.ensure(0)?;
         self.st.copy_in(0, d)
     }
 
@@ -369,14 +423,40 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.st.bytes += len as u64;
     }
 
+    /// A Copy-TM piece: in unchecked mode its frame goes first, through TM 0 (with the piece
+    /// itself when TM 0 carries it).
+    #[inline]
+    fn emit_copy(&mut self, tm: TmId, d: &[u8]) -> Result<()> {
+        self.flush_group()?;
+        if self.st.checked {
+            self.st.ensure(tm)?;
+            return self.st.copy_in(tm, d);
+        }
+        let f = wire::encode_frame(wire::Frame::Piece {
+            tm,
+            len: d.len() as u64,
+        });
+        self.st.ensure(0)?;
+        if tm == 0 {
+            self.st.copy_in_framed(0, Some(&f), d)
+        } else {
+            self.st.copy_in(0, &f)?;
+            self.st.ensure(tm)?;
+            self.st.copy_in(tm, d)
+        }
+    }
+
     #[inline]
     fn emit_ref(&mut self, d: &'b [u8], s: SendMode, r: RecvMode) -> Result<()> {
         let tm = self.st.ch.table.select(d.len(), s, r);
-        self.switch_to(tm)?;
         self.account(tm, d.len());
         match self.st.ch.table.bmm(tm) {
-            Bmm::Copy => self.st.copy_in(tm, d),
+            Bmm::Copy => self.emit_copy(tm, d),
             Bmm::Gather => {
+                if !self.group.is_empty() && self.st.gtm != tm {
+                    self.flush_group()?;
+                }
+                self.st.gtm = tm;
                 self.group.push(IoSlice::new(d));
                 if r == RecvMode::Express || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
@@ -390,11 +470,13 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline]
     fn emit_safer(&mut self, d: &[u8], r: RecvMode) -> Result<()> {
         let tm = self.st.ch.table.select(d.len(), SendMode::Safer, r);
-        self.switch_to(tm)?;
         self.account(tm, d.len());
         match self.st.ch.table.bmm(tm) {
-            Bmm::Copy => self.st.copy_in(tm, d),
+            Bmm::Copy => self.emit_copy(tm, d),
             Bmm::Gather => {
+                if !self.group.is_empty() && self.st.gtm != tm {
+                    self.flush_group()?;
+                }
                 // The memory is only ours for this call: send the group now.
                 let mut tmp = self.st.tx.spare.tmp.lend();
                 tmp.extend_from_slice(&self.group);
@@ -512,6 +594,14 @@ impl<'c, 'b> Packer<'c, 'b> {
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
         self.flush_group()?;
+        if !self.st.checked {
+            // The end frame: a receiver takes the message as complete only once it has read
+            // it, so a message abandoned after part of it left is never delivered as whole.
+            self.st.ensure(0)?;
+            let pieces = self.st.index as u64;
+            self.st
+                .copy_in(0, &wire::encode_frame(wire::Frame::End { pieces }))?;
+        }
         self.st.flush_header()?;
         self.st.commit()?;
         let st = &mut self.st;

@@ -70,7 +70,10 @@ struct UnpackState<'c> {
     ch: &'c ChannelInner,
     remote: usize,
     rx: Option<HalfGuard<'c, RxState>>,
+    /// The TM last read from and not checked out since.
     cur: TmId,
+    /// The TM of the pending gather group (meaningful while the group is not empty).
+    gtm: TmId,
     checked: bool,
     done: bool,
     index: u32,
@@ -87,7 +90,58 @@ impl UnpackState<'_> {
             .expect("receive state used after release")
     }
 
+    /// Mirror of the sender's `ensure`: check out the previous TM when the TM changes.
+    #[inline]
+    fn ensure(&mut self, tm: TmId) -> Result<()> {
+        if tm != self.cur {
+            let cur = self.cur;
+            self.rx().link.checkout(cur)?;
+            self.cur = tm;
+        }
+        Ok(())
+    }
+
+    /// Unchecked mode: read the next frame from TM 0 and compare it with what this side
+    /// expects there; a difference means the message is being unpacked with other pieces
+    /// than it was packed with.
+    #[inline]
+    fn expect_frame(&mut self, want: wire::Frame) -> Result<()> {
+        let mut b = [0u8; wire::FRAME_LEN];
+        self.copy_out(0, &mut b)?;
+        let want = wire::normalize_frame(want);
+        match wire::decode_frame(&b) {
+            Some(got) if got == want => Ok(()),
+            got => Err(Error::protocol(
+                self.remote,
+                format!(
+                    "unpack does not match the message (unchecked mode): the sender sent {}, \
+                     this side expected {want} (piece {} of the message); the connection is \
+                     closed; enable checked mode (checked=true) to find the piece",
+                    match got {
+                        Some(g) => g.to_string(),
+                        None => format!("bytes {b:02x?} where a frame belongs"),
+                    },
+                    self.index
+                ),
+            )),
+        }
+    }
+
     fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
+        if !self.checked {
+            self.ensure(0)?;
+            self.expect_frame(wire::Frame::Group {
+                tm,
+                count: group.len() as u64,
+            })?;
+            for g in group.iter() {
+                self.expect_frame(wire::Frame::Piece {
+                    tm,
+                    len: g.len() as u64,
+                })?;
+            }
+        }
+        self.ensure(tm)?;
         let progress = self.ch.progress;
         progress.drive_marked(
             self.rx(),
@@ -169,6 +223,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             remote,
             rx: Some(rx),
             cur: 0,
+            gtm: 0,
             checked: false,
             done: false,
             index: 0,
@@ -229,30 +284,34 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         r
     }
 
-    #[inline]
-    fn switch_to(&mut self, tm: TmId) -> Result<()> {
-        if tm == self.st.cur {
-            return Ok(());
-        }
-        self.flush_group()?;
-        let cur = self.st.cur;
-        self.st.rx().link.checkout(cur)?;
-        self.st.cur = tm;
-        Ok(())
-    }
-
     fn flush_group(&mut self) -> Result<()> {
         if self.group.is_empty() {
             return Ok(());
         }
-        let tm = self.st.cur;
+        let tm = self.st.gtm;
         self.st.recv_group(tm, &mut self.group)?;
         self.group.clear();
         Ok(())
     }
 
+    /// A Copy-TM piece: in unchecked mode its frame is read first, from TM 0.
+    #[inline]
+    fn recv_copy(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
+        self.flush_group()?;
+        if !self.st.checked {
+            self.st.ensure(0)?;
+            self.st.expect_frame(wire::Frame::Piece {
+                tm,
+                len: buf.len() as u64,
+            })?;
+        }
+        self.st.ensure(tm)?;
+        self.st.copy_out(tm, buf)
+    }
+
     fn read_desc(&mut self) -> Result<PieceOrEnd> {
-        self.switch_to(0)?;
+        self.flush_group()?;
+        self.st.ensure(0)?;
         let mut b = [0u8; wire::DESC_LEN];
         self.st.copy_out(0, &mut b)?;
         wire::decode_desc(&b).map_err(|w| Error::protocol(self.st.remote, w.to_string()))
@@ -289,11 +348,14 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     fn recv_ref(&mut self, mut buf: IoSliceMut<'b>, s: SendMode) -> Result<()> {
         let tm = self.st.ch.table.select(buf.len(), s, RecvMode::Cheaper);
-        self.switch_to(tm)?;
         self.account(tm, buf.len());
         match self.st.ch.table.bmm(tm) {
-            Bmm::Copy => self.st.copy_out(tm, &mut buf),
+            Bmm::Copy => self.recv_copy(tm, &mut buf),
             Bmm::Gather => {
+                if !self.group.is_empty() && self.st.gtm != tm {
+                    self.flush_group()?;
+                }
+                self.st.gtm = tm;
                 self.group.push(buf);
                 if s == SendMode::Safer || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
@@ -307,11 +369,13 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     fn recv_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
         let tm = self.st.ch.table.select(buf.len(), s, RecvMode::Express);
-        self.switch_to(tm)?;
         self.account(tm, buf.len());
         match self.st.ch.table.bmm(tm) {
-            Bmm::Copy => self.st.copy_out(tm, buf),
+            Bmm::Copy => self.recv_copy(tm, buf),
             Bmm::Gather => {
+                if !self.group.is_empty() && self.st.gtm != tm {
+                    self.flush_group()?;
+                }
                 // The group ends with this piece (the sender flushed it after an EXPRESS piece).
                 let mut tmp = self.st.rx().spare.tmp.lend();
                 // Not `append`: `tmp` borrows for this call only, a shorter lifetime than the group's.
@@ -366,6 +430,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             self.tail = tail; // (kept for the connection's next message)
         }
         self.flush_group()?;
+        if !self.st.checked {
+            // Only a message whose end frame arrived is complete (see `pack.rs`).
+            self.st.ensure(0)?;
+            let pieces = self.st.index as u64;
+            self.st.expect_frame(wire::Frame::End { pieces })?;
+        }
         let cur = self.st.cur;
         let rx = self.st.rx();
         rx.link.checkout(cur)?;

@@ -10,6 +10,19 @@
 //! | 3 | flags: bit 0 = checked mode (descriptors follow each piece) |
 //! | 4..8 | message sequence number on this connection, little-endian |
 //!
+//! Frames (8 bytes, unchecked mode only, through TM 0): the sender announces each piece's
+//! length (and its TM) before the piece, each gather group before the group, and ends every
+//! message with an end frame. The receiver reads each frame at the same point and compares it
+//! with its own unpack, so a message unpacked with other lengths than it was packed with fails
+//! at the first differing piece (never a silent misread, never both sides waiting on each
+//! other), and a message whose sender abandoned it is never taken as complete.
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0 | kind: `0xf1` = piece, `0xf2` = gather group, `0xf3` = end of message |
+//! | 1 | TM index (piece, group); 0 for end |
+//! | 2..8 | piece length (piece), slice count (group; a piece frame per slice follows), piece count (end); 48 bits little-endian |
+//!
 //! Descriptor (16 bytes, checked mode only, through TM 0 before each piece and at the end):
 //!
 //! | bytes | field |
@@ -71,8 +84,10 @@ pub enum WireError {
 pub const HEADER_LEN: usize = 8;
 /// Descriptor length in bytes.
 pub const DESC_LEN: usize = 16;
+/// Frame length in bytes.
+pub const FRAME_LEN: usize = 8;
 const MAGIC: [u8; 2] = *b"M2";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const FLAG_CHECKED: u8 = 1;
 
 /// A decoded message header.
@@ -121,6 +136,88 @@ pub fn decode_header(b: &[u8]) -> Result<Header, WireError> {
         checked: b[3] & FLAG_CHECKED != 0,
         seq: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
     })
+}
+
+/// An unchecked-mode frame: what the sender put at this point of TM 0's stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// A piece of `len` bytes carried by TM `tm` follows (a Copy TM) or is part of the group
+    /// just announced (a Gather TM).
+    Piece {
+        /// Transmission module.
+        tm: u8,
+        /// Piece length (bytes; compared modulo 2^48).
+        len: u64,
+    },
+    /// A gather group of `count` slices through TM `tm`; `count` piece frames follow.
+    Group {
+        /// Transmission module.
+        tm: u8,
+        /// Number of slices.
+        count: u64,
+    },
+    /// The message ends here; it had `pieces` pieces.
+    End {
+        /// Number of pieces in the message (modulo 2^48).
+        pieces: u64,
+    },
+}
+
+const FRAME_VALUE_MASK: u64 = (1 << 48) - 1;
+
+impl std::fmt::Display for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Frame::Piece { tm, len } => write!(f, "a piece of {len} B through TM {tm}"),
+            Frame::Group { tm, count } => {
+                write!(f, "a group of {count} piece(s) through TM {tm}")
+            }
+            Frame::End { pieces } => write!(f, "the end of the message after {pieces} piece(s)"),
+        }
+    }
+}
+
+/// Encode a frame.
+#[inline]
+pub fn encode_frame(fr: Frame) -> [u8; FRAME_LEN] {
+    let (kind, tm, v) = match fr {
+        Frame::Piece { tm, len } => (0xf1u8, tm, len),
+        Frame::Group { tm, count } => (0xf2, tm, count),
+        Frame::End { pieces } => (0xf3, 0, pieces),
+    };
+    let v = (v & FRAME_VALUE_MASK).to_le_bytes();
+    [kind, tm, v[0], v[1], v[2], v[3], v[4], v[5]]
+}
+
+/// Decode a frame, or `None` when the bytes are not one (the stream is out of step).
+#[inline]
+pub fn decode_frame(b: &[u8; FRAME_LEN]) -> Option<Frame> {
+    let v = u64::from_le_bytes([b[2], b[3], b[4], b[5], b[6], b[7], 0, 0]);
+    match b[0] {
+        0xf1 => Some(Frame::Piece { tm: b[1], len: v }),
+        0xf2 => Some(Frame::Group { tm: b[1], count: v }),
+        0xf3 if b[1] == 0 => Some(Frame::End { pieces: v }),
+        _ => None,
+    }
+}
+
+/// The frame the sender writes for `fr`, as the receiver compares it (values truncated to
+/// the 48 bits that travel).
+#[inline]
+pub fn normalize_frame(fr: Frame) -> Frame {
+    match fr {
+        Frame::Piece { tm, len } => Frame::Piece {
+            tm,
+            len: len & FRAME_VALUE_MASK,
+        },
+        Frame::Group { tm, count } => Frame::Group {
+            tm,
+            count: count & FRAME_VALUE_MASK,
+        },
+        Frame::End { pieces } => Frame::End {
+            pieces: pieces & FRAME_VALUE_MASK,
+        },
+    }
 }
 
 /// Encode a descriptor.
@@ -204,7 +301,7 @@ mod tests {
             assert_eq!(decode_header(&encode_header(h)).unwrap(), h);
         }
         assert_eq!(
-            decode_header(b"XX\x01\x00\0\0\0\0"),
+            decode_header(b"XX\x02\x00\0\0\0\0"),
             Err(WireError::Magic(*b"XX"))
         );
         assert_eq!(
@@ -212,17 +309,41 @@ mod tests {
             Err(WireError::Version(9))
         );
         assert_eq!(
-            decode_header(b"M2\x01\x80\0\0\0\0"),
+            decode_header(b"M2\x02\x80\0\0\0\0"),
             Err(WireError::Flags(0x80))
         );
         assert!(matches!(
             decode_header(b"M2"),
             Err(WireError::Length { got: 2, .. })
         ));
-        assert!(decode_header(b"XX\x01\x00\0\0\0\0")
+        assert!(decode_header(b"XX\x02\x00\0\0\0\0")
             .unwrap_err()
             .to_string()
             .contains("enable checked mode"));
+    }
+
+    #[test]
+    fn frame_roundtrip() {
+        for fr in [
+            Frame::Piece { tm: 0, len: 0 },
+            Frame::Piece {
+                tm: 3,
+                len: (1 << 48) - 1,
+            },
+            Frame::Group { tm: 1, count: 16 },
+            Frame::End { pieces: 7 },
+        ] {
+            assert_eq!(decode_frame(&encode_frame(fr)), Some(fr));
+        }
+        assert_eq!(
+            decode_frame(&encode_frame(Frame::Piece {
+                tm: 1,
+                len: (1 << 48) + 5
+            })),
+            Some(Frame::Piece { tm: 1, len: 5 })
+        );
+        assert_eq!(decode_frame(b"M2\x02\x00\0\0\0\0"), None);
+        assert_eq!(decode_frame(&[0xf3, 1, 0, 0, 0, 0, 0, 0]), None);
     }
 
     #[test]

@@ -226,6 +226,25 @@ fn strip_header(mut ev: Vec<Ev>) -> Vec<Ev> {
     ev
 }
 
+/// The unchecked-mode frame announcing a piece of `len` bytes through TM `tm`.
+fn fp(tm: u8, len: u64) -> Vec<u8> {
+    mad_core::wire::encode_frame(mad_core::wire::Frame::Piece { tm, len }).to_vec()
+}
+
+/// The frame announcing a gather group of `count` slices through TM `tm`.
+fn fg(tm: u8, count: u64) -> Vec<u8> {
+    mad_core::wire::encode_frame(mad_core::wire::Frame::Group { tm, count }).to_vec()
+}
+
+/// The end frame of a message of `pieces` pieces.
+fn fe(pieces: u64) -> Vec<u8> {
+    mad_core::wire::encode_frame(mad_core::wire::Frame::End { pieces }).to_vec()
+}
+
+fn cat(parts: &[&[u8]]) -> Vec<u8> {
+    parts.concat()
+}
+
 #[test]
 fn switch_is_a_pure_table_lookup() {
     let t = TmTable::new([
@@ -293,13 +312,13 @@ fn small_pieces_aggregate_into_one_buffer_and_one_flush() {
         }
         p.end_packing()
     });
-    // 16 copies into TM 0, no gather send, one commit, one end.
-    assert_eq!(ev.len(), 18, "{ev:?}");
+    // 16 copies (frame and piece) into TM 0, the end frame, no gather send, one commit, one end.
+    assert_eq!(ev.len(), 19, "{ev:?}");
     assert!(ev[..16]
         .iter()
         .enumerate()
-        .all(|(i, e)| *e == Ev::Copy(0, vec![i as u8; 4])));
-    assert_eq!(ev[16..], [Ev::Commit(0), Ev::End]);
+        .all(|(i, e)| *e == Ev::Copy(0, cat(&[&fp(0, 4), &[i as u8; 4]]))));
+    assert_eq!(ev[16..], [Ev::Copy(0, fe(16)), Ev::Commit(0), Ev::End]);
 }
 
 #[test]
@@ -310,17 +329,18 @@ fn a_short_message_is_one_lend_header_included() {
         p.pack(&piece, RecvMode::Cheaper)?;
         p.end_packing()
     });
-    // Header and piece in one lend, then the commit and the end.
-    assert_eq!(ev.len(), 3, "{ev:?}");
+    // Header, frame and piece in one lend, then the end frame, the commit and the end.
+    assert_eq!(ev.len(), 4, "{ev:?}");
     match &ev[0] {
         Ev::Copy(0, b) => {
-            assert_eq!(b.len(), 13);
+            assert_eq!(b.len(), 21);
             assert_eq!(&b[..2], b"M2");
-            assert_eq!(&b[8..], &piece);
+            assert_eq!(&b[8..16], &fp(0, 5)[..]);
+            assert_eq!(&b[16..], &piece);
         }
         e => panic!("first event {e:?}"),
     }
-    assert_eq!(ev[1..], [Ev::Commit(0), Ev::End]);
+    assert_eq!(ev[1..], [Ev::Copy(0, fe(1)), Ev::Commit(0), Ev::End]);
 }
 
 #[test]
@@ -339,9 +359,11 @@ fn header_and_pieces_split_across_tiny_lends() {
             bytes.extend_from_slice(b);
         }
     }
-    assert_eq!(bytes.len(), 8 + piece.len());
+    assert_eq!(bytes.len(), 8 + 8 + piece.len() + 8);
     assert_eq!(&bytes[..2], b"M2");
-    assert_eq!(&bytes[8..], &piece[..]);
+    assert_eq!(&bytes[8..16], &fp(0, 11)[..]);
+    assert_eq!(&bytes[16..27], &piece[..]);
+    assert_eq!(&bytes[27..], &fe(1)[..]);
 }
 
 #[test]
@@ -363,14 +385,15 @@ fn big_safer_piece_in_a_copy_tm_is_split_across_buffers() {
             }
         })
         .collect();
-    // The header took 8 bytes of the first buffer.
+    // The header took 8 bytes of the first buffer (shown without it: frame and data); the end
+    // frame follows.
     assert_eq!(
         copies.iter().map(|b| b.len()).collect::<Vec<_>>(),
-        vec![4088, 4096, 1816]
+        vec![4088, 4096, 1824, 8]
     );
     assert_eq!(
         copies.into_iter().flatten().copied().collect::<Vec<u8>>(),
-        big
+        cat(&[&fp(0, 10_000), &big, &fe(1)])
     );
 }
 
@@ -388,11 +411,14 @@ fn tm_change_commits_the_previous_tm_and_groups_gather() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, a.to_vec()),
+            Ev::Copy(0, cat(&[&fp(0, 8), &a])),
+            // One group, flushed when the TM changes back, announced by its frames.
+            Ev::Copy(0, cat(&[&fg(1, 2), &fp(1, 100), &fp(1, 200)])),
             Ev::Commit(0),
-            Ev::Refs(1, vec![b.clone(), c.clone()]), // one group: flushed when the TM changes back
+            Ev::Refs(1, vec![b.clone(), c.clone()]),
             Ev::Commit(1),
-            Ev::Copy(0, d.to_vec()),
+            Ev::Copy(0, cat(&[&fp(0, 8), &d])),
+            Ev::Copy(0, fe(4)),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -441,9 +467,10 @@ fn later_reads_the_value_at_end_packing_and_travels_last() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, vec![9, 9]),
+            Ev::Copy(0, cat(&[&fp(0, 2), &[9, 9]])),
             Ev::Publish,
-            Ev::Copy(0, vec![7, 0, 0, 8]),
+            Ev::Copy(0, cat(&[&fp(0, 4), &[7, 0, 0, 8]])),
+            Ev::Copy(0, fe(2)),
             Ev::Commit(0),
             Ev::End
         ]
@@ -468,11 +495,13 @@ fn later_express_holds_the_rest_of_the_message_until_end_packing() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, vec![42, 0, 0, 0, 0, 0, 0, 0]),
+            Ev::Copy(0, cat(&[&fp(0, 8), &[42, 0, 0, 0, 0, 0, 0, 0]])),
+            Ev::Copy(0, cat(&[&fg(1, 1), &fp(1, 500)])),
             Ev::Commit(0),
             Ev::Refs(1, vec![vec![5u8; 500]]),
             Ev::Commit(1),
-            Ev::Copy(0, vec![6u8; 10]),
+            Ev::Copy(0, cat(&[&fp(0, 10), &[6u8; 10]])),
+            Ev::Copy(0, fe(3)),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -496,12 +525,14 @@ fn express_pieces_are_published_before_end_packing() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, n.to_vec()),
+            Ev::Copy(0, cat(&[&fp(0, 8), &n])),
             Ev::Publish,
+            Ev::Copy(0, cat(&[&fg(1, 1), &fp(1, 500)])),
             Ev::Commit(0),
             Ev::Refs(1, vec![body.clone()]),
             Ev::Commit(1),
-            Ev::Copy(0, vec![1u8; 4]),
+            Ev::Copy(0, cat(&[&fp(0, 4), &[1u8; 4]])),
+            Ev::Copy(0, fe(3)),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -515,10 +546,13 @@ fn express_pieces_are_published_before_end_packing() {
     assert_eq!(
         ev,
         vec![
+            Ev::Copy(0, cat(&[&fg(1, 1), &fp(1, 500)])),
             Ev::Commit(0),
             Ev::Refs(1, vec![body.clone()]),
             Ev::Publish,
             Ev::Commit(1),
+            Ev::Copy(0, fe(1)),
+            Ev::Commit(0),
             Ev::End,
         ]
     );
@@ -530,13 +564,21 @@ fn zero_piece_and_zero_length_messages() {
         ch.begin_packing(1)?.end_packing()?;
         Ok(())
     });
-    assert_eq!(ev, vec![Ev::Commit(0), Ev::End]);
+    assert_eq!(ev, vec![Ev::Copy(0, fe(0)), Ev::Commit(0), Ev::End]);
     let ev = record("rec", 4096, |ch| {
         let mut p = ch.begin_packing(1)?;
         p.pack(&[], RecvMode::Express)?;
         p.end_packing()
     });
-    assert_eq!(ev, vec![Ev::Commit(0), Ev::End]);
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, fp(0, 0)),
+            Ev::Copy(0, fe(1)),
+            Ev::Commit(0),
+            Ev::End
+        ]
+    );
 }
 
 #[test]
