@@ -140,9 +140,20 @@ impl<T> Half<T> {
     }
 }
 
+/// Why a connection can no longer be used, in either direction (see [`Conn::fail`]).
+pub(crate) struct ConnFailure {
+    /// The peer is gone (closed, died, reset): calls towards it report [`Error::PeerClosed`].
+    gone: bool,
+    /// What happened, for [`Error::Poisoned`].
+    cause: String,
+}
+
 pub(crate) struct Conn {
     pub(crate) tx: Half<TxState>,
     pub(crate) rx: Half<RxState>,
+    /// Set once, by whichever half learns first that the connection is finished: the
+    /// connection is the unit of failure, so the other half refuses new messages too.
+    pub(crate) failed: std::sync::OnceLock<ConnFailure>,
     /// Any-source hint: this connection may have a message.
     pub(crate) hint: AtomicBool,
     /// Counters of the sending direction (written by the holder of `tx` only).
@@ -154,6 +165,36 @@ pub(crate) struct Conn {
 /// One direction's counters, updated once per message. Only the thread holding that
 /// direction's lock writes them, so an update is a load and a store (no locked
 /// read-modify-write on the message path); [`Channel::stats`] reads them without locking.
+impl Conn {
+    /// Record that this connection is finished (the first cause wins). `gone`: the peer
+    /// closed, died or reset the connection; otherwise a local or protocol failure broke it.
+    pub(crate) fn fail(&self, gone: bool, cause: impl Into<String>) {
+        let _ = self.failed.set(ConnFailure {
+            gone,
+            cause: cause.into(),
+        });
+    }
+
+    /// `Ok` while the connection may carry new messages; otherwise the error every new call
+    /// towards this peer gets.
+    #[inline]
+    pub(crate) fn usable(&self, rank: usize) -> Result<()> {
+        match self.failed.get() {
+            None => Ok(()),
+            Some(f) if f.gone => Err(Error::PeerClosed { rank }),
+            Some(f) => Err(Error::Poisoned {
+                rank,
+                cause: f.cause.clone(),
+            }),
+        }
+    }
+}
+
+/// Whether an error means the peer itself is gone (for [`Conn::fail`]).
+pub(crate) fn peer_gone(e: &Error) -> bool {
+    matches!(e, Error::PeerClosed { .. } | Error::ConnectionLost { .. })
+}
+
 #[derive(Default)]
 pub(crate) struct LinkCounters {
     msgs: AtomicU64,
@@ -281,6 +322,7 @@ impl ChannelInner {
                             spare: Default::default(),
                         }),
                         hint: AtomicBool::new(false),
+                        failed: std::sync::OnceLock::new(),
                         sent: LinkCounters::default(),
                         received: LinkCounters::default(),
                     }
@@ -343,6 +385,18 @@ impl ChannelInner {
                 return Ok(None);
             }
         };
+        if rx.broken.is_none() {
+            if let Err(e) = conn.usable(remote) {
+                // The sending half (or a thread before) found the connection finished.
+                rx.broken = Some(e.to_string());
+                rx.link.abort_message();
+                if matches!(e, Error::PeerClosed { .. }) {
+                    rx.reported = true;
+                    self.incoming.forget(remote);
+                    return Ok(None);
+                }
+            }
+        }
         if let Some(cause) = rx.broken.clone() {
             if rx.reported {
                 return Ok(None);
@@ -361,6 +415,7 @@ impl ChannelInner {
                 rx.broken = Some(e.to_string());
                 rx.reported = true;
                 rx.link.abort_message();
+                conn.fail(peer_gone(&e), e.to_string());
                 self.incoming.forget(remote);
                 // A peer that closed cleanly between two messages simply leaves the any-source
                 // set (clients come and go); anything else is reported once.
@@ -376,11 +431,19 @@ impl ChannelInner {
     fn all_broken(&self) -> bool {
         self.peers.iter().all(|&p| match &self.conns[p] {
             Some(c) => match c.rx.try_lock() {
-                Ok(g) => g.broken.is_some() && g.reported,
+                Ok(g) => (g.broken.is_some() && g.reported) || c.failed.get().is_some(),
                 Err(_) => false,
             },
             None => true,
         })
+    }
+
+    /// The error of an any-source receive on a channel none of whose peers can send any more.
+    fn all_gone(&self) -> Error {
+        Error::Poisoned {
+            rank: self.peers[0],
+            cause: "every peer of this channel has closed its connection or failed".into(),
+        }
     }
 
     /// Find a peer with a message; returns its rank and its locked receiving half (a small value:
@@ -433,10 +496,7 @@ impl ChannelInner {
     /// is also where a channel whose peers are all gone is noticed, off the polling fast path.
     fn block_any(&self, busy: bool, t: Duration) -> Result<()> {
         if !busy && self.all_broken() {
-            return Err(Error::Poisoned {
-                rank: self.peers[0],
-                cause: "every peer of this channel has closed its connection or failed".into(),
-            });
+            return Err(self.all_gone());
         }
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let r = if busy {
@@ -487,6 +547,8 @@ impl Channel {
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
             Poll::Ready((remote, rx)) => Unpacker::start(&self.inner, remote, rx).map(Some),
+            // Like `begin_unpacking`: no message can ever come, so say so instead of `None`.
+            Poll::Pending if !busy && self.inner.all_broken() => Err(self.inner.all_gone()),
             Poll::Pending => Ok(None),
         }
     }
@@ -506,6 +568,11 @@ impl Channel {
                 cause: cause.clone(),
             });
         }
+        if let Err(e) = conn.usable(remote) {
+            rx.broken = Some(e.to_string());
+            rx.link.abort_message();
+            return Err(e);
+        }
         let r = inner.progress.drive(
             &mut *rx,
             |rx| rx.link.poll_message(),
@@ -514,6 +581,7 @@ impl Channel {
         if let Err(e) = r {
             rx.broken = Some(e.to_string());
             rx.link.abort_message();
+            conn.fail(peer_gone(&e), e.to_string());
             return Err(e);
         }
         Unpacker::start(inner, remote, rx)

@@ -15,8 +15,17 @@
 //! under 30 % of the wait; skipped with `progress=poll`), `two_channels`, `threads`,
 //! `checked_mismatch`, `peer_closes`
 //! (a message abandoned after part of it left; skipped when the driver's capabilities say it
-//! cannot detect a dead peer). An unknown name in `MAD_KIT_CASES` is an error, not a kit that
-//! runs nothing.
+//! cannot detect a dead peer), and the failure rules at sizes beyond every buffer:
+//! `receiver_abandons` (a receiver that drops its `Unpacker`, or fails with `UnpackMismatch`,
+//! in the middle of a 16 MiB message never strands its sender, and the connection is then
+//! refused in both directions on both sides), `sender_abandons` (a `Packer` dropped with
+//! nothing sent leaves the connection intact; dropped after part of its message left, flushed
+//! or not, it is never delivered as complete), `wrong_unpacks` (unchecked mode: short, long
+//! and skipped unpacks of small and large pieces are errors at that message, never a misread
+//! or a wait on a sender that waits in turn), `dead_peer_idle` (sends to peers that left while
+//! this rank was not waiting fail, and `try_begin_unpacking` says that no peer is left; skipped
+//! when the driver cannot detect a dead peer). An unknown name in `MAD_KIT_CASES` is an error,
+//! not a kit that runs nothing.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -80,6 +89,10 @@ const CASES: &[(&str, Case)] = &[
     ("threads", case_threads),
     ("checked_mismatch", case_checked_mismatch),
     ("peer_closes", case_peer_closes),
+    ("receiver_abandons", case_receiver_abandons),
+    ("sender_abandons", case_sender_abandons),
+    ("wrong_unpacks", case_wrong_unpacks),
+    ("dead_peer_idle", case_dead_peer_idle),
 ];
 
 struct Ctx<'s> {
@@ -893,6 +906,339 @@ fn case_peer_closes(c: &Ctx<'_>) -> Result<()> {
                 "connection still usable after the peer abandoned a message",
             ));
         }
+    }
+    Ok(())
+}
+
+/// How long the failure cases give a call before they call it stranded (the channel's
+/// `timeout_ms` turns a hang into `Error::Timeout`, which these cases refuse).
+const STRANDED_MS: u64 = 20_000;
+
+/// A call that had to fail did: any error but a timeout (a timeout means it hung).
+fn failed_promptly(r: Result<()>, what: &str) -> Result<()> {
+    match r {
+        Ok(()) => Err(fail(format!("{what}: returned Ok"))),
+        Err(Error::Timeout(t)) => Err(fail(format!("{what}: stranded ({t:?} without an answer)"))),
+        Err(e) if e.to_string().starts_with("conformance kit") => Err(e),
+        Err(_) => Ok(()),
+    }
+}
+
+/// A whole message of one `len`-byte CHEAPER piece after an EXPRESS length.
+fn send_sized(ch: &Channel, to: usize, tag: u64, len: usize) -> Result<()> {
+    let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
+    let mut p = ch.begin_packing(to)?;
+    p.pack_value(&(len as u64), RecvMode::Express)?;
+    p.pack(&body, RecvMode::Cheaper)?;
+    p.end_packing()
+}
+
+/// Receive what [`send_sized`] sent and check it.
+fn recv_sized(ch: &Channel, from: usize, tag: u64) -> Result<()> {
+    let mut u = ch.begin_unpacking_from(from)?;
+    let n: u64 = u.unpack_value()?;
+    let mut body = vec![0u8; n as usize];
+    u.unpack(&mut body, SendMode::Cheaper)?;
+    u.end_unpacking()?;
+    check(tag, &body, "message")
+}
+
+/// After a failure in the middle of a message between ranks 0 and 1, the connection is
+/// finished in both directions on both sides: every new message either way fails (at once,
+/// or at the latest at its end), and nothing sent on it is delivered.
+fn connection_refused_both_ways(c: &Ctx<'_>, ch: &Channel, what: &str) -> Result<()> {
+    const LEN: usize = 1 << 20;
+    let peer = 1 - c.rank();
+    c.barrier(&format!("{what}-refused"))?;
+    failed_promptly(
+        send_sized(ch, peer, 91, LEN),
+        &format!("{what}: a 1 MiB send on the broken connection"),
+    )?;
+    failed_promptly(
+        recv_sized(ch, peer, 91),
+        &format!("{what}: a receive on the broken connection"),
+    )?;
+    c.barrier(&format!("{what}-refused-done"))
+}
+
+/// A receiver that gives up in the middle of a message bigger than every buffer (drops its
+/// `Unpacker`; or, in checked mode, gets `UnpackMismatch`) and stays alive: the sender's
+/// `end_packing` returns (an error, or `Ok` if the transport had taken the whole message)
+/// instead of waiting forever, and the connection is then refused both ways.
+fn case_receiver_abandons(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    const BIG: usize = 16 << 20;
+    for (k, extra) in ["", "checked=true"].iter().enumerate() {
+        let opts = format!("timeout_ms={STRANDED_MS}{}{extra}", if extra.is_empty() { "" } else { "," });
+        let ch = c.open(&format!("-{k}"), &opts)?;
+        let what = if extra.is_empty() { "dropped Unpacker" } else { "UnpackMismatch" };
+        match c.rank() {
+            0 => {
+                let body: Vec<u8> = (0..BIG).map(|i| pat(61, i)).collect();
+                let r = (|| {
+                    let mut p = ch.begin_packing(1)?;
+                    p.pack_value(&(BIG as u64), RecvMode::Express)?;
+                    p.pack(&body, RecvMode::Cheaper)?;
+                    p.end_packing()
+                })();
+                // Ok only if the transport had taken every byte before the receiver gave up;
+                // otherwise an error, and never a wait without end.
+                if let Err(Error::Timeout(t)) = r {
+                    return Err(fail(format!(
+                        "{what}: the sender of a 16 MiB message was stranded ({t:?})"
+                    )));
+                }
+            }
+            1 => {
+                let mut u = ch.begin_unpacking_from(0)?;
+                let n: u64 = u.unpack_value()?;
+                if n != BIG as u64 {
+                    return Err(fail(format!("header {n}")));
+                }
+                if extra.is_empty() {
+                    drop(u);
+                } else {
+                    let mut wrong = vec![0u8; BIG / 2];
+                    match u.unpack(&mut wrong, SendMode::Cheaper) {
+                        Err(Error::UnpackMismatch { .. }) => {}
+                        Err(e) => return Err(fail(format!("expected UnpackMismatch, got {e}"))),
+                        Ok(()) => return Err(fail("a 8 MiB unpack of a 16 MiB piece was accepted")),
+                    }
+                }
+            }
+            _ => {}
+        }
+        if c.rank() < 2 {
+            connection_refused_both_ways(c, &ch, what)?;
+        }
+        c.barrier(&format!("receiver-abandons-{k}"))?;
+    }
+    Ok(())
+}
+
+/// A `Packer` dropped before `end_packing`, the sender staying alive: with nothing of the
+/// message sent it is discarded and the connection carries the next message; after part of
+/// it left (flushed, or published early by the driver) the receiver gets an error, never the
+/// message as if complete.
+fn case_sender_abandons(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let opts = format!("timeout_ms={STRANDED_MS}");
+    // Nothing packed: discarded, the connection intact.
+    let ch = c.open("-empty", &opts)?;
+    match c.rank() {
+        0 => {
+            drop(ch.begin_packing(1)?);
+            send_sized(&ch, 1, 71, 100)?;
+        }
+        1 => recv_sized(&ch, 0, 71)
+            .map_err(|e| fail(format!("after an empty Packer was dropped: {e}")))?,
+        _ => {}
+    }
+    c.barrier("empty-done")?;
+    // An EXPRESS header and a CHEAPER body of 16 B to 16 MiB, dropped without a flush, then
+    // the same after a flush: the receiver must never see that message complete.
+    let sizes = [16usize, 1000, 8000, 100_000, 16 << 20];
+    for flush in [false, true] {
+        for (k, &len) in sizes.iter().enumerate() {
+            let ch = c.open(&format!("-{}{k}", if flush { "f" } else { "n" }), &opts)?;
+            let tag = 700 + k as u64;
+            match c.rank() {
+                0 => {
+                    let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
+                    let mut p = ch.begin_packing(1)?;
+                    p.pack_value(&(len as u64), RecvMode::Express)?;
+                    p.pack(&body, RecvMode::Cheaper)?;
+                    if flush {
+                        p.flush()?;
+                    }
+                    drop(p);
+                    // Then a good message: delivered if the first was discarded whole.
+                    let _ = send_sized(&ch, 1, tag + 50, 64);
+                }
+                1 => {
+                    let mut u = ch.begin_unpacking_from(0)?;
+                    let n: u64 = u.unpack_value()?;
+                    let r = if n == len as u64 {
+                        let mut body = vec![0u8; len];
+                        let r = u.unpack(&mut body, SendMode::Cheaper);
+                        match r.and_then(|()| u.end_unpacking()) {
+                            Ok(()) => Err(fail(format!(
+                                "a message of {len} B abandoned{} before end_packing was \
+                                 delivered as complete",
+                                if flush { " after a flush" } else { "" }
+                            ))),
+                            Err(e) => failed_promptly(Err(e), "abandoned message"),
+                        }
+                    } else if n == 64 {
+                        // The abandoned message was discarded whole: the next one is intact.
+                        if flush {
+                            Err(fail(format!("a flushed {len} B message vanished")))
+                        } else {
+                            let mut body = vec![0u8; 64];
+                            u.unpack(&mut body, SendMode::Cheaper)?;
+                            u.end_unpacking()?;
+                            check(tag + 50, &body, "message after a discarded one")
+                        }
+                    } else {
+                        Err(fail(format!("header {n}: neither message")))
+                    };
+                    r?;
+                }
+                _ => {}
+            }
+            c.barrier(&format!("abandon-{flush}-{k}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Unchecked mode: a receiver whose unpacks do not match the message (shorter, longer, or a
+/// piece skipped), small pieces and pieces beyond every buffer: an error at that message on
+/// the receiver, the sender never stranded (it may finish if everything had left), the
+/// connection then refused both ways, and nothing misread.
+fn case_wrong_unpacks(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    #[derive(Clone, Copy, Debug)]
+    enum Wrong {
+        Short,
+        Long,
+        Skip,
+    }
+    let plans: [(usize, Wrong); 7] = [
+        (100, Wrong::Short),
+        (4 << 20, Wrong::Short),
+        (100, Wrong::Long),
+        (4 << 20, Wrong::Long),
+        (20_000, Wrong::Skip),
+        (16 << 20, Wrong::Skip),
+        (60, Wrong::Skip),
+    ];
+    for (k, &(len, wrong)) in plans.iter().enumerate() {
+        let ch = c.open(&format!("-{k}"), &format!("timeout_ms={STRANDED_MS}"))?;
+        let what = format!("{wrong:?} unpack of a {len} B piece");
+        match c.rank() {
+            0 => {
+                let r = send_sized(&ch, 1, 80 + k as u64, len);
+                // The sender may have finished before the receiver noticed; it must not hang.
+                if let Err(Error::Timeout(t)) = r {
+                    return Err(fail(format!("{what}: the sender was stranded ({t:?})")));
+                }
+                // A second message behind it must not be taken for part of the first.
+                let _ = send_sized(&ch, 1, 90, 32);
+            }
+            1 => {
+                let mut b = vec![
+                    0u8;
+                    match wrong {
+                        Wrong::Short => len / 2,
+                        Wrong::Long => len * 2,
+                        Wrong::Skip => 0,
+                    }
+                ];
+                let r = (|| -> Result<()> {
+                    let mut u = ch.begin_unpacking_from(0)?;
+                    let n: u64 = u.unpack_value()?;
+                    if n != len as u64 {
+                        return Err(fail(format!("header {n}")));
+                    }
+                    if !matches!(wrong, Wrong::Skip) {
+                        u.unpack(&mut b, SendMode::Cheaper)?;
+                    }
+                    u.end_unpacking()
+                })();
+                failed_promptly(r, &format!("{what}: the receiver"))?;
+            }
+            _ => {}
+        }
+        if c.rank() < 2 {
+            connection_refused_both_ways(c, &ch, &what)?;
+        }
+        c.barrier(&format!("wrong-{k}"))?;
+    }
+    Ok(())
+}
+
+/// Peers that leave (close their channel; a process would exit) while this rank is not
+/// waiting: a little later, every send to them fails, and `try_begin_unpacking` reports that
+/// no peer is left instead of `None` forever. Skipped when the driver cannot detect a dead
+/// peer.
+fn case_dead_peer_idle(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", &format!("timeout_ms={STRANDED_MS}"))?;
+    if !ch.capabilities().detects_peer_death {
+        return Ok(());
+    }
+    // A message each way first, so the connections are known to work.
+    if c.rank() == 0 {
+        for p in 1..c.size() {
+            send_sized(&ch, p, 95, 10)?;
+        }
+    } else {
+        recv_sized(&ch, 0, 95)?;
+    }
+    c.barrier("dead-ready")?;
+    if c.rank() != 0 {
+        drop(ch);
+        c.barrier("dead-gone")?;
+        return Ok(());
+    }
+    c.barrier("dead-gone")?;
+    std::thread::sleep(Duration::from_millis(500));
+    const BOUND: Duration = Duration::from_secs(10);
+    for p in 1..c.size() {
+        let t0 = Instant::now();
+        let mut sent = 0u64;
+        loop {
+            let r = (|| {
+                let mut m = ch.begin_packing(p)?;
+                m.pack_safer(&[5u8; 8], RecvMode::Cheaper)?;
+                m.end_packing()
+            })();
+            match r {
+                Err(Error::Timeout(t)) => {
+                    return Err(fail(format!("a send to departed rank {p} hung ({t:?})")))
+                }
+                Err(_) => break,
+                Ok(()) => sent += 1,
+            }
+            if t0.elapsed() > BOUND {
+                return Err(fail(format!(
+                    "{sent} sends to rank {p} returned Ok over {BOUND:?} after it left"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // Once known, every later call towards it fails at once.
+        if ch.begin_packing(p).is_ok() {
+            return Err(fail(format!("a send to departed rank {p} started after an error")));
+        }
+    }
+    let t0 = Instant::now();
+    loop {
+        match ch.try_begin_unpacking() {
+            Err(_) => break,
+            Ok(Some(u)) => {
+                return Err(fail(format!(
+                    "a message from rank {} nobody sent",
+                    u.remote()
+                )))
+            }
+            Ok(None) => {}
+        }
+        if t0.elapsed() > BOUND {
+            return Err(fail(format!(
+                "try_begin_unpacking still says `None` {BOUND:?} after every peer left"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
     Ok(())
 }

@@ -306,10 +306,19 @@ impl PackState<'_> {
     }
 
     /// Abandon the message after an error or a drop.
-    fn fail(&mut self, why: &str) {
+    /// `peer`: the failure came from the peer (it closed, died or reset the connection); the
+    /// receiving half then goes on delivering what the peer sent before, until it finds out
+    /// itself. Otherwise (the message was abandoned, a local error) a broken connection is
+    /// finished in both directions.
+    fn fail(&mut self, why: &str, peer: bool) {
         self.done = true;
         if let AbortOutcome::Broken = self.tx.link.abort_message() {
             self.tx.broken = Some(why.to_string());
+            if !peer {
+                if let Some(Some(c)) = self.ch.conns.get(self.remote) {
+                    c.fail(false, why);
+                }
+            }
         }
     }
 }
@@ -317,7 +326,10 @@ impl PackState<'_> {
 impl Drop for PackState<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.fail("a Packer was dropped after part of its message had left; the connection was closed");
+            self.fail(
+                "a Packer was dropped after part of its message had left; the connection was closed",
+                false,
+            );
         }
     }
 }
@@ -336,6 +348,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 cause: cause.clone(),
             });
         }
+        conn.usable(remote)?;
         if let Err(e) = tx.link.begin_message() {
             tx.broken = Some(format!("begin_message failed: {e}"));
             return Err(e);
@@ -393,7 +406,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn check(&mut self, r: Result<()>) -> Result<()> {
         if let Err(e) = &r {
             if !self.st.done {
-                self.st.fail(&format!("pack failed: {e}"));
+                self.st
+                    .fail(&format!("pack failed: {e}"), crate::channel::peer_gone(e));
             }
         }
         r
@@ -714,7 +728,10 @@ impl<'c, 'b> Packer<'c, 'b> {
             }
             Err(e) => {
                 if !self.st.done {
-                    self.st.fail(&format!("end_packing failed: {e}"));
+                    self.st.fail(
+                        &format!("end_packing failed: {e}"),
+                        crate::channel::peer_gone(&e),
+                    );
                 }
                 Err(e)
             }

@@ -185,8 +185,14 @@ impl UnpackState<'_> {
         Ok(())
     }
 
-    fn fail(&mut self, why: String) {
+    /// The message cannot be finished: the stream is out of step, so the connection is
+    /// finished in both directions (the driver tears it down so the peer learns it too).
+    /// `peer`: the failure came from the peer itself (closed, died, reset).
+    fn fail(&mut self, why: String, peer: bool) {
         self.done = true;
+        if let Some(Some(c)) = self.ch.conns.get(self.remote) {
+            c.fail(peer, why.clone());
+        }
         if let Some(rx) = self.rx.as_deref_mut() {
             rx.link.abort_message();
             rx.broken = Some(why);
@@ -205,7 +211,11 @@ impl UnpackState<'_> {
 impl Drop for UnpackState<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.fail("an Unpacker was dropped before end_unpacking; the rest of its message was left unread".into());
+            self.fail(
+                "an Unpacker was dropped before end_unpacking; the rest of its message was left unread"
+                    .into(),
+                false,
+            );
         }
         self.release();
     }
@@ -254,7 +264,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 Ok(Unpacker { st, group, tail })
             }
             Err(e) => {
-                st.fail(format!("bad message start: {e}"));
+                st.fail(
+                    format!("bad message start: {e}"),
+                    crate::channel::peer_gone(&e),
+                );
                 Err(e)
             }
         }
@@ -276,7 +289,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     fn check(&mut self, r: Result<()>) -> Result<()> {
         if let Err(e) = &r {
             if !self.st.done {
-                self.st.fail(format!("unpack failed: {e}"));
+                self.st.fail(
+                    format!("unpack failed: {e}"),
+                    crate::channel::peer_gone(e),
+                );
                 self.recycle();
                 self.st.release();
             }
@@ -512,7 +528,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
             Err(e) => {
                 if !self.st.done {
-                    self.st.fail(format!("end_unpacking failed: {e}"));
+                    self.st.fail(
+                        format!("end_unpacking failed: {e}"),
+                        crate::channel::peer_gone(&e),
+                    );
                 }
                 self.st.release();
                 Err(e)
