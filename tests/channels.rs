@@ -209,6 +209,7 @@ fn environment_configures_channels() {
 #[test]
 fn bad_specs_are_bad_config_on_every_driver() {
     let session = madeleine::session().unwrap();
+    let mut failures = Vec::new();
     for (spec, want) in [
         (
             "tcp,chekced=true",
@@ -248,15 +249,25 @@ fn bad_specs_are_bad_config_on_every_driver() {
         ),
         ("mem,buf=0", &["buf=0"]),
     ] {
-        let r = ChannelConfig::parse("bad", spec).and_then(|c| session.open_channel_with(c));
-        let Err(e @ Error::BadConfig(_)) = r.as_ref().map(|_| ()) else {
-            panic!("{spec}: expected BadConfig, got {:?}", r.map(|_| ()));
-        };
-        let msg = e.to_string();
-        for w in want {
-            assert!(msg.contains(w), "{spec}: `{w}` missing from: {msg}");
+        // A panic is a failure too (`mem,frames=<huge>` did).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ChannelConfig::parse("bad", spec)
+                .and_then(|c| session.open_channel_with(c))
+                .map(|_| ())
+        }));
+        match r {
+            Ok(Err(e @ Error::BadConfig(_))) => {
+                let msg = e.to_string();
+                for w in want {
+                    if !msg.contains(w) {
+                        failures.push(format!("{spec}: `{w}` missing from: {msg}"));
+                    }
+                }
+            }
+            other => failures.push(format!("{spec}: expected BadConfig, got {other:?}")),
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     // The core keys are accepted by every driver.
     for spec in [
         "tcp,checked=1,progress=poll,timeout_ms=5000,tm.small=1k",
@@ -328,14 +339,20 @@ fn bad_environment_and_config_files_are_bad_config() {
         let out = child.wait_with_output().unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
+    let failures = std::cell::RefCell::new(Vec::new());
     let check = |what: &str, out: &str, want: &[&str]| {
-        let line = out
-            .lines()
-            .find(|l| l.contains("OPEN-"))
-            .unwrap_or_else(|| panic!("{what}: no result line in {out}"));
-        assert!(line.contains("OPEN-BADCONFIG"), "{what}: {line}");
+        let mut f = failures.borrow_mut();
+        let Some(line) = out.lines().find(|l| l.contains("OPEN-")) else {
+            f.push(format!("{what}: no result line in `{out}`"));
+            return;
+        };
+        if !line.contains("OPEN-BADCONFIG") {
+            f.push(format!("{what}: {line}"));
+        }
         for w in want {
-            assert!(line.contains(w), "{what}: `{w}` missing from {line}");
+            if !line.contains(w) {
+                f.push(format!("{what}: `{w}` missing from {line}"));
+            }
         }
     };
     let os = |s: &'static str| std::ffi::OsStr::new(s);
@@ -382,4 +399,6 @@ fn bad_environment_and_config_files_are_bad_config() {
         ],
     );
     let _ = std::fs::remove_dir_all(&dir);
+    let f = failures.into_inner();
+    assert!(f.is_empty(), "{}", f.join("\n"));
 }

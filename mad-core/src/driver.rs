@@ -504,7 +504,7 @@ pub trait Driver: Send + Sync {
 
     /// The adapters and option keys this driver accepts for `config` (the keys may depend on
     /// the adapter). The session refuses any other adapter or key with
-    /// [`Error::BadConfig`](crate::Error::BadConfig) before calling anything else
+    /// [`Error::BadConfig`] before calling anything else
     /// ([`ChannelConfig::check_against`]); the core keys (`checked`, `progress`,
     /// `timeout_ms`, `tm.<name>`) are always accepted. The default accepts no adapter and no
     /// option of the driver's own.
