@@ -454,6 +454,149 @@ fn a_dead_rank_fails_pending_allgathers() {
     assert!(t < Duration::from_secs(30));
 }
 
+/// Run madrun on `child_args`-style `args` while a thread waits for the `n` ranks to write
+/// their pid files in `dir`, lets them settle for `settle`, then SIGKILLs rank `victim`.
+fn madrun_killing(
+    args: &[String],
+    envs: &[(&str, &str)],
+    dir: &Path,
+    n: usize,
+    victim: usize,
+    settle: Duration,
+) -> (Output, Duration) {
+    let dir2 = dir.to_path_buf();
+    let killer = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pid_file = dir2.join(format!("pid.{victim}"));
+        while pids_in(&dir2).len() < n {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(settle);
+        let Some(pid) = std::fs::read_to_string(pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        else {
+            return false;
+        };
+        // SAFETY: kill has no memory-safety preconditions; the pid is a rank of our madrun,
+        // still alive (it waits to be killed).
+        unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+    });
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let r = madrun(&args, envs, Duration::from_secs(90));
+    assert!(killer.join().unwrap(), "the victim was not killed");
+    r
+}
+
+/// Reliability issue, defect 1: rank 1 is SIGKILLed while ranks 0 and 2 wait for it in a
+/// receive; they then fail (exit 1) because their peer vanished, often within the same few
+/// milliseconds, sometimes before the kernel reports rank 1's own death. madrun must blame
+/// rank 1 (killed by SIGKILL, exit 137), never the ranks that failed after it. Repeated:
+/// before the fix madrun scanned the ranks in order and blamed rank 0 in most runs.
+#[cfg(feature = "tcp")]
+#[test]
+fn the_first_rank_to_die_is_blamed_not_its_victims() {
+    for run in 0..5 {
+        let dir = temp_dir(&format!("blame{run}"));
+        let d = dir.to_string_lossy().into_owned();
+        let (o, t) = madrun_killing(
+            &child_args("3"),
+            &[("MADRUN_TEST_CHILD", "blocked"), ("D", &d)],
+            &dir,
+            3,
+            1,
+            Duration::from_millis(200),
+        );
+        let (out, err) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(128 + 9), "run {run}: {out}\n{err}");
+        let blamed: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with("madrun: rank "))
+            .collect();
+        assert_eq!(
+            blamed.first().copied(),
+            Some("madrun: rank 1 killed by signal SIGKILL (9)"),
+            "run {run}: {err}"
+        );
+        // Ranks 0 and 2 may be reported, as failures that came after rank 1's.
+        assert!(
+            blamed[1..].iter().all(|l| l.ends_with("(after rank 1)")),
+            "run {run}: {err}"
+        );
+        assert!(t < Duration::from_secs(30), "run {run}: took {t:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The first failure decides madrun's status even when a later one is worse, and with no
+/// failure the status is 0.
+#[test]
+fn the_first_failure_decides_the_status() {
+    let (o, _) = madrun(
+        &[
+            "-n",
+            "2",
+            "--keep-going",
+            "sh",
+            "-c",
+            "if [ \"$MAD_RANK\" = 0 ]; then exit 3; fi; sleep 0.5; exit 9",
+        ],
+        &[],
+        Duration::from_secs(30),
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("madrun: rank 0 exited with status 3"), "{err}");
+    assert!(
+        err.contains("madrun: rank 1 exited with status 9 (after rank 0)"),
+        "{err}"
+    );
+}
+
+/// Reliability issue, defect 2: under `--keep-going` the survivors of a dead rank keep
+/// running. Rank 1 dies (exit 3, then SIGKILL) while ranks 0 and 2 wait for it in a receive;
+/// they see the death through the channel (an error, not a hang), then talk to each other and
+/// exit 0; madrun waits for them and exits with rank 1's status.
+#[cfg(feature = "tcp")]
+#[test]
+fn keep_going_lets_the_survivors_finish() {
+    for (how, status, msg) in [
+        ("exit", 3, "madrun: rank 1 exited with status 3"),
+        (
+            "kill",
+            128 + 9,
+            "madrun: rank 1 killed by signal SIGKILL (9)",
+        ),
+    ] {
+        let mut args = child_args("3");
+        args.insert(0, "--keep-going".to_string());
+        let (o, t) = madrun(
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            &[("MADRUN_TEST_CHILD", "survive"), ("MADRUN_TEST_HOW", how)],
+            Duration::from_secs(90),
+        );
+        let (out, err) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(status), "{how}: {out}\n{err}");
+        assert!(err.contains(msg), "{how}: {err}");
+        assert!(
+            !err.contains("madrun: rank 0") && !err.contains("madrun: rank 2"),
+            "{how}: {err}"
+        );
+        for r in [0, 2] {
+            assert!(
+                out.contains(&format!("[{r}] SURVIVOR-SAW rank 1")),
+                "{how}: {out}"
+            );
+        }
+        assert!(out.contains("[2] SURVIVOR-MSG from 0"), "{how}: {out}");
+        assert!(out.contains("[0] SURVIVOR-DONE"), "{how}: {out}");
+        assert!(t < Duration::from_secs(30), "{how}: took {t:?}");
+    }
+}
+
 /// A real session over the tcp driver between madrun-started processes (the session detects the
 /// madrun bootstrap by itself): rank 0 sends a
 /// length (express) and a 300 kB payload (cheaper) to every other rank, which checks it and
@@ -517,6 +660,85 @@ fn tcp_role() -> mad_core::Result<()> {
     Ok(())
 }
 
+/// Write this process's pid to `$D/pid.<rank>` (atomically: the test reads it concurrently).
+#[cfg(feature = "tcp")]
+fn publish_pid(rank: usize) {
+    let d = PathBuf::from(std::env::var("D").unwrap());
+    let tmp = d.join(format!(".tmp.{rank}"));
+    std::fs::write(&tmp, std::process::id().to_string()).unwrap();
+    std::fs::rename(tmp, d.join(format!("pid.{rank}"))).unwrap();
+}
+
+/// Ranks 0 and 2 wait for rank 1 in a receive; rank 1 waits to be killed by the test.
+#[cfg(feature = "tcp")]
+fn blocked_role() -> mad_core::Result<()> {
+    use mad_core::{ChannelConfig, Session};
+    let s = Session::builder()
+        .driver(mad_tcp::TcpDriver::new())
+        .build()?;
+    let ch = s.open_channel_with(ChannelConfig::parse("blk", "tcp,timeout_ms=30000")?)?;
+    publish_pid(s.rank());
+    if s.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(60));
+        return Ok(());
+    }
+    let e = ch.begin_unpacking_from(1).map(|_| ()).unwrap_err();
+    // Fail at once, as a program that does not expect its peer to vanish would.
+    println!("\nBLOCKED-FAILED {e}");
+    std::process::exit(1);
+}
+
+/// Rank 1 dies (`MADRUN_TEST_HOW`: exit 3 or SIGKILL) while ranks 0 and 2 wait for it; they
+/// report the error, then rank 0 sends rank 2 a message over the same channel.
+#[cfg(feature = "tcp")]
+fn survive_role() -> mad_core::Result<()> {
+    use mad_core::{ChannelConfig, RecvMode, Session};
+    let s = Session::builder()
+        .driver(mad_tcp::TcpDriver::new())
+        .build()?;
+    let ch = s.open_channel_with(ChannelConfig::parse("ft", "tcp,timeout_ms=30000")?)?;
+    if s.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        if std::env::var("MADRUN_TEST_HOW").as_deref() == Ok("kill") {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        std::process::exit(3);
+    }
+    let t = Instant::now();
+    match ch.begin_unpacking_from(1).map(|_| ()) {
+        Err(
+            e @ (Error::PeerClosed { .. } | Error::ConnectionLost { .. } | Error::Poisoned { .. }),
+        ) => println!(
+            "\nSURVIVOR-SAW rank 1 gone after {} ms: {e}",
+            t.elapsed().as_millis()
+        ),
+        other => {
+            println!("\nSURVIVOR-BAD {other:?}");
+            std::process::exit(1);
+        }
+    }
+    if s.rank() == 0 {
+        let mut p = ch.begin_packing(2)?;
+        p.pack_value(&7u64, RecvMode::Express)?;
+        p.end_packing()?;
+        let mut u = ch.begin_unpacking_from(2)?;
+        let v: u64 = u.unpack_value()?;
+        u.end_unpacking()?;
+        assert_eq!(v, 8);
+        println!("SURVIVOR-DONE");
+    } else {
+        let mut u = ch.begin_unpacking_from(0)?;
+        let v: u64 = u.unpack_value()?;
+        u.end_unpacking()?;
+        println!("SURVIVOR-MSG from 0: {v}");
+        let mut p = ch.begin_packing(0)?;
+        p.pack_value(&(v + 1), RecvMode::Express)?;
+        p.end_packing()?;
+    }
+    Ok(())
+}
+
 fn stranger(addr: &str) {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -555,9 +777,14 @@ fn child_role() {
     }
     // A rank connects to its launcher once: the session of this role does it itself.
     #[cfg(feature = "tcp")]
-    if role == "tcp" {
-        if let Err(e) = tcp_role() {
-            println!("\nTCP-FAILED {e}");
+    if let Some(f) = match role.as_str() {
+        "tcp" => Some(tcp_role as fn() -> mad_core::Result<()>),
+        "blocked" => Some(blocked_role as fn() -> mad_core::Result<()>),
+        "survive" => Some(survive_role as fn() -> mad_core::Result<()>),
+        _ => None,
+    } {
+        if let Err(e) = f() {
+            println!("\n{}-FAILED {e}", role.to_uppercase());
             std::process::exit(1);
         }
         return;

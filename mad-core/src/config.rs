@@ -13,12 +13,65 @@
 //! code (`MAD_CHECKED=0` only sets the default of channels opened by name);
 //! `MAD_PROGRESS=poll|block|adaptive` and `MAD_TIMEOUT_MS=<ms>` set the progress policy and
 //! operation timeout of every channel opened by name whose spec does not say otherwise.
+//!
+//! Everything is checked strictly, and nothing malformed is ignored: the core keys
+//! ([`CORE_KEYS`]) are accepted by every driver; each driver declares its adapters and option
+//! keys ([`DriverOptions`], returned by [`Driver::accepted_options`](crate::driver::Driver::accepted_options)),
+//! which the session checks ([`ChannelConfig::check_against`]) before the driver sees the
+//! configuration; numeric options are range-checked ([`ChannelConfig::option_in`],
+//! [`ChannelConfig::option_size_in`]) before any system call. A spec with an empty key or
+//! value, or a key given twice, a variable that is not UTF-8, a `MAD_CONFIG` that is not a
+//! regular file of at most [`MAX_CONFIG_FILE`] bytes, or a channel defined twice in it, is
+//! [`Error::BadConfig`].
 
 use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::io::Read;
+use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::progress::{ProgressMode, ProgressPolicy};
+
+/// The keys every channel accepts, whatever its driver (`tm.<name>` stands for any TM name).
+pub const CORE_KEYS: &[&str] = &["checked", "progress", "timeout_ms", "tm.<name>"];
+
+/// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
+pub const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
+
+/// The largest `MAD_CONFIG` file read, in bytes.
+pub const MAX_CONFIG_FILE: u64 = 1 << 20;
+
+/// Which adapters (the part after `driver:`) a driver accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adapters {
+    /// None: `driver:anything` is refused.
+    None,
+    /// One of these names (or none, meaning the driver's default).
+    OneOf(&'static [&'static str]),
+    /// Any text, which the driver validates itself (an address, an interface); the string
+    /// describes what is expected.
+    Free(&'static str),
+}
+
+/// What a driver accepts in a channel spec besides the [`CORE_KEYS`]: its adapters and the
+/// keys of its options. Checked by the session ([`ChannelConfig::check_against`]) before the
+/// driver sees the configuration, so an unknown or misspelt key never goes unnoticed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverOptions {
+    /// The adapters accepted.
+    pub adapters: Adapters,
+    /// The option keys accepted (besides the core keys).
+    pub keys: &'static [&'static str],
+}
+
+impl DriverOptions {
+    /// No adapter and no option of its own.
+    pub const NONE: DriverOptions = DriverOptions {
+        adapters: Adapters::None,
+        keys: &[],
+    };
+}
 
 /// The configuration of one channel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,13 +149,112 @@ impl ChannelConfig {
     pub fn option_parsed<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>> {
         match self.options.get(key) {
             None => Ok(None),
-            Some(v) => v.parse().map(Some).map_err(|_| {
+            Some(v) => v.trim().parse().map(Some).map_err(|_| {
                 Error::BadConfig(format!(
                     "channel `{}`: option {key}={v} is not valid",
                     self.name
                 ))
             }),
         }
+    }
+
+    /// A numeric driver option, which must lie in `min..=max` (checked before the driver
+    /// makes any system call with it): `BadConfig` naming the key, the value and the range.
+    pub fn option_in<T>(&self, key: &str, min: T, max: T) -> Result<Option<T>>
+    where
+        T: FromStr + PartialOrd + Display + Copy,
+    {
+        let Some(v) = self.options.get(key) else {
+            return Ok(None);
+        };
+        match v.trim().parse::<T>() {
+            Ok(n) if n >= min && n <= max => Ok(Some(n)),
+            _ => Err(Error::BadConfig(format!(
+                "channel `{}`: {key}={v}: expected a whole number from {min} to {max}",
+                self.name
+            ))),
+        }
+    }
+
+    /// A size option (`4096`, `64k`, `1m`, see [`parse_size`]), which must lie in
+    /// `min..=max` bytes: `BadConfig` naming the key, the value and the range.
+    pub fn option_size_in(&self, key: &str, min: usize, max: usize) -> Result<Option<usize>> {
+        let Some(v) = self.options.get(key) else {
+            return Ok(None);
+        };
+        match parse_size(v) {
+            Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(Error::BadConfig(format!(
+                "channel `{}`: {key}={v}: expected a size from {} to {} (e.g. 4096, 64k, 1m)",
+                self.name,
+                show_size(min),
+                show_size(max)
+            ))),
+        }
+    }
+
+    /// An option that takes one of `choices`.
+    pub fn option_choice(
+        &self,
+        key: &str,
+        choices: &[&'static str],
+    ) -> Result<Option<&'static str>> {
+        let Some(v) = self.options.get(key) else {
+            return Ok(None);
+        };
+        choices
+            .iter()
+            .find(|c| **c == v.trim())
+            .copied()
+            .map(Some)
+            .ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "channel `{}`: {key}={v}: expected one of {}",
+                    self.name,
+                    choices.join(", ")
+                ))
+            })
+    }
+
+    /// Check the adapter and the option keys against what the driver accepts: an adapter
+    /// given to a driver that takes none or not among its names, or a key that is neither a
+    /// core key nor one of the driver's, is `BadConfig` naming it and listing the valid ones.
+    pub fn check_against(&self, accepted: &DriverOptions) -> Result<()> {
+        let name = &self.name;
+        let driver = &self.driver;
+        match (&self.adapter, accepted.adapters) {
+            (None, _) | (Some(_), Adapters::Free(_)) => {}
+            (Some(a), Adapters::None) => {
+                return Err(Error::BadConfig(format!(
+                    "channel `{name}`: driver `{driver}` takes no adapter (got `{driver}:{a}`); use `{driver}`"
+                )))
+            }
+            (Some(a), Adapters::OneOf(list)) => {
+                if !list.contains(&a.as_str()) {
+                    return Err(Error::BadConfig(format!(
+                        "channel `{name}`: driver `{driver}` has no adapter `{a}`; valid: {}",
+                        list.join(", ")
+                    )));
+                }
+            }
+        }
+        for k in self.options.keys() {
+            if accepted.keys.contains(&k.as_str()) {
+                continue;
+            }
+            let mut valid: Vec<&str> = accepted.keys.to_vec();
+            valid.extend_from_slice(CORE_KEYS);
+            let hint = if CORE_KEYS.contains(&k.as_str()) || k.starts_with("tm.") {
+                " (a core key: set it with the ChannelConfig field, not as a driver option)"
+            } else {
+                ""
+            };
+            return Err(Error::BadConfig(format!(
+                "channel `{name}`: unknown option `{k}` for driver `{driver}`{hint}; valid keys: {}",
+                valid.join(", ")
+            )));
+        }
+        Ok(())
     }
 
     /// Parse a spec (`driver[:adapter][,key=value]...`) for the channel `name`.
@@ -116,15 +268,22 @@ impl ChannelConfig {
             )));
         }
         let (driver, adapter) = match head.split_once(':') {
-            Some((d, a)) => (
-                d.trim(),
-                Some(a.trim().to_string()).filter(|a| !a.is_empty()),
-            ),
+            Some((d, a)) => {
+                let a = a.trim();
+                if a.is_empty() {
+                    return Err(Error::BadConfig(format!(
+                        "channel `{name}`: empty adapter after `{}:`; give one or drop the `:`",
+                        d.trim()
+                    )));
+                }
+                (d.trim(), Some(a.to_string()))
+            }
             None => (head, None),
         };
-        if !driver
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        if driver.is_empty()
+            || !driver
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         {
             return Err(Error::BadConfig(format!(
                 "channel `{name}`: bad driver name `{driver}`"
@@ -132,6 +291,7 @@ impl ChannelConfig {
         }
         let mut c = ChannelConfig::new(name, driver);
         c.adapter = adapter;
+        let mut seen: Vec<&str> = Vec::new();
         for kv in parts {
             let kv = kv.trim();
             if kv.is_empty() {
@@ -140,7 +300,24 @@ impl ChannelConfig {
             let (k, v) = kv.split_once('=').ok_or_else(|| {
                 Error::BadConfig(format!("channel `{name}`: `{kv}` is not key=value"))
             })?;
-            c.set(k.trim(), v.trim())?;
+            let (k, v) = (k.trim(), v.trim());
+            if k.is_empty() {
+                return Err(Error::BadConfig(format!(
+                    "channel `{name}`: `{kv}` has no key before `=`"
+                )));
+            }
+            if v.is_empty() {
+                return Err(Error::BadConfig(format!(
+                    "channel `{name}`: {k}= has an empty value"
+                )));
+            }
+            if seen.contains(&k) {
+                return Err(Error::BadConfig(format!(
+                    "channel `{name}`: option `{k}` is given twice"
+                )));
+            }
+            seen.push(k);
+            c.set(k, v)?;
         }
         Ok(c)
     }
@@ -152,15 +329,17 @@ impl ChannelConfig {
             "checked" => self.checked = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
             "progress" => self.progress = ProgressPolicy::parse_mode(v)?,
             "timeout_ms" => {
-                let ms: u64 = v.parse().map_err(|_| bad("expected milliseconds"))?;
-                self.op_timeout = if ms == 0 {
-                    None
-                } else {
-                    Some(Duration::from_millis(ms))
-                };
+                self.op_timeout = parse_timeout_ms(v).ok_or_else(|| {
+                    bad(&format!(
+                        "expected milliseconds from 0 (no timeout) to {MAX_TIMEOUT_MS}"
+                    ))
+                })?
             }
             _ => {
                 if let Some(tm) = k.strip_prefix("tm.") {
+                    if tm.is_empty() {
+                        return Err(bad("expected tm.<TM name>=<size>"));
+                    }
                     let n = parse_size(v)
                         .ok_or_else(|| bad("expected a size (e.g. 4096, 64k, 1m, max)"))?;
                     self.thresholds.insert(tm.to_string(), n);
@@ -176,27 +355,25 @@ impl ChannelConfig {
     /// `MAD_TIMEOUT_MS`) where the spec did not set them.
     pub(crate) fn apply_env_defaults(&mut self, spec_keys: &[&str]) -> Result<()> {
         if !spec_keys.contains(&"checked") {
-            if let Ok(v) = std::env::var("MAD_CHECKED") {
+            if let Some(v) = env_var("MAD_CHECKED")? {
                 self.checked = parse_bool(&v).ok_or_else(|| {
                     Error::BadConfig(format!("MAD_CHECKED={v}: expected 0/1/true/false"))
                 })?;
             }
         }
         if !spec_keys.contains(&"progress") {
-            if let Ok(v) = std::env::var("MAD_PROGRESS") {
-                self.progress = ProgressPolicy::parse_mode(&v)?;
+            if let Some(v) = env_var("MAD_PROGRESS")? {
+                self.progress = ProgressPolicy::parse_mode(&v)
+                    .map_err(|e| Error::BadConfig(format!("MAD_PROGRESS={v}: {e}")))?;
             }
         }
         if !spec_keys.contains(&"timeout_ms") {
-            if let Ok(v) = std::env::var("MAD_TIMEOUT_MS") {
-                let ms: u64 = v.parse().map_err(|_| {
-                    Error::BadConfig(format!("MAD_TIMEOUT_MS={v}: expected milliseconds"))
+            if let Some(v) = env_var("MAD_TIMEOUT_MS")? {
+                self.op_timeout = parse_timeout_ms(&v).ok_or_else(|| {
+                    Error::BadConfig(format!(
+                        "MAD_TIMEOUT_MS={v}: expected milliseconds from 0 (no timeout) to {MAX_TIMEOUT_MS}"
+                    ))
                 })?;
-                self.op_timeout = if ms == 0 {
-                    None
-                } else {
-                    Some(Duration::from_millis(ms))
-                };
             }
         }
         Ok(())
@@ -224,26 +401,19 @@ impl ChannelConfig {
 
     fn lookup_spec(name: &str) -> Result<Option<(String, String)>> {
         let key = env_key(name);
-        if let Ok(v) = std::env::var(&key) {
+        if let Some(v) = env_var(&key)? {
             return Ok(Some((v, key)));
         }
-        if let Ok(path) = std::env::var("MAD_CONFIG") {
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| Error::BadConfig(format!("MAD_CONFIG={path}: cannot read: {e}")))?;
-            for (i, line) in text.lines().enumerate() {
-                let line = line.split('#').next().unwrap_or("").trim();
-                if line.is_empty() {
-                    continue;
-                }
-                let (n, spec) = line.split_once('=').ok_or_else(|| {
-                    Error::BadConfig(format!(
-                        "{path}:{}: expected `name = driver[:adapter][,k=v]`",
-                        i + 1
-                    ))
-                })?;
-                if n.trim() == name {
-                    return Ok(Some((spec.trim().to_string(), format!("{path}:{}", i + 1))));
-                }
+        if let Some(path) = std::env::var_os("MAD_CONFIG") {
+            let path = std::path::PathBuf::from(path);
+            let text = read_config_file(&path)?;
+            let shown = path.display();
+            if let Some((line, spec)) = config_file_entries(&text, &shown.to_string())?
+                .into_iter()
+                .find(|(_, n, _)| *n == name)
+                .map(|(line, _, spec)| (line, spec))
+            {
+                return Ok(Some((spec.to_string(), format!("{shown}:{line}"))));
             }
         }
         if name == "default" {
@@ -253,11 +423,119 @@ impl ChannelConfig {
     }
 }
 
+/// Read the `MAD_CONFIG` file: a regular file (checked on the opened descriptor, which is
+/// opened non-blocking so that a FIFO cannot block the open) of at most [`MAX_CONFIG_FILE`]
+/// bytes, read with a bounded read, in UTF-8.
+fn read_config_file(path: &std::path::Path) -> Result<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let shown = path.display();
+    let bad = |what: String| Error::BadConfig(format!("MAD_CONFIG={shown}: {what}"));
+    // A quick look first (no open at all for a device or a FIFO), then the authoritative
+    // check on the descriptor actually read (the path may have changed in between).
+    let meta = std::fs::metadata(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| bad(format!("cannot open: {e}")))?;
+    let meta = f.metadata().map_err(|e| bad(format!("cannot stat: {e}")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let too_big = || {
+        bad(format!(
+            "larger than the {MAX_CONFIG_FILE}-byte limit of a configuration file"
+        ))
+    };
+    if meta.len() > MAX_CONFIG_FILE {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::new();
+    (&mut f)
+        .take(MAX_CONFIG_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(format!("cannot read: {e}")))?;
+    if bytes.len() as u64 > MAX_CONFIG_FILE {
+        return Err(too_big());
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        bad(format!(
+            "not UTF-8 (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The `(line number, channel name, spec)` entries of a configuration file's text; `path`
+/// names it in errors. Every line is checked, not only the one looked for: a malformed line, an
+/// empty name or spec, or a channel defined twice is `BadConfig` (naming both lines).
+fn config_file_entries<'a>(text: &'a str, path: &str) -> Result<Vec<(usize, &'a str, &'a str)>> {
+    let mut entries: Vec<(usize, &str, &str)> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let expected = || {
+            Error::BadConfig(format!(
+                "{path}:{n}: expected `name = driver[:adapter][,k=v]`"
+            ))
+        };
+        let (name, spec) = line.split_once('=').ok_or_else(expected)?;
+        let (name, spec) = (name.trim(), spec.trim());
+        if name.is_empty() || spec.is_empty() {
+            return Err(expected());
+        }
+        if let Some((first, _, _)) = entries.iter().find(|(_, m, _)| *m == name) {
+            return Err(Error::BadConfig(format!(
+                "{path}: channel `{name}` is defined twice, on lines {first} and {n}"
+            )));
+        }
+        entries.push((n, name, spec));
+    }
+    Ok(entries)
+}
+
+/// An environment variable: `None` when unset, `BadConfig` naming it when it is not UTF-8
+/// (never silently treated as unset).
+pub fn env_var(key: &str) -> Result<Option<String>> {
+    match std::env::var(key) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::BadConfig(format!(
+            "{key} is not valid UTF-8 ({})",
+            v.to_string_lossy()
+        ))),
+    }
+}
+
+fn parse_timeout_ms(v: &str) -> Option<Option<Duration>> {
+    match v.trim().parse::<u64>() {
+        Ok(0) => Some(None),
+        Ok(ms) if ms <= MAX_TIMEOUT_MS => Some(Some(Duration::from_millis(ms))),
+        _ => None,
+    }
+}
+
+fn show_size(n: usize) -> String {
+    match n {
+        usize::MAX => "max".into(),
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}g", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}m", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}k", n >> 10),
+        n => n.to_string(),
+    }
+}
+
 /// True when `MAD_CHECKED` asks for checked mode (an error if it is not a boolean).
 pub(crate) fn env_forces_checked() -> Result<bool> {
-    match std::env::var("MAD_CHECKED") {
-        Err(_) => Ok(false),
-        Ok(v) => parse_bool(&v)
+    match env_var("MAD_CHECKED")? {
+        None => Ok(false),
+        Some(v) => parse_bool(&v)
             .ok_or_else(|| Error::BadConfig(format!("MAD_CHECKED={v}: expected 0/1/true/false"))),
     }
 }
@@ -342,5 +620,196 @@ mod tests {
     #[test]
     fn env_keys() {
         assert_eq!(env_key("video-1"), "MAD_CHANNEL_VIDEO_1");
+    }
+
+    fn bad_config(r: Result<impl std::fmt::Debug>) -> String {
+        match r {
+            Err(Error::BadConfig(m)) => m,
+            other => panic!("expected BadConfig, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_specs_are_refused() {
+        for (spec, want) in [
+            ("tcp,=1", "no key"),
+            ("tcp,checked=", "empty value"),
+            ("tcp, liveness_ms = ", "empty value"),
+            (
+                "tcp,liveness_ms=1,liveness_ms=2",
+                "`liveness_ms` is given twice",
+            ),
+            ("tcp,checked=1,checked=0", "`checked` is given twice"),
+            ("tcp:", "empty adapter"),
+            (":eth0", "bad driver name"),
+            ("tcp,tm.=4k", "tm.<TM name>"),
+            (
+                "tcp,timeout_ms=99999999999999999999",
+                "from 0 (no timeout) to",
+            ),
+            ("tcp,timeout_ms=31536000001", "from 0 (no timeout) to"),
+            ("tcp,timeout_ms=-1", "from 0 (no timeout) to"),
+        ] {
+            let m = bad_config(ChannelConfig::parse("x", spec));
+            assert!(m.contains(want), "{spec}: {m}");
+        }
+        let c = ChannelConfig::parse("x", "tcp,timeout_ms=0,").unwrap();
+        assert_eq!(c.op_timeout, None);
+        let c = ChannelConfig::parse("x", "tcp,timeout_ms=31536000000").unwrap();
+        assert_eq!(c.op_timeout, Some(Duration::from_millis(MAX_TIMEOUT_MS)));
+    }
+
+    const TEST_DRIVER: DriverOptions = DriverOptions {
+        adapters: Adapters::None,
+        keys: &["ring", "cma"],
+    };
+
+    #[test]
+    fn unknown_keys_and_adapters_are_refused_by_name() {
+        let ok = ChannelConfig::parse("x", "shm,ring=4096,checked=1,tm.eager=2k").unwrap();
+        ok.check_against(&TEST_DRIVER).unwrap();
+        let m = bad_config(
+            ChannelConfig::parse("x", "shm,chekced=true")
+                .unwrap()
+                .check_against(&TEST_DRIVER),
+        );
+        assert!(m.contains("unknown option `chekced`"), "{m}");
+        assert!(
+            m.contains("ring, cma, checked, progress, timeout_ms, tm.<name>"),
+            "{m}"
+        );
+        // A core key put among the driver options (in code) is named as such.
+        let m = bad_config(
+            ChannelConfig::new("x", "shm")
+                .option("checked", "1")
+                .check_against(&TEST_DRIVER),
+        );
+        assert!(m.contains("a core key"), "{m}");
+        // Adapters.
+        let m = bad_config(
+            ChannelConfig::parse("x", "shm:foo")
+                .unwrap()
+                .check_against(&TEST_DRIVER),
+        );
+        assert!(
+            m.contains("takes no adapter") && m.contains("shm:foo"),
+            "{m}"
+        );
+        let one_of = DriverOptions {
+            adapters: Adapters::OneOf(&["soft", "verbs"]),
+            keys: &[],
+        };
+        let m = bad_config(
+            ChannelConfig::parse("x", "via:sfot")
+                .unwrap()
+                .check_against(&one_of),
+        );
+        assert!(
+            m.contains("no adapter `sfot`") && m.contains("soft, verbs"),
+            "{m}"
+        );
+        for spec in ["via", "via:verbs"] {
+            let c = ChannelConfig::parse("x", spec).unwrap();
+            c.check_against(&one_of).unwrap();
+        }
+        let free = DriverOptions {
+            adapters: Adapters::Free("an address"),
+            keys: &[],
+        };
+        let c = ChannelConfig::parse("x", "tcp:10.0.0.1").unwrap();
+        c.check_against(&free).unwrap();
+    }
+
+    #[test]
+    fn numeric_options_are_range_checked() {
+        let c = ChannelConfig::parse("x", "tcp,liveness_ms=98301000,buffer=128m,n=0").unwrap();
+        let m = bad_config(c.option_in::<u64>("liveness_ms", 1, 86_400_000));
+        assert_eq!(
+            m,
+            "channel `x`: liveness_ms=98301000: expected a whole number from 1 to 86400000"
+        );
+        assert!(bad_config(c.option_in::<u64>("n", 1, 10)).contains("n=0"));
+        let m = bad_config(c.option_size_in("buffer", 256, 64 << 20));
+        assert_eq!(
+            m,
+            "channel `x`: buffer=128m: expected a size from 256 to 64m (e.g. 4096, 64k, 1m)"
+        );
+        assert_eq!(c.option_in::<u64>("absent", 1, 2).unwrap(), None);
+        let c = ChannelConfig::parse("x", "tcp,a=1k,b=99999999999999999999,c=-1").unwrap();
+        assert_eq!(c.option_size_in("a", 1, 1 << 20).unwrap(), Some(1024));
+        bad_config(c.option_in::<u64>("b", 0, u64::MAX - 1));
+        bad_config(c.option_in::<u32>("b", 0, u32::MAX));
+        bad_config(c.option_in::<usize>("c", 0, 10));
+        let c = ChannelConfig::parse("x", "shm,cma=maybe").unwrap();
+        let m = bad_config(c.option_choice("cma", &["auto", "on"]));
+        assert!(m.contains("expected one of auto, on"), "{m}");
+    }
+
+    #[test]
+    fn non_utf8_variables_are_errors_not_unset() {
+        use std::os::unix::ffi::OsStrExt;
+        let key = "MAD_CHANNEL_CFGTEST_NON_UTF8";
+        std::env::set_var(key, std::ffi::OsStr::from_bytes(b"tcp,checked=\xff"));
+        let m = bad_config(ChannelConfig::lookup("cfgtest-non-utf8"));
+        assert!(m.contains(key) && m.contains("not valid UTF-8"), "{m}");
+        std::env::remove_var(key);
+        assert_eq!(env_var(key).unwrap(), None);
+    }
+
+    fn temp(tag: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("mad-config-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn config_files_are_bounded_regular_files() {
+        // A device that never ends.
+        let m = bad_config(read_config_file(std::path::Path::new("/dev/zero")));
+        assert!(
+            m.contains("/dev/zero") && m.contains("not a regular file"),
+            "{m}"
+        );
+        // A FIFO nobody writes to: refused at once, never opened for a blocking read.
+        let fifo = temp("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let t = std::time::Instant::now();
+        let m = bad_config(read_config_file(&fifo));
+        assert!(m.contains("not a regular file"), "{m}");
+        assert!(t.elapsed() < Duration::from_secs(1));
+        let _ = std::fs::remove_file(&fifo);
+        // Too large.
+        let big = temp("big");
+        std::fs::write(&big, vec![b'#'; MAX_CONFIG_FILE as usize + 1]).unwrap();
+        let m = bad_config(read_config_file(&big));
+        assert!(m.contains("1048576-byte limit"), "{m}");
+        std::fs::write(&big, vec![b'#'; MAX_CONFIG_FILE as usize]).unwrap();
+        assert_eq!(
+            read_config_file(&big).unwrap().len(),
+            MAX_CONFIG_FILE as usize
+        );
+        // Not UTF-8.
+        std::fs::write(&big, b"video = shm\n\xff\n").unwrap();
+        let m = bad_config(read_config_file(&big));
+        assert!(m.contains("not UTF-8"), "{m}");
+        let _ = std::fs::remove_file(&big);
+        // Missing.
+        let m = bad_config(read_config_file(std::path::Path::new(
+            "/nonexistent/mad.conf",
+        )));
+        assert!(m.contains("/nonexistent/mad.conf"), "{m}");
+    }
+
+    #[test]
+    fn config_file_lines() {
+        let text = "# channels\nvideo = shm # fast\n\ntext = tcp,checked=1\n";
+        let e = config_file_entries(text, "f").unwrap();
+        assert_eq!(e, vec![(2, "video", "shm"), (4, "text", "tcp,checked=1")]);
+        let m = bad_config(config_file_entries("a = shm\nb = tcp\n a = tcp\n", "f"));
+        assert_eq!(m, "f: channel `a` is defined twice, on lines 1 and 3");
+        for bad in ["= tcp", "video =", "video shm"] {
+            let m = bad_config(config_file_entries(&format!("ok = tcp\n{bad}\n"), "f"));
+            assert!(m.starts_with("f:2: expected"), "{bad}: {m}");
+        }
     }
 }

@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::config::ChannelConfig;
+pub use crate::config::{Adapters, DriverOptions};
 use crate::error::{Error, Result};
 use crate::modes::{ModeSet, RecvMode, SendMode};
 use crate::progress::ProgressPolicy;
@@ -500,6 +501,17 @@ pub trait Driver: Send + Sync {
 
     /// Backends/adapters this driver knows, for error messages ("tcp: any local address").
     fn describe(&self) -> String;
+
+    /// The adapters and option keys this driver accepts for `config` (the keys may depend on
+    /// the adapter). The session refuses any other adapter or key with
+    /// [`Error::BadConfig`] before calling anything else
+    /// ([`ChannelConfig::check_against`]); the core keys (`checked`, `progress`,
+    /// `timeout_ms`, `tm.<name>`) are always accepted. The default accepts no adapter and no
+    /// option of the driver's own.
+    fn accepted_options(&self, config: &ChannelConfig) -> DriverOptions {
+        let _ = config;
+        DriverOptions::NONE
+    }
 
     /// The driver's TM table for this configuration (before threshold overrides).
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable>;

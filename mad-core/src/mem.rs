@@ -22,8 +22,8 @@ use std::time::Duration;
 use crate::channel::lock;
 use crate::config::ChannelConfig;
 use crate::driver::{
-    AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
-    TmId, TmSpec, TmTable, TxLink,
+    AbortOutcome, Adapters, Capabilities, Driver, DriverOptions, Incoming, LinkPair, OpenContext,
+    OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
 };
 use crate::error::{Error, Result};
 
@@ -92,19 +92,10 @@ struct Params {
 }
 
 fn params(c: &ChannelConfig) -> Result<Params> {
-    let buf = c.option_parsed::<usize>("buf")?.unwrap_or(4096);
-    let frames = c.option_parsed::<usize>("frames")?.unwrap_or(64);
-    let copy_max = c.option_parsed::<usize>("copy_max")?.unwrap_or(1024);
-    if buf == 0 || frames == 0 {
-        return Err(Error::BadConfig(format!(
-            "channel `{}`: mem buf and frames must be positive",
-            c.name
-        )));
-    }
     Ok(Params {
-        buf,
-        frames,
-        copy_max,
+        buf: c.option_in("buf", 1, 64 << 20)?.unwrap_or(4096),
+        frames: c.option_in("frames", 1, 1 << 16)?.unwrap_or(64),
+        copy_max: c.option_in("copy_max", 0, usize::MAX)?.unwrap_or(1024),
     })
 }
 
@@ -115,6 +106,13 @@ impl Driver for MemDriver {
 
     fn describe(&self) -> String {
         "in-process, threads of one process only (tests)".into()
+    }
+
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::None,
+            keys: &["buf", "frames", "copy_max"],
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {

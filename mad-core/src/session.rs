@@ -196,6 +196,7 @@ impl Session {
                     }
                 ))
             })?;
+        config.check_against(&driver.accepted_options(&config))?;
         let mut table = driver.tm_table(&config)?;
         for (tm, max) in &config.thresholds {
             table.set_max_len(tm, *max).map_err(|e| {

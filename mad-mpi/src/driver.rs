@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use mad_core::config::ChannelConfig;
 use mad_core::driver::{
-    AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
-    TmId, TmSpec, TmTable, TxLink,
+    AbortOutcome, Adapters, Capabilities, Driver, DriverOptions, Incoming, LinkPair, OpenContext,
+    OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
 };
 use mad_core::{Error, Result};
 use mpi::environment::Threading;
@@ -286,21 +286,13 @@ impl Params {
 }
 
 fn params(config: &ChannelConfig) -> Result<Params> {
-    let eager_opt = config.option_parsed::<usize>("eager_buf")?;
-    if let Some(eager_buf) = eager_opt {
-        if !(64..=sys::MAX_BLOCK).contains(&eager_buf) {
-            return Err(Error::BadConfig(format!(
-                "channel `{}`: eager_buf={eager_buf}: expected 64 B to 1 GiB",
-                config.name
-            )));
-        }
-    }
+    let eager_opt = config.option_in("eager_buf", 64, sys::MAX_BLOCK)?;
     Ok(Params {
         eager_buf: eager_opt.unwrap_or(EAGER_BUF),
         eager_opt,
         policy: GatherPolicy::parse(config.options.get("gather").map(String::as_str))?,
         family: MpiFamily::Other,
-        inline: config.option_parsed::<usize>("inline")?,
+        inline: config.option_in("inline", 0, sys::MAX_BLOCK)?,
         post_early: match config.options.get("post").map(String::as_str) {
             None | Some("lazy") => false,
             Some("early") => true,
@@ -322,6 +314,13 @@ impl Driver for MpiDriver {
         "mpi: MPI point-to-point over the job's MPI_COMM_WORLD (start the job with mpiexec/mpirun/srun); \
          options gather=auto|datatype|separate, eager_buf=<bytes>, inline=<bytes>, post=lazy|early"
             .into()
+    }
+
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::None,
+            keys: &["gather", "eager_buf", "inline", "post"],
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {

@@ -37,7 +37,8 @@ use std::sync::{Arc, OnceLock};
 
 use mad_core::config::ChannelConfig;
 use mad_core::driver::{
-    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+    Adapters, Capabilities, Driver, DriverOptions, LinkPair, OpenContext, OpenedChannel, TmSpec,
+    TmTable,
 };
 use mad_core::hostmem::{self, MappedPeer};
 use mad_core::{Error, Result};
@@ -86,9 +87,9 @@ struct Options {
 
 fn options(config: &ChannelConfig) -> Result<Options> {
     let ring = config
-        .option_parsed::<usize>("ring")?
+        .option_size_in("ring", 4096, MAX_RING)?
         .unwrap_or(DEFAULT_RING);
-    if !ring::index::valid_cap(ring) || ring > MAX_RING {
+    if !ring::index::valid_cap(ring) {
         return Err(Error::BadConfig(format!(
             "shm: ring={ring}: must be a power of two between 4096 and {MAX_RING}"
         )));
@@ -104,13 +105,7 @@ fn options(config: &ChannelConfig) -> Result<Options> {
             )))
         }
     };
-    for k in config.options.keys() {
-        if k != "ring" && k != "cma" {
-            return Err(Error::BadConfig(format!(
-                "shm: unknown option `{k}` (known: ring, cma)"
-            )));
-        }
-    }
+    // Unknown keys and adapters: refused by the session (`accepted_options`).
     Ok(Options { ring, cma })
 }
 
@@ -176,6 +171,13 @@ impl Driver for ShmDriver {
     fn describe(&self) -> String {
         "shm: processes on this host, rings in /dev/shm, single copy with CMA (options ring=<bytes>, cma=auto|on|off)"
             .into()
+    }
+
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::None,
+            keys: &["ring", "cma"],
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {

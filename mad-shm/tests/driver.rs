@@ -228,7 +228,11 @@ fn bad_options_are_config_errors() {
         ("cma", "maybe"),
         ("colour", "red"),
     ] {
-        let r = d.tm_table(&config(&[(k, v)]));
+        // As the session does: the accepted keys first, then the driver's own checks.
+        let c = config(&[(k, v)]);
+        let r = c
+            .check_against(&d.accepted_options(&c))
+            .and_then(|_| d.tm_table(&c));
         assert!(matches!(r, Err(Error::BadConfig(_))), "{k}={v}: {r:?}");
     }
     assert_eq!(

@@ -45,7 +45,8 @@ use std::sync::Arc;
 
 use mad_core::config::ChannelConfig;
 use mad_core::driver::{
-    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+    Adapters, Capabilities, Driver, DriverOptions, LinkPair, OpenContext, OpenedChannel, TmSpec,
+    TmTable,
 };
 use mad_core::{Error, Result};
 
@@ -97,7 +98,7 @@ pub struct Options {
 /// Parse a configuration's adapter and options.
 pub fn options(config: &ChannelConfig) -> Result<Options> {
     let backend = match config.adapter.as_deref() {
-        None | Some("") | Some("local") => Backend::Local,
+        None | Some("local") => Backend::Local,
         Some("dolphin") => Backend::Dolphin,
         Some(a) => {
             return Err(Error::BadConfig(format!(
@@ -105,34 +106,33 @@ pub fn options(config: &ChannelConfig) -> Result<Options> {
             )))
         }
     };
-    for k in config.options.keys() {
-        if ![
-            "slots",
-            "ring",
-            "chunk",
-            "chunks",
-            "dma",
-            "lib",
-            "adapter_no",
-        ]
-        .contains(&k.as_str())
-        {
-            return Err(Error::BadConfig(format!(
-                "sisci: unknown option `{k}` (known: slots, ring, chunk, chunks, dma, lib, adapter_no)"
-            )));
-        }
-    }
+    // Unknown keys (and `lib`, `adapter_no` on local): refused by the session
+    // (`accepted_options`).
     let dma = match config.options.get("dma").map(String::as_str) {
         None | Some("on") | Some("1") | Some("true") => true,
         Some("off") | Some("0") | Some("false") => false,
         Some(v) => return Err(Error::BadConfig(format!("sisci: dma={v}: use on or off"))),
     };
+    if !dma && config.options.contains_key("chunks") {
+        return Err(Error::BadConfig(format!(
+            "channel `{}`: sisci chunks= has no meaning with dma=off",
+            config.name
+        )));
+    }
     let geom = Geometry {
-        slots: config.option_parsed("slots")?.unwrap_or(DEFAULT_SLOTS),
-        ring: config.option_parsed("ring")?.unwrap_or(DEFAULT_RING),
-        chunk: config.option_parsed("chunk")?.unwrap_or(DEFAULT_CHUNK),
+        slots: config
+            .option_in("slots", 2, 65536)?
+            .unwrap_or(DEFAULT_SLOTS),
+        ring: config
+            .option_size_in("ring", 4096, 1 << 30)?
+            .unwrap_or(DEFAULT_RING),
+        chunk: config
+            .option_size_in("chunk", 4096, 1 << 26)?
+            .unwrap_or(DEFAULT_CHUNK),
         chunks: if dma {
-            config.option_parsed("chunks")?.unwrap_or(DEFAULT_CHUNKS)
+            config
+                .option_in("chunks", 1, 1024)?
+                .unwrap_or(DEFAULT_CHUNKS)
         } else {
             0
         },
@@ -151,7 +151,7 @@ pub fn options(config: &ChannelConfig) -> Result<Options> {
             .get("lib")
             .cloned()
             .unwrap_or_else(|| DEFAULT_LIB.to_string()),
-        adapter_no: config.option_parsed("adapter_no")?.unwrap_or(0),
+        adapter_no: config.option_in("adapter_no", 0, u32::MAX)?.unwrap_or(0),
     })
 }
 
@@ -211,6 +211,24 @@ impl Driver for SisciDriver {
         "sisci: SCI-style remote-write segments; backends local (shared memory on this host) \
          and dolphin (libsisci.so, loaded at run time; untested against hardware)"
             .into()
+    }
+
+    fn accepted_options(&self, config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::OneOf(&["local", "dolphin"]),
+            keys: match config.adapter.as_deref() {
+                Some("dolphin") => &[
+                    "slots",
+                    "ring",
+                    "chunk",
+                    "chunks",
+                    "dma",
+                    "lib",
+                    "adapter_no",
+                ],
+                _ => &["slots", "ring", "chunk", "chunks", "dma"],
+            },
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {

@@ -84,7 +84,11 @@ fn dolphin_table_matches_local_and_bad_backends_are_rejected() {
         "sisci:local,dma=maybe",
         "sisci:local,colour=blue",
     ] {
-        let e = d.tm_table(&ChannelConfig::parse("x", bad).unwrap());
+        // As the session does: the accepted adapters and keys first, then the driver's checks.
+        let c = ChannelConfig::parse("x", bad).unwrap();
+        let e = c
+            .check_against(&d.accepted_options(&c))
+            .and_then(|_| d.tm_table(&c));
         assert!(matches!(e, Err(Error::BadConfig(_))), "{bad}: {e:?}");
     }
 }

@@ -49,7 +49,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mad_core::driver::{
-    Capabilities, Driver, LinkPair, OpenContext, OpenedChannel, TmSpec, TmTable,
+    Adapters, Capabilities, Driver, DriverOptions, LinkPair, OpenContext, OpenedChannel, TmSpec,
+    TmTable,
 };
 use mad_core::progress::ProgressMode;
 use mad_core::{ChannelConfig, Error, Result};
@@ -65,6 +66,12 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default liveness bound: how long a peer may stay silent while the kernel waits for its
 /// acknowledgement before it is declared unreachable (and the keepalive horizon).
 pub const DEFAULT_LIVENESS: Duration = Duration::from_secs(10);
+/// Largest `liveness_ms` and `connect_timeout_ms`: one day. The keepalive idle time derived
+/// from the liveness bound (a third of it) must stay under the kernel's limit of 32 767 s
+/// (`TCP_KEEPIDLE`), and deadlines must not overflow.
+pub const MAX_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+/// The option keys of a tcp channel.
+pub const OPTION_KEYS: &[&str] = &["connect_timeout_ms", "liveness_ms", "buffer"];
 /// Longest a blocking send or receive (block mode) stays in the kernel before the engine gets
 /// control back to check deadlines and liveness.
 const BLOCKING_SLICE: Duration = Duration::from_millis(200);
@@ -104,38 +111,31 @@ pub struct TcpOptions {
 impl TcpOptions {
     /// Parse the options of `config` (adapter, `connect_timeout_ms`, `liveness_ms`, `buffer`).
     pub fn from_config(config: &ChannelConfig) -> Result<Self> {
+        // Every range is checked before the adapter is resolved (a system call).
+        let (connect_timeout, liveness, buffer) = Self::numbers(config)?;
         let ip = resolve_adapter(config.adapter.as_deref())?;
-        let ms = |key: &str, def: Duration| -> Result<Duration> {
-            Ok(config
-                .option_parsed::<u64>(key)?
-                .map(Duration::from_millis)
-                .unwrap_or(def))
-        };
-        let connect_timeout = ms("connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT)?;
-        let liveness = ms("liveness_ms", DEFAULT_LIVENESS)?;
-        if connect_timeout.is_zero() || liveness.is_zero() {
-            return Err(Error::BadConfig(format!(
-                "channel `{}`: tcp timeouts must be at least 1 ms",
-                config.name
-            )));
-        }
-        let buffer = match config.options.get("buffer") {
-            None => DEFAULT_BUFFER,
-            Some(v) => mad_core::config::parse_size(v)
-                .filter(|&n| (256..=(64 << 20)).contains(&n))
-                .ok_or_else(|| {
-                    Error::BadConfig(format!(
-                        "channel `{}`: buffer={v}: expected a size from 256 to 64m",
-                        config.name
-                    ))
-                })?,
-        };
         Ok(TcpOptions {
             ip,
             connect_timeout,
             liveness,
             buffer,
         })
+    }
+
+    /// The numeric options, range-checked: (`connect_timeout_ms`, `liveness_ms`, `buffer`).
+    fn numbers(config: &ChannelConfig) -> Result<(Duration, Duration, usize)> {
+        let ms = |key: &str, def: Duration| -> Result<Duration> {
+            Ok(config
+                .option_in::<u64>(key, 1, MAX_TIMEOUT_MS)?
+                .map(Duration::from_millis)
+                .unwrap_or(def))
+        };
+        let connect_timeout = ms("connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT)?;
+        let liveness = ms("liveness_ms", DEFAULT_LIVENESS)?;
+        let buffer = config
+            .option_size_in("buffer", 256, 64 << 20)?
+            .unwrap_or(DEFAULT_BUFFER);
+        Ok((connect_timeout, liveness, buffer))
     }
 }
 
@@ -186,7 +186,16 @@ impl Driver for TcpDriver {
         "tcp: adapter = a local IP address or an interface name (default 127.0.0.1)".into()
     }
 
-    fn tm_table(&self, _config: &ChannelConfig) -> Result<TmTable> {
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::Free("a local IP address or an interface name"),
+            keys: OPTION_KEYS,
+        }
+    }
+
+    fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        // Called before the ranks exchange anything: a bad option fails here, on every rank.
+        TcpOptions::numbers(config)?;
         tm_table(DEFAULT_SMALL_MAX)
     }
 

@@ -20,8 +20,10 @@ mod link;
 mod setup;
 
 use mad_core::config::ChannelConfig;
-use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec, TmTable};
-use mad_core::{Error, Result};
+use mad_core::driver::{
+    Adapters, Capabilities, Driver, DriverOptions, OpenContext, OpenedChannel, TmSpec, TmTable,
+};
+use mad_core::Result;
 
 /// Default largest piece of the `copy` TM (see NOTES.md for the sweep that chose it).
 pub const COPY_MAX: usize = 1 << 10;
@@ -42,14 +44,7 @@ impl UdsDriver {
 }
 
 fn buf_size(c: &ChannelConfig) -> Result<usize> {
-    let b = c.option_parsed::<usize>("buf")?.unwrap_or(BUF);
-    if !(64..=1 << 30).contains(&b) {
-        return Err(Error::BadConfig(format!(
-            "channel `{}`: uds buf={b} out of range (64 B to 1 GiB)",
-            c.name
-        )));
-    }
-    Ok(b)
+    Ok(c.option_in("buf", 64, 1 << 30)?.unwrap_or(BUF))
 }
 
 impl Driver for UdsDriver {
@@ -59,6 +54,14 @@ impl Driver for UdsDriver {
 
     fn describe(&self) -> String {
         "uds: Unix domain sockets between processes of one host (no adapter)".into()
+    }
+
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        // No adapter: the session refuses `uds:anything`.
+        DriverOptions {
+            adapters: Adapters::None,
+            keys: &["buf"],
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -79,12 +82,6 @@ impl Driver for UdsDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        if let Some(a) = &ctx.config.adapter {
-            return Err(Error::BadConfig(format!(
-                "channel `{}`: uds takes no adapter (got `{a}`)",
-                ctx.config.name
-            )));
-        }
         let buf = buf_size(ctx.config)?;
         let streams = setup::connect_all(ctx)?;
         link::open(streams, buf)

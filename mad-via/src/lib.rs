@@ -47,7 +47,9 @@
 use std::sync::Arc;
 
 use mad_core::config::ChannelConfig;
-use mad_core::driver::{Capabilities, Driver, OpenContext, OpenedChannel, TmSpec, TmTable};
+use mad_core::driver::{
+    Adapters, Capabilities, Driver, DriverOptions, OpenContext, OpenedChannel, TmSpec, TmTable,
+};
 use mad_core::{Error, Result};
 
 mod proto;
@@ -154,32 +156,24 @@ impl ViaDriver {
 
     fn slot_config(config: &ChannelConfig) -> Result<SlotConfig> {
         let d = SlotConfig::default();
-        let slots: usize = config.option_parsed("slots")?.unwrap_or(d.slots);
-        let slot_size = match config.options.get("slot_size") {
-            None => d.slot_size,
-            Some(v) => mad_core::config::parse_size(v).ok_or_else(|| {
-                Error::BadConfig(format!(
-                    "channel `{}`: slot_size={v} is not a size",
-                    config.name
-                ))
-            })?,
-        };
-        if !(2..=4096).contains(&slots) {
-            return Err(Error::BadConfig(format!(
-                "channel `{}`: slots={slots}: expected 2 to 4096 (one credit is kept for rendezvous requests)",
-                config.name
-            )));
-        }
-        if !(64..=wire::MAX_PAYLOAD).contains(&slot_size) {
-            return Err(Error::BadConfig(format!(
-                "channel `{}`: slot_size={slot_size}: expected 64 B to {} B",
-                config.name,
-                wire::MAX_PAYLOAD
-            )));
-        }
+        // One credit is kept for rendezvous requests, so at least 2.
+        let slots = config.option_in("slots", 2, 4096)?.unwrap_or(d.slots);
+        let slot_size = config
+            .option_size_in("slot_size", 64, wire::MAX_PAYLOAD)?
+            .unwrap_or(d.slot_size);
         Ok(SlotConfig { slots, slot_size })
     }
+
+    /// `regcache=<entries>`: the size of this channel's cache of user registrations.
+    fn cache_entries(&self, config: &ChannelConfig) -> Result<usize> {
+        Ok(config
+            .option_in("regcache", 0, MAX_REGCACHE)?
+            .unwrap_or(self.pd.cache_entries()))
+    }
 }
+
+/// Largest `regcache` (entries of a channel's registration cache).
+pub const MAX_REGCACHE: usize = 1 << 20;
 
 /// The default TM table of `via:soft` (before `tm.*` overrides).
 pub fn default_table() -> Result<TmTable> {
@@ -243,7 +237,21 @@ impl Driver for ViaDriver {
         )
     }
 
+    fn accepted_options(&self, config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::OneOf(&["soft", "verbs"]),
+            keys: match Backend::of(config) {
+                // `host`: the address the soft NIC listens on.
+                Ok(Backend::Soft) => &["slots", "slot_size", "regcache", "host"],
+                _ => &["slots", "slot_size", "regcache"],
+            },
+        }
+    }
+
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
+        // Checked before the ranks exchange anything, so every rank fails alike.
+        Self::slot_config(config)?;
+        self.cache_entries(config)?;
         match Backend::of(config)? {
             Backend::Soft => default_table(),
             Backend::Verbs => verbs_table(),
@@ -267,10 +275,7 @@ impl Driver for ViaDriver {
         let cfg = Self::slot_config(ctx.config)?;
         // `regcache=<entries>` sizes this channel's cache of user registrations (soft only:
         // the verbs provider never keeps user registrations, see `reg`).
-        let entries = ctx
-            .config
-            .option_parsed::<usize>("regcache")?
-            .unwrap_or(self.pd.cache_entries());
+        let entries = self.cache_entries(ctx.config)?;
         match backend {
             Backend::Verbs => verbs::open(ctx, &self.pd, cfg, entries),
             Backend::Soft => {

@@ -1,16 +1,21 @@
 //! `madrun`: start an N-process Madeleine job on this host.
 //!
 //! ```text
-//! madrun -n N [--timeout SECS] [--grace SECS] [--no-prefix] [--bind ADDR]
+//! madrun -n N [--timeout SECS] [--grace SECS] [--keep-going] [--no-prefix] [--bind ADDR]
 //!        [--channel NAME=SPEC]... [--checked] [--progress MODE] [--] program [args...]
 //! ```
 //!
 //! madrun runs the bootstrap server (`mad_core::launch::server`), starts N children with the
 //! `MAD_*` environment (see `mad_core::launch`), prefixes their output with `[rank] `,
 //! forwards SIGINT/SIGTERM/SIGHUP to them (a second such signal kills them), and exits with the
-//! worst child status (128+S for a child killed by signal S). When a child fails, the others get
-//! SIGTERM, then SIGKILL after `--grace` seconds. `--timeout` bounds the whole job (exit 124).
-//! Bad usage exits 2.
+//! status of the **first** child that failed (128+S for a child killed by signal S), 0 if none
+//! did. "First" is by time of death as the kernel reports it to madrun (a pidfd per child in an
+//! epoll set, [`sys::DeathOrder`]): when a rank is killed and its peers then fail because it
+//! vanished, the killed rank is the one reported, whatever the rank numbers. When a child
+//! fails, the others get SIGTERM, then SIGKILL after `--grace` seconds, unless `--keep-going`
+//! (alias `--disable-auto-cleanup`, Hydra's name) is given: then the others keep running (a
+//! fault-tolerant program sees the death through its channels) and madrun waits for all of
+//! them. `--timeout` bounds the whole job (exit 124). Bad usage exits 2.
 //!
 //! Children never outlive madrun: they run in their own process group, which madrun kills on
 //! the way out, and each has `PR_SET_PDEATHSIG = SIGKILL` in case madrun itself is killed.
@@ -36,24 +41,32 @@ use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, wire::MAX_RANKS};
 use mad_core::progress::ProgressPolicy;
 
-const USAGE: &str = "usage: madrun -n N [--timeout SECS] [--grace SECS] [--no-prefix] [--bind ADDR]
-              [--channel NAME=SPEC]... [--checked] [--progress MODE] [--] program [args...]
+const USAGE: &str =
+    "usage: madrun -n N [--timeout SECS] [--grace SECS] [--keep-going] [--no-prefix]
+              [--bind ADDR] [--channel NAME=SPEC]... [--checked] [--progress MODE]
+              [--] program [args...]
 
   -n, --np N            number of processes (1..=4096)
   --timeout SECS        wall-clock limit for the whole job; on expiry kill all, exit 124
   --grace SECS          after a failure, wait this long between SIGTERM and SIGKILL (default 2)
+  --keep-going          when a rank fails, let the others run on (fault-tolerant programs see
+                        the death through their channels) and wait for every rank
+                        (alias --disable-auto-cleanup)
   --no-prefix           do not prefix output lines with `[rank] `
   --bind ADDR           bootstrap server address (default 127.0.0.1:0)
   --channel NAME=SPEC   define channel NAME (sets MAD_CHANNEL_<NAME>=SPEC), e.g. video=shm
   --checked             checked mode on every channel (MAD_CHECKED=1)
   --progress MODE       progress policy of every channel opened by name: poll, block or
-                        adaptive (MAD_PROGRESS)";
+                        adaptive (MAD_PROGRESS)
+
+madrun reports the first rank that failed (by time of death) and exits with its status
+(128+N when killed by signal N), 0 when every rank succeeded.";
 
 /// Every foreign call of madrun.
 #[allow(unsafe_code)]
 mod sys {
     use std::io;
-    use std::os::fd::RawFd;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
     use std::os::unix::process::CommandExt;
     use std::process::Command;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -202,6 +215,84 @@ mod sys {
         })
     }
 
+    /// The children's deaths in the order the kernel reported them: one pidfd per child
+    /// (`pidfd_open`, readable once the process has exited) in an epoll set. epoll queues
+    /// ready descriptors in the order they became ready, so when several children died since
+    /// the last look (a rank killed, then the ranks that failed because it vanished), the one
+    /// that died first comes first, whatever the rank numbers.
+    pub struct DeathOrder {
+        ep: OwnedFd,
+        pidfds: Vec<OwnedFd>,
+    }
+
+    impl DeathOrder {
+        /// An empty set; `Err` where epoll is unavailable.
+        pub fn new() -> io::Result<Self> {
+            // SAFETY: epoll_create1 takes flags and returns a new descriptor or -1.
+            let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+            let ep = unsafe { OwnedFd::from_raw_fd(fd) };
+            Ok(DeathOrder {
+                ep,
+                pidfds: Vec::new(),
+            })
+        }
+
+        /// Report the death of child `pid` as `tag` (once). `Err` where pidfds are unsupported
+        /// (Linux < 5.3): the caller then looks for that child's death itself.
+        pub fn watch(&mut self, pid: u32, tag: u64) -> io::Result<()> {
+            let Ok(pid) = libc::pid_t::try_from(pid) else {
+                return Err(io::Error::from_raw_os_error(libc::EINVAL));
+            };
+            // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor (close-on-
+            // exec) or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+            let mut ev = libc::epoll_event {
+                events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
+                u64: tag,
+            };
+            // SAFETY: both descriptors are open; `ev` is a valid epoll_event for the call.
+            let r = unsafe {
+                libc::epoll_ctl(
+                    self.ep.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    fd.as_raw_fd(),
+                    &mut ev,
+                )
+            };
+            if r != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            self.pidfds.push(fd);
+            Ok(())
+        }
+
+        /// Wait up to `timeout_ms` for deaths; the tags of the children that died, first death
+        /// first (each reported once).
+        pub fn wait(&self, timeout_ms: i32) -> io::Result<Vec<u64>> {
+            let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+            // SAFETY: `evs` is a valid array of 64 epoll_event structures for the call.
+            let n =
+                unsafe { libc::epoll_wait(self.ep.as_raw_fd(), evs.as_mut_ptr(), 64, timeout_ms) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    return Ok(Vec::new());
+                }
+                return Err(e);
+            }
+            Ok(evs[..n as usize].iter().map(|e| e.u64).collect())
+        }
+    }
+
     /// Wait up to `timeout_ms` for any of `fds` to be readable (or hung up); returns, for each,
     /// whether it is.
     pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
@@ -282,6 +373,7 @@ struct Opts {
     n: usize,
     timeout: Option<Duration>,
     grace: Duration,
+    keep_going: bool,
     prefix: bool,
     bind: SocketAddr,
     channels: Vec<(String, String)>,
@@ -308,6 +400,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
         n: 0,
         timeout: None,
         grace: Duration::from_secs(2),
+        keep_going: false,
         prefix: true,
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         channels: Vec::new(),
@@ -366,7 +459,13 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
             }
             "--timeout" => o.timeout = Some(parse_secs("--timeout", &value("seconds")?, false)?),
             "--grace" => o.grace = parse_secs("--grace", &value("seconds")?, true)?,
+            "--no-prefix" | "--keep-going" | "--disable-auto-cleanup" | "--checked"
+                if inline.is_some() =>
+            {
+                return Err(format!("{name} takes no value (got `{s}`)"));
+            }
             "--no-prefix" => o.prefix = false,
+            "--keep-going" | "--disable-auto-cleanup" => o.keep_going = true,
             "--checked" => o.checked = true,
             "--bind" => {
                 let v = value("an address")?;
@@ -525,6 +624,34 @@ struct Rank {
     child: Child,
     pid: u32,
     exit: Option<Exit>,
+    /// Its death is reported by [`sys::DeathOrder`] (else found by scanning).
+    watched: bool,
+}
+
+/// How long madrun keeps collecting failures after the first one it sees before it names the
+/// original one (and, without `--keep-going`, ends the job).
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// Which of `failures` (in the order the kernel reported the deaths, at least one) is the
+/// original failure. When a rank is killed, the kernel closes its sockets before it reports
+/// the death, and under load a peer that finds its connection closed can fail, exit and be
+/// reported in between: death order alone would blame that peer. So a rank killed by a signal
+/// (other than SIGPIPE, which a vanished peer causes) outranks ranks that exited with a
+/// status or died of SIGPIPE; within each class the first death wins.
+fn original_failure(failures: &[(usize, Exit)]) -> usize {
+    let caused_by_peer = |e: Exit| !matches!(e, Exit::Signal(s) if s != libc::SIGPIPE);
+    failures
+        .iter()
+        .position(|&(_, e)| !caused_by_peer(e))
+        .unwrap_or(0)
+}
+
+/// How rank `r` ended, for madrun's messages.
+fn describe_exit(r: usize, e: Exit) -> String {
+    match e {
+        Exit::Code(c) => format!("rank {r} exited with status {c}"),
+        Exit::Signal(s) => format!("rank {r} killed by signal {} ({s})", signal_name(s)),
+    }
 }
 
 fn random_hex(n: usize) -> Result<String, mad_core::Error> {
@@ -616,6 +743,9 @@ fn run() -> i32 {
     let mut ranks: Vec<Rank> = Vec::with_capacity(opts.n);
     let mut sources = Vec::new();
     let mut pgid = 0u32;
+    // Without epoll or pidfds (old kernels) deaths are found by scanning the ranks in order,
+    // which cannot tell which of two deaths came first.
+    let mut deaths = sys::DeathOrder::new().ok();
     for r in 0..opts.n {
         let mut cmd = Command::new(&program);
         cmd.arg0(&opts.program)
@@ -664,10 +794,14 @@ fn run() -> i32 {
                         });
                     }
                 }
+                let watched = deaths
+                    .as_mut()
+                    .is_some_and(|d| d.watch(pid, r as u64).is_ok());
                 ranks.push(Rank {
                     child,
                     pid,
                     exit: None,
+                    watched,
                 });
             }
             Err(e) => {
@@ -698,14 +832,21 @@ fn run() -> i32 {
 
     let start = Instant::now();
     let deadline = opts.timeout.map(|t| start + t);
-    let mut worst = 0;
+    // The first rank that failed, by time of death: its status is madrun's.
+    let mut first_failure: Option<(usize, Exit)> = None;
+    // Failures seen in the settling window that opened at the first one, in order of death.
+    let mut window: Option<(Instant, Vec<(usize, Exit)>)> = None;
     let mut teardown: Option<Instant> = None;
     let mut killed = false;
     let mut timed_out = false;
     let mut signals_seen = 0;
-    // Scan the children when SIGCHLD says one ended, and every half second regardless.
+    // Unwatched children are scanned when SIGCHLD says one ended, and every half second
+    // regardless.
     let mut last_scan: Option<Instant> = None;
+    // Ranks reported dead but whose status is not readable yet, first death first.
+    let mut reported: Vec<usize> = Vec::new();
     let mut running = ranks.len();
+    let mut first_round = true;
     loop {
         let mut child_ended = false;
         for sig in sys::take_signals() {
@@ -722,17 +863,46 @@ fn run() -> i32 {
                 killed = true;
             }
         }
+        // Wait for deaths (this is the loop's pause); then, behind them, the unwatched ranks.
+        let wait_ms = if first_round { 0 } else { 10 };
+        first_round = false;
+        match &deaths {
+            Some(d) => match d.wait(wait_ms) {
+                Ok(tags) => reported.extend(tags.into_iter().map(|t| t as usize)),
+                Err(e) => {
+                    eprintln!("madrun: waiting for the ranks failed: {e}; scanning them instead");
+                    deaths = None;
+                    for rk in &mut ranks {
+                        rk.watched = false;
+                    }
+                }
+            },
+            None => std::thread::sleep(Duration::from_millis(wait_ms as u64)),
+        }
         let scan =
             child_ended || last_scan.map_or(true, |t| t.elapsed() >= Duration::from_millis(500));
-        for (r, rk) in ranks.iter_mut().enumerate() {
-            if !scan {
-                break;
+        if scan {
+            last_scan = Some(Instant::now());
+            for (r, rk) in ranks.iter().enumerate() {
+                if !rk.watched && rk.exit.is_none() && !reported.contains(&r) {
+                    reported.push(r);
+                }
             }
+        }
+        let mut still = Vec::new();
+        for r in std::mem::take(&mut reported) {
+            let Some(rk) = ranks.get_mut(r) else { continue };
             if rk.exit.is_some() {
                 continue;
             }
             let e = match sys::peek_exit(rk.pid) {
-                Ok(None) => continue,
+                Ok(None) => {
+                    // A watched rank is reported once: look again until its status shows.
+                    if rk.watched {
+                        still.push(r);
+                    }
+                    continue;
+                }
                 Ok(Some(e)) => e,
                 Err(err) => {
                     eprintln!("madrun: cannot wait for rank {r}: {err}");
@@ -741,23 +911,41 @@ fn run() -> i32 {
             };
             rk.exit = Some(e);
             running -= 1;
-            if teardown.is_some() {
-                continue; // ended by our own teardown: not counted
+            if e == Exit::Code(0) {
+                continue;
             }
-            worst = worst.max(exit_code(e));
-            if e != Exit::Code(0) {
-                match e {
-                    Exit::Code(c) => eprintln!("madrun: rank {r} exited with status {c}"),
-                    Exit::Signal(s) => {
-                        eprintln!("madrun: rank {r} killed by signal {}", signal_name(s))
-                    }
+            if teardown.is_some() {
+                // Ended by our own teardown (after a failure, or the timeout): not counted.
+                continue;
+            }
+            match (first_failure, &mut window) {
+                (None, None) => window = Some((Instant::now(), vec![(r, e)])),
+                (None, Some((_, w))) => w.push((r, e)),
+                // --keep-going: later failures are reported too, but the first one decides.
+                (Some((f, _)), _) => {
+                    eprintln!("madrun: {} (after rank {f})", describe_exit(r, e))
                 }
-                teardown = Some(Instant::now() + opts.grace);
-                kill_all(pgid, libc::SIGTERM);
             }
         }
-        if scan {
-            last_scan = Some(Instant::now());
+        reported = still;
+        // The window closes: name the original failure, then the others.
+        if let Some((opened, w)) = &window {
+            if running == 0 || opened.elapsed() >= SETTLE {
+                let i = original_failure(w);
+                let (f, e) = w[i];
+                eprintln!("madrun: {}", describe_exit(f, e));
+                for (j, &(r, e)) in w.iter().enumerate() {
+                    if j != i {
+                        eprintln!("madrun: {} (after rank {f})", describe_exit(r, e));
+                    }
+                }
+                first_failure = Some((f, e));
+                window = None;
+                if !opts.keep_going && teardown.is_none() {
+                    teardown = Some(Instant::now() + opts.grace);
+                    kill_all(pgid, libc::SIGTERM);
+                }
+            }
         }
         if running == 0 {
             break;
@@ -782,7 +970,6 @@ fn run() -> i32 {
                 killed = true;
             }
         }
-        std::thread::sleep(Duration::from_millis(10));
     }
     // Every child has ended but none is reaped yet, so the group still exists: kill whatever
     // the children left behind in it, then reap.
@@ -797,9 +984,7 @@ fn run() -> i32 {
     drop(server);
     if timed_out {
         124
-    } else if worst > 255 {
-        255
     } else {
-        worst
+        first_failure.map_or(0, |(_, e)| exit_code(e).clamp(0, 255))
     }
 }
