@@ -178,7 +178,7 @@ impl Session {
     /// The open is bounded and agreed: a rank whose open fails tells the others, whose opens
     /// then fail with [`Error::RemoteFailure`] naming it and carrying its error; an open that
     /// has not completed everywhere within `open_timeout_ms` (option of the channel spec, else
-    /// `MAD_OPEN_TIMEOUT_MS`, else [`DEFAULT_OPEN_TIMEOUT`] or 100 ms per rank if more) fails
+    /// `MAD_OPEN_TIMEOUT_MS`, else [`DEFAULT_OPEN_TIMEOUT`](crate::DEFAULT_OPEN_TIMEOUT) or 100 ms per rank if more) fails
     /// with [`Error::CollectiveTimeout`] naming the ranks that did not arrive where the
     /// bootstrap knows them. The open ends with a vote (one allgather) so that it succeeds on
     /// every rank or on none. The deadline bounds the bootstrap's collectives; the drivers'
