@@ -7,6 +7,14 @@
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Every channel of the session (TCP, shm, MPI,
 //! ...) can use it, so one `mpiexec` job can mix drivers.
 //!
+//! Channel opens ([`Bootstrap::scoped_allgather`]) use `MPI_Iallgather`/`MPI_Iallgatherv`
+//! tested until the open's deadline. A rank whose open fails takes part in the collective its
+//! peers are in (matched by position) with an abort marker instead of its value, so they fail
+//! there naming it, and every rank has issued the same number of collectives. MPI cannot
+//! cancel a collective and does not say who is missing: at the deadline the open fails with
+//! `Error::CollectiveTimeout` without names, and the bootstrap refuses every later collective
+//! (the pending one still expects this rank).
+//!
 //! When MPI granted less than `MPI_THREAD_SERIALIZED` (`FUNNELED`, `SINGLE`), only the thread
 //! that initialised MPI may call it: the bootstrap's collectives then fail with
 //! `Error::Unavailable` on any other thread (before any MPI call), and MPI channels are refused
