@@ -48,7 +48,14 @@ fn fake_rank1(b: &ThreadBootstrap, name: &str, spec: &str, strangers: bool) -> T
         let e = TcpStream::connect_timeout(&other, LIMIT).expect_err("listener on 0.0.0.0?");
         assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
     }
-    handshake_as(addr, name, b.secret(), 1, fp).expect("real handshake accepted")
+    let st = handshake_as(addr, name, b.secret(), 1, fp).expect("real handshake accepted");
+    vote(b, name);
+    st
+}
+
+/// The engine's closing collective of an open (every rank's open succeeded).
+fn vote(b: &ThreadBootstrap, name: &str) {
+    b.allgather(&format!("chan/{name}/open-ok"), &[1]).unwrap();
 }
 
 /// Connect and run the connector's side of the handshake; `Err` if rank 0 closed instead of
@@ -354,6 +361,7 @@ fn short_non_hello_is_refused_at_once() {
     let r = st.read_to_end(&mut sink);
     // Let rank 0's open finish whatever happened.
     let _real = handshake_as(addr, "short", b1.secret(), 1, fp).unwrap();
+    vote(&b1, "short");
     rx.recv_timeout(LIMIT).expect("rank 0 hung").expect("open");
     // Closed at once: end of stream, or a reset (the acceptor closed with the rest of the
     // stranger's bytes unread). A timeout means it was still connected.

@@ -6,8 +6,120 @@
 //! [`ThreadBootstrap`] for tests, the `madrun` client
 //! (`crate::launch`), and the MPI bootstrap in `mad-mpi`.
 
+use std::time::{Duration, Instant};
+
 use crate::auth::Secret;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// A set of collectives that succeed or fail together: one channel open.
+///
+/// Every tag of the scope starts with [`prefix`](Scope::prefix). A rank whose own part fails
+/// [`abandon`](Bootstrap::abandon)s the scope: every pending and later collective of the scope
+/// then fails on the other ranks with [`Error::RemoteFailure`] naming it; a collective that
+/// reaches the [`deadline`](Scope::deadline) fails with [`Error::CollectiveTimeout`] naming the
+/// ranks that had not arrived (where the bootstrap knows them), and abandons the scope for
+/// everybody.
+#[derive(Clone, Debug)]
+pub struct Scope {
+    /// Every tag of the scope starts with this prefix (no other scope's prefix starts with it).
+    pub prefix: String,
+    /// What the scope does, for error messages (`channel `x`: open`).
+    pub what: String,
+    /// When its collectives give up.
+    pub deadline: Instant,
+    /// The bound the deadline came from (reported by timeouts).
+    pub timeout: Duration,
+}
+
+impl Scope {
+    /// A scope of collectives under `prefix` that must complete within `timeout` from now.
+    pub fn new(prefix: impl Into<String>, what: impl Into<String>, timeout: Duration) -> Self {
+        let now = Instant::now();
+        Scope {
+            prefix: prefix.into(),
+            what: what.into(),
+            deadline: now
+                .checked_add(timeout)
+                .unwrap_or(now + Duration::from_secs(1 << 30)),
+            timeout,
+        }
+    }
+
+    /// Whether `tag` belongs to this scope.
+    pub fn contains(&self, tag: &str) -> bool {
+        tag.starts_with(&self.prefix)
+    }
+
+    /// The timeout error of this scope.
+    pub fn timeout_error(&self, mut missing: Vec<usize>) -> Error {
+        missing.sort_unstable();
+        missing.dedup();
+        Error::CollectiveTimeout {
+            what: self.what.clone(),
+            after: self.timeout,
+            missing,
+        }
+    }
+}
+
+/// Why a rank abandoned a [`Scope`], as the other ranks learn it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankFailure {
+    /// The rank whose own part failed.
+    pub rank: usize,
+    /// Its error's kind ([`Error::kind_name`]).
+    pub kind: String,
+    /// Its error's text.
+    pub message: String,
+    /// For a timeout ([`RankFailure::TIMEOUT`]): the ranks that had not arrived, where known.
+    pub missing: Vec<usize>,
+}
+
+impl RankFailure {
+    /// The kind of a failure that is a scope's deadline passing.
+    pub const TIMEOUT: &'static str = "CollectiveTimeout";
+
+    /// The failure of `rank` with error `e`.
+    pub fn from_error(rank: usize, e: &Error) -> Self {
+        RankFailure {
+            rank,
+            kind: e.kind_name().to_string(),
+            message: e.to_string(),
+            missing: match e {
+                Error::CollectiveTimeout { missing, .. } => missing.clone(),
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    /// The error the other ranks of `scope` report: [`Error::CollectiveTimeout`] for a
+    /// timeout (the cause is a missing rank, not the rank that noticed), otherwise
+    /// [`Error::RemoteFailure`].
+    pub fn to_error(&self, scope: &Scope) -> Error {
+        self.to_error_for(&scope.what, scope.timeout)
+    }
+
+    /// [`to_error`](Self::to_error) with the scope's description and bound given separately.
+    pub fn to_error_for(&self, what: &str, timeout: Duration) -> Error {
+        if self.kind == Self::TIMEOUT {
+            let mut missing = self.missing.clone();
+            missing.sort_unstable();
+            missing.dedup();
+            Error::CollectiveTimeout {
+                what: what.to_string(),
+                after: timeout,
+                missing,
+            }
+        } else {
+            Error::RemoteFailure {
+                what: what.to_string(),
+                rank: self.rank,
+                kind: self.kind.clone(),
+                message: self.message.clone(),
+            }
+        }
+    }
+}
 
 /// The services a session needs from whatever started its processes.
 pub trait Bootstrap: Send + Sync {
@@ -28,6 +140,28 @@ pub trait Bootstrap: Send + Sync {
     }
     /// A short name for diagnostics ("single", "threads", "madrun", "mpi").
     fn kind(&self) -> &'static str;
+    /// [`allgather`](Self::allgather) as part of `scope` (whose prefix `tag` starts with):
+    /// fails with [`Error::CollectiveTimeout`] at the scope's deadline (and abandons the scope
+    /// for the other ranks), and with [`Error::RemoteFailure`] as soon as another rank has
+    /// abandoned the scope.
+    ///
+    /// After this returned an error, the caller must not [`abandon`](Self::abandon) the
+    /// scope: the failure is already known to every rank that can learn it (the MPI bootstrap,
+    /// whose collectives are matched by position, relies on it). The default ignores the
+    /// scope: unbounded, like `allgather`.
+    fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let _ = scope;
+        self.allgather(tag, value)
+    }
+    /// This rank's part of `scope` failed outside its collectives (`failure.rank` is this
+    /// rank): make every pending and later collective of the scope fail on the other ranks
+    /// with `failure`. Returns the failure the scope is known by, which is another rank's when
+    /// that one abandoned it first. Called at most once per scope, and never after one of its
+    /// collectives failed. The default (a bootstrap that cannot tell the others) does nothing.
+    fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
+        let _ = scope;
+        Ok(failure.clone())
+    }
     /// Ranks that run on the same host as this one (including this rank), if known.
     /// Used by intra-node drivers. Default: every rank (one-host session).
     fn local_ranks(&self) -> Vec<usize> {
@@ -82,9 +216,36 @@ pub struct ThreadBootstrap {
 struct ThreadShared {
     size: usize,
     secret: Secret,
-    state: std::sync::Mutex<std::collections::HashMap<String, GatherSlot>>,
+    state: std::sync::Mutex<ThreadState>,
     cond: std::sync::Condvar,
     timeout: std::time::Duration,
+}
+
+#[derive(Default)]
+struct ThreadState {
+    slots: std::collections::HashMap<String, GatherSlot>,
+    /// Abandoned scopes: prefix, and the first failure reported for it.
+    aborts: Vec<(String, RankFailure)>,
+}
+
+impl ThreadState {
+    fn aborted(&self, tag: &str) -> Option<&RankFailure> {
+        self.aborts
+            .iter()
+            .find(|(p, _)| tag.starts_with(p.as_str()))
+            .map(|(_, f)| f)
+    }
+
+    /// Record `f` for `prefix` unless the scope already has a failure; returns the one kept.
+    fn abandon(&mut self, prefix: &str, f: &RankFailure) -> RankFailure {
+        if let Some(first) = self.aborted(prefix) {
+            return first.clone();
+        }
+        self.aborts.push((prefix.to_string(), f.clone()));
+        // The gathers of the scope will never complete: forget them.
+        self.slots.retain(|t, _| !t.starts_with(prefix));
+        f.clone()
+    }
 }
 
 #[derive(Default)]
@@ -124,6 +285,86 @@ impl ThreadBootstrap {
     }
 }
 
+impl ThreadBootstrap {
+    fn poisoned(&self) -> Error {
+        Error::Protocol {
+            rank: self.rank,
+            what: "bootstrap lock poisoned".into(),
+        }
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, ThreadState>> {
+        self.shared.state.lock().map_err(|_| self.poisoned())
+    }
+
+    fn gather(&self, scope: Option<&Scope>, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let sh = &*self.shared;
+        let what = || scope.map_or_else(|| format!("allgather `{tag}`"), |s| s.what.clone());
+        let failed =
+            |f: &RankFailure| f.to_error_for(&what(), scope.map_or(sh.timeout, |s| s.timeout));
+        let mut st = self.lock()?;
+        if let Some(f) = st.aborted(tag) {
+            return Err(failed(f));
+        }
+        {
+            let slot = st.slots.entry(tag.to_string()).or_default();
+            if slot.values.is_empty() {
+                slot.values = vec![None; sh.size];
+            }
+            if slot.values[self.rank].is_some() {
+                return Err(Error::BadConfig(format!(
+                    "rank {} entered allgather `{tag}` twice",
+                    self.rank
+                )));
+            }
+            slot.values[self.rank] = Some(value.to_vec());
+        }
+        sh.cond.notify_all();
+        let deadline = match scope {
+            Some(s) => s.deadline,
+            None => Instant::now() + sh.timeout,
+        };
+        loop {
+            if let Some(f) = st.aborted(tag) {
+                return Err(failed(f));
+            }
+            let slot = st
+                .slots
+                .get_mut(tag)
+                .ok_or_else(|| Error::protocol(self.rank, "allgather slot vanished"))?;
+            if slot.values.iter().all(Option::is_some) {
+                let out: Vec<Vec<u8>> = slot
+                    .values
+                    .iter()
+                    .map(|v| v.clone().unwrap_or_default())
+                    .collect();
+                slot.taken += 1;
+                if slot.taken == sh.size {
+                    st.slots.remove(tag);
+                }
+                return Ok(out);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let Some(scope) = scope else {
+                    return Err(Error::Timeout(sh.timeout));
+                };
+                let missing: Vec<usize> =
+                    (0..sh.size).filter(|&r| slot.values[r].is_none()).collect();
+                let e = scope.timeout_error(missing);
+                st.abandon(&scope.prefix, &RankFailure::from_error(self.rank, &e));
+                sh.cond.notify_all();
+                return Err(e);
+            }
+            st = sh
+                .cond
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| self.poisoned())?
+                .0;
+        }
+    }
+}
+
 impl Bootstrap for ThreadBootstrap {
     fn rank(&self) -> usize {
         self.rank
@@ -135,54 +376,15 @@ impl Bootstrap for ThreadBootstrap {
         &self.shared.secret
     }
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let sh = &*self.shared;
-        let rank = self.rank;
-        let poisoned = move || crate::Error::Protocol {
-            rank,
-            what: "bootstrap lock poisoned".into(),
-        };
-        let mut st = sh.state.lock().map_err(|_| poisoned())?;
-        {
-            let slot = st.entry(tag.to_string()).or_default();
-            if slot.values.is_empty() {
-                slot.values = vec![None; sh.size];
-            }
-            if slot.values[self.rank].is_some() {
-                return Err(crate::Error::BadConfig(format!(
-                    "rank {} entered allgather `{tag}` twice",
-                    self.rank
-                )));
-            }
-            slot.values[self.rank] = Some(value.to_vec());
-        }
-        sh.cond.notify_all();
-        let deadline = std::time::Instant::now() + sh.timeout;
-        loop {
-            let slot = st
-                .get_mut(tag)
-                .ok_or_else(|| crate::Error::protocol(self.rank, "allgather slot vanished"))?;
-            if slot.values.iter().all(Option::is_some) {
-                let out: Vec<Vec<u8>> = slot
-                    .values
-                    .iter()
-                    .map(|v| v.clone().unwrap_or_default())
-                    .collect();
-                slot.taken += 1;
-                if slot.taken == sh.size {
-                    st.remove(tag);
-                }
-                return Ok(out);
-            }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                return Err(crate::Error::Timeout(sh.timeout));
-            }
-            st = sh
-                .cond
-                .wait_timeout(st, deadline - now)
-                .map_err(|_| poisoned())?
-                .0;
-        }
+        self.gather(None, tag, value)
+    }
+    fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(Some(scope), tag, value)
+    }
+    fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
+        let first = self.lock()?.abandon(&scope.prefix, failure);
+        self.shared.cond.notify_all();
+        Ok(first)
     }
     fn kind(&self) -> &'static str {
         "threads"

@@ -150,6 +150,46 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A collective operation (a channel open) failed on another rank, which told the others:
+    /// this rank's part is abandoned. `kind` and `message` are that rank's error
+    /// ([`Error::kind_name`] and its text).
+    #[error("{what} failed on rank {rank}: {message}")]
+    RemoteFailure {
+        /// What failed (`channel `x`: open`).
+        what: String,
+        /// The rank whose own part failed first.
+        rank: usize,
+        /// Its error's kind ([`Error::kind_name`] on that rank: `Resource`, `Io`, ...).
+        kind: String,
+        /// Its error's text.
+        message: String,
+    },
+    /// A collective operation (a channel open) did not complete within its deadline.
+    #[error("{what} timed out after {after:?}{}", waiting_for(.missing))]
+    CollectiveTimeout {
+        /// What timed out (`channel `x`: open`).
+        what: String,
+        /// The bound that expired.
+        after: std::time::Duration,
+        /// The ranks that had not arrived, where the bootstrap knows (empty otherwise).
+        missing: Vec<usize>,
+    },
+}
+
+fn waiting_for(missing: &[usize]) -> String {
+    match missing {
+        [] => String::new(),
+        [r] => format!(" waiting for rank {r}"),
+        rs => {
+            let list: Vec<String> = rs.iter().take(16).map(|r| r.to_string()).collect();
+            let more = if rs.len() > 16 {
+                format!(" and {} more", rs.len() - 16)
+            } else {
+                String::new()
+            };
+            format!(" waiting for ranks {}{more}", list.join(", "))
+        }
+    }
 }
 
 impl Error {
@@ -173,7 +213,33 @@ impl Error {
     pub fn is_peer_failure(&self) -> bool {
         matches!(
             self,
-            Error::PeerClosed { .. } | Error::ConnectionLost { .. } | Error::Timeout(_)
+            Error::PeerClosed { .. }
+                | Error::ConnectionLost { .. }
+                | Error::Timeout(_)
+                | Error::RemoteFailure { .. }
+                | Error::CollectiveTimeout { .. }
         )
+    }
+
+    /// The variant's name (`Resource`, `Io`, ...): how another rank learns what kind of error
+    /// ended this rank's part of a collective ([`Error::RemoteFailure::kind`]).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Error::PeerClosed { .. } => "PeerClosed",
+            Error::ConnectionLost { .. } => "ConnectionLost",
+            Error::UnpackMismatch { .. } => "UnpackMismatch",
+            Error::Unavailable { .. } => "Unavailable",
+            Error::BadConfig(_) => "BadConfig",
+            Error::Protocol { .. } => "Protocol",
+            Error::Poisoned { .. } => "Poisoned",
+            Error::BadRank { .. } => "BadRank",
+            Error::InUse { .. } => "InUse",
+            Error::Timeout(_) => "Timeout",
+            Error::Auth(_) => "Auth",
+            Error::Resource(_) => "Resource",
+            Error::Io { .. } => "Io",
+            Error::RemoteFailure { .. } => "RemoteFailure",
+            Error::CollectiveTimeout { .. } => "CollectiveTimeout",
+        }
     }
 }

@@ -72,5 +72,5 @@ pub use config::ChannelConfig;
 pub use error::{Error, Result};
 pub use modes::{RecvMode, SendMode};
 pub use pack::Packer;
-pub use session::{Session, SessionBuilder};
+pub use session::{Session, SessionBuilder, DEFAULT_OPEN_TIMEOUT};
 pub use unpack::Unpacker;

@@ -1,11 +1,12 @@
 //! Sessions: this process's rank, the session size, the bootstrap, the registered drivers and
 //! the channels opened through them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use crate::bootstrap::{Bootstrap, SingleBootstrap};
+use crate::bootstrap::{Bootstrap, RankFailure, Scope, SingleBootstrap};
 use crate::channel::{Channel, ChannelInner};
 use crate::config::ChannelConfig;
 use crate::driver::{Driver, OpenContext};
@@ -30,6 +31,8 @@ struct SessionInner {
     /// More ranks on this host than cores: from this process's CPU set at build time, then
     /// from the union of every local rank's CPU set at each channel open.
     oversubscribed: AtomicBool,
+    /// Opens attempted per channel name: a retry after a failed open gets fresh bootstrap tags.
+    attempts: Mutex<HashMap<String, u32>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -93,6 +96,7 @@ impl SessionBuilder {
                 bootstrap,
                 drivers: self.drivers,
                 oversubscribed: AtomicBool::new(local > cores),
+                attempts: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -170,7 +174,40 @@ impl Session {
     /// it is a debugging switch for every channel (each message says whether it is checked, so
     /// ranks that differ still understand each other). `MAD_PROGRESS` and `MAD_TIMEOUT_MS` are
     /// defaults for channels opened by name only; a configuration given in code is kept.
+    ///
+    /// The open is bounded and agreed: a rank whose open fails tells the others, whose opens
+    /// then fail with [`Error::RemoteFailure`] naming it and carrying its error; an open that
+    /// has not completed everywhere within `open_timeout_ms` (option of the channel spec, else
+    /// `MAD_OPEN_TIMEOUT_MS`, else [`DEFAULT_OPEN_TIMEOUT`](crate::DEFAULT_OPEN_TIMEOUT) or 100 ms per rank if more) fails
+    /// with [`Error::CollectiveTimeout`] naming the ranks that did not arrive where the
+    /// bootstrap knows them. The open ends with a vote (one allgather) so that it succeeds on
+    /// every rank or on none. The deadline bounds the bootstrap's collectives; the drivers'
+    /// own connection set-up keeps its own bounds (tcp: `connect_timeout_ms`).
     pub fn open_channel_with(&self, mut config: ChannelConfig) -> Result<Channel> {
+        let b = &*self.inner.bootstrap;
+        let timeout = open_timeout(&mut config, b.size());
+        let attempt = {
+            let mut a = self
+                .inner
+                .attempts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let n = a.entry(config.name.clone()).or_insert(0);
+            let k = *n;
+            *n = n.saturating_add(1);
+            k
+        };
+        let scope = OpenScope::new(
+            b,
+            &config.name,
+            attempt,
+            *timeout.as_ref().unwrap_or(&DEFAULT_OPEN_TIMEOUT),
+        );
+        let opened = timeout.and_then(|_| self.open_in(config, &scope));
+        opened.map_err(|e| scope.fail(e))
+    }
+
+    fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
         if crate::config::env_forces_checked()? {
             config.checked = true;
         }
@@ -207,7 +244,7 @@ impl Session {
             })?;
         }
         let caps = driver.capabilities(&config);
-        let b = &*inner.bootstrap;
+        let b: &dyn Bootstrap = scope;
         // Every rank must agree on the driver and the switch table, or the switch decisions
         // would differ and data would be misread. The same exchange carries each rank's CPU set
         // (after a newline), from which the host's core count is known exactly.
@@ -220,10 +257,7 @@ impl Session {
         let cpu_list = cpus::allowed()
             .map(|c| cpus::format(&c))
             .unwrap_or_default();
-        let all = b.allgather(
-            &format!("chan/{}/core", config.name),
-            format!("{mine}\n{cpu_list}").as_bytes(),
-        )?;
+        let all = b.allgather(&scope.tag("core"), format!("{mine}\n{cpu_list}").as_bytes())?;
         let mut host_cpus = BTreeSet::new();
         let local_ranks = b.local_ranks();
         for (r, theirs) in all.iter().enumerate() {
@@ -270,6 +304,18 @@ impl Session {
                 ),
             ));
         }
+        // The vote: every rank's driver open succeeded, or the ranks whose did not have
+        // abandoned the scope (or, under MPI, contribute their failure to this collective).
+        let votes = b.allgather(&scope.tag("open-ok"), &[1])?;
+        if let Some(r) = votes.iter().position(|v| v.as_slice() != [1]) {
+            return Err(Error::protocol(
+                r,
+                format!(
+                    "channel `{}`: rank {r} sent a malformed open vote",
+                    config.name
+                ),
+            ));
+        }
         let ch = ChannelInner::new(
             config,
             b.rank(),
@@ -292,6 +338,134 @@ impl Session {
             eprint!("{}", ch.selection_table());
         }
         Ok(ch)
+    }
+}
+
+/// Bound on a channel open when neither `open_timeout_ms` nor `MAD_OPEN_TIMEOUT_MS` is set
+/// (raised to 100 ms per rank for sessions of more than 600 ranks).
+pub const DEFAULT_OPEN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The channel option that bounds an open (removed from the options the driver sees).
+const OPEN_TIMEOUT_OPTION: &str = "open_timeout_ms";
+
+/// The open deadline of `config` (see [`Session::open_channel_with`]).
+fn open_timeout(config: &mut ChannelConfig, size: usize) -> Result<Duration> {
+    let ms = |what: &str, v: &str| -> Result<Duration> {
+        match v.trim().parse::<u64>() {
+            Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+            _ => Err(Error::BadConfig(format!(
+                "channel `{}`: {what}={v}: expected a positive number of milliseconds",
+                config.name
+            ))),
+        }
+    };
+    if let Some(v) = config.options.remove(OPEN_TIMEOUT_OPTION) {
+        return ms(OPEN_TIMEOUT_OPTION, &v);
+    }
+    if let Ok(v) = std::env::var("MAD_OPEN_TIMEOUT_MS") {
+        return ms("MAD_OPEN_TIMEOUT_MS", &v);
+    }
+    Ok(DEFAULT_OPEN_TIMEOUT.max(Duration::from_millis(100).saturating_mul(size as u32)))
+}
+
+/// The session bootstrap as a channel open sees it: every collective is part of the open's
+/// [`Scope`] (bounded by its deadline, failed by another rank's abandon), and tags of a retry
+/// of the same channel name are distinct from the failed attempt's.
+struct OpenScope<'a> {
+    inner: &'a dyn Bootstrap,
+    scope: Scope,
+    /// What the drivers' tags start with (`OpenContext::tag`).
+    raw_prefix: String,
+    /// One of the scope's collectives failed: every rank that can learn of it knows already.
+    collective_failed: AtomicBool,
+}
+
+impl<'a> OpenScope<'a> {
+    fn new(inner: &'a dyn Bootstrap, name: &str, attempt: u32, timeout: Duration) -> Self {
+        // `/` and `%` escaped so that no channel's prefix is a prefix of another's; the first
+        // attempt keeps the plain `chan/NAME/` tags.
+        let esc = name.replace('%', "%25").replace('/', "%2F");
+        let prefix = if attempt == 0 {
+            format!("chan/{esc}/")
+        } else {
+            format!("chan#{attempt}/{esc}/")
+        };
+        OpenScope {
+            inner,
+            scope: Scope::new(prefix, format!("channel `{name}`: open"), timeout),
+            raw_prefix: format!("chan/{name}/"),
+            collective_failed: AtomicBool::new(false),
+        }
+    }
+
+    /// The scope's tag for `what`.
+    fn tag(&self, what: &str) -> String {
+        format!("{}{what}", self.scope.prefix)
+    }
+
+    /// This rank's open failed with `e`: unless a collective already spread the failure,
+    /// tell the other ranks. Returns the error to report: `e`, or the failure of the rank
+    /// that failed first when another did (with `e` appended).
+    fn fail(&self, e: Error) -> Error {
+        if self.collective_failed.load(Ordering::Relaxed) {
+            return e;
+        }
+        let me = self.inner.rank();
+        match self
+            .inner
+            .abandon(&self.scope, &RankFailure::from_error(me, &e))
+        {
+            Ok(first) if first.rank != me => match first.to_error(&self.scope) {
+                Error::RemoteFailure {
+                    what,
+                    rank,
+                    kind,
+                    message,
+                } => Error::RemoteFailure {
+                    what,
+                    rank,
+                    kind,
+                    message: format!("{message} (then rank {me} failed too: {e})"),
+                },
+                other => other,
+            },
+            _ => e,
+        }
+    }
+}
+
+impl Bootstrap for OpenScope<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn secret(&self) -> &crate::auth::Secret {
+        self.inner.secret()
+    }
+    fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let tag = if self.scope.contains(tag) {
+            tag.to_string()
+        } else {
+            self.tag(tag.strip_prefix(&self.raw_prefix).unwrap_or(tag))
+        };
+        let r = self.inner.scoped_allgather(&self.scope, &tag, value);
+        if r.is_err() {
+            self.collective_failed.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+    fn barrier(&self, tag: &str) -> Result<()> {
+        // An allgather, not the bootstrap's barrier: every collective of the scope must be
+        // one the bootstrap can fail (and, under MPI, match against a failing rank's).
+        self.allgather(tag, &[]).map(|_| ())
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn local_ranks(&self) -> Vec<usize> {
+        self.inner.local_ranks()
     }
 }
 

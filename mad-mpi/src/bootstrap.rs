@@ -7,6 +7,14 @@
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Every channel of the session (TCP, shm, MPI,
 //! ...) can use it, so one `mpiexec` job can mix drivers.
 //!
+//! Channel opens ([`Bootstrap::scoped_allgather`]) use `MPI_Iallgather`/`MPI_Iallgatherv`
+//! tested until the open's deadline. A rank whose open fails takes part in the collective its
+//! peers are in (matched by position) with an abort marker instead of its value, so they fail
+//! there naming it, and every rank has issued the same number of collectives. MPI cannot
+//! cancel a collective and does not say who is missing: at the deadline the open fails with
+//! `Error::CollectiveTimeout` without names, and the bootstrap refuses every later collective
+//! (the pending one still expects this rank).
+//!
 //! When MPI granted less than `MPI_THREAD_SERIALIZED` (`FUNNELED`, `SINGLE`), only the thread
 //! that initialised MPI may call it: the bootstrap's collectives then fail with
 //! `Error::Unavailable` on any other thread (before any MPI call), and MPI channels are refused
@@ -15,7 +23,7 @@
 use std::sync::{Arc, Mutex};
 
 use mad_core::auth::{Secret, SECRET_LEN};
-use mad_core::bootstrap::Bootstrap;
+use mad_core::bootstrap::{Bootstrap, RankFailure, Scope};
 use mad_core::{Error, Result};
 
 use crate::launcher::{self, Launcher};
@@ -30,8 +38,9 @@ pub struct MpiBootstrap {
     secret: Secret,
     local: Vec<usize>,
     launcher: Option<Launcher>,
-    // Collectives on one communicator must not overlap: one at a time.
-    lock: Mutex<()>,
+    // Collectives on one communicator must not overlap: one at a time. Holds why the
+    // communicator is unusable, once a bounded collective timed out (it cannot be cancelled).
+    lock: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for MpiBootstrap {
@@ -110,7 +119,7 @@ impl MpiBootstrap {
             secret,
             local,
             launcher,
-            lock: Mutex::new(()),
+            lock: Mutex::new(None),
         })
     }
 
@@ -145,26 +154,116 @@ fn tag_hash(tag: &str) -> u64 {
     h
 }
 
-impl Bootstrap for MpiBootstrap {
-    fn rank(&self) -> usize {
-        self.rank
+/// First 8 bytes of a rank's contribution when it abandons a scope instead of taking part
+/// in the collective its peers are in (matched by position, whatever their tag).
+const ABORT_MARK: u64 = 0x6d61_642d_6162_7274; // "mad-abrt"
+/// Longest error text carried by an abort marker.
+const MAX_ABORT_TEXT: usize = 4096;
+
+fn encode_abort(f: &RankFailure) -> Vec<u8> {
+    let cut = |s: &str, max: usize| {
+        let mut end = s.len().min(max);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.as_bytes()[..end].to_vec()
+    };
+    let (kind, msg) = (cut(&f.kind, 64), cut(&f.message, MAX_ABORT_TEXT));
+    let mut v = Vec::with_capacity(24 + kind.len() + msg.len());
+    v.extend_from_slice(&ABORT_MARK.to_le_bytes());
+    v.extend_from_slice(&(kind.len() as u32).to_le_bytes());
+    v.extend_from_slice(&kind);
+    v.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    v.extend_from_slice(&msg);
+    v
+}
+
+/// The failure in rank `r`'s contribution `b`, if it is an abort marker (a malformed marker
+/// is still a failure of that rank).
+fn decode_abort(r: usize, b: &[u8]) -> Option<RankFailure> {
+    if b.get(..8)? != ABORT_MARK.to_le_bytes() {
+        return None;
     }
-    fn size(&self) -> usize {
-        self.size
+    let mut rest = &b[8..];
+    let mut text = || -> Option<String> {
+        let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let s = rest.get(4..4 + n)?;
+        rest = &rest[4 + n..];
+        Some(String::from_utf8_lossy(s).into_owned())
+    };
+    let (kind, message) = match (text(), text()) {
+        (Some(k), Some(m)) => (k, m),
+        _ => ("Protocol".into(), "malformed abort marker".into()),
+    };
+    Some(RankFailure {
+        rank: r,
+        kind,
+        message,
+        missing: Vec::new(),
+    })
+}
+
+impl MpiBootstrap {
+    fn enter(&self, what: &str) -> Result<std::sync::MutexGuard<'_, Option<String>>> {
+        self.rt.check_thread(what)?;
+        let g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(why) = &*g {
+            return Err(Error::io(
+                "MPI bootstrap",
+                std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    format!("unusable after an earlier failure: {why}"),
+                ),
+            ));
+        }
+        Ok(g)
     }
-    fn secret(&self) -> &Secret {
-        &self.secret
+
+    /// Every rank's contribution, or `None` at `deadline` (the communicator is then marked
+    /// unusable in `g`).
+    fn exchange(
+        &self,
+        g: &mut Option<String>,
+        v: &[u8],
+        deadline: Option<std::time::Instant>,
+        tag: &str,
+    ) -> Result<Option<Vec<Vec<u8>>>> {
+        match deadline {
+            None => self.comm.allgather(v).map(Some),
+            Some(d) => {
+                let r = self.comm.allgather_until(v, d)?;
+                if r.is_none() {
+                    *g = Some(format!(
+                        "collective `{tag}` timed out (MPI cannot cancel it)"
+                    ));
+                }
+                Ok(r)
+            }
+        }
     }
-    fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.rt
-            .check_thread(&format!("bootstrap collective `{tag}` was called"))?;
-        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+
+    fn gather(&self, scope: Option<&Scope>, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut g = self.enter(&format!("bootstrap collective `{tag}` was called"))?;
         // Prefix the tag's hash so ranks that issue collectives in different orders get an
         // error instead of each other's values.
         let mut v = Vec::with_capacity(8 + value.len());
         v.extend_from_slice(&tag_hash(tag).to_le_bytes());
         v.extend_from_slice(value);
-        let all = self.comm.allgather(&v)?;
+        let Some(all) = self.exchange(&mut g, &v, scope.map(|s| s.deadline), tag)? else {
+            // MPI does not say who is missing.
+            return Err(
+                scope.map_or(Error::Timeout(std::time::Duration::ZERO), |s| {
+                    s.timeout_error(Vec::new())
+                }),
+            );
+        };
+        // A rank that abandoned the scope contributed its failure instead.
+        if let Some(f) = all.iter().enumerate().find_map(|(r, b)| decode_abort(r, b)) {
+            return Err(match scope {
+                Some(s) => f.to_error(s),
+                None => f.to_error_for(&format!("allgather `{tag}`"), std::time::Duration::ZERO),
+            });
+        }
         let want = tag_hash(tag).to_le_bytes();
         all.into_iter()
             .enumerate()
@@ -180,10 +279,44 @@ impl Bootstrap for MpiBootstrap {
             })
             .collect()
     }
+}
+
+impl Bootstrap for MpiBootstrap {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn secret(&self) -> &Secret {
+        &self.secret
+    }
+    fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(None, tag, value)
+    }
+    fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(Some(scope), tag, value)
+    }
+    /// MPI collectives are matched by position: this rank takes part in the collective its
+    /// peers are in (their next one of the scope) with an abort marker instead of a value, so
+    /// they fail with its error there. Bounded by the scope's deadline (at least 5 s from now).
+    fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
+        let mut g = self.enter(&format!("bootstrap abort of `{}` was called", scope.prefix))?;
+        let deadline = scope
+            .deadline
+            .max(std::time::Instant::now() + std::time::Duration::from_secs(5));
+        let all = self.exchange(
+            &mut g,
+            &encode_abort(failure),
+            Some(deadline),
+            &scope.prefix,
+        )?;
+        Ok(all
+            .and_then(|all| all.iter().enumerate().find_map(|(r, b)| decode_abort(r, b)))
+            .unwrap_or_else(|| failure.clone()))
+    }
     fn barrier(&self, tag: &str) -> Result<()> {
-        self.rt
-            .check_thread(&format!("bootstrap barrier `{tag}` was called"))?;
-        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = self.enter(&format!("bootstrap barrier `{tag}` was called"))?;
         self.comm.barrier()
     }
     fn kind(&self) -> &'static str {

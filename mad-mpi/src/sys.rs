@@ -546,6 +546,92 @@ impl Comm {
             .collect())
     }
 
+    /// [`allgather`](Self::allgather) bounded by `deadline`: `MPI_Iallgather` of the lengths
+    /// and `MPI_Iallgatherv` of the bytes, each tested until complete or the deadline.
+    /// `Ok(None)` at the deadline: an MPI collective cannot be cancelled, so the pending one
+    /// keeps its buffers (leaked: MPI may still write them) and this communicator must not be
+    /// used for collectives again.
+    pub fn allgather_until(
+        &self,
+        value: &[u8],
+        deadline: std::time::Instant,
+    ) -> Result<Option<Vec<Vec<u8>>>> {
+        let size = self.size();
+        let mine: Box<c_int> = Box::new(to_int(value.len(), "allgather value")?);
+        let mut lens: Vec<c_int> = vec![0; size];
+        let mut req = request_null();
+        {
+            let _g = guard();
+            check(
+                // SAFETY: sends one int from `mine`, receives `size` ints into `lens` (length
+                // `size`); both stay allocated until the request completes, or forever.
+                unsafe {
+                    ffi::MPI_Iallgather(
+                        (&*mine as *const c_int).cast(),
+                        1,
+                        int_type(),
+                        lens.as_mut_ptr().cast(),
+                        1,
+                        int_type(),
+                        self.raw,
+                        &mut req,
+                    )
+                },
+                "MPI_Iallgather",
+            )?;
+        }
+        if !test_until(&mut req, deadline, "MPI_Iallgather")? {
+            std::mem::forget(mine);
+            std::mem::forget(lens);
+            return Ok(None);
+        }
+        let mut displs: Vec<c_int> = Vec::with_capacity(size);
+        let mut total: usize = 0;
+        for &l in &lens {
+            if l < 0 {
+                return Err(Error::protocol(0, "negative allgather length"));
+            }
+            displs.push(to_int(total, "allgather total")?);
+            total += l as usize;
+        }
+        to_int(total, "allgather total")?;
+        let send: Vec<u8> = value.to_vec();
+        let mut all = vec![0u8; total];
+        let mut req = request_null();
+        {
+            let _g = guard();
+            check(
+                // SAFETY: `send` is valid for `mine` bytes; `all` holds sum(lens) bytes laid
+                // out by `displs`; all four stay allocated until the request completes, or
+                // forever.
+                unsafe {
+                    ffi::MPI_Iallgatherv(
+                        send.as_ptr().cast(),
+                        *mine,
+                        byte(),
+                        all.as_mut_ptr().cast(),
+                        lens.as_ptr(),
+                        displs.as_ptr(),
+                        byte(),
+                        self.raw,
+                        &mut req,
+                    )
+                },
+                "MPI_Iallgatherv",
+            )?;
+        }
+        if !test_until(&mut req, deadline, "MPI_Iallgatherv")? {
+            std::mem::forget((send, all, lens, displs));
+            return Ok(None);
+        }
+        Ok(Some(
+            lens.iter()
+                .zip(&displs)
+                .map(|(&l, &d)| all[d as usize..d as usize + l as usize].to_vec())
+                .collect(),
+        ))
+    }
+
     /// Blocking `MPI_Send` of a small message. Only for messages the MPI sends eagerly (the
     /// driver's per-family limits): the call returns once the bytes are copied out, without
     /// waiting for the receiver (unless the receiver's queue is full).
@@ -780,6 +866,28 @@ fn test(req: &mut ffi::MPI_Request, what: &str) -> Result<bool> {
     // SAFETY: `req` is an active request of ours; out-pointers valid.
     check(unsafe { ffi::MPI_Test(req, &mut flag, &mut st) }, what)?;
     Ok(flag != 0)
+}
+
+/// Test `req` until it completes (`Ok(true)`) or `deadline` passes (`Ok(false)`, the request
+/// still active), sleeping between tests (50 µs doubling to 1 ms: set-up collectives, not a
+/// data path).
+fn test_until(
+    req: &mut ffi::MPI_Request,
+    deadline: std::time::Instant,
+    what: &str,
+) -> Result<bool> {
+    let mut nap = std::time::Duration::from_micros(50);
+    loop {
+        if test(req, what)? {
+            return Ok(true);
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(nap.min(deadline - now));
+        nap = (nap * 2).min(std::time::Duration::from_millis(1));
+    }
 }
 
 /// Cancel and wait: afterwards MPI no longer touches the request's memory.

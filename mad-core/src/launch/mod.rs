@@ -40,12 +40,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, Secret};
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Bootstrap, RankFailure, Scope};
 use crate::error::{Error, Result};
 use wire::{Frame, FrameReader};
 
 /// Default bound on connecting and authenticating to the bootstrap server.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on the launcher's answer to an abort (it answers at once unless it is stuck).
+const ABORT_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The names of the environment variables `madrun` sets.
 pub mod vars {
@@ -215,6 +217,8 @@ impl MadrunEnv {
 struct Conn {
     stream: TcpStream,
     reader: FrameReader,
+    /// Why the stream can no longer be trusted to be in step with the server, if it cannot.
+    broken: Option<String>,
 }
 
 /// The bootstrap of a process started by `madrun`.
@@ -283,6 +287,7 @@ impl MadrunBootstrap {
         let mut conn = Conn {
             stream,
             reader: FrameReader::with_limit(wire::MAX_MESSAGE + 64),
+            broken: None,
         };
         let left = deadline.saturating_duration_since(Instant::now());
         let io = |e| Error::io("madrun bootstrap handshake", e);
@@ -359,17 +364,59 @@ impl MadrunBootstrap {
     }
 }
 
-impl Bootstrap for MadrunBootstrap {
-    fn rank(&self) -> usize {
-        self.env.rank
+fn is_timeout(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. }
+        if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+}
+
+fn eof() -> Error {
+    Error::io(
+        "madrun bootstrap",
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the launcher closed the bootstrap connection (madrun exited?)",
+        ),
+    )
+}
+
+fn failed_error(rank: Option<u32>, message: String) -> Error {
+    match rank {
+        Some(r) => Error::ConnectionLost {
+            rank: r as usize,
+            source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, message),
+        },
+        None => server_error(message),
     }
-    fn size(&self) -> usize {
-        self.env.size
+}
+
+fn rank_failure(rank: u32, kind: String, message: String, missing: Vec<u32>) -> RankFailure {
+    RankFailure {
+        rank: rank as usize,
+        kind,
+        message,
+        missing: missing.into_iter().map(|r| r as usize).collect(),
     }
-    fn secret(&self) -> &Secret {
-        &self.env.secret
+}
+
+impl MadrunBootstrap {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Conn>> {
+        let guard = self.conn.lock().map_err(|_| Error::Poisoned {
+            rank: self.env.rank,
+            cause: "a thread panicked inside a bootstrap allgather".into(),
+        })?;
+        if let Some(why) = &guard.broken {
+            return Err(Error::io(
+                "madrun bootstrap",
+                std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    format!("connection unusable after an earlier failure: {why}"),
+                ),
+            ));
+        }
+        Ok(guard)
     }
-    fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+
+    fn gather(&self, scope: Option<&Scope>, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         if tag.len() > wire::MAX_TAG {
             return Err(Error::BadConfig(format!(
                 "allgather tag of {} bytes exceeds {}",
@@ -384,21 +431,49 @@ impl Bootstrap for MadrunBootstrap {
                 wire::MAX_VALUE
             )));
         }
-        let mut guard = self.conn.lock().map_err(|_| Error::Poisoned {
-            rank: self.env.rank,
-            cause: "a thread panicked inside a bootstrap allgather".into(),
-        })?;
+        let mut guard = self.lock()?;
         let conn = &mut *guard;
         let req = Frame::Allgather {
             tag: tag.to_string(),
             value: value.to_vec(),
         };
         wire::write_frame(&mut conn.stream, &req)?;
-        match conn
+        let io = |e| Error::io("madrun bootstrap: setting the read timeout", e);
+        if let Some(s) = scope {
+            let left = s.deadline.saturating_duration_since(Instant::now());
+            conn.stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .map_err(io)?;
+        }
+        let got = conn
             .reader
             .read_frame(&mut conn.stream)
-            .map_err(from_server)?
-        {
+            .map_err(from_server);
+        let (what, timeout) = match scope {
+            Some(s) => (s.what.clone(), s.timeout),
+            None => (format!("allgather `{tag}`"), Duration::ZERO),
+        };
+        let got = match (got, scope) {
+            (Err(e), Some(s)) if is_timeout(&e) => {
+                // Nobody failed, somebody is late: abandon the scope, which fails it for
+                // everybody, and learn from the server who never arrived.
+                let message = format!("rank {} waited {:?} in `{tag}`", self.env.rank, s.timeout);
+                let Ok((pending, first)) =
+                    self.abort_locked(conn, s, RankFailure::TIMEOUT, &message)
+                else {
+                    return Err(s.timeout_error(Vec::new()));
+                };
+                return Err(match pending {
+                    Some(Frame::Failed { rank, message }) => failed_error(rank, message),
+                    _ => first.to_error_for(&what, timeout),
+                });
+            }
+            (got, _) => got,
+        };
+        if scope.is_some() {
+            conn.stream.set_read_timeout(None).map_err(io)?;
+        }
+        match got? {
             Some(Frame::Gathered { tag: t, values }) if t == tag => {
                 if values.len() != self.env.size {
                     return Err(server_error(format!(
@@ -409,29 +484,104 @@ impl Bootstrap for MadrunBootstrap {
                 }
                 Ok(values)
             }
-            Some(Frame::Gathered { tag: t, .. }) => Err(server_error(format!(
-                "asked for allgather `{tag}`, the launcher answered `{t}`"
-            ))),
-            Some(Frame::Failed {
-                rank: Some(r),
+            Some(Frame::Aborted {
+                tag: t,
+                rank,
+                kind,
                 message,
-            }) => Err(Error::ConnectionLost {
-                rank: r as usize,
-                source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, message),
-            }),
-            Some(Frame::Failed {
-                rank: None,
-                message,
-            }) => Err(server_error(message)),
+                missing,
+            }) if t == tag => {
+                Err(rank_failure(rank, kind, message, missing).to_error_for(&what, timeout))
+            }
+            Some(Frame::Gathered { tag: t, .. } | Frame::Aborted { tag: t, .. }) => {
+                Err(server_error(format!(
+                    "asked for allgather `{tag}`, the launcher answered `{t}`"
+                )))
+            }
+            Some(Frame::Failed { rank, message }) => Err(failed_error(rank, message)),
             Some(_) => Err(server_error("unexpected frame during allgather")),
-            None => Err(Error::io(
-                "madrun bootstrap",
-                std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the launcher closed the bootstrap connection (madrun exited?)",
-                ),
-            )),
+            None => Err(eof()),
         }
+    }
+
+    /// Send an abort of `scope` and read until the server answers it. Returns the answer to
+    /// the allgather that was pending on this connection, if one arrived meanwhile, and the
+    /// scope's first failure. A connection that does not answer is marked broken.
+    fn abort_locked(
+        &self,
+        conn: &mut Conn,
+        scope: &Scope,
+        kind: &str,
+        message: &str,
+    ) -> Result<(Option<Frame>, RankFailure)> {
+        let r = (|| {
+            wire::write_frame(
+                &mut conn.stream,
+                &Frame::Abort {
+                    scope: scope.prefix.clone(),
+                    kind: kind.to_string(),
+                    message: message.to_string(),
+                },
+            )?;
+            conn.stream
+                .set_read_timeout(Some(ABORT_REPLY_TIMEOUT))
+                .map_err(|e| Error::io("madrun bootstrap: setting the read timeout", e))?;
+            let mut pending = None;
+            loop {
+                match conn
+                    .reader
+                    .read_frame(&mut conn.stream)
+                    .map_err(from_server)?
+                {
+                    Some(Frame::Aborted {
+                        tag,
+                        rank,
+                        kind,
+                        message,
+                        missing,
+                    }) if tag == scope.prefix => {
+                        return Ok((pending, rank_failure(rank, kind, message, missing)))
+                    }
+                    Some(
+                        f @ (Frame::Gathered { .. } | Frame::Aborted { .. } | Frame::Failed { .. }),
+                    ) if pending.is_none() => pending = Some(f),
+                    Some(_) => return Err(server_error("unexpected frame while aborting")),
+                    None => return Err(eof()),
+                }
+            }
+        })();
+        match &r {
+            Ok(_) => {
+                conn.stream
+                    .set_read_timeout(None)
+                    .map_err(|e| Error::io("madrun bootstrap: setting the read timeout", e))?;
+            }
+            Err(e) => conn.broken = Some(format!("aborting `{}`: {e}", scope.prefix)),
+        }
+        r
+    }
+}
+
+impl Bootstrap for MadrunBootstrap {
+    fn rank(&self) -> usize {
+        self.env.rank
+    }
+    fn size(&self) -> usize {
+        self.env.size
+    }
+    fn secret(&self) -> &Secret {
+        &self.env.secret
+    }
+    fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(None, tag, value)
+    }
+    fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(Some(scope), tag, value)
+    }
+    fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
+        let mut guard = self.lock()?;
+        let (_, first) = self.abort_locked(&mut guard, scope, &failure.kind, &failure.message)?;
+        Ok(first)
     }
     fn kind(&self) -> &'static str {
         "madrun"
@@ -628,5 +778,91 @@ mod tests {
         // The same rank cannot come back.
         assert!(MadrunBootstrap::connect(env_for(addr, 2, 3, &secret)).is_err());
         assert_eq!(srv.departed(), Some(2));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
+    fn an_abandoned_scope_fails_the_others_naming_the_rank_and_its_error() {
+        let secret = Secret::random().unwrap();
+        let (srv, log) = server(3, &secret);
+        let addr = srv.local_addr();
+        let bs: Vec<MadrunBootstrap> = (0..3)
+            .map(|r| MadrunBootstrap::connect(env_for(addr, r, 3, &secret)).unwrap())
+            .collect();
+        let scope = Scope::new("chan/x/", "channel `x`: open", Duration::from_secs(30));
+        let mut bs = bs.into_iter();
+        let (b0, b1, b2) = (bs.next().unwrap(), bs.next().unwrap(), bs.next().unwrap());
+        let s0 = scope.clone();
+        let t0 = std::thread::spawn(move || b0.scoped_allgather(&s0, "chan/x/core", b"0"));
+        std::thread::sleep(Duration::from_millis(100));
+        let e = Error::Resource("shm: Too many open files (os error 24)".into());
+        let first = b1.abandon(&scope, &RankFailure::from_error(1, &e)).unwrap();
+        assert_eq!((first.rank, first.kind.as_str()), (1, "Resource"));
+        let started = Instant::now();
+        match t0.join().unwrap() {
+            Err(Error::RemoteFailure {
+                rank: 1,
+                kind,
+                message,
+                what,
+            }) => {
+                assert_eq!(kind, "Resource");
+                assert!(message.contains("Too many open files"), "{message}");
+                assert_eq!(what, "channel `x`: open");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A later collective of the scope fails at once; the error reads well.
+        let e2 = b2
+            .scoped_allgather(&scope, "chan/x/shm/segs", b"2")
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(20));
+        assert_eq!(
+            e2.to_string(),
+            "channel `x`: open failed on rank 1: resource exhausted: shm: Too many open files (os error 24)"
+        );
+        assert!(log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("rank 1 abandoned")));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
+    fn a_scope_deadline_names_the_rank_that_never_arrived() {
+        let secret = Secret::random().unwrap();
+        let (srv, _log) = server(3, &secret);
+        let addr = srv.local_addr();
+        // Rank 2 is connected but never enters the open; ranks 0 and 1 do, with a 300 ms bound.
+        let _b2 = MadrunBootstrap::connect(env_for(addr, 2, 3, &secret)).unwrap();
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                let s = secret.clone();
+                std::thread::spawn(move || {
+                    let b = MadrunBootstrap::connect(env_for(addr, r, 3, &s)).unwrap();
+                    let scope = Scope::new(
+                        "chan/t/",
+                        "channel `t`: open",
+                        Duration::from_millis(300 + 200 * r as u64),
+                    );
+                    let t = Instant::now();
+                    let e = b.scoped_allgather(&scope, "chan/t/core", b"x").unwrap_err();
+                    (e, t.elapsed())
+                })
+            })
+            .collect();
+        for h in handles {
+            let (e, took) = h.join().unwrap();
+            match &e {
+                Error::CollectiveTimeout { missing, what, .. } => {
+                    assert_eq!(missing, &vec![2], "{e}");
+                    assert_eq!(what, "channel `t`: open");
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(e.to_string().contains("waiting for rank 2"), "{e}");
+            assert!(took < Duration::from_secs(20), "{took:?}");
+        }
     }
 }

@@ -50,6 +50,30 @@ struct Gather {
     have: usize,
 }
 
+/// The first failure reported for an abandoned scope.
+#[derive(Clone, Debug)]
+struct Abandoned {
+    rank: u32,
+    kind: String,
+    message: String,
+    missing: Vec<u32>,
+}
+
+impl Abandoned {
+    fn frame(&self, tag: &str) -> Frame {
+        Frame::Aborted {
+            tag: tag.to_string(),
+            rank: self.rank,
+            kind: self.kind.clone(),
+            message: self.message.clone(),
+            missing: self.missing.clone(),
+        }
+    }
+}
+
+/// Most scopes a job may abandon (each is a failed channel open).
+pub const MAX_ABANDONED: usize = 4096;
+
 /// The protocol state of one job's bootstrap server.
 #[derive(Debug)]
 pub struct Coordinator {
@@ -60,6 +84,8 @@ pub struct Coordinator {
     connected_once: Vec<bool>,
     gone: Option<usize>,
     gathers: HashMap<String, Gather>,
+    /// Abandoned scopes (tag prefixes) and their first failure.
+    abandoned: Vec<(String, Abandoned)>,
 }
 
 impl Coordinator {
@@ -73,7 +99,15 @@ impl Coordinator {
             connected_once: vec![false; size],
             gone: None,
             gathers: HashMap::new(),
+            abandoned: Vec::new(),
         }
+    }
+
+    fn abandoned_for(&self, tag: &str) -> Option<&Abandoned> {
+        self.abandoned
+            .iter()
+            .find(|(p, _)| tag.starts_with(p.as_str()))
+            .map(|(_, a)| a)
     }
 
     /// The first rank whose bootstrap connection closed, if any.
@@ -132,6 +166,11 @@ impl Coordinator {
             Some(&Conn::AwaitHello { peer, nonce }) => self.hello(c, peer, nonce, frame),
             Some(&Conn::Ready { rank }) => match frame {
                 Frame::Allgather { tag, value } => self.allgather(c, rank, tag, value),
+                Frame::Abort {
+                    scope,
+                    kind,
+                    message,
+                } => self.abort(c, rank, scope, kind, message),
                 other => self.fail_rank_conn(c, rank, format!("unexpected {} frame", kind(&other))),
             },
         }
@@ -185,7 +224,84 @@ impl Coordinator {
         }
     }
 
+    /// Rank `rank` abandons the collectives under `scope`: record the scope's first failure,
+    /// fail its pending collectives for every rank that contributed, answer the abort.
+    fn abort(
+        &mut self,
+        c: ConnId,
+        rank: usize,
+        scope: String,
+        kind: String,
+        message: String,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        let first = match self.abandoned_for(&scope) {
+            Some(a) => a.clone(),
+            None => {
+                if self.abandoned.len() >= MAX_ABANDONED {
+                    return self.fail_rank_conn(
+                        c,
+                        rank,
+                        format!("more than {MAX_ABANDONED} abandoned collectives"),
+                    );
+                }
+                // Who the scope's pending collectives are waiting for (what a timeout names).
+                let mut missing: Vec<u32> = self
+                    .gathers
+                    .iter()
+                    .filter(|(t, _)| t.starts_with(&scope))
+                    .flat_map(|(_, g)| {
+                        g.values
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, v)| v.is_none())
+                            .map(|(r, _)| r as u32)
+                    })
+                    .collect();
+                missing.sort_unstable();
+                missing.dedup();
+                let a = Abandoned {
+                    rank: rank as u32,
+                    kind,
+                    message,
+                    missing,
+                };
+                out.push(Action::Log(format!(
+                    "madrun: rank {rank} abandoned the collectives `{scope}*`: {}",
+                    a.message
+                )));
+                self.abandoned.push((scope.clone(), a.clone()));
+                a
+            }
+        };
+        let pending: Vec<String> = self
+            .gathers
+            .keys()
+            .filter(|t| t.starts_with(&scope))
+            .cloned()
+            .collect();
+        for tag in pending {
+            let Some(g) = self.gathers.remove(&tag) else {
+                continue;
+            };
+            let to: Vec<ConnId> = g
+                .values
+                .iter()
+                .zip(&self.rank_conn)
+                .filter_map(|(v, rc)| v.as_ref().and(*rc))
+                .collect();
+            if !to.is_empty() {
+                out.push(Action::Broadcast(to, first.frame(&tag)));
+            }
+        }
+        out.push(Action::Send(c, first.frame(&scope)));
+        out
+    }
+
     fn allgather(&mut self, c: ConnId, rank: usize, tag: String, value: Vec<u8>) -> Vec<Action> {
+        if let Some(a) = self.abandoned_for(&tag) {
+            return vec![Action::Send(c, a.frame(&tag))];
+        }
         if let Some(dead) = self.gone {
             return vec![Action::Send(c, self.departed_failure(dead, &tag))];
         }
@@ -272,6 +388,8 @@ fn kind(f: &Frame) -> &'static str {
         Frame::Allgather { .. } => "ALLGATHER",
         Frame::Gathered { .. } => "GATHERED",
         Frame::Failed { .. } => "FAILED",
+        Frame::Abort { .. } => "ABORT",
+        Frame::Aborted { .. } => "ABORTED",
     }
 }
 
@@ -583,5 +701,99 @@ mod tests {
             [Action::Send(1, Frame::Failed { rank: Some(1), .. })]
         ));
         assert_eq!(co.departed(), Some(1));
+    }
+
+    #[test]
+    fn an_abandoned_scope_fails_its_pending_and_later_collectives() {
+        let s = Secret::random().unwrap();
+        let mut co = Coordinator::new(3, s.clone());
+        for (c, r) in [(10, 0u32), (11, 1), (12, 2)] {
+            co.accepted(c, peer(), [c as u8; 16]);
+            co.received(c, hello(&s, [c as u8; 16], r));
+        }
+        let ag = |t: &str| Frame::Allgather {
+            tag: t.into(),
+            value: vec![],
+        };
+        // Ranks 0 and 2 wait in the open's first collective; rank 1's open fails.
+        assert!(co.received(10, ag("chan/x/core")).is_empty());
+        assert!(co.received(12, ag("chan/x/core")).is_empty());
+        // Another channel's collective is not affected.
+        assert!(co.received(10, ag("chan/xy/core")).is_empty());
+        let out = co.received(
+            11,
+            Frame::Abort {
+                scope: "chan/x/".into(),
+                kind: "Resource".into(),
+                message: "EMFILE".into(),
+            },
+        );
+        assert!(matches!(&out[0], Action::Log(l) if l.contains("rank 1") && l.contains("EMFILE")));
+        let Action::Broadcast(
+            to,
+            Frame::Aborted {
+                tag,
+                rank: 1,
+                kind,
+                missing,
+                ..
+            },
+        ) = &out[1]
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            (to, tag.as_str(), kind.as_str()),
+            (&vec![10, 12], "chan/x/core", "Resource")
+        );
+        assert_eq!(missing, &vec![1]);
+        assert!(
+            matches!(&out[2], Action::Send(11, Frame::Aborted { tag, .. }) if tag == "chan/x/")
+        );
+        assert_eq!(out.len(), 3);
+        // Later collectives of the scope fail at once; a second abort gets the first failure.
+        assert!(matches!(
+            &co.received(12, ag("chan/x/tcp/addr"))[..],
+            [Action::Send(12, Frame::Aborted { rank: 1, .. })]
+        ));
+        assert!(matches!(
+            &co.received(10, Frame::Abort { scope: "chan/x/".into(), kind: "Io".into(), message: "late".into() })[..],
+            [Action::Send(10, Frame::Aborted { rank: 1, message, .. })] if message == "EMFILE"
+        ));
+        // The other channel completes.
+        co.received(11, ag("chan/xy/core"));
+        assert!(matches!(
+            &co.received(12, ag("chan/xy/core"))[..],
+            [Action::Broadcast(_, Frame::Gathered { .. })]
+        ));
+    }
+
+    #[test]
+    fn a_timeout_abort_names_the_ranks_that_never_arrived() {
+        let s = Secret::random().unwrap();
+        let mut co = Coordinator::new(4, s.clone());
+        for (c, r) in [(1, 0u32), (2, 1), (3, 2)] {
+            co.accepted(c, peer(), [c as u8; 16]);
+            co.received(c, hello(&s, [c as u8; 16], r));
+        }
+        let ag = Frame::Allgather {
+            tag: "chan/t/core".into(),
+            value: vec![],
+        };
+        co.received(1, ag.clone());
+        co.received(2, ag);
+        // Rank 3 never connected, rank 2 never entered the open: rank 0 times out.
+        let out = co.received(
+            1,
+            Frame::Abort {
+                scope: "chan/t/".into(),
+                kind: "CollectiveTimeout".into(),
+                message: "rank 0 timed out".into(),
+            },
+        );
+        let Action::Broadcast(to, Frame::Aborted { missing, .. }) = &out[1] else {
+            panic!("{out:?}")
+        };
+        assert_eq!((to, missing), (&vec![1, 2], &vec![2, 3]));
     }
 }

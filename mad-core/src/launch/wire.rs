@@ -11,6 +11,8 @@
 //! | 4    | `Allgather`  | client → server | tag (bytes, UTF-8), value (bytes)                 |
 //! | 5    | `Gathered`   | server → client | tag, count u32, count × value                     |
 //! | 6    | `Failed`     | server → client | has-rank u8, rank u32, message (bytes, UTF-8)     |
+//! | 7    | `Abort`      | client → server | scope prefix (bytes, UTF-8), kind, message        |
+//! | 8    | `Aborted`    | server → client | tag, rank u32, kind, message, count u32, count × rank u32 |
 //!
 //! Limits ([`MAX_FRAME`], [`MAX_TAG`], [`MAX_VALUE`], [`MAX_RANKS`], [`MAX_MESSAGE`]) are
 //! checked before anything is allocated: every length is validated against the bytes actually
@@ -30,6 +32,8 @@ pub const MAX_VALUE: usize = 16 << 20;
 pub const MAX_RANKS: usize = 4096;
 /// Largest error message carried by a [`Frame::Failed`], in bytes.
 pub const MAX_MESSAGE: usize = 64 << 10;
+/// Largest error kind carried by [`Frame::Abort`] and [`Frame::Aborted`], in bytes.
+pub const MAX_KIND: usize = 64;
 /// Protocol magic and version carried by the handshake frames.
 pub const MAGIC: [u8; 4] = *b"MDR1";
 /// The rank reported in [`Error::Protocol`] by [`decode_frame`], which does not know who sent
@@ -42,6 +46,8 @@ const K_WELCOME: u8 = 3;
 const K_ALLGATHER: u8 = 4;
 const K_GATHERED: u8 = 5;
 const K_FAILED: u8 = 6;
+const K_ABORT: u8 = 7;
+const K_ABORTED: u8 = 8;
 
 /// One message of the bootstrap protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,6 +92,41 @@ pub enum Frame {
         /// Human-readable explanation.
         message: String,
     },
+    /// This rank abandons the collectives whose tags start with `scope` (its part of a channel
+    /// open failed, or it timed out waiting): the server fails every pending and later
+    /// collective of the scope and answers with an [`Frame::Aborted`] whose tag is `scope`.
+    Abort {
+        /// The scope's tag prefix (at most [`MAX_TAG`] bytes, not empty).
+        scope: String,
+        /// The error's kind (`Resource`, `CollectiveTimeout`, ...; at most [`MAX_KIND`] bytes).
+        kind: String,
+        /// The error's text (cut to [`MAX_MESSAGE`] bytes).
+        message: String,
+    },
+    /// The answer to an allgather of an abandoned scope (tag: the allgather's), and to an
+    /// [`Frame::Abort`] (tag: the scope): the scope's first failure.
+    Aborted {
+        /// The allgather's tag, or the scope of the abort being answered.
+        tag: String,
+        /// The rank that abandoned the scope first.
+        rank: u32,
+        /// Its error's kind.
+        kind: String,
+        /// Its error's text.
+        message: String,
+        /// The ranks that had not contributed to the scope's pending collectives when it was
+        /// abandoned (what a timeout is waiting for).
+        missing: Vec<u32>,
+    },
+}
+
+/// `message` cut to at most `max` bytes at a character boundary.
+fn cut(message: &str, max: usize) -> &[u8] {
+    let mut end = message.len().min(max);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message.as_bytes()[..end]
 }
 
 impl Frame {
@@ -134,11 +175,40 @@ impl Frame {
                 b.push(u8::from(rank.is_some()));
                 b.extend_from_slice(&rank.unwrap_or(0).to_le_bytes());
                 // Over-long messages are cut at a character boundary rather than refused.
-                let mut end = message.len().min(MAX_MESSAGE);
-                while !message.is_char_boundary(end) {
-                    end -= 1;
+                put_bytes(&mut b, cut(message, MAX_MESSAGE));
+            }
+            Frame::Abort {
+                scope,
+                kind,
+                message,
+            } => {
+                check_tag(scope)?;
+                if scope.is_empty() {
+                    return Err(bad("empty abort scope"));
                 }
-                put_bytes(&mut b, &message.as_bytes()[..end]);
+                b.push(K_ABORT);
+                put_bytes(&mut b, scope.as_bytes());
+                put_bytes(&mut b, cut(kind, MAX_KIND));
+                put_bytes(&mut b, cut(message, MAX_MESSAGE));
+            }
+            Frame::Aborted {
+                tag,
+                rank,
+                kind,
+                message,
+                missing,
+            } => {
+                check_tag(tag)?;
+                check_len("missing rank count", missing.len(), MAX_RANKS)?;
+                b.push(K_ABORTED);
+                put_bytes(&mut b, tag.as_bytes());
+                b.extend_from_slice(&rank.to_le_bytes());
+                put_bytes(&mut b, cut(kind, MAX_KIND));
+                put_bytes(&mut b, cut(message, MAX_MESSAGE));
+                b.extend_from_slice(&(missing.len() as u32).to_le_bytes());
+                for r in missing {
+                    b.extend_from_slice(&r.to_le_bytes());
+                }
             }
         }
         let body = b.len() - 4;
@@ -302,6 +372,42 @@ pub fn decode_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
                 message: c.string("error message", MAX_MESSAGE)?,
             }
         }
+        K_ABORT => {
+            let scope = c.string("abort scope", MAX_TAG)?;
+            if scope.is_empty() {
+                return Err(bad("empty abort scope"));
+            }
+            Frame::Abort {
+                scope,
+                kind: c.string("error kind", MAX_KIND)?,
+                message: c.string("error message", MAX_MESSAGE)?,
+            }
+        }
+        K_ABORTED => {
+            let tag = c.string("allgather tag", MAX_TAG)?;
+            let rank = c.u32("rank")?;
+            let kind = c.string("error kind", MAX_KIND)?;
+            let message = c.string("error message", MAX_MESSAGE)?;
+            let n = c.u32("missing rank count")? as usize;
+            check_len("missing rank count", n, MAX_RANKS)?;
+            if n > c.b.len() / 4 {
+                return Err(bad(format!(
+                    "abort claims {n} missing ranks in {} bytes",
+                    c.b.len()
+                )));
+            }
+            let mut missing = Vec::with_capacity(n);
+            for _ in 0..n {
+                missing.push(c.u32("missing rank")?);
+            }
+            Frame::Aborted {
+                tag,
+                rank,
+                kind,
+                message,
+                missing,
+            }
+        }
         k => return Err(bad(format!("unknown frame kind {k}"))),
     };
     c.finish()?;
@@ -416,6 +522,25 @@ mod tests {
                 rank: None,
                 message: "é".into(),
             },
+            Frame::Abort {
+                scope: "chan/x/".into(),
+                kind: "Resource".into(),
+                message: "too many open files".into(),
+            },
+            Frame::Aborted {
+                tag: "chan/x/core".into(),
+                rank: 1,
+                kind: "CollectiveTimeout".into(),
+                message: "rank 0 waited".into(),
+                missing: vec![2, 3],
+            },
+            Frame::Aborted {
+                tag: "chan/x/".into(),
+                rank: 0,
+                kind: String::new(),
+                message: String::new(),
+                missing: vec![],
+            },
         ]
     }
 
@@ -515,6 +640,35 @@ mod tests {
         body.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_frame(&frame_of(&body)).is_err());
         assert!(decode_frame(&frame_of(&[K_FAILED, 2, 0, 0, 0, 0, 0, 0, 0, 0])).is_err());
+        // An empty abort scope, an over-long kind, a lying missing-rank count.
+        let mut body = vec![K_ABORT];
+        put_bytes(&mut body, b"");
+        put_bytes(&mut body, b"k");
+        put_bytes(&mut body, b"m");
+        assert!(decode_frame(&frame_of(&body)).is_err());
+        let mut body = vec![K_ABORT];
+        put_bytes(&mut body, b"s/");
+        put_bytes(&mut body, &[b'k'; MAX_KIND + 1]);
+        put_bytes(&mut body, b"m");
+        assert!(decode_frame(&frame_of(&body)).is_err());
+        let mut body = vec![K_ABORTED];
+        put_bytes(&mut body, b"t");
+        body.extend_from_slice(&1u32.to_le_bytes());
+        put_bytes(&mut body, b"k");
+        put_bytes(&mut body, b"m");
+        body.extend_from_slice(&4000u32.to_le_bytes());
+        assert!(decode_frame(&frame_of(&body)).is_err());
+        // Over-long kinds and messages are cut when encoded, never refused.
+        let long = Frame::Abort {
+            scope: "s/".into(),
+            kind: "é".repeat(MAX_KIND),
+            message: "x".repeat(MAX_MESSAGE + 10),
+        };
+        let b = long.encode().unwrap();
+        assert!(matches!(
+            decode_frame(&b).unwrap(),
+            Some((Frame::Abort { kind, message, .. }, _)) if kind.len() == MAX_KIND && message.len() == MAX_MESSAGE
+        ));
         // A deterministic pseudo-random sweep: must never panic.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         for _ in 0..20_000 {
@@ -522,7 +676,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let n = (x % 64) as usize;
-            let mut body = vec![(x % 8) as u8];
+            let mut body = vec![(x % 10) as u8];
             let mut y = x;
             for _ in 0..n {
                 y = y.wrapping_mul(6364136223846793005).wrapping_add(1);
