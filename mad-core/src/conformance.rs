@@ -672,14 +672,17 @@ fn case_two_channels(c: &Ctx<'_>) -> Result<()> {
             pb.end_packing()?;
             pa.end_packing()?;
         } else if c.rank() == 1 {
+            // b's header first (EXPRESS: there at once), then the whole of a, then b's end:
+            // `end_unpacking` returns once the sender has ended that message, and this
+            // sender ends b only after a's body has gone through a's buffers.
             let mut ub = b.begin_unpacking()?;
             let vb: u64 = ub.unpack_value()?;
-            ub.end_unpacking()?;
             let mut ua = a.begin_unpacking()?;
             let va: u64 = ua.unpack_value()?;
             let mut big = vec![0u8; 200_000];
             ua.unpack(&mut big, SendMode::Cheaper)?;
             ua.end_unpacking()?;
+            ub.end_unpacking()?;
             if va != i || vb != i + 100 {
                 return Err(fail("channels mixed up"));
             }

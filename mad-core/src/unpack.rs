@@ -511,6 +511,18 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     }
 
     /// Finish the message: every CHEAPER destination is filled when this returns.
+    ///
+    /// A message is complete only once its sender has ended it (`end_packing`): this returns
+    /// after the sender's end-of-message mark arrived, so a message its sender abandoned
+    /// midway is an error here, never delivered as if whole. A receiver that finishes
+    /// messages in another order than their sender (two channels, say) must not wait here
+    /// for a message whose sender is itself waiting on this thread.
+    ///
+    /// # Errors
+    ///
+    /// The peer failed or abandoned the message; the pieces unpacked do not match the ones
+    /// packed (checked mode: [`Error::UnpackMismatch`]; otherwise [`Error::Protocol`]). Either
+    /// way the connection is finished in both directions.
     pub fn end_unpacking(mut self) -> Result<()> {
         let r = self.finish_inner();
         self.recycle();
