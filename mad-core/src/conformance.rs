@@ -110,11 +110,24 @@ impl Ctx<'_> {
     }
     fn open(&self, suffix: &str, extra: &str) -> Result<Channel> {
         let name = format!("kit-{}{}", self.case, suffix);
-        let spec = if extra.is_empty() {
-            self.opts.spec.clone()
-        } else {
-            format!("{},{extra}", self.opts.spec)
-        };
+        // The case's options replace the spec's own value of the same key (a key may be
+        // given once).
+        let key = |kv: &str| kv.split('=').next().unwrap_or("").trim().to_string();
+        let extra_keys: Vec<String> = extra
+            .split(',')
+            .filter(|e| !e.is_empty())
+            .map(key)
+            .collect();
+        let mut parts = self.opts.spec.split(',');
+        let mut spec = parts.next().unwrap_or("").to_string();
+        for kv in parts.filter(|kv| !extra_keys.contains(&key(kv))) {
+            spec.push(',');
+            spec.push_str(kv);
+        }
+        if !extra.is_empty() {
+            spec.push(',');
+            spec.push_str(extra);
+        }
         self.session
             .open_channel_with(ChannelConfig::parse(&name, &spec)?)
     }
@@ -974,9 +987,16 @@ fn case_receiver_abandons(c: &Ctx<'_>) -> Result<()> {
     }
     const BIG: usize = 16 << 20;
     for (k, extra) in ["", "checked=true"].iter().enumerate() {
-        let opts = format!("timeout_ms={STRANDED_MS}{}{extra}", if extra.is_empty() { "" } else { "," });
+        let opts = format!(
+            "timeout_ms={STRANDED_MS}{}{extra}",
+            if extra.is_empty() { "" } else { "," }
+        );
         let ch = c.open(&format!("-{k}"), &opts)?;
-        let what = if extra.is_empty() { "dropped Unpacker" } else { "UnpackMismatch" };
+        let what = if extra.is_empty() {
+            "dropped Unpacker"
+        } else {
+            "UnpackMismatch"
+        };
         match c.rank() {
             0 => {
                 let body: Vec<u8> = (0..BIG).map(|i| pat(61, i)).collect();
@@ -1007,7 +1027,9 @@ fn case_receiver_abandons(c: &Ctx<'_>) -> Result<()> {
                     match u.unpack(&mut wrong, SendMode::Cheaper) {
                         Err(Error::UnpackMismatch { .. }) => {}
                         Err(e) => return Err(fail(format!("expected UnpackMismatch, got {e}"))),
-                        Ok(()) => return Err(fail("a 8 MiB unpack of a 16 MiB piece was accepted")),
+                        Ok(()) => {
+                            return Err(fail("a 8 MiB unpack of a 16 MiB piece was accepted"))
+                        }
                     }
                 }
             }
@@ -1221,7 +1243,9 @@ fn case_dead_peer_idle(c: &Ctx<'_>) -> Result<()> {
         }
         // Once known, every later call towards it fails at once.
         if ch.begin_packing(p).is_ok() {
-            return Err(fail(format!("a send to departed rank {p} started after an error")));
+            return Err(fail(format!(
+                "a send to departed rank {p} started after an error"
+            )));
         }
     }
     let t0 = Instant::now();

@@ -289,10 +289,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     fn check(&mut self, r: Result<()>) -> Result<()> {
         if let Err(e) = &r {
             if !self.st.done {
-                self.st.fail(
-                    format!("unpack failed: {e}"),
-                    crate::channel::peer_gone(e),
-                );
+                self.st
+                    .fail(format!("unpack failed: {e}"), crate::channel::peer_gone(e));
                 self.recycle();
                 self.st.release();
             }
