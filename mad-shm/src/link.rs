@@ -3,7 +3,7 @@
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -151,10 +151,36 @@ impl ShmTx {
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         self.need = need;
         self.publish_now();
-        if self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead() {
+        if self.peer_gone() && !self.satisfied() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(Poll::Pending)
+    }
+
+    /// Whether the reader closed its side or its process is (known or found) dead.
+    fn peer_gone(&mut self) -> bool {
+        self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead()
+    }
+
+    /// Whether what this half waits for has happened (the CMA group it posted is completed,
+    /// or the ring has room for `need`), reading the shared words afresh. Called once the peer
+    /// is seen closed or dead, before reporting it: the reader may have completed the transfer
+    /// (or drained the ring) and exited between this half's last look at the word and its
+    /// look at the peer, and a delivered message must not be reported as lost. The closed flag
+    /// is loaded with Acquire after the reader's Release stores of `cma_done` / `tail`, and a
+    /// pidfd says "exited" only after every store of the process, so the re-read sees them.
+    fn satisfied(&mut self) -> bool {
+        fence(Ordering::SeqCst);
+        match self.gather {
+            TxGather::Waiting { target, .. } => {
+                self.prod.view().cma_done().load(Ordering::Acquire) >= target
+            }
+            _ => self
+                .prod
+                .free(self.need)
+                .map(|f| f >= self.need)
+                .unwrap_or(false),
+        }
     }
 
     fn send_cma(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
@@ -196,9 +222,12 @@ impl ShmTx {
                 return Ok(Poll::Ready(()));
             }
             self.need = 0;
-            if self.prod.view().reader_closed().load(Ordering::Acquire) != 0
-                || self.live.maybe_dead()
-            {
+            if self.peer_gone() {
+                // The reader may have completed the group and exited since the load above.
+                if self.satisfied() {
+                    self.gather = TxGather::Idle;
+                    return Ok(Poll::Ready(()));
+                }
                 return Err(Error::PeerClosed { rank: self.peer });
             }
         }
@@ -354,7 +383,9 @@ impl TxLink for ShmTx {
             };
             room || v.reader_closed().load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() {
+        // Dead, but perhaps only after completing what this half waits for: the next attempt
+        // then succeeds (or reports the peer gone).
+        if self.live.dead_now() && !self.satisfied() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(())
@@ -424,8 +455,13 @@ impl ShmRx {
     /// ring still empty once that is known)?
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
-        if (closed || self.live.maybe_dead()) && self.avail(need)? < need {
-            return Err(self.gone());
+        if closed || self.live.maybe_dead() {
+            // Re-read `head` after learning that the writer is gone: what it published
+            // before closing or dying is delivered first.
+            fence(Ordering::SeqCst);
+            if self.avail(need)? < need {
+                return Err(self.gone());
+            }
         }
         Ok(Poll::Pending)
     }
@@ -607,8 +643,12 @@ impl RxLink for ShmRx {
         own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() && self.avail(1)? == 0 {
-            return Err(self.gone());
+        if self.live.dead_now() {
+            // Bytes the writer published before it died are still delivered first.
+            fence(Ordering::SeqCst);
+            if self.avail(1)? == 0 {
+                return Err(self.gone());
+            }
         }
         Ok(())
     }
