@@ -743,7 +743,7 @@ mod tests {
         let pid = std::process::id();
         let seg = |r: usize| {
             let name = format!("{}{pid}-unit{tag}-{r}", crate::segment::PREFIX);
-            Arc::new(Segment::create(&name, 2, G, &[0; 32]).unwrap())
+            Arc::new(Segment::create(&name, 2, G, &[0; 32], 2, "").unwrap())
         };
         let (a, b) = (seg(0), seg(1));
         let watch = Arc::new(PeerWatch::open(pid).unwrap());
