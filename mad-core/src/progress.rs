@@ -191,9 +191,13 @@ impl ProgressPolicy {
         };
         let (mut spin, mut yield_for, mut poll_yield_after) = phases(crowded);
         let mut i: u32 = 0;
+        // Once the wait has blocked, a wake-up that finds nothing blocks again after one
+        // attempt instead of 32: on a crowded host spurious wake-ups are common, and each
+        // attempt of an any-source wait scans every peer.
+        let mut blocked = false;
         loop {
             i = i.wrapping_add(1);
-            let now = if i % 32 == 0 || spin.is_zero() {
+            let now = if i % 32 == 0 || spin.is_zero() || blocked {
                 Some(Instant::now())
             } else {
                 None
@@ -247,6 +251,7 @@ impl ProgressPolicy {
                             None => BLOCK_SLICE,
                         };
                         block(state, slice)?;
+                        blocked = true;
                     }
                 }
             } else {

@@ -46,8 +46,27 @@ use mad_core::{Error, Result};
 use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
 use segment::Segment;
 
-/// Default capacity of each ring (bytes). 8 processes hold 8 × 8 rings = 16 MiB of `/dev/shm`.
+/// Default capacity of each ring (bytes) in jobs of up to 16 ranks: 8 processes hold
+/// 8 × 8 rings = 16 MiB of `/dev/shm`. Larger jobs get smaller rings ([`default_ring`]).
 pub const DEFAULT_RING: usize = 256 * 1024;
+/// Budget of one process's segment that sizes the default ring of large jobs: every byte of
+/// a segment is reserved in `/dev/shm` at open, and a segment holds one ring per rank, so
+/// `n` processes with rings of `cap` bytes reserve about `n² × cap`.
+pub const SEGMENT_BUDGET: usize = 4 << 20;
+
+/// The ring capacity used when the `ring` option is absent, for a job of `n` ranks:
+/// [`DEFAULT_RING`] up to 16 ranks, then the largest power of two (at least 4 KiB) that keeps
+/// the segment within [`SEGMENT_BUDGET`]: 128 KiB for 17–31 ranks, 4 KiB from 342 ranks on
+/// (400 ranks then reserve 400 × 3.2 MiB = 1.3 GB of `/dev/shm`, against 42 GB with 256 KiB
+/// rings). Every rank computes the same value (the ring sizes are compared at open).
+pub fn default_ring(n: usize) -> usize {
+    let per_ring = (SEGMENT_BUDGET / n.max(1)).saturating_sub(ring::layout::HDR);
+    let cap = match per_ring.checked_ilog2() {
+        Some(b) => 1usize << b,
+        None => 0,
+    };
+    cap.clamp(4096, DEFAULT_RING)
+}
 /// Largest ring accepted.
 pub const MAX_RING: usize = 1 << 30;
 /// Default largest piece sent through the ring when CMA is available (from the sweep in
@@ -81,18 +100,19 @@ enum CmaWish {
 }
 
 struct Options {
-    ring: usize,
+    /// The `ring` option; [`default_ring`] of the job size when absent.
+    ring: Option<usize>,
     cma: CmaWish,
 }
 
 fn options(config: &ChannelConfig) -> Result<Options> {
-    let ring = config
-        .option_size_in("ring", 4096, MAX_RING)?
-        .unwrap_or(DEFAULT_RING);
-    if !ring::index::valid_cap(ring) {
-        return Err(Error::BadConfig(format!(
-            "shm: ring={ring}: must be a power of two between 4096 and {MAX_RING}"
-        )));
+    let ring = config.option_size_in("ring", 4096, MAX_RING)?;
+    if let Some(ring) = ring {
+        if !ring::index::valid_cap(ring) {
+            return Err(Error::BadConfig(format!(
+                "shm: ring={ring}: must be a power of two between 4096 and {MAX_RING}"
+            )));
+        }
     }
     let cma = match config.options.get("cma").map(String::as_str) {
         None | Some("auto") => CmaWish::Auto,
@@ -256,7 +276,11 @@ impl Driver for ShmDriver {
             &[],
             ctx_bytes.as_bytes(),
         );
-        let mut own = Segment::create(&name, n, o.ring, &proof)?;
+        let ring = o.ring.unwrap_or_else(|| default_ring(n));
+        let advice = format!(
+            ", or smaller rings (option ring=<bytes>, a power of two of at least 4096; now {ring})"
+        );
+        let mut own = Segment::create(&name, n, ring, &proof, local.len(), &advice)?;
 
         let mut probe = [0u8; 16];
         mad_core::auth::fill_random(&mut probe)?;
@@ -267,7 +291,7 @@ impl Driver for ShmDriver {
             probe_addr: probe_buf.as_ptr() as usize as u64,
             probe,
             fingerprint: ctx.table.fingerprint(),
-            cap: o.ring as u64,
+            cap: ring as u64,
         };
         let peers = hostmem::map_peers(b, &ctx_bytes, &info.encode(), "shm", |r, bytes| {
             let pi = PeerInfo::decode(r, bytes)?;
@@ -291,7 +315,7 @@ impl Driver for ShmDriver {
                     p,
                 )
             };
-            let seg = Segment::open(&pi.name, r, n, o.ring, pi.pid, &check)?;
+            let seg = Segment::open(&pi.name, r, n, ring, pi.pid, &check)?;
             let pid = pi.pid;
             Ok((pi, seg, pid))
         })?;
@@ -384,7 +408,7 @@ impl Driver for ShmDriver {
 
         let mut notes = vec![format!(
             "shm: {} B ring per peer, {} local peer(s), segments unlinked after mapping",
-            o.ring,
+            ring,
             watched.len()
         )];
         notes.push(match (cma_tm, path) {

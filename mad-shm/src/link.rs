@@ -3,7 +3,7 @@
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -151,10 +151,36 @@ impl ShmTx {
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         self.need = need;
         self.publish_now();
-        if self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead() {
+        if self.peer_gone() && !self.satisfied() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(Poll::Pending)
+    }
+
+    /// Whether the reader closed its side or its process is (known or found) dead.
+    fn peer_gone(&mut self) -> bool {
+        self.prod.view().reader_closed().load(Ordering::Acquire) != 0 || self.live.maybe_dead()
+    }
+
+    /// Whether what this half waits for has happened (the CMA group it posted is completed,
+    /// or the ring has room for `need`), reading the shared words afresh. Called once the peer
+    /// is seen closed or dead, before reporting it: the reader may have completed the transfer
+    /// (or drained the ring) and exited between this half's last look at the word and its
+    /// look at the peer, and a delivered message must not be reported as lost. The closed flag
+    /// is loaded with Acquire after the reader's Release stores of `cma_done` / `tail`, and a
+    /// pidfd says "exited" only after every store of the process, so the re-read sees them.
+    fn satisfied(&mut self) -> bool {
+        fence(Ordering::SeqCst);
+        match self.gather {
+            TxGather::Waiting { target, .. } => {
+                self.prod.view().cma_done().load(Ordering::Acquire) >= target
+            }
+            _ => self
+                .prod
+                .free(self.need)
+                .map(|f| f >= self.need)
+                .unwrap_or(false),
+        }
     }
 
     fn send_cma(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
@@ -196,9 +222,12 @@ impl ShmTx {
                 return Ok(Poll::Ready(()));
             }
             self.need = 0;
-            if self.prod.view().reader_closed().load(Ordering::Acquire) != 0
-                || self.live.maybe_dead()
-            {
+            if self.peer_gone() {
+                // The reader may have completed the group and exited since the load above.
+                if self.satisfied() {
+                    self.gather = TxGather::Idle;
+                    return Ok(Poll::Ready(()));
+                }
                 return Err(Error::PeerClosed { rank: self.peer });
             }
         }
@@ -354,7 +383,9 @@ impl TxLink for ShmTx {
             };
             room || v.reader_closed().load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() {
+        // Dead, but perhaps only after completing what this half waits for: the next attempt
+        // then succeeds (or reports the peer gone).
+        if self.live.dead_now() && !self.satisfied() {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(())
@@ -362,10 +393,24 @@ impl TxLink for ShmTx {
 }
 
 impl Drop for ShmTx {
+    /// Orderly close: publish what is left, set the writer-closed flag, and ring the peer's
+    /// doorbell only if new bytes were published or a thread of the peer waits for this ring
+    /// in particular (`rx_waiting`). Any-source sleepers are not woken for a close: they see
+    /// it at their next look (a message from anyone, or the end of their wait slice,
+    /// [`WAIT_SLICE`]). Ringing for every close woke every sleeper of the host each time a
+    /// rank exited: with n ranks leaving one by one, n² wake-ups, each scanning n peers
+    /// (400 ranks of `hello` on 2 cores: ~400 runnable processes for tens of seconds).
     fn drop(&mut self) {
-        self.prod.publish();
-        self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.doorbell().notify();
+        let news = self.prod.publish();
+        let v = self.prod.view();
+        v.writer_closed().store(1, Ordering::Release);
+        // Pairs with the fence of the reader registering in `ShmRx::wait` (its increment of
+        // `rx_waiting`, fence, then its look at the flag): either it sees the flag or this
+        // side sees it waiting.
+        fence(Ordering::SeqCst);
+        if news || v.rx_waiting().load(Ordering::Relaxed) != 0 {
+            self.peer_seg.doorbell().ring();
+        }
     }
 }
 
@@ -424,8 +469,13 @@ impl ShmRx {
     /// ring still empty once that is known)?
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
         let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
-        if (closed || self.live.maybe_dead()) && self.avail(need)? < need {
-            return Err(self.gone());
+        if closed || self.live.maybe_dead() {
+            // Re-read `head` after learning that the writer is gone: what it published
+            // before closing or dying is delivered first.
+            fence(Ordering::SeqCst);
+            if self.avail(need)? < need {
+                return Err(self.gone());
+            }
         }
         Ok(Poll::Pending)
     }
@@ -604,11 +654,20 @@ impl RxLink for ShmRx {
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let own = self.own.clone();
         let cons = &mut self.cons;
+        // Registered as waiting for this ring in particular (see `ShmTx::drop`): the writer
+        // rings for its close. `Bell::sleep` fences before the check.
+        let waiting = cons.view().rx_waiting();
+        waiting.fetch_add(1, Ordering::SeqCst);
         own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
             !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() && self.avail(1)? == 0 {
-            return Err(self.gone());
+        cons.view().rx_waiting().fetch_sub(1, Ordering::SeqCst);
+        if self.live.dead_now() {
+            // Bytes the writer published before it died are still delivered first.
+            fence(Ordering::SeqCst);
+            if self.avail(1)? == 0 {
+                return Err(self.gone());
+            }
         }
         Ok(())
     }

@@ -39,6 +39,9 @@ pub mod layout {
     /// Bytes of CMA groups the reader has started copying (`u64`, monotonic): the writer
     /// waiting for a CMA completion sees it move when the copy starts.
     pub const CMA_PROGRESS: usize = 640;
+    /// Number of reader threads asleep waiting for this ring in particular (`u32`): a writer
+    /// that closes rings the doorbell only for them (segment layout version 3).
+    pub const RX_WAITING: usize = 768;
     /// Size of the header block; the data area follows it.
     pub const HDR: usize = 4096;
 }
@@ -118,6 +121,10 @@ impl RingView {
     /// Bytes of CMA groups whose copy has started.
     pub fn cma_progress(&self) -> &AtomicU64 {
         self.u64w(layout::CMA_PROGRESS)
+    }
+    /// Reader threads asleep waiting for this ring alone.
+    pub fn rx_waiting(&self) -> &AtomicU32 {
+        self.u32w(layout::RX_WAITING)
     }
     /// Futex word waking the writer.
     pub fn tx_seq(&self) -> &AtomicU32 {

@@ -27,7 +27,7 @@ pub const SHM_DIR: &str = hostmem::SHM_DIR;
 /// Prefix of every segment this driver creates.
 pub const PREFIX: &str = "mad-shm-";
 const MAGIC: u64 = u64::from_le_bytes(*b"MADSHM01");
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const OFF_PROOF: usize = 64;
 /// Length of the secret proof stored in the header.
 pub const PROOF_LEN: usize = 32;
@@ -54,12 +54,20 @@ pub struct Segment {
 }
 
 impl Segment {
-    /// Create this process's segment `name` (fails if it exists), mode 0600, and write its
-    /// header.
-    pub fn create(name: &str, n: usize, cap: usize, proof: &[u8; PROOF_LEN]) -> Result<Self> {
+    /// Create this process's segment `name` (fails if it exists), mode 0600, its space
+    /// reserved in `/dev/shm` (`Resource` if it does not fit: `host_ranks` and `advice` go
+    /// into the message), and write its header.
+    pub fn create(
+        name: &str,
+        n: usize,
+        cap: usize,
+        proof: &[u8; PROOF_LEN],
+        host_ranks: usize,
+        advice: &str,
+    ) -> Result<Self> {
         let size = segment_size(n, cap)
             .ok_or_else(|| Error::BadConfig(format!("shm: {n} rings of {cap} B overflow")))?;
-        let file = SegmentFile::create(name, size, "shm")?;
+        let file = SegmentFile::create(name, size, "shm", host_ranks, advice)?;
         let mut h = Vec::with_capacity(64);
         h.extend_from_slice(&MAGIC.to_le_bytes());
         h.extend_from_slice(&VERSION.to_le_bytes());

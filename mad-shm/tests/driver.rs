@@ -197,14 +197,14 @@ fn no_leftover_segments_and_mode_0600() {
     assert!(my_segments().is_empty(), "leftovers: {:?}", my_segments());
     // The mode of a segment, checked before it is unlinked.
     let name = format!("mad-shm-{}-test-mode", std::process::id());
-    let mut seg = mad_shm::segment::Segment::create(&name, 2, 4096, &[0; 32]).unwrap();
+    let mut seg = mad_shm::segment::Segment::create(&name, 2, 4096, &[0; 32], 2, "").unwrap();
     let mode = std::fs::metadata(format!("/dev/shm/{name}"))
         .unwrap()
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
     // A second create with the same name fails (O_EXCL).
-    assert!(mad_shm::segment::Segment::create(&name, 2, 4096, &[0; 32]).is_err());
+    assert!(mad_shm::segment::Segment::create(&name, 2, 4096, &[0; 32], 2, "").is_err());
     seg.unlink().unwrap();
     drop(seg);
     assert!(my_segments().is_empty());

@@ -294,7 +294,17 @@ impl Driver for SisciDriver {
         let proof = b
             .secret()
             .proof(b"mad-sisci segment", name.as_bytes(), &[], tag.as_bytes());
-        let mut own = Segment::create(&name, n, o.geom, &proof)?;
+        let g = o.geom;
+        let advice = format!(
+            ", or a smaller area per peer (options ring, chunk, chunks, slots, or dma=off; now \
+             ring={} chunk={} chunks={} slots={}: {} B per peer)",
+            g.ring,
+            g.chunk,
+            g.chunks,
+            g.slots,
+            g.area_size().unwrap_or(0)
+        );
+        let mut own = Segment::create(&name, n, o.geom, &proof, b.local_ranks().len(), &advice)?;
         let info = PeerInfo {
             pid,
             fingerprint: ctx.table.fingerprint()

@@ -8,7 +8,7 @@
 //! protocol runs over `local` and `dolphin`, each monomorphised.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -145,11 +145,26 @@ impl<F: Fabric> SciTx<F> {
 
     fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
         self.blocked = b;
-        if w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0 || self.live.maybe_dead()
+        if (w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+            || self.live.maybe_dead())
+            && !self.acked_since(b)
         {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(Poll::Pending)
+    }
+
+    /// Whether the acknowledgement this half waits for (`b`) moved past the cached value,
+    /// read afresh. Called once the peer is seen closed or dead, before reporting it: the
+    /// reader may have freed the slot, ring run or chunk and exited between this half's last
+    /// look at the word and its look at the peer; the next attempt then proceeds instead of
+    /// failing on a peer that did its part. (The closed flag is loaded with Acquire after the
+    /// reader's Release store of the acknowledgement; a dead process's stores are all visible
+    /// once its exit is known.)
+    fn acked_since(&self, b: Blocked) -> bool {
+        fence(Ordering::SeqCst);
+        let (off, cached) = self.ack_of(b);
+        w64(&self.e.local, off).load(Ordering::Acquire) != cached
     }
 
     /// The acknowledgement word and our cached value for `b`.
@@ -338,7 +353,7 @@ impl<F: Fabric> TxLink for SciTx<F> {
             w64(local, ack_off).load(Ordering::Acquire) != cached
                 || w32(local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() {
+        if self.live.dead_now() && !self.acked_since(self.blocked) {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(())
@@ -437,8 +452,13 @@ impl<F: Fabric> SciRx<F> {
 
     fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
         let closed = w32(&self.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0;
-        if (closed || self.live.maybe_dead()) && !self.has(b) {
-            return Err(self.gone());
+        if closed || self.live.maybe_dead() {
+            // Re-read the flag after learning that the writer is gone: what it published
+            // before closing or dying is delivered first.
+            fence(Ordering::SeqCst);
+            if !self.has(b) {
+                return Err(self.gone());
+            }
         }
         Ok(Poll::Pending)
     }
@@ -608,8 +628,11 @@ impl<F: Fabric> RxLink for SciRx<F> {
         this.wire.sleep(timeout.min(WAIT_SLICE), || {
             this.has_any() || w32(&this.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
         });
-        if self.live.dead_now() && !self.has_any() {
-            return Err(self.gone());
+        if self.live.dead_now() {
+            fence(Ordering::SeqCst);
+            if !self.has_any() {
+                return Err(self.gone());
+            }
         }
         Ok(())
     }
@@ -720,7 +743,7 @@ mod tests {
         let pid = std::process::id();
         let seg = |r: usize| {
             let name = format!("{}{pid}-unit{tag}-{r}", crate::segment::PREFIX);
-            Arc::new(Segment::create(&name, 2, G, &[0; 32]).unwrap())
+            Arc::new(Segment::create(&name, 2, G, &[0; 32], 2, "").unwrap())
         };
         let (a, b) = (seg(0), seg(1));
         let watch = Arc::new(PeerWatch::open(pid).unwrap());

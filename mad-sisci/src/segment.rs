@@ -94,12 +94,21 @@ pub fn check_header(
 }
 
 impl Segment {
-    /// Create this process's segment `name` (fails if it exists) and write its header.
-    pub fn create(name: &str, n: usize, geom: Geometry, proof: &[u8; PROOF_LEN]) -> Result<Self> {
+    /// Create this process's segment `name` (fails if it exists), its space reserved in
+    /// `/dev/shm` (`Resource` if it does not fit: `host_ranks` and `advice` go into the
+    /// message), and write its header.
+    pub fn create(
+        name: &str,
+        n: usize,
+        geom: Geometry,
+        proof: &[u8; PROOF_LEN],
+        host_ranks: usize,
+        advice: &str,
+    ) -> Result<Self> {
         let size = geom
             .segment_size(n)
             .ok_or_else(|| Error::BadConfig(format!("sisci: {n} areas of {geom:?} overflow")))?;
-        let file = SegmentFile::create(name, size, "sisci")?;
+        let file = SegmentFile::create(name, size, "sisci", host_ranks, advice)?;
         write_header(file.region(), n, &geom, std::process::id(), proof)?;
         Ok(Segment { file, geom, n })
     }

@@ -136,8 +136,65 @@ fn rank_program() {
                 .unwrap();
             std::thread::sleep(Duration::from_secs(60));
         }
+        r if r.starts_with("all-to-all:") => {
+            let (size, rounds) = full_job_role(r).expect("all-to-all:<size>:<rounds>");
+            all_to_all(&session, &spec, size, rounds);
+        }
         r => panic!("unknown role {r}"),
     }
+}
+
+/// The rank program of the `/dev/shm`-full tests: open (printing `OPENFAIL` with the error and
+/// exiting 3 if that fails), then `rounds` rounds of `size`-byte messages from every rank to
+/// every other, each checked.
+fn all_to_all(session: &Session, spec: &str, size: usize, rounds: usize) {
+    let (me, n) = (session.rank(), session.size());
+    let ch = match session.open_channel_with(ChannelConfig::parse("full", spec).unwrap()) {
+        Ok(ch) => ch,
+        Err(e) => {
+            println!("OPENFAIL rank {me} pid {}: {e:?} ({e})", std::process::id());
+            std::process::exit(3);
+        }
+    };
+    for round in 0..rounds {
+        std::thread::scope(|s| {
+            // Sends in a thread of their own, so that no rank waits for room while its peers
+            // wait for it.
+            s.spawn(|| {
+                for k in 1..n {
+                    let to = (me + k) % n;
+                    let body = common::pattern(size, (me * 7 + to + round) as u8);
+                    let mut p = ch.begin_packing(to).unwrap();
+                    p.pack(&body, RecvMode::Cheaper).unwrap();
+                    p.end_packing().unwrap();
+                }
+            });
+            receive_all(&ch, me, n, size, round);
+        });
+    }
+    println!("all-to-all: rank {me} done");
+}
+
+fn receive_all(ch: &mad_core::Channel, me: usize, n: usize, size: usize, round: usize) {
+    {
+        for k in 1..n {
+            let from = (me + n - k) % n;
+            let mut got = vec![0u8; size];
+            let mut u = ch.begin_unpacking_from(from).unwrap();
+            u.unpack(&mut got, SendMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert!(
+                got == common::pattern(size, (from * 7 + me + round) as u8),
+                "rank {me}: message from {from} altered"
+            );
+        }
+    }
+}
+
+/// Message size and rounds of a `/dev/shm`-full job's role `all-to-all:<size>:<rounds>`.
+fn full_job_role(role: &str) -> Option<(usize, usize)> {
+    let mut it = role.strip_prefix("all-to-all:")?.split(':');
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
 fn kit_processes(n: usize, spec: &str) {
@@ -336,4 +393,59 @@ fn any_source_sleeps_after_a_peer_died() {
         let (ok, out) = wait_bounded(kids.pop().unwrap());
         assert!(ok, "{spec}: rank 1 failed: {out}");
     }
+}
+
+/// Set in the process that runs [`full_dev_shm_job`] inside its private mount namespace.
+const IN_NS: &str = "MAD_SISCI_TEST_SMALL_DEV_SHM";
+
+/// 16 ranks exchanging 4 MiB messages all-to-all over `sisci:local` on a 64 MiB `/dev/shm`
+/// (Docker's default): the segments need 16 × 16 areas of about 1.1 MiB. Before the fix they
+/// were sparse, the open succeeded and ranks died of `SIGBUS` once the areas' pages could no
+/// longer be supplied; now the space is reserved at open and the ranks that do not fit fail
+/// their open with `Resource` naming `/dev/shm`. Runs in a private mount namespace (root;
+/// skipped otherwise).
+#[test]
+fn full_dev_shm_is_a_resource_error_not_sigbus() {
+    let Some(out) = common::in_small_dev_shm("64m", "full_dev_shm_job", (IN_NS, "1")) else {
+        return;
+    };
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("full-dev-shm: checked"), "{text}");
+}
+
+/// The body of [`full_dev_shm_is_a_resource_error_not_sigbus`], inside the namespace.
+#[test]
+#[ignore = "run by full_dev_shm_is_a_resource_error_not_sigbus in a private mount namespace"]
+fn full_dev_shm_job() {
+    if std::env::var(IN_NS).is_err() {
+        return;
+    }
+    const RANKS: usize = 16;
+    let secret = Secret::random().unwrap();
+    let server = BootstrapServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        RANKS,
+        secret.clone(),
+        Box::new(|l| eprintln!("{l}")),
+    )
+    .unwrap();
+    let addr = server.advertised_addr().to_string();
+    let kids: Vec<(usize, Child)> = (0..RANKS)
+        .map(|r| {
+            let env = env_of(&addr, &secret, r, RANKS);
+            (
+                r,
+                spawn("rank_program", "all-to-all:4194304:2", "sisci:local", &env),
+            )
+        })
+        .collect();
+    let ended = common::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
+    common::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
+    drop(server);
+    println!("full-dev-shm: checked");
 }

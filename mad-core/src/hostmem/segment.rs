@@ -82,6 +82,28 @@ pub fn sweep_stale(prefix: &str) -> usize {
         .count()
 }
 
+/// The error of a segment that does not fit in [`SHM_DIR`].
+fn no_space(driver: &str, size: usize, host_ranks: usize, advice: &str) -> Error {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let all = (size as u64).saturating_mul(host_ranks.max(1) as u64);
+    let free = match sys::fs_space(Path::new(SHM_DIR)) {
+        Some((free, total)) => format!(
+            "{free} B ({:.1} MiB) free of {total} B ({:.1} MiB)",
+            mib(free),
+            mib(total)
+        ),
+        None => "free space unknown".into(),
+    };
+    Error::Resource(format!(
+        "{driver}: {SHM_DIR} is too small: this rank's segment needs {size} B ({:.1} MiB), \
+         about {all} B ({:.1} MiB) for the {host_ranks} rank(s) on this host; {free}. Enlarge \
+         {SHM_DIR} (Docker: --shm-size=1g; elsewhere: mount -o remount,size=... {SHM_DIR}) or \
+         use fewer ranks per host{advice}",
+        mib(size as u64),
+        mib(all),
+    ))
+}
+
 /// A local peer as [`map_peers`] returns it.
 pub struct MappedPeer<I, S> {
     /// What it announced, decoded.
@@ -150,9 +172,22 @@ fn map(file: &File, path: &Path, driver: &str) -> Result<Region> {
 }
 
 impl SegmentFile {
-    /// Create `name` in [`SHM_DIR`] (fails if it exists), mode 0600, `size` bytes of zeros,
-    /// and map it. `driver` prefixes error messages.
-    pub fn create(name: &str, size: usize, driver: &str) -> Result<Self> {
+    /// Create `name` in [`SHM_DIR`] (fails if it exists), mode 0600, `size` bytes of zeros
+    /// whose pages are allocated now, and map it. `driver` prefixes error messages.
+    ///
+    /// The space is reserved at creation ([`sys::reserve`]): a sparse file would be mapped
+    /// fine and fail later, as a `SIGBUS` at the first store into a page the file system can
+    /// no longer supply (a full `/dev/shm`: Docker's default is 64 MiB). Without the space the
+    /// call fails with [`Error::Resource`] naming the directory, the bytes needed (`size`, and
+    /// `host_ranks` × `size` for every rank of this host), the bytes free, and `advice` (what
+    /// else to shrink, e.g. a driver option); nothing is left behind.
+    pub fn create(
+        name: &str,
+        size: usize,
+        driver: &str,
+        host_ranks: usize,
+        advice: &str,
+    ) -> Result<Self> {
         let path = Path::new(SHM_DIR).join(name);
         let file = OpenOptions::new()
             .read(true)
@@ -166,6 +201,16 @@ impl SegmentFile {
             path,
             unlink_pending: true,
         };
+        // Dropping `seg` on an error removes the file.
+        sys::reserve(&file, size as u64).map_err(|e| match e.kind() {
+            std::io::ErrorKind::StorageFull | std::io::ErrorKind::FileTooLarge => {
+                no_space(driver, size, host_ranks, advice)
+            }
+            _ => Error::io(
+                format!("{driver}: reserving {size} B for {}", seg.path.display()),
+                e,
+            ),
+        })?;
         file.set_len(size as u64).map_err(|e| {
             Error::Resource(format!(
                 "{driver}: sizing {} to {size} B: {e}",

@@ -1,5 +1,6 @@
 //! Every foreign call and raw-memory access of [`hostmem`](super): shared mappings, the
-//! [`Region`] window on them, futexes, `kill(pid, 0)` and pidfds.
+//! [`Region`] window on them, space reservation (`posix_fallocate`, `statvfs`), futexes,
+//! `kill(pid, 0)` and pidfds.
 //!
 //! Each item hands back safe types (mappings that unmap on drop, owned descriptors,
 //! bounds-checked windows) or plain values.
@@ -13,6 +14,44 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Allocate the blocks of `file`'s first `len` bytes now (`posix_fallocate`), extending it to
+/// `len`. On tmpfs (`/dev/shm`) this charges the pages to the file system at once: a file
+/// that is only `set_len`-sized is sparse, and a page the file system cannot supply later is a
+/// `SIGBUS` at the first store into the mapping. `ENOSPC` when the space is not there.
+pub fn reserve(file: &File, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    loop {
+        // SAFETY: `file` owns a valid descriptor for the duration of the call; the call
+        // takes plain integers and returns an error number (it does not set errno).
+        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+        match r {
+            0 => return Ok(()),
+            libc::EINTR => continue,
+            e => return Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+}
+
+/// Space of the file system holding `path`: (bytes available to this process, total bytes),
+/// from `statvfs`; `None` if it cannot be asked.
+pub fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is plain old data; all-zero bytes are a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid, writable `statvfs`, both living
+    // across the call.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if r != 0 {
+        return None;
+    }
+    let unit = st.f_frsize as u64;
+    Some((
+        (st.f_bavail as u64).saturating_mul(unit),
+        (st.f_blocks as u64).saturating_mul(unit),
+    ))
+}
 
 /// A shared, writable mapping of a whole file (unmapped on drop).
 pub struct Mapping {
@@ -308,6 +347,42 @@ impl PidFd {
         // SAFETY: `fd` is a fresh descriptor owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         Ok(PidFd { fd: Some(fd), pid })
+    }
+
+    /// Which of `fds` have exited, in one `poll(2)` for all the pidfds (processes watched by
+    /// `kill(pid, 0)` are asked one by one): calls `dead(i)` for each index `i` whose process
+    /// has exited. An any-source watcher of n peers pays one system call, not n.
+    pub fn exited_among(fds: &[&PidFd], dead: &mut dyn FnMut(usize)) {
+        let mut polled: Vec<libc::pollfd> = Vec::with_capacity(fds.len());
+        let mut index: Vec<usize> = Vec::with_capacity(fds.len());
+        for (i, p) in fds.iter().enumerate() {
+            match &p.fd {
+                Some(fd) => {
+                    polled.push(libc::pollfd {
+                        fd: fd.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    index.push(i);
+                }
+                None if p.exited() => dead(i),
+                None => {}
+            }
+        }
+        if polled.is_empty() {
+            return;
+        }
+        // SAFETY: `polled` is a valid array of `polled.len()` pollfds, borrowed mutably for the
+        // call; timeout 0.
+        let r = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
+        if r <= 0 {
+            return;
+        }
+        for (p, &i) in polled.iter().zip(&index) {
+            if p.revents & (libc::POLLIN | libc::POLLHUP) != 0 {
+                dead(i);
+            }
+        }
     }
 
     /// Whether the process has exited (non-blocking).
