@@ -92,12 +92,14 @@ fn tear_down(s: &UnixStream, torn: &Teardown, cause: &str) {
 /// Zero-timeout `poll(2)`: did the peer close (`POLLRDHUP`/`POLLHUP`) or fail (`POLLERR`)?
 /// Our protocol never half-closes a live connection: a hang-up means the peer is gone.
 fn hung_up(fd: BorrowedFd<'_>) -> bool {
-    let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
-    let mut fds = [PollFd::new(fd, rdhup)];
+    // Only `POLLRDHUP` is asked for; `POLLHUP` and `POLLERR` come unasked: any event is a
+    // hang-up. (`PollFd::revents` cannot be used: nix maps unknown bits such as `POLLRDHUP`
+    // to `None`.)
+    let mut fds = [PollFd::new(
+        fd,
+        PollFlags::from_bits_retain(nix::libc::POLLRDHUP),
+    )];
     matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
-        && fds[0]
-            .revents()
-            .is_some_and(|r| r.intersects(rdhup | PollFlags::POLLHUP | PollFlags::POLLERR))
 }
 
 /// Block in `poll(2)` until `fd` has `ev` (or an error/hang-up) or `timeout` passes.
