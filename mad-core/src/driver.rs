@@ -291,10 +291,11 @@ impl Default for Capabilities {
 /// What happened to a message whose `Packer` was dropped before `end_packing`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AbortOutcome {
-    /// Nothing of the message had left: it was discarded and the connection is intact.
+    /// Nothing of the message had become visible to the peer (bytes still queued in the
+    /// driver, lends not yet published): it was discarded and the connection is intact.
     Discarded,
-    /// Part of the message had left; the driver shut its sending side down so the peer sees an
-    /// error (not a half message), and the connection is unusable from now on.
+    /// Part of the message had become visible to the peer; the driver tore the connection
+    /// down in both directions (see [`TxLink::abort_message`]) and it is unusable from now on.
     Broken,
 }
 
@@ -314,6 +315,14 @@ pub enum Direction {
 /// arguments after the progress policy has waited.
 pub trait TxLink: Send {
     /// Prepare for a new message. Called once by `begin_packing`.
+    ///
+    /// Fails with [`Error::PeerClosed`] (or [`Error::ConnectionLost`]) when the peer is known
+    /// to be gone, and with [`Error::Poisoned`] once the connection was torn down. A driver
+    /// that can tell checks, at a bounded rate, whether the peer went away while this side
+    /// was idle (a zero-timeout poll of its socket for a hang-up, its pidfd, a closed flag):
+    /// otherwise a send to a dead peer can succeed into a kernel or ring buffer and vanish.
+    /// The rate limit is [`ProbeGate`](crate::liveness::ProbeGate) (at most one probe per
+    /// clock tick, so the fast path pays one coarse clock read).
     fn begin_message(&mut self) -> Result<()> {
         Ok(())
     }
@@ -344,7 +353,18 @@ pub trait TxLink: Send {
     /// End of message: everything handed over must be transmitted before `Ready`.
     fn end_message(&mut self) -> Result<Poll<()>>;
 
-    /// The message is abandoned midway (its `Packer` was dropped).
+    /// The message is abandoned midway (its `Packer` was dropped, or a call failed).
+    ///
+    /// If nothing of it had become visible to the peer, discard it and return
+    /// [`AbortOutcome::Discarded`]: the connection stays intact. Otherwise the connection is
+    /// the unit of failure: tear it down **in both directions** and return
+    /// [`AbortOutcome::Broken`]. The peer's pending and later operations on this connection
+    /// (a receive waiting for the rest of the message, its sends, its receives) must fail
+    /// within a bounded time, and this side's later operations on both halves fail too
+    /// ([`Error::Poisoned`]; [`Teardown`](crate::liveness::Teardown) is the shared flag).
+    /// A socket driver resets the connection (`connect(AF_UNSPEC)` on TCP: a shutdown of the
+    /// writing side alone lets the peer's sends succeed and vanish); a shared-memory driver
+    /// sets both closed flags and wakes both sides.
     fn abort_message(&mut self) -> AbortOutcome;
 
     /// Block until sending may progress, or `timeout` passes. Spurious returns are fine.
@@ -383,7 +403,11 @@ pub trait TxLink: Send {
 
 /// The receiving half of one point-to-point connection.
 pub trait RxLink: Send {
-    /// Non-blocking: is the start of a message (TM 0 data) available? `Err` if the peer is gone.
+    /// Non-blocking: is the start of a message (TM 0 data) available? `Err` if the peer is gone
+    /// (closed, reset, dead) and nothing it sent is left to read, or once the connection was
+    /// torn down. A driver that cannot learn of a dead peer from the call itself (a ring
+    /// that stays empty) checks at a bounded rate on the `Pending` path, so that an
+    /// any-source `try_begin_unpacking` loop learns that its peers are gone.
     fn poll_message(&mut self) -> Result<Poll<()>>;
 
     /// Copy BMM: lend received bytes of TM `tm` to `take`, which copies a prefix out and
@@ -413,8 +437,12 @@ pub trait RxLink: Send {
         Ok(())
     }
 
-    /// The message is abandoned midway (its `Unpacker` was dropped or failed); the stream is
-    /// out of step, so the driver closes its receiving side.
+    /// The message is abandoned midway (its `Unpacker` was dropped or failed): the rest of it
+    /// is still on its way, the stream is out of step, and the connection is torn down **in
+    /// both directions**, as in [`TxLink::abort_message`]: the peer's blocked and later sends
+    /// (a large `end_packing` waiting for room included) and its receives fail within a
+    /// bounded time, and both halves of this side fail from now on. Closing only this side's
+    /// reading (`shutdown(SHUT_RD)`) is not enough: it tells the peer nothing.
     fn abort_message(&mut self) {}
 
     /// Block until receiving may progress, or `timeout` passes. Spurious returns are fine.

@@ -58,6 +58,7 @@ pub mod error;
 pub mod hostmem;
 pub mod launch;
 mod lists;
+pub mod liveness;
 pub mod mem;
 pub mod modes;
 mod pack;

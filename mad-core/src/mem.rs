@@ -26,6 +26,7 @@ use crate::driver::{
     OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
 };
 use crate::error::{Error, Result};
+use crate::liveness::{ProbeGate, Teardown};
 
 /// Initial capacity of a frame buffer: frames are recycled, so after a warm-up the driver does
 /// not allocate for messages whose groups fit (the engine's no-allocation test relies on it).
@@ -68,6 +69,23 @@ impl Doorbell {
         *lock(&self.n) += 1;
         self.cv.notify_all();
     }
+}
+
+impl Pipe {
+    /// Close this direction: its writer's pushes and its reader's polls fail (once drained).
+    fn close(&self) {
+        lock(&self.st).closed = true;
+        self.cv.notify_all();
+        self.doorbell.ring();
+    }
+}
+
+/// Tear a connection down in both directions (an abandoned message): both pipes close, so
+/// the peer's sends and receives fail, and both local halves fail from now on.
+fn tear_down(torn: &Teardown, out: &Pipe, inbound: &Pipe, cause: &str) {
+    torn.tear(cause);
+    out.close();
+    inbound.close();
 }
 
 struct Fabric {
@@ -188,10 +206,14 @@ impl Driver for MemDriver {
         }
         let links = (0..size)
             .map(|peer| {
+                let torn = Arc::new(Teardown::new());
                 (peer != rank).then(|| LinkPair {
                     tx: Box::new(MemTx {
                         peer,
                         pipe: fabric.pipes[rank * size + peer].clone(),
+                        back: fabric.pipes[peer * size + rank].clone(),
+                        torn: torn.clone(),
+                        gate: ProbeGate::new(),
                         buf: vec![0; p.buf],
                         used: 0,
                         tm: 0,
@@ -200,6 +222,8 @@ impl Driver for MemDriver {
                     }) as Box<dyn TxLink>,
                     rx: Box::new(MemRx {
                         pipe: fabric.pipes[peer * size + rank].clone(),
+                        back: fabric.pipes[rank * size + peer].clone(),
+                        torn,
                         cur: None,
                         off: 0,
                         peer,
@@ -228,6 +252,12 @@ impl Driver for MemDriver {
 struct MemTx {
     peer: usize,
     pipe: Arc<Pipe>,
+    /// The other direction (closed with this one when the connection is torn down).
+    back: Arc<Pipe>,
+    /// Shared with the receiving half.
+    torn: Arc<Teardown>,
+    /// Rate limit of the peer-gone check of `begin_message`.
+    gate: ProbeGate,
     buf: Vec<u8>,
     used: usize,
     tm: TmId,
@@ -266,6 +296,11 @@ impl MemTx {
 
 impl TxLink for MemTx {
     fn begin_message(&mut self) -> Result<()> {
+        self.torn.check(self.peer)?;
+        // A peer that went away while we were idle (its receiving half closed the pipe).
+        if self.gate.due() && lock(&self.pipe.st).closed {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
         self.msg += 1;
         self.pushed = false;
         Ok(())
@@ -334,9 +369,12 @@ impl TxLink for MemTx {
     fn abort_message(&mut self) -> AbortOutcome {
         self.used = 0;
         if self.pushed {
-            lock(&self.pipe.st).closed = true;
-            self.pipe.cv.notify_all();
-            self.pipe.doorbell.ring();
+            tear_down(
+                &self.torn,
+                &self.pipe,
+                &self.back,
+                "a message was abandoned after part of it was sent",
+            );
             AbortOutcome::Broken
         } else {
             AbortOutcome::Discarded
@@ -354,14 +392,16 @@ impl TxLink for MemTx {
 
 impl Drop for MemTx {
     fn drop(&mut self) {
-        lock(&self.pipe.st).closed = true;
-        self.pipe.cv.notify_all();
-        self.pipe.doorbell.ring();
+        self.pipe.close();
     }
 }
 
 struct MemRx {
     pipe: Arc<Pipe>,
+    /// The other direction (closed with this one when the connection is torn down).
+    back: Arc<Pipe>,
+    /// Shared with the sending half.
+    torn: Arc<Teardown>,
     cur: Option<(TmId, Vec<u8>)>,
     off: usize,
     peer: usize,
@@ -391,6 +431,7 @@ impl MemRx {
 
 impl RxLink for MemRx {
     fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.torn.check(self.peer)?;
         if let Some((_, d)) = &self.cur {
             if self.off < d.len() {
                 return Ok(Poll::Ready(()));
@@ -525,8 +566,12 @@ impl RxLink for MemRx {
 
     fn abort_message(&mut self) {
         self.recycle();
-        lock(&self.pipe.st).closed = true;
-        self.pipe.cv.notify_all();
+        tear_down(
+            &self.torn,
+            &self.back,
+            &self.pipe,
+            "a message was abandoned midway by the receiver; the stream is out of step",
+        );
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
@@ -535,6 +580,13 @@ impl RxLink for MemRx {
             let _ = self.pipe.cv.wait_timeout(st, timeout);
         }
         Ok(())
+    }
+}
+
+impl Drop for MemRx {
+    fn drop(&mut self) {
+        // Nobody reads this direction any more: the peer's sends fail instead of queueing.
+        self.pipe.close();
     }
 }
 

@@ -384,8 +384,8 @@ impl Driver for ShmDriver {
                 .ring(r)
                 .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
             watched.push((r, in_ring.clone(), watch.clone()));
-            links[r] = Some(LinkPair {
-                tx: Box::new(ShmTx::new(
+            links[r] = Some(link::connection(
+                ShmTx::new(
                     r,
                     out_ring,
                     seg,
@@ -393,17 +393,9 @@ impl Driver for ShmDriver {
                     cma_tm,
                     path,
                     ctx.progress.oversubscribed,
-                )),
-                rx: Box::new(ShmRx::new(
-                    r,
-                    pi.pid,
-                    in_ring,
-                    own.clone(),
-                    watch,
-                    cma_tm,
-                    path,
-                )),
-            });
+                ),
+                ShmRx::new(r, pi.pid, in_ring, own.clone(), watch, cma_tm, path),
+            ));
         }
 
         let mut notes = vec![format!(

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::driver::{AbortOutcome, Incoming, LinkPair, RxLink, TmId, TxLink};
 pub use mad_core::hostmem::PeerWatch;
 use mad_core::hostmem::{Bell, DeathCheck, Liveness};
+use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
 use crate::ring::{Consumer, Corrupt, Producer, RingView};
@@ -66,6 +67,47 @@ fn notify_writer(v: &RingView) {
     writer_bell(v).notify();
 }
 
+/// What the two halves of a connection share to tear it down together: both rings and the
+/// peer's doorbell.
+struct Conn {
+    torn: Teardown,
+    /// Our ring in the peer's segment (we write it).
+    out: RingView,
+    peer_seg: Arc<Segment>,
+    /// The peer's ring in our segment (we read it).
+    inr: RingView,
+}
+
+impl Conn {
+    /// Tear the connection down for both ends: the peer's receive sees our writer closed, its
+    /// sends our reader closed (both woken now), and our two halves fail from now on.
+    fn tear_down(&self, cause: &str) {
+        if self.torn.tear(cause) {
+            self.out.writer_closed().store(1, Ordering::Release);
+            self.peer_seg.doorbell().notify();
+            self.inr.reader_closed().store(1, Ordering::Release);
+            notify_writer(&self.inr);
+        }
+    }
+}
+
+/// Join the two halves of a connection, so that an abandoned message tears the connection
+/// down in both directions (see [`TxLink::abort_message`], [`RxLink::abort_message`]).
+pub fn connection(mut tx: ShmTx, mut rx: ShmRx) -> LinkPair {
+    let conn = Arc::new(Conn {
+        torn: Teardown::new(),
+        out: tx.prod.view().clone(),
+        peer_seg: tx.peer_seg.clone(),
+        inr: rx.cons.view().clone(),
+    });
+    tx.conn = Some(conn.clone());
+    rx.conn = Some(conn);
+    LinkPair {
+        tx: Box::new(tx),
+        rx: Box::new(rx),
+    }
+}
+
 enum TxGather {
     Idle,
     /// Record posted; waiting until the receiver's completion counter reaches `target`.
@@ -99,6 +141,10 @@ pub struct ShmTx {
     /// The host runs more ranks than cores: never spin in `wait`.
     crowded: bool,
     broken: Option<String>,
+    /// Shared with the receiving half once joined by [`connection`].
+    conn: Option<Arc<Conn>>,
+    /// Rate limit of the peer-gone probe of `begin_message`.
+    gate: ProbeGate,
 }
 
 impl ShmTx {
@@ -127,6 +173,8 @@ impl ShmTx {
             need: 1,
             crowded,
             broken: None,
+            conn: None,
+            gate: ProbeGate::new(),
         }
     }
 
@@ -144,7 +192,10 @@ impl ShmTx {
                 cause: c.clone(),
             });
         }
-        Ok(())
+        match &self.conn {
+            Some(c) => c.torn.check(self.peer),
+            None => Ok(()),
+        }
     }
 
     /// Called when the ring has no room: publish what is pending and check the peer.
@@ -270,6 +321,16 @@ impl ShmTx {
 impl TxLink for ShmTx {
     fn begin_message(&mut self) -> Result<()> {
         self.check_usable()?;
+        // A reader that closed, or a peer process that died, while we were idle: the ring
+        // may have room for thousands of messages nobody will read. Asked at most once per
+        // clock tick (a load of the peer's flag and a pidfd poll).
+        if self.gate.due()
+            && (self.prod.view().reader_closed().load(Ordering::Acquire) != 0
+                || self.live.dead_now())
+        {
+            self.broken = Some("the peer closed the connection or exited".into());
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
         self.msg_start = self.prod.published();
         Ok(())
     }
@@ -349,9 +410,14 @@ impl TxLink for ShmTx {
         // Part of the message is visible to the peer (or it may be reading our memory through
         // CMA): close the sending side so the peer sees an error, not half a message.
         self.gather = TxGather::Idle;
-        self.broken = Some("a message was abandoned midway".into());
+        let cause = "a message was abandoned midway";
+        self.broken = Some(cause.into());
         self.prod.view().writer_closed().store(1, Ordering::Release);
         self.peer_seg.doorbell().notify();
+        // Both directions: the peer's sends to us fail too, and our receiving half.
+        if let Some(c) = &self.conn {
+            c.tear_down(cause);
+        }
         AbortOutcome::Broken
     }
 
@@ -425,6 +491,8 @@ pub struct ShmRx {
     path: GatherPath,
     stream: Option<(usize, usize)>,
     broken: Option<String>,
+    /// Shared with the sending half once joined by [`connection`].
+    conn: Option<Arc<Conn>>,
 }
 
 impl ShmRx {
@@ -448,6 +516,7 @@ impl ShmRx {
             path,
             stream: None,
             broken: None,
+            conn: None,
         }
     }
 
@@ -458,7 +527,14 @@ impl ShmRx {
                 cause: c.clone(),
             });
         }
-        Ok(())
+        match &self.conn {
+            Some(c) if c.torn.is_torn() => {
+                // Reported once: the any-source wait stops counting this peer.
+                self.live.retire();
+                Err(c.torn.error(self.peer))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn avail(&mut self, need: u64) -> Result<u64> {
@@ -645,10 +721,15 @@ impl RxLink for ShmRx {
     }
 
     fn abort_message(&mut self) {
-        self.broken = Some("a message was abandoned midway by the receiver".into());
+        let cause = "a message was abandoned midway by the receiver";
+        self.broken = Some(cause.into());
         self.live.retire();
         self.cons.view().reader_closed().store(1, Ordering::Release);
         notify_writer(self.cons.view());
+        // Both directions: the peer's receive from us fails too, and our sending half.
+        if let Some(c) = &self.conn {
+            c.tear_down(cause);
+        }
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {

@@ -371,6 +371,43 @@ fn any_source_sleeps_after_a_peer_died() {
     }
 }
 
+/// Rank 1 dies right after the open without closing anything (no flag in the rings: only its
+/// pidfd tells); rank 0 (this process) sleeps 2 s, then sends small messages. The first one
+/// must fail: before `begin_message` probed the peer, 16 384 sends in a row returned `Ok`
+/// (the ring had room) and were lost. A receive from the dead peer fails too.
+#[test]
+fn send_to_a_peer_that_died_while_idle_fails() {
+    let spec = "shm";
+    let (mut kids, me) = job(&[None, Some("vanish")], spec);
+    let session = me.unwrap();
+    let ch = open(&session, spec);
+    let (_, vanished) = kids.pop().unwrap();
+    let (ok, out) = wait_bounded(vanished);
+    assert!(ok, "rank 1 failed: {out}");
+    std::thread::sleep(Duration::from_secs(2));
+    let body = [5u8; 1024];
+    let mut sent = 0usize;
+    let err = loop {
+        let r = ch.begin_packing(1).and_then(|mut p| {
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.end_packing()
+        });
+        match r {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 100_000, "sends to a dead peer never fail");
+    };
+    assert_eq!(
+        sent, 0,
+        "{sent} sends to a dead peer returned Ok before: {err}"
+    );
+    let t0 = Instant::now();
+    assert!(ch.begin_unpacking_from(1).is_err());
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    finish(kids, spec);
+}
+
 /// Cross Memory Attach refused by seccomp in both ranks (children), installed before their
 /// channel opens. `block` says which calls fail; `expect` is the line the selection table must
 /// carry.

@@ -609,16 +609,10 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
             stage_off,
             area_off: area_off(me)?,
         };
-        links[r] = Some(LinkPair {
-            tx: Box::new(SciTx::<Dolphin>::new(r, ends.clone(), tx, watch.clone())),
-            rx: Box::new(SciRx::<Dolphin>::new(
-                r,
-                ends,
-                DolphinRx { peer: rs },
-                watch,
-                shared,
-            )),
-        });
+        links[r] = Some(crate::link::connection(
+            SciTx::<Dolphin>::new(r, ends.clone(), tx, watch.clone()),
+            SciRx::<Dolphin>::new(r, ends, DolphinRx { peer: rs }, watch, shared),
+        ));
     }
     let bulk = match (g.chunks, &dma_note) {
         (0, _) => "no dma TM".to_string(),

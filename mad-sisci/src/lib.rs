@@ -353,21 +353,10 @@ impl Driver for SisciDriver {
                 shared: shared.clone(),
                 watch: watch.clone(),
             });
-            links[r] = Some(LinkPair {
-                tx: Box::new(SciTx::<Local>::new(
-                    r,
-                    ends.clone(),
-                    LocalTx::new(seg),
-                    watch.clone(),
-                )),
-                rx: Box::new(SciRx::<Local>::new(
-                    r,
-                    ends,
-                    LocalRx::new(own.clone()),
-                    watch,
-                    shared,
-                )),
-            });
+            links[r] = Some(link::connection(
+                SciTx::<Local>::new(r, ends.clone(), LocalTx::new(seg), watch.clone()),
+                SciRx::<Local>::new(r, ends, LocalRx::new(own.clone()), watch, shared),
+            ));
         }
         let notes = vec![format!(
             "sisci:local: {} slots x 64 B, {} B ring, {} x {} B DMA area per peer; {} local peer(s); \

@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::driver::{AbortOutcome, Incoming, LinkPair, RxLink, TmId, TxLink};
 use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Region};
+use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
 use crate::fabric::{Fabric, OwnWire, RxWire, TxWire};
@@ -94,6 +95,22 @@ enum Blocked {
     Dma,
 }
 
+/// Join the two halves of a connection, so that an abandoned message tears the connection
+/// down in both directions (see [`TxLink::abort_message`], [`RxLink::abort_message`]).
+pub fn connection<F: Fabric>(mut tx: SciTx<F>, mut rx: SciRx<F>) -> LinkPair
+where
+    SciTx<F>: 'static,
+    SciRx<F>: 'static,
+{
+    let torn = Arc::new(Teardown::new());
+    tx.torn = Some(torn.clone());
+    rx.torn = Some(torn);
+    LinkPair {
+        tx: Box::new(tx),
+        rx: Box::new(rx),
+    }
+}
+
 /// The sending half towards one peer.
 pub struct SciTx<F: Fabric> {
     peer: usize,
@@ -107,9 +124,20 @@ pub struct SciTx<F: Fabric> {
     chunk_pos: u64,
     dma_ack: u64,
     cursor: Option<(usize, usize)>,
+    /// Something of the current message was published (is visible to the peer).
     used: bool,
     blocked: Blocked,
     broken: Option<String>,
+    /// Lengths of the short slots filled from `unpub_from` on whose flags are not published
+    /// yet: short lends become visible at a commit, the end, an EXPRESS piece or
+    /// back-pressure (as on mad-shm), so a message dropped before any of those is discarded
+    /// whole and the connection stays intact.
+    unpub: Vec<usize>,
+    unpub_from: u64,
+    /// Shared with the receiving half once joined by [`connection`].
+    torn: Option<Arc<Teardown>>,
+    /// Rate limit of the peer-gone probe of `begin_message`.
+    gate: ProbeGate,
 }
 
 impl<F: Fabric> SciTx<F> {
@@ -117,7 +145,6 @@ impl<F: Fabric> SciTx<F> {
     pub fn new(peer: usize, e: Ends, wire: F::Tx, watch: Arc<PeerWatch>) -> Self {
         SciTx {
             peer,
-            e,
             wire,
             live: Liveness::new(watch),
             slot_pos: 0,
@@ -130,20 +157,60 @@ impl<F: Fabric> SciTx<F> {
             used: false,
             blocked: Blocked::Slot,
             broken: None,
+            unpub: Vec::with_capacity(e.geom.slots),
+            unpub_from: 0,
+            torn: None,
+            gate: ProbeGate::new(),
+            e,
         }
     }
 
     fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            Some(c) => Err(Error::Poisoned {
+        match (&self.broken, &self.torn) {
+            (Some(c), _) => Err(Error::Poisoned {
                 rank: self.peer,
                 cause: c.clone(),
             }),
-            None => Ok(()),
+            (None, Some(t)) => t.check(self.peer),
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// Publish the flags of the short slots filled but not yet published, in order, and wake
+    /// the reader.
+    fn publish_slots(&mut self) {
+        if self.unpub.is_empty() {
+            return;
+        }
+        let n = self.e.geom.slots as u64;
+        for (i, &len) in self.unpub.iter().enumerate() {
+            let pos = self.unpub_from + i as u64;
+            self.wire.publish(
+                w64(&self.e.remote, slot_flag(&self.e.geom, pos)),
+                layout::encode_flag(pos, n, len),
+            );
+        }
+        self.unpub.clear();
+        self.unpub_from = self.slot_pos;
+        self.used = true;
+        self.wire.wake_reader();
+    }
+
+    /// Tear the connection down for both ends: the peer's receive sees our writer closed, its
+    /// sends our reader closed, and our two halves fail from now on.
+    fn tear_down(&mut self, cause: &str) {
+        self.broken = Some(cause.into());
+        self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
+        self.wire.publish32(w32(&self.e.remote, ctl::R_CLOSED), 1);
+        self.wire.wake_reader();
+        if let Some(t) = &self.torn {
+            t.tear(cause);
         }
     }
 
     fn pending(&mut self, b: Blocked) -> Result<Poll<()>> {
+        // Back-pressure: what was lent must become visible, or the peer never frees room.
+        self.publish_slots();
         self.blocked = b;
         if (w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
             || self.live.maybe_dead())
@@ -201,13 +268,13 @@ impl<F: Fabric> SciTx<F> {
             .lend_mut(off + 8, SLOT_DATA, fill)
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
-            // Data and flag in one line; the publish is the store barrier.
-            self.wire.publish(
-                w64(&self.e.remote, off),
-                layout::encode_flag(self.slot_pos, g.slots as u64, n),
-            );
+            // Data and flag in one line; the flag's publish (the store barrier) waits for
+            // `publish_slots`.
+            if self.unpub.is_empty() {
+                self.unpub_from = self.slot_pos;
+            }
+            self.unpub.push(n);
             self.slot_pos += 1;
-            self.wire.wake_reader();
         }
         Ok(Poll::Ready(()))
     }
@@ -232,6 +299,7 @@ impl<F: Fabric> SciTx<F> {
         if n > 0 {
             self.head += n as u64;
             self.wire.publish(w64(&self.e.remote, ctl::HEAD), self.head);
+            self.used = true;
             self.wire.wake_reader();
         }
         Ok(Poll::Ready(()))
@@ -288,6 +356,7 @@ impl<F: Fabric> SciTx<F> {
                 layout::encode_flag(self.chunk_pos, k, filled),
             );
             self.chunk_pos += 1;
+            self.used = true;
             self.wire.wake_reader();
         }
     }
@@ -296,6 +365,16 @@ impl<F: Fabric> SciTx<F> {
 impl<F: Fabric> TxLink for SciTx<F> {
     fn begin_message(&mut self) -> Result<()> {
         self.check_usable()?;
+        // A reader that closed, or a peer that died, while we were idle: the slots and ring
+        // may take many messages nobody will read. Asked at most once per clock tick (a load
+        // of our own area and the peer probe: a pidfd poll, or SISCI on dolphin).
+        if self.gate.due()
+            && (w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+                || self.live.dead_now())
+        {
+            self.broken = Some("the peer closed the connection or exited".into());
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
         self.used = false;
         Ok(())
     }
@@ -307,7 +386,6 @@ impl<F: Fabric> TxLink for SciTx<F> {
         fill: &mut dyn FnMut(&mut [u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check_usable()?;
-        self.used = true;
         match tm {
             TM_SHORT => self.send_short(fill),
             TM_RING => self.send_ring(fill),
@@ -326,23 +404,41 @@ impl<F: Fabric> TxLink for SciTx<F> {
                 format!("sisci: TM {tm} is not a gather TM"),
             ));
         }
-        self.used = true;
         self.send_dma(iov)
+    }
+
+    fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
+        self.publish_slots();
+        Ok(Poll::Ready(()))
+    }
+
+    fn publish(&mut self) -> Result<()> {
+        self.publish_slots();
+        Ok(())
     }
 
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
+        self.publish_slots();
         Ok(Poll::Ready(()))
     }
 
     fn abort_message(&mut self) -> AbortOutcome {
         self.cursor = None;
         if !self.used {
+            // Nothing visible: the filled slots are taken back (their flags were never
+            // written, so the peer sees them empty).
+            if !self.unpub.is_empty() {
+                self.slot_pos = self.unpub_from;
+            }
+            self.unpub.clear();
+            self.unpub_from = self.slot_pos;
             return AbortOutcome::Discarded;
         }
-        self.broken = Some("a message was abandoned midway".into());
-        self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
-        self.wire.wake_reader();
+        self.unpub.clear();
+        // Part of the message is visible: the connection goes down both ways, so the peer's
+        // receive fails instead of waiting for the rest, and its sends fail too.
+        self.tear_down("a message was abandoned midway");
         AbortOutcome::Broken
     }
 
@@ -387,6 +483,8 @@ pub struct SciRx<F: Fabric> {
     chunk_pos: u64,
     cursor: Option<(usize, usize, usize)>,
     broken: Option<String>,
+    /// Shared with the sending half once joined by [`connection`].
+    torn: Option<Arc<Teardown>>,
 }
 
 impl<F: Fabric> SciRx<F> {
@@ -410,16 +508,22 @@ impl<F: Fabric> SciRx<F> {
             chunk_pos: 0,
             cursor: None,
             broken: None,
+            torn: None,
         }
     }
 
     fn check_usable(&self) -> Result<()> {
-        match &self.broken {
-            Some(c) => Err(Error::Poisoned {
+        match (&self.broken, &self.torn) {
+            (Some(c), _) => Err(Error::Poisoned {
                 rank: self.peer,
                 cause: c.clone(),
             }),
-            None => Ok(()),
+            (None, Some(t)) if t.is_torn() => {
+                // Reported once: the any-source wait stops counting this peer.
+                self.live.retire();
+                Err(t.error(self.peer))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -617,10 +721,18 @@ impl<F: Fabric> RxLink for SciRx<F> {
 
     fn abort_message(&mut self) {
         self.cursor = None;
-        self.broken = Some("a message was abandoned midway by the receiver".into());
+        let cause = "a message was abandoned midway by the receiver";
+        self.broken = Some(cause.into());
         self.live.retire();
+        // Both directions: the peer's sends fail (reader closed) and so does its receive from
+        // us (writer closed; its wait notices within one wait slice). Our sending half fails
+        // from now on.
         self.wire.publish32(w32(&self.e.remote, ctl::R_CLOSED), 1);
+        self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
         self.notify_writer();
+        if let Some(t) = &self.torn {
+            t.tear(cause);
+        }
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
@@ -850,8 +962,14 @@ mod tests {
         let (_a, _b, mut tx, mut rx) = pair("abort");
         tx.begin_message().unwrap();
         assert_eq!(tx.abort_message(), AbortOutcome::Discarded);
+        // Short lends stay invisible until published: dropped, they are taken back.
+        tx.begin_message().unwrap();
+        assert!(put(&mut tx, TM_SHORT, b"never").unwrap().is_ready());
+        assert_eq!(tx.abort_message(), AbortOutcome::Discarded);
+        assert!(rx.poll_message().unwrap().is_pending());
         tx.begin_message().unwrap();
         assert!(put(&mut tx, TM_SHORT, b"half").unwrap().is_ready());
+        tx.publish().unwrap();
         assert_eq!(tx.abort_message(), AbortOutcome::Broken);
         assert!(matches!(
             put(&mut tx, TM_SHORT, b"more"),

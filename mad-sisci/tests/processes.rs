@@ -358,6 +358,43 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
 /// process) then waits in an any-source `begin_unpacking()` for rank 1, which sends after
 /// 2 s. The wait must sleep: before the fix, the dead peer kept `SciIncoming::wait`
 /// returning at once for the rest of the channel's life.
+/// Rank 1 dies right after the open without closing anything (no flag: only its pidfd
+/// tells); rank 0 (this process) sleeps 2 s, then sends small messages. The first one must
+/// fail: before `begin_message` probed the peer, 64 sends in a row returned `Ok` (as many as
+/// there are short slots) and were lost. A receive from the dead peer fails too.
+#[test]
+fn send_to_a_peer_that_died_while_idle_fails() {
+    let spec = "sisci:local";
+    let (vanished, session) = with_child("vanish", spec);
+    let ch = session
+        .open_channel_with(ChannelConfig::parse("anysrc", spec).unwrap())
+        .unwrap();
+    let (ok, out) = wait_bounded(vanished);
+    assert!(ok, "rank 1 failed: {out}");
+    std::thread::sleep(Duration::from_secs(2));
+    let body = [5u8; 40];
+    let mut sent = 0usize;
+    let err = loop {
+        let r = ch.begin_packing(1).and_then(|mut p| {
+            p.pack(&body, RecvMode::Cheaper)?;
+            p.end_packing()
+        });
+        match r {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 100_000, "sends to a dead peer never fail");
+    };
+    assert_eq!(
+        sent, 0,
+        "{sent} sends to a dead peer returned Ok before: {err}"
+    );
+    assert!(is_peer_closed(&err), "{err}");
+    let t0 = Instant::now();
+    assert!(ch.begin_unpacking_from(1).is_err());
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}
+
 #[test]
 fn any_source_sleeps_after_a_peer_died() {
     for spec in ["sisci:local", "sisci:local,progress=block"] {

@@ -21,6 +21,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 use smallvec::SmallVec;
 
@@ -51,6 +52,8 @@ pub(crate) struct Liveness {
     /// Why the peer was judged unreachable, once it was.
     lost: OnceLock<String>,
     check: Mutex<LiveCheck>,
+    /// Set when one half tore the connection down (an abandoned message): both halves fail.
+    torn: Teardown,
 }
 
 struct LiveCheck {
@@ -67,6 +70,7 @@ impl Liveness {
             peer,
             bound,
             lost: OnceLock::new(),
+            torn: Teardown::new(),
             check: Mutex::new(LiveCheck {
                 next: None,
                 suspect_since: None,
@@ -130,6 +134,15 @@ impl Liveness {
         Err(Self::unreachable(cause))
     }
 
+    /// Tear the connection down in both directions (an abandoned message left the stream out
+    /// of step): reset it, so the peer's blocked and later sends and receives fail at once,
+    /// and make both local halves fail from now on.
+    fn tear_down(&self, cause: &str) {
+        if self.torn.tear(cause) {
+            sys::reset(self.sock.as_raw_fd());
+        }
+    }
+
     /// `e`, or the liveness verdict when there is one (a socket we shut down ourselves fails
     /// with `EPIPE` or end of stream, which would hide the real cause).
     fn explain(&self, e: io::Error) -> io::Error {
@@ -142,7 +155,8 @@ impl Liveness {
 
 /// The sending half of a connection.
 pub struct TcpTx {
-    sock: Arc<TcpStream>,
+    /// Keeps `fd` open.
+    _sock: Arc<TcpStream>,
     fd: RawFd,
     peer: usize,
     buf: Box<[u8]>,
@@ -160,6 +174,8 @@ pub struct TcpTx {
     moved: u64,
     live: Arc<Liveness>,
     broken: Option<String>,
+    /// Rate limit of the peer-gone probe in `begin_message`.
+    gate: ProbeGate,
 }
 
 impl TcpTx {
@@ -174,7 +190,7 @@ impl TcpTx {
             live,
             bulk_blocking,
             fd: sock.as_raw_fd(),
-            sock,
+            _sock: sock,
             peer,
             buf: vec![0u8; buf_len].into_boxed_slice(),
             head: 0,
@@ -183,12 +199,14 @@ impl TcpTx {
             started: false,
             moved: 0,
             broken: None,
+            gate: ProbeGate::new(),
         }
     }
 
+    #[inline]
     fn check(&self) -> Result<()> {
         match &self.broken {
-            None => Ok(()),
+            None => self.live.torn.check(self.peer),
             Some(cause) => Err(Error::Poisoned {
                 rank: self.peer,
                 cause: cause.clone(),
@@ -197,6 +215,9 @@ impl TcpTx {
     }
 
     fn fail(&mut self, e: io::Error) -> Error {
+        if self.live.torn.is_torn() {
+            return self.live.torn.error(self.peer);
+        }
         let e = self.live.explain(e);
         self.broken = Some(e.to_string());
         lost(self.peer, e)
@@ -224,6 +245,12 @@ impl TcpTx {
 impl TxLink for TcpTx {
     fn begin_message(&mut self) -> Result<()> {
         self.check()?;
+        // A peer that died (or closed) while we were idle: its FIN or reset is here, and the
+        // message would vanish into its dead socket. Asked at most once per clock tick.
+        if self.gate.due() && sys::hung_up(self.fd) {
+            self.broken = Some("the peer closed the connection".into());
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
         self.started = false;
         self.refs_done = 0;
         Ok(())
@@ -316,9 +343,15 @@ impl TxLink for TcpTx {
             self.refs_done = 0;
             return AbortOutcome::Discarded;
         }
-        let _ = self.sock.shutdown(Shutdown::Write);
+        // Part of the message is in the stream: reset the connection, so the peer's receive
+        // fails instead of waiting for the rest, and its sends fail too.
+        let cause = "a message was abandoned after part of it was sent";
+        self.live.tear_down(cause);
+        self.head = 0;
+        self.tail = 0;
+        self.refs_done = 0;
         if self.broken.is_none() {
-            self.broken = Some("a message was abandoned after part of it was sent".into());
+            self.broken = Some(cause.into());
         }
         AbortOutcome::Broken
     }
@@ -339,7 +372,8 @@ impl TxLink for TcpTx {
 
 /// The receiving half of a connection.
 pub struct TcpRx {
-    sock: Arc<TcpStream>,
+    /// Keeps `fd` open.
+    _sock: Arc<TcpStream>,
     fd: RawFd,
     peer: usize,
     buf: Box<[u8]>,
@@ -383,7 +417,7 @@ impl TcpRx {
             live,
             bulk_blocking,
             fd: sock.as_raw_fd(),
-            sock,
+            _sock: sock,
             peer,
             buf: vec![0u8; buf_len].into_boxed_slice(),
             head: 0,
@@ -405,8 +439,10 @@ impl TcpRx {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    #[inline]
+    fn check(&mut self) -> Result<()> {
         match &self.broken {
+            None if self.live.torn.is_torn() => Err(self.torn()),
             None => Ok(()),
             Some(cause) => Err(Error::Poisoned {
                 rank: self.peer,
@@ -415,7 +451,19 @@ impl TcpRx {
         }
     }
 
+    /// The connection was torn down (by this half or the sending one).
+    #[cold]
+    fn torn(&mut self) -> Error {
+        self.deregister();
+        let e = self.live.torn.error(self.peer);
+        self.broken = Some(e.to_string());
+        e
+    }
+
     fn closed(&mut self) -> Error {
+        if self.live.torn.is_torn() {
+            return self.torn();
+        }
         self.deregister();
         match self.live.lost.get() {
             // We shut the socket down ourselves: the peer did not close it.
@@ -425,6 +473,9 @@ impl TcpRx {
     }
 
     fn fail(&mut self, e: io::Error) -> Error {
+        if self.live.torn.is_torn() {
+            return self.torn();
+        }
         self.deregister();
         let e = self.live.explain(e);
         self.broken = Some(e.to_string());
@@ -559,18 +610,22 @@ impl RxLink for TcpRx {
     }
 
     fn abort_message(&mut self) {
+        // The rest of the message is still in the stream: reset the connection, so the
+        // sender's blocked and later sends fail (a `shutdown(SHUT_RD)` would tell it
+        // nothing: it would wait for room forever, or its sends would vanish).
+        let cause = "a message was abandoned midway by the receiver; the stream is out of step";
         self.deregister();
-        let _ = self.sock.shutdown(Shutdown::Read);
+        self.live.tear_down(cause);
         self.head = 0;
         self.tail = 0;
         self.refs_done = 0;
         if self.broken.is_none() {
-            self.broken = Some("a message was abandoned midway; the stream is out of step".into());
+            self.broken = Some(cause.into());
         }
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        if self.head < self.tail || self.broken.is_some() {
+        if self.head < self.tail || self.broken.is_some() || self.live.torn.is_torn() {
             return Ok(());
         }
         if let Err(e) = self.live.check() {

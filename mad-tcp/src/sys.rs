@@ -217,6 +217,66 @@ pub fn recv_vectored(
     io_op(|| unsafe { libc::recvmsg(fd, &mut msg, flags) })
 }
 
+/// Abortive disconnect of a connected TCP socket: `connect(fd, AF_UNSPEC)`, which Linux
+/// implements as `tcp_disconnect`: the connection is reset (an RST goes to the peer, whose
+/// blocked and later sends and receives fail with `ECONNRESET`/`EPIPE`), unsent data is
+/// dropped, and the socket is closed for this side's other users of the descriptor too (the
+/// other half of the connection; `close` could not do that while it still holds the
+/// descriptor). Fails with `EBUSY` while another thread of this process is blocked in a
+/// `send`/`recv` on the socket (Linux ≥ 6.6): see [`reset`].
+pub fn disconnect(fd: RawFd) -> io::Result<()> {
+    // SAFETY: an all-zero sockaddr with family AF_UNSPEC is a complete address for this call;
+    // it lives for the duration of the call and its size is passed.
+    let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
+    addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: `addr` is valid for reads of `size_of::<sockaddr>()` bytes during the call.
+    let r = unsafe {
+        libc::connect(
+            fd,
+            &addr,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    cvt(r).map(|_| ())
+}
+
+/// Tear a connection down for both ends: [`disconnect`]; if another thread of ours is
+/// blocked on the socket (`EBUSY`), `shutdown(SHUT_RDWR)` first, which wakes it with an error,
+/// and try the reset again for up to 50 ms. Returns whether the reset (the RST the peer
+/// needs to learn about it while it sends) was done; otherwise the peer gets at least the
+/// FIN of the shutdown.
+pub fn reset(fd: RawFd) -> bool {
+    match disconnect(fd) {
+        Ok(()) => return true,
+        Err(e) if e.raw_os_error() != Some(libc::EBUSY) => return false,
+        Err(_) => {}
+    }
+    // SAFETY: plain syscall on a descriptor; errors (already shut down) are ignored.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(1));
+        if disconnect(fd).is_ok() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Zero-timeout `poll(2)`: has the peer closed or reset the connection (`POLLRDHUP`: its FIN
+/// arrived; `POLLHUP`/`POLLERR`: reset or closed both ways)? Our protocol never half-closes a
+/// healthy connection, so a FIN means the peer is gone. Errors of `poll` itself count as
+/// "no" (the next send reports what is wrong).
+pub fn hung_up(fd: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `p` is one valid pollfd for the duration of the call; the timeout is zero.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// Whether to wait for input or for room to send.
 #[derive(Clone, Copy, Debug)]
 pub enum Interest {

@@ -200,7 +200,7 @@ fn abort_before_anything_left_is_discarded() {
 }
 
 #[test]
-fn abort_midway_breaks_and_peer_sees_eof() {
+fn abort_midway_tears_the_connection_down_for_the_peer() {
     let mut chans = open_group(2, cfg("abort2"));
     let mut b = take(&mut chans[1], 0);
     let mut a = take(&mut chans[0], 1);
@@ -222,8 +222,22 @@ fn abort_midway_breaks_and_peer_sees_eof() {
     assert!(pending, "32 MiB fit in the socket buffers?");
     assert_eq!(a.tx.abort_message(), AbortOutcome::Broken);
     assert!(matches!(a.tx.begin_message(), Err(Error::Poisoned { .. })));
+    // The connection was reset: the peer's receive fails (end of stream or reset, depending
+    // on whether the FIN got out), and so do its sends and this side's receive half.
     let r = recv_msg(&mut *b.rx);
-    assert!(matches!(r, Err(Error::PeerClosed { rank: 0 })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::PeerClosed { rank: 0 } | Error::ConnectionLost { rank: 0, .. })
+        ),
+        "{r:?}"
+    );
+    b.tx.begin_message().ok();
+    assert!(copy_in_try(&mut *b.tx, &pattern(1 << 20, 2)).is_err());
+    assert!(matches!(
+        a.rx.poll_message(),
+        Err(Error::Poisoned { rank: 1, .. })
+    ));
 }
 
 #[test]

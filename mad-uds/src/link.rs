@@ -6,10 +6,12 @@ use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{AbortOutcome, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink};
+use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -30,7 +32,10 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
         };
         let dup = |s: &UnixStream| s.try_clone().map_err(|e| Error::io("uds: dup", e));
         watched.push((peer, dup(&s)?));
+        let torn = Arc::new(Teardown::new());
         let tx = Tx {
+            torn: torn.clone(),
+            gate: ProbeGate::new(),
             peer,
             s: dup(&s)?,
             buf: vec![0; buf],
@@ -40,6 +45,7 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
             wrote: false,
         };
         let rx = Rx {
+            torn,
             peer,
             s,
             buf: vec![0; buf],
@@ -74,6 +80,28 @@ fn lost(peer: usize, e: std::io::Error) -> Error {
     }
 }
 
+/// Tear the connection down for both ends: `shutdown(SHUT_RDWR)` of a Unix stream socket
+/// also shuts the peer's socket (its sends fail with `EPIPE` at once, blocked ones included,
+/// and its receives see end of stream after what was already queued).
+fn tear_down(s: &UnixStream, torn: &Teardown, cause: &str) {
+    if torn.tear(cause) {
+        let _ = s.shutdown(Shutdown::Both);
+    }
+}
+
+/// Zero-timeout `poll(2)`: did the peer close (`POLLRDHUP`/`POLLHUP`) or fail (`POLLERR`)?
+/// Our protocol never half-closes a live connection: a hang-up means the peer is gone.
+fn hung_up(fd: BorrowedFd<'_>) -> bool {
+    // Only `POLLRDHUP` is asked for; `POLLHUP` and `POLLERR` come unasked: any event is a
+    // hang-up. (`PollFd::revents` cannot be used: nix maps unknown bits such as `POLLRDHUP`
+    // to `None`.)
+    let mut fds = [PollFd::new(
+        fd,
+        PollFlags::from_bits_retain(nix::libc::POLLRDHUP),
+    )];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+}
+
 /// Block in `poll(2)` until `fd` has `ev` (or an error/hang-up) or `timeout` passes.
 fn wait_fd(fd: BorrowedFd<'_>, ev: PollFlags, timeout: Duration) -> Result<()> {
     let mut fds = [PollFd::new(fd, ev)];
@@ -88,6 +116,10 @@ fn ms(t: Duration) -> PollTimeout {
 }
 
 struct Tx {
+    /// Shared with the receiving half: set when either tore the connection down.
+    torn: Arc<Teardown>,
+    /// Rate limit of the peer-gone probe of `begin_message`.
+    gate: ProbeGate,
     peer: usize,
     s: UnixStream,
     /// Copy buffer: `buf[off..len]` is filled but not yet written.
@@ -104,6 +136,7 @@ impl Tx {
     /// Write the pending copy bytes, then `iov` from `self.done` on, in one `writev` when
     /// possible. `Ready` once everything is out.
     fn push(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        self.torn.check(self.peer)?;
         loop {
             let mut v: SmallVec<[IoSlice<'_>; MAX_GROUP + 1]> = SmallVec::new();
             if self.off < self.len {
@@ -143,6 +176,11 @@ impl Tx {
 
 impl TxLink for Tx {
     fn begin_message(&mut self) -> Result<()> {
+        self.torn.check(self.peer)?;
+        // A peer gone while we were idle: asked at most once per clock tick.
+        if self.gate.due() && hung_up(self.s.as_fd()) {
+            return Err(Error::PeerClosed { rank: self.peer });
+        }
         self.wrote = false;
         Ok(())
     }
@@ -178,7 +216,12 @@ impl TxLink for Tx {
         self.len = 0;
         self.done = 0;
         if self.wrote {
-            let _ = self.s.shutdown(Shutdown::Write);
+            // The peer's receive fails instead of waiting for the rest; its sends fail too.
+            tear_down(
+                &self.s,
+                &self.torn,
+                "a message was abandoned after part of it was sent",
+            );
             AbortOutcome::Broken
         } else {
             AbortOutcome::Discarded
@@ -199,6 +242,8 @@ impl Drop for Tx {
 }
 
 struct Rx {
+    /// Shared with the sending half.
+    torn: Arc<Teardown>,
     peer: usize,
     s: UnixStream,
     /// Read-ahead buffer: `buf[start..end]` is received and not yet consumed.
@@ -212,6 +257,7 @@ struct Rx {
 impl Rx {
     /// Read what is available into the buffer; `false` if nothing was.
     fn fill(&mut self) -> Result<bool> {
+        self.torn.check(self.peer)?;
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
@@ -255,6 +301,7 @@ impl RxLink for Rx {
     }
 
     fn recv_refs(&mut self, _tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.torn.check(self.peer)?;
         let total: usize = iov.iter().map(|s| s.len()).sum();
         loop {
             // Bytes read ahead into the buffer go first, then `readv` straight into place.
@@ -295,7 +342,13 @@ impl RxLink for Rx {
         self.start = 0;
         self.end = 0;
         self.done = 0;
-        let _ = self.s.shutdown(Shutdown::Read);
+        // The rest of the message is in the stream: close the connection both ways, so the
+        // sender's blocked and later sends fail (`SHUT_RD` alone told it nothing).
+        tear_down(
+            &self.s,
+            &self.torn,
+            "a message was abandoned midway by the receiver; the stream is out of step",
+        );
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {

@@ -784,6 +784,8 @@ fn acquire_all<D: Device>(
 /// Sending half of a VIA connection.
 pub(crate) struct ViaTx<D: Device, N: Nic> {
     conn: Shared<N>,
+    /// Rate limit of the peer-gone probe of `begin_message`.
+    gate: mad_core::liveness::ProbeGate,
     cache: Arc<RegCache<D>>,
     st: TxGather,
     fds: Vec<OwnedFd>,
@@ -817,6 +819,7 @@ pub(crate) fn links<D: Device, N: Nic>(
     Ok(LinkPair {
         tx: Box::new(ViaTx {
             conn: conn.clone(),
+            gate: mad_core::liveness::ProbeGate::new(),
             cache: cache.clone(),
             st: TxGather::default(),
             fds: dup_fds(conn)?,
@@ -913,6 +916,12 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
     fn begin_message(&mut self) -> Result<()> {
         let mut c = lock(&self.conn);
         c.check()?;
+        // A peer gone while we were idle: asked at most once per clock tick.
+        if self.gate.due() && c.nic.hung_up() {
+            c.failed
+                .get_or_insert_with(|| "the peer closed the connection".to_string());
+            return Err(Error::PeerClosed { rank: c.rank });
+        }
         c.msg_started = false;
         Ok(())
     }
@@ -1030,7 +1039,9 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
             c.nic
                 .fail(wire::ERR_PROTOCOL, "a message was abandoned midway");
         }
-        c.nic.shutdown_send();
+        // Part of the message left: the connection goes down both ways, so the peer's
+        // receive fails instead of waiting for the rest, and its sends fail too.
+        c.nic.tear_down();
         drop(c);
         self.finish();
         AbortOutcome::Broken
@@ -1135,7 +1146,9 @@ impl<D: Device, N: Nic> RxLink for ViaRx<D, N> {
         let mut c = lock(&self.conn);
         c.failed
             .get_or_insert_with(|| "a received message was abandoned midway".to_string());
-        c.nic.shutdown_recv();
+        // The rest of the message is in the stream: the connection goes down both ways, so
+        // the sender's blocked and later sends fail (a read shutdown told it nothing).
+        c.nic.tear_down();
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {

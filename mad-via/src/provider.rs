@@ -276,6 +276,23 @@ pub(crate) trait Nic: Send + 'static {
     /// Stop the receiving side (a received message was abandoned midway).
     fn shutdown_recv(&mut self);
 
+    /// Tear the connection down for both ends (a message was abandoned midway, by this side's
+    /// sender after part of it left or by its receiver): the peer's pending and later
+    /// operations on the connection must fail, promptly (soft: the sockets are reset; verbs:
+    /// the QPs go to the error state). The default stops both sides.
+    fn tear_down(&mut self) {
+        self.shutdown_send();
+        self.shutdown_recv();
+    }
+
+    /// Non-blocking: whether the peer has visibly gone (closed or reset its end). Asked at a
+    /// bounded rate when a message begins, so that a send to a peer that died while this side
+    /// was idle fails instead of vanishing. The default, `false`, is for NICs that cannot tell
+    /// without traffic (verbs: a dead peer shows when a send exhausts its retries).
+    fn hung_up(&self) -> bool {
+        false
+    }
+
     /// Cancel every posted receive and advertisement that points into user memory, so no
     /// later event can write it (called when a receive is abandoned and on drop).
     fn cancel_user_receives(&mut self);

@@ -22,7 +22,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Poll;
@@ -1114,6 +1114,34 @@ impl Nic for SoftNic {
         for w in &self.q {
             w.sock.shutdown(std::net::Shutdown::Read);
         }
+    }
+
+    fn tear_down(&mut self) {
+        // Both queue pairs: a TCP socket is reset (the peer's blocked and later sends and
+        // receives fail at once; a shutdown would leave its sends waiting for room or
+        // vanishing), a Unix socket shut both ways (which shuts the peer's end too).
+        for w in &self.q {
+            match &w.sock {
+                Sock::Tcp(s) => {
+                    sys::reset(s.as_raw_fd());
+                }
+                Sock::Unix(s) => {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
+    }
+
+    fn hung_up(&self) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        // Only `POLLRDHUP` is asked for; `POLLHUP` and `POLLERR` come unasked: any event is a
+        // hang-up. (`PollFd::revents` cannot be used: nix maps unknown bits such as
+        // `POLLRDHUP` to `None`.)
+        let rdhup = PollFlags::from_bits_retain(libc::POLLRDHUP);
+        self.q.iter().any(|w| {
+            let mut fds = [PollFd::new(w.sock.fd(), rdhup)];
+            matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+        })
     }
 
     fn cancel_user_receives(&mut self) {
