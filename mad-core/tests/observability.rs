@@ -59,6 +59,10 @@ fn try_begin_unpacking_is_none_until_a_message_is_there() {
             assert!(body.iter().enumerate().all(|(i, &b)| b == i as u8));
             // The message was consumed whole: nothing is left.
             assert!(ch.try_begin_unpacking().unwrap().is_none());
+            // Let rank 1 go (once it has, `try_begin_unpacking` says no peer is left).
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack_value(&2u8, RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
         } else {
             let mut u = ch.begin_unpacking().unwrap();
             let _: u8 = u.unpack_value().unwrap();
@@ -69,6 +73,9 @@ fn try_begin_unpacking_is_none_until_a_message_is_there() {
                 .unwrap();
             p.pack(&body, RecvMode::Cheaper).unwrap();
             p.end_packing().unwrap();
+            let mut u = ch.begin_unpacking().unwrap();
+            let _: u8 = u.unpack_value().unwrap();
+            u.end_unpacking().unwrap();
         }
     });
 }
