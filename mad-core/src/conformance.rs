@@ -24,8 +24,9 @@
 //! and skipped unpacks of small and large pieces are errors at that message, never a misread
 //! or a wait on a sender that waits in turn), `dead_peer_idle` (sends to peers that left while
 //! this rank was not waiting fail, and `try_begin_unpacking` says that no peer is left; skipped
-//! when the driver cannot detect a dead peer). An unknown name in `MAD_KIT_CASES` is an error,
-//! not a kit that runs nothing.
+//! when the driver cannot detect a dead peer; the three failure cases before it likewise
+//! skip what needs a connection torn down under the peer: mpi). An unknown name in
+//! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -940,6 +941,13 @@ fn failed_promptly(r: Result<()>, what: &str) -> Result<()> {
     }
 }
 
+/// Whether the driver can finish a connection so that its peer learns it (every driver but
+/// mpi, which says so by not detecting peer death: an MPI rank cannot make a peer's pending
+/// MPI call fail). The failure cases skip the others.
+fn tears_down(ch: &Channel) -> bool {
+    ch.capabilities().detects_peer_death
+}
+
 /// A whole message of one `len`-byte CHEAPER piece after an EXPRESS length.
 fn send_sized(ch: &Channel, to: usize, tag: u64, len: usize) -> Result<()> {
     let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
@@ -961,11 +969,15 @@ fn recv_sized(ch: &Channel, from: usize, tag: u64) -> Result<()> {
 
 /// After a failure in the middle of a message between ranks 0 and 1, the connection is
 /// finished in both directions on both sides: every new message either way fails (at once,
-/// or at the latest at its end), and nothing sent on it is delivered.
+/// or at the latest at its end), and nothing sent on it is delivered. Every rank calls it
+/// (the barriers are the session's); ranks other than 0 and 1 only wait.
 fn connection_refused_both_ways(c: &Ctx<'_>, ch: &Channel, what: &str) -> Result<()> {
     const LEN: usize = 1 << 20;
-    let peer = 1 - c.rank();
     c.barrier(&format!("{what}-refused"))?;
+    if c.rank() > 1 {
+        return c.barrier(&format!("{what}-refused-done"));
+    }
+    let peer = 1 - c.rank();
     failed_promptly(
         send_sized(ch, peer, 91, LEN),
         &format!("{what}: a 1 MiB send on the broken connection"),
@@ -992,6 +1004,9 @@ fn case_receiver_abandons(c: &Ctx<'_>) -> Result<()> {
             if extra.is_empty() { "" } else { "," }
         );
         let ch = c.open(&format!("-{k}"), &opts)?;
+        if !tears_down(&ch) {
+            return Ok(());
+        }
         let what = if extra.is_empty() {
             "dropped Unpacker"
         } else {
@@ -1035,9 +1050,7 @@ fn case_receiver_abandons(c: &Ctx<'_>) -> Result<()> {
             }
             _ => {}
         }
-        if c.rank() < 2 {
-            connection_refused_both_ways(c, &ch, what)?;
-        }
+        connection_refused_both_ways(c, &ch, what)?;
         c.barrier(&format!("receiver-abandons-{k}"))?;
     }
     Ok(())
@@ -1064,6 +1077,9 @@ fn case_sender_abandons(c: &Ctx<'_>) -> Result<()> {
         _ => {}
     }
     c.barrier("empty-done")?;
+    if !tears_down(&ch) {
+        return Ok(());
+    }
     // An EXPRESS header and a CHEAPER body of 16 B to 16 MiB, dropped without a flush, then
     // the same after a flush: the receiver must never see that message complete.
     let sizes = [16usize, 1000, 8000, 100_000, 16 << 20];
@@ -1146,6 +1162,9 @@ fn case_wrong_unpacks(c: &Ctx<'_>) -> Result<()> {
     ];
     for (k, &(len, wrong)) in plans.iter().enumerate() {
         let ch = c.open(&format!("-{k}"), &format!("timeout_ms={STRANDED_MS}"))?;
+        if !tears_down(&ch) {
+            return Ok(());
+        }
         let what = format!("{wrong:?} unpack of a {len} B piece");
         match c.rank() {
             0 => {
@@ -1181,9 +1200,7 @@ fn case_wrong_unpacks(c: &Ctx<'_>) -> Result<()> {
             }
             _ => {}
         }
-        if c.rank() < 2 {
-            connection_refused_both_ways(c, &ch, &what)?;
-        }
+        connection_refused_both_ways(c, &ch, &what)?;
         c.barrier(&format!("wrong-{k}"))?;
     }
     Ok(())
