@@ -148,16 +148,17 @@ fn checked_end_unpacking_early_is_a_mismatch() {
 }
 
 #[test]
-fn unchecked_smaller_unpack_fails_the_next_message() {
+fn unchecked_smaller_unpack_fails_at_that_message() {
     for spec in SPECS {
         let (_, (first, second)) = pair(spec, send_100_then_8, |ch| recv_n_then_next(ch, 50));
-        // The first message cannot know; the leftover 50 bytes are then read as a header.
-        first.expect("unchecked smaller unpack");
-        let e = second.expect_err("leftover bytes accepted as a message");
+        // The piece frame announced 100 bytes: the 50-byte unpack fails at once, and the
+        // connection is finished (the next receive fails too, never reads leftovers).
+        let e = first.expect_err("unchecked smaller unpack accepted");
         assert!(
             matches!(e, Error::Protocol { rank: 0, .. }),
             "{spec}: expected a protocol error, got {e}"
         );
+        second.expect_err("a message after a failed one on the same connection");
     }
 }
 
@@ -178,7 +179,7 @@ fn unchecked_early_end_fails_the_next_message() {
 }
 
 #[test]
-fn unchecked_larger_unpack_with_nothing_following_times_out() {
+fn unchecked_larger_unpack_fails_at_once() {
     for spec in SPECS {
         let (_, r) = pair(
             &format!("{spec},timeout_ms=500"),
@@ -192,7 +193,7 @@ fn unchecked_larger_unpack_with_nothing_following_times_out() {
             },
         );
         let e = r.expect_err("short data returned as whole");
-        assert!(matches!(e, Error::Timeout(_)), "{spec}: {e}");
+        assert!(matches!(e, Error::Protocol { rank: 0, .. }), "{spec}: {e}");
     }
 }
 

@@ -1101,33 +1101,40 @@ fn case_sender_abandons(c: &Ctx<'_>) -> Result<()> {
                     let _ = send_sized(&ch, 1, tag + 50, 64);
                 }
                 1 => {
-                    let mut u = ch.begin_unpacking_from(0)?;
-                    let n: u64 = u.unpack_value()?;
-                    let r = if n == len as u64 {
-                        let mut body = vec![0u8; len];
-                        let r = u.unpack(&mut body, SendMode::Cheaper);
-                        match r.and_then(|()| u.end_unpacking()) {
-                            Ok(()) => Err(fail(format!(
-                                "a message of {len} B abandoned{} before end_packing was \
-                                 delivered as complete",
-                                if flush { " after a flush" } else { "" }
-                            ))),
-                            Err(e) => failed_promptly(Err(e), "abandoned message"),
-                        }
-                    } else if n == 64 {
-                        // The abandoned message was discarded whole: the next one is intact.
-                        if flush {
-                            Err(fail(format!("a flushed {len} B message vanished")))
-                        } else {
+                    // Ok(true): the abandoned message arrived whole (a failure); Ok(false): it
+                    // was discarded and the next one arrived intact; an error: refused.
+                    let r = (|| -> Result<bool> {
+                        let mut u = ch.begin_unpacking_from(0)?;
+                        let n: u64 = u.unpack_value()?;
+                        if n == len as u64 {
+                            let mut body = vec![0u8; len];
+                            u.unpack(&mut body, SendMode::Cheaper)?;
+                            u.end_unpacking()?;
+                            Ok(true)
+                        } else if n == 64 {
                             let mut body = vec![0u8; 64];
                             u.unpack(&mut body, SendMode::Cheaper)?;
                             u.end_unpacking()?;
-                            check(tag + 50, &body, "message after a discarded one")
+                            check(tag + 50, &body, "message after a discarded one")?;
+                            Ok(false)
+                        } else {
+                            Err(fail(format!("header {n}: neither message")))
                         }
-                    } else {
-                        Err(fail(format!("header {n}: neither message")))
-                    };
-                    r?;
+                    })();
+                    match r {
+                        Ok(true) => {
+                            return Err(fail(format!(
+                                "a message of {len} B abandoned{} before end_packing was \
+                                 delivered as complete",
+                                if flush { " after a flush" } else { "" }
+                            )))
+                        }
+                        Ok(false) if flush => {
+                            return Err(fail(format!("a flushed {len} B message vanished")))
+                        }
+                        Ok(false) => {}
+                        Err(e) => failed_promptly(Err(e), "abandoned message")?,
+                    }
                 }
                 _ => {}
             }
