@@ -412,9 +412,14 @@ fn thread_level_too_low(bs: MpiBootstrap) -> Result<()> {
         .bootstrap(Box::new(bs))
         .build()?;
     check(
+        // Every rank refuses; a rank may learn it first from another's abandoned open (the
+        // kind is carried).
         matches!(
             session.open_channel_with(ChannelConfig::parse("s", "mpi")?),
             Err(Error::Unavailable { .. })
+        ) || matches!(
+            session.open_channel_with(ChannelConfig::parse("s2", "mpi")?),
+            Err(Error::RemoteFailure { ref kind, .. }) if kind == "Unavailable"
         ),
         "session: MPI channel refused",
     )?;
