@@ -1138,10 +1138,41 @@ fn case_sender_abandons(c: &Ctx<'_>) -> Result<()> {
                 }
                 _ => {}
             }
+            if flush {
+                // Everything packed had left: the connection is finished both ways.
+                connection_refused_both_ways(c, &ch, &format!("flushed {len} B, dropped"))?;
+            }
             c.barrier(&format!("abandon-{flush}-{k}"))?;
         }
     }
-    Ok(())
+    // The receiver is already blocked in the middle of the message (its body announced, 16
+    // MiB) when the sender drops the packer: it gets an error, and the connection is finished
+    // both ways.
+    const BIG: usize = 16 << 20;
+    let ch = c.open("-blocked", &opts)?;
+    match c.rank() {
+        0 => {
+            let mut p = ch.begin_packing(1)?;
+            p.pack_value(&(BIG as u64), RecvMode::Express)?;
+            p.flush()?;
+            c.barrier("blocked-header")?;
+            std::thread::sleep(Duration::from_millis(100));
+            drop(p);
+        }
+        1 => {
+            let mut u = ch.begin_unpacking_from(0)?;
+            let n: u64 = u.unpack_value()?;
+            c.barrier("blocked-header")?;
+            let mut body = vec![0u8; n as usize];
+            let r = u.unpack(&mut body, SendMode::Cheaper);
+            failed_promptly(
+                r.and_then(|()| u.end_unpacking()),
+                "a receiver blocked in a message its sender abandoned",
+            )?;
+        }
+        _ => c.barrier("blocked-header")?,
+    }
+    connection_refused_both_ways(c, &ch, "abandoned under a blocked receiver")
 }
 
 /// Unchecked mode: a receiver whose unpacks do not match the message (shorter, longer, or a
@@ -1243,27 +1274,24 @@ fn case_dead_peer_idle(c: &Ctx<'_>) -> Result<()> {
     std::thread::sleep(Duration::from_millis(500));
     const BOUND: Duration = Duration::from_secs(10);
     for p in 1..c.size() {
-        let t0 = Instant::now();
-        let mut sent = 0u64;
-        loop {
-            let r = (|| {
-                let mut m = ch.begin_packing(p)?;
-                m.pack_safer(&[5u8; 8], RecvMode::Cheaper)?;
-                m.end_packing()
-            })();
-            match r {
-                Err(Error::Timeout(t)) => {
-                    return Err(fail(format!("a send to departed rank {p} hung ({t:?})")))
-                }
-                Err(_) => break,
-                Ok(()) => sent += 1,
+        // The very first send fails: the peer left while this rank was idle, and a send that
+        // returned `Ok` here would be a message lost without a word.
+        let r = (|| {
+            let mut m = ch.begin_packing(p)?;
+            m.pack_safer(&[5u8; 8], RecvMode::Cheaper)?;
+            m.end_packing()
+        })();
+        match r {
+            Err(Error::Timeout(t)) => {
+                return Err(fail(format!("a send to departed rank {p} hung ({t:?})")))
             }
-            if t0.elapsed() > BOUND {
+            Err(_) => {}
+            Ok(()) => {
                 return Err(fail(format!(
-                    "{sent} sends to rank {p} returned Ok over {BOUND:?} after it left"
-                )));
+                    "the first send to rank {p}, which left while this rank was idle, \
+                     returned Ok"
+                )))
             }
-            std::thread::sleep(Duration::from_millis(2));
         }
         // Once known, every later call towards it fails at once.
         if ch.begin_packing(p).is_ok() {
@@ -1291,7 +1319,11 @@ fn case_dead_peer_idle(c: &Ctx<'_>) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    Ok(())
+    // And a blocking any-source receive says so too (a timeout means it waited for nobody).
+    failed_promptly(
+        ch.begin_unpacking().map(drop),
+        "begin_unpacking after every peer left",
+    )
 }
 
 /// How long the late sender of `idle_wait` waits before it sends.
