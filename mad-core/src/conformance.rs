@@ -38,6 +38,8 @@ use crate::error::{Error, Result};
 use crate::modes::{RecvMode, SendMode};
 use crate::{Channel, Session};
 
+pub mod jobs;
+
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct KitOptions {

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
-use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::conformance::{jobs, run_rank, KitOptions};
 use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
 use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
@@ -198,8 +198,8 @@ fn rank_program() {
             }
         }
         r if r.starts_with("all-to-all:") => {
-            let (size, rounds) = full_job_role(r).expect("all-to-all:<size>:<rounds>");
-            all_to_all(&session, &spec, size, rounds);
+            let (size, rounds) = jobs::all_to_all_role(r).expect("all-to-all:<size>:<rounds>");
+            jobs::all_to_all(&session, &spec, size, rounds);
         }
         r if r.starts_with("no-cma-") => {
             let ch = open(&session, &spec);
@@ -209,59 +209,6 @@ fn rank_program() {
         }
         r => panic!("unknown role {r}"),
     }
-}
-
-/// The rank program of the `/dev/shm`-full tests: open (printing `OPENFAIL` with the error and
-/// exiting 3 if that fails), then `rounds` rounds of `size`-byte messages from every rank to
-/// every other, each checked.
-fn all_to_all(session: &Session, spec: &str, size: usize, rounds: usize) {
-    let (me, n) = (session.rank(), session.size());
-    let ch = match session.open_channel_with(ChannelConfig::parse("full", spec).unwrap()) {
-        Ok(ch) => ch,
-        Err(e) => {
-            println!("OPENFAIL rank {me} pid {}: {e:?} ({e})", std::process::id());
-            std::process::exit(3);
-        }
-    };
-    for round in 0..rounds {
-        std::thread::scope(|s| {
-            // Sends in a thread of their own, so that no rank waits for room while its peers
-            // wait for it.
-            s.spawn(|| {
-                for k in 1..n {
-                    let to = (me + k) % n;
-                    let body = common::pattern(size, (me * 7 + to + round) as u8);
-                    let mut p = ch.begin_packing(to).unwrap();
-                    p.pack(&body, RecvMode::Cheaper).unwrap();
-                    p.end_packing().unwrap();
-                }
-            });
-            receive_all(&ch, me, n, size, round);
-        });
-    }
-    println!("all-to-all: rank {me} done");
-}
-
-fn receive_all(ch: &mad_core::Channel, me: usize, n: usize, size: usize, round: usize) {
-    {
-        for k in 1..n {
-            let from = (me + n - k) % n;
-            let mut got = vec![0u8; size];
-            let mut u = ch.begin_unpacking_from(from).unwrap();
-            u.unpack(&mut got, SendMode::Cheaper).unwrap();
-            u.end_unpacking().unwrap();
-            assert!(
-                got == common::pattern(size, (from * 7 + me + round) as u8),
-                "rank {me}: message from {from} altered"
-            );
-        }
-    }
-}
-
-/// Message size and rounds of a `/dev/shm`-full job's role `all-to-all:<size>:<rounds>`.
-fn full_job_role(role: &str) -> Option<(usize, usize)> {
-    let mut it = role.strip_prefix("all-to-all:")?.split(':');
-    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
 /// Start a job of `roles.len()` ranks: rank `r` runs `roles[r]` in a child process, except
@@ -559,7 +506,7 @@ const IN_NS: &str = "MAD_SHM_TEST_SMALL_DEV_SHM";
 /// `Resource` naming `/dev/shm`. Runs in a private mount namespace (root; skipped otherwise).
 #[test]
 fn full_dev_shm_is_a_resource_error_not_sigbus() {
-    let Some(out) = common::in_small_dev_shm("64m", "full_dev_shm_job", (IN_NS, "1")) else {
+    let Some(out) = jobs::in_small_dev_shm("64m", "full_dev_shm_job", (IN_NS, "1")) else {
         return;
     };
     let text = format!(
@@ -580,7 +527,7 @@ fn full_dev_shm_job() {
     }
     let spec = "shm,ring=262144";
     let (kids, _) = job(&[Some("all-to-all:32768:10"); 20], spec);
-    let ended = common::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
-    common::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
+    let ended = jobs::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
+    jobs::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
     println!("full-dev-shm: checked");
 }

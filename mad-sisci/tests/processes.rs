@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
-use mad_core::conformance::{run_rank, KitOptions};
+use mad_core::conformance::{jobs, run_rank, KitOptions};
 use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
 use mad_core::{ChannelConfig, Error, RecvMode, SendMode, Session};
@@ -137,64 +137,11 @@ fn rank_program() {
             std::thread::sleep(Duration::from_secs(60));
         }
         r if r.starts_with("all-to-all:") => {
-            let (size, rounds) = full_job_role(r).expect("all-to-all:<size>:<rounds>");
-            all_to_all(&session, &spec, size, rounds);
+            let (size, rounds) = jobs::all_to_all_role(r).expect("all-to-all:<size>:<rounds>");
+            jobs::all_to_all(&session, &spec, size, rounds);
         }
         r => panic!("unknown role {r}"),
     }
-}
-
-/// The rank program of the `/dev/shm`-full tests: open (printing `OPENFAIL` with the error and
-/// exiting 3 if that fails), then `rounds` rounds of `size`-byte messages from every rank to
-/// every other, each checked.
-fn all_to_all(session: &Session, spec: &str, size: usize, rounds: usize) {
-    let (me, n) = (session.rank(), session.size());
-    let ch = match session.open_channel_with(ChannelConfig::parse("full", spec).unwrap()) {
-        Ok(ch) => ch,
-        Err(e) => {
-            println!("OPENFAIL rank {me} pid {}: {e:?} ({e})", std::process::id());
-            std::process::exit(3);
-        }
-    };
-    for round in 0..rounds {
-        std::thread::scope(|s| {
-            // Sends in a thread of their own, so that no rank waits for room while its peers
-            // wait for it.
-            s.spawn(|| {
-                for k in 1..n {
-                    let to = (me + k) % n;
-                    let body = common::pattern(size, (me * 7 + to + round) as u8);
-                    let mut p = ch.begin_packing(to).unwrap();
-                    p.pack(&body, RecvMode::Cheaper).unwrap();
-                    p.end_packing().unwrap();
-                }
-            });
-            receive_all(&ch, me, n, size, round);
-        });
-    }
-    println!("all-to-all: rank {me} done");
-}
-
-fn receive_all(ch: &mad_core::Channel, me: usize, n: usize, size: usize, round: usize) {
-    {
-        for k in 1..n {
-            let from = (me + n - k) % n;
-            let mut got = vec![0u8; size];
-            let mut u = ch.begin_unpacking_from(from).unwrap();
-            u.unpack(&mut got, SendMode::Cheaper).unwrap();
-            u.end_unpacking().unwrap();
-            assert!(
-                got == common::pattern(size, (from * 7 + me + round) as u8),
-                "rank {me}: message from {from} altered"
-            );
-        }
-    }
-}
-
-/// Message size and rounds of a `/dev/shm`-full job's role `all-to-all:<size>:<rounds>`.
-fn full_job_role(role: &str) -> Option<(usize, usize)> {
-    let mut it = role.strip_prefix("all-to-all:")?.split(':');
-    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
 fn kit_processes(n: usize, spec: &str) {
@@ -443,7 +390,7 @@ const IN_NS: &str = "MAD_SISCI_TEST_SMALL_DEV_SHM";
 /// skipped otherwise).
 #[test]
 fn full_dev_shm_is_a_resource_error_not_sigbus() {
-    let Some(out) = common::in_small_dev_shm("64m", "full_dev_shm_job", (IN_NS, "1")) else {
+    let Some(out) = jobs::in_small_dev_shm("64m", "full_dev_shm_job", (IN_NS, "1")) else {
         return;
     };
     let text = format!(
@@ -481,8 +428,8 @@ fn full_dev_shm_job() {
             )
         })
         .collect();
-    let ended = common::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
-    common::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
+    let ended = jobs::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
+    jobs::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
     drop(server);
     println!("full-dev-shm: checked");
 }
