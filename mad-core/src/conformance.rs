@@ -872,6 +872,28 @@ fn case_flush(c: &Ctx<'_>) -> Result<()> {
             check(tag, &body, "body after a flush")?;
         }
     }
+    // A flush in the middle of what the receiver sees as one gather group (two CHEAPER
+    // pieces beyond every copy threshold): the sender's group is cut in two, and the
+    // receiver follows.
+    let (a, b): (Vec<u8>, Vec<u8>) = (
+        (0..300_000).map(|i| pat(4100, i)).collect(),
+        (0..200_000).map(|i| pat(4101, i)).collect(),
+    );
+    if c.rank() == 0 {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&a, RecvMode::Cheaper)?;
+        p.flush()?;
+        p.pack(&b, RecvMode::Cheaper)?;
+        p.end_packing()?;
+    } else if c.rank() == 1 {
+        let (mut ga, mut gb) = (vec![0u8; a.len()], vec![0u8; b.len()]);
+        let mut u = ch.begin_unpacking_from(0)?;
+        u.unpack(&mut ga, SendMode::Cheaper)?;
+        u.unpack(&mut gb, SendMode::Cheaper)?;
+        u.end_unpacking()?;
+        check(4100, &ga, "first piece of a group cut by a flush")?;
+        check(4101, &gb, "second piece of a group cut by a flush")?;
+    }
     Ok(())
 }
 

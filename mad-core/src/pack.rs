@@ -180,27 +180,33 @@ impl PackState<'_> {
     /// Gather BMM: hand `group` to TM `tm`, announced in unchecked mode by a group frame and
     /// a piece frame per slice through TM 0 (committed before the group, so a receiver that
     /// expected something else finds out before it waits for the group).
-    fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>]) -> Result<()> {
+    ///
+    /// `end`: this is the message's last group (sent by `end_packing`), and the end frame goes
+    /// with the group's frames, so the end of a message whose last piece is gathered costs no
+    /// lend (and on sockets no system call) of its own.
+    fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>], end: Option<u64>) -> Result<()> {
         if !self.checked {
             self.ensure(0)?;
             const BATCH: usize = 16;
             let mut buf = [0u8; wire::FRAME_LEN * (BATCH + 1)];
-            buf[..wire::FRAME_LEN].copy_from_slice(&wire::encode_frame(wire::Frame::Group {
+            let frames = std::iter::once(wire::Frame::Group {
                 tm,
                 count: group.len() as u64,
-            }));
-            let mut k = 1;
-            for s in group {
+                end: end.is_some(),
+            })
+            .chain(group.iter().map(|s| wire::Frame::Piece {
+                tm,
+                len: s.len() as u64,
+            }))
+            .chain(end.map(|pieces| wire::Frame::End { pieces }));
+            let mut k = 0;
+            for f in frames {
                 if k == BATCH + 1 {
                     self.copy_in(0, &buf)?;
                     k = 0;
                 }
-                buf[k * wire::FRAME_LEN..(k + 1) * wire::FRAME_LEN].copy_from_slice(
-                    &wire::encode_frame(wire::Frame::Piece {
-                        tm,
-                        len: s.len() as u64,
-                    }),
-                );
+                buf[k * wire::FRAME_LEN..(k + 1) * wire::FRAME_LEN]
+                    .copy_from_slice(&wire::encode_frame(f));
                 k += 1;
             }
             self.copy_in(0, &buf[..k * wire::FRAME_LEN])?;
@@ -419,7 +425,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             return Ok(());
         }
         let tm = self.st.gtm;
-        self.st.send_group(tm, &self.group)?;
+        self.st.send_group(tm, &self.group, None)?;
         self.group.clear();
         Ok(())
     }
@@ -495,7 +501,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 let mut tmp = self.st.tx.spare.tmp.lend();
                 tmp.extend_from_slice(&self.group);
                 tmp.push(IoSlice::new(d));
-                let r = self.st.send_group(tm, &tmp);
+                let r = self.st.send_group(tm, &tmp, None);
                 self.st.tx.spare.tmp.restore(tmp);
                 r?;
                 self.group.clear();
@@ -607,14 +613,22 @@ impl<'c, 'b> Packer<'c, 'b> {
             let bytes = unsafe { later::bytes(c) };
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
-        self.flush_group()?;
-        if !self.st.checked {
+        if self.st.checked {
+            self.flush_group()?;
+        } else {
             // The end frame: a receiver takes the message as complete only once it has read
             // it, so a message abandoned after part of it left is never delivered as whole.
-            self.st.ensure(0)?;
+            // It travels with the frames of a last gather group, or alone.
             let pieces = self.st.index as u64;
-            self.st
-                .copy_in(0, &wire::encode_frame(wire::Frame::End { pieces }))?;
+            if self.group.is_empty() {
+                self.st.ensure(0)?;
+                self.st
+                    .copy_in(0, &wire::encode_frame(wire::Frame::End { pieces }))?;
+            } else {
+                let tm = self.st.gtm;
+                self.st.send_group(tm, &self.group, Some(pieces))?;
+                self.group.clear();
+            }
         }
         self.st.flush_header()?;
         self.st.commit()?;

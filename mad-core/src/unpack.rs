@@ -106,42 +106,83 @@ impl UnpackState<'_> {
     /// than it was packed with.
     #[inline]
     fn expect_frame(&mut self, want: wire::Frame) -> Result<()> {
-        let mut b = [0u8; wire::FRAME_LEN];
-        self.copy_out(0, &mut b)?;
-        let want = wire::normalize_frame(want);
-        match wire::decode_frame(&b) {
-            Some(got) if got == want => Ok(()),
-            got => Err(Error::protocol(
-                self.remote,
-                format!(
-                    "unpack does not match the message (unchecked mode): the sender sent {}, \
-                     this side expected {want} (piece {} of the message); the connection is \
-                     closed; enable checked mode (checked=true) to find the piece",
-                    match got {
-                        Some(g) => g.to_string(),
-                        None => format!("bytes {b:02x?} where a frame belongs"),
-                    },
-                    self.index
-                ),
-            )),
-        }
+        self.copy_out_framed(0, Some(want), &mut [])
     }
 
-    fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
-        if !self.checked {
+    #[cold]
+    fn frame_mismatch(&self, got: &[u8; wire::FRAME_LEN], want: wire::Frame) -> Error {
+        let want = wire::normalize_frame(want);
+        Error::protocol(
+            self.remote,
+            format!(
+                "unpack does not match the message (unchecked mode): the sender sent {}, \
+                 this side expected {want} (piece {} of the message); the connection is \
+                 closed; enable checked mode (checked=true) to find the piece",
+                match wire::decode_frame(got) {
+                    Some(g) => g.to_string(),
+                    None => format!("bytes {got:02x?} where a frame belongs"),
+                },
+                self.index
+            ),
+        )
+    }
+
+    /// Gather BMM: receive a group into `group`. In unchecked mode the sender's group frames
+    /// come first, and the receiver follows the sender's groups: a sender may have cut what
+    /// this side sees as one group in several (`Packer::flush` sends the group so far), never
+    /// the other way, so each sender group announced is received into the next slices, with
+    /// its frames checked. `at_end`: this is the message's last group (`end_unpacking`); the
+    /// sender's last group carries the end frame. Returns whether the end frame was read.
+    fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>], at_end: bool) -> Result<bool> {
+        if self.checked {
+            self.ensure(tm)?;
+            self.recv_refs(tm, group)?;
+            return Ok(false);
+        }
+        let mut done = 0;
+        while done < group.len() {
             self.ensure(0)?;
-            self.expect_frame(wire::Frame::Group {
+            let rest = (group.len() - done) as u64;
+            let want = wire::Frame::Group {
                 tm,
-                count: group.len() as u64,
-            })?;
-            for g in group.iter() {
+                count: rest,
+                end: at_end,
+            };
+            let mut b = [0u8; wire::FRAME_LEN];
+            self.copy_out(0, &mut b)?;
+            let (count, end) = match wire::decode_frame(&b) {
+                Some(wire::Frame::Group { tm: t, count, end })
+                    if t == tm
+                        && count >= 1
+                        && count <= rest
+                        && (!end || (at_end && count == rest)) =>
+                {
+                    (count as usize, end)
+                }
+                _ => return Err(self.frame_mismatch(&b, want)),
+            };
+            for g in &group[done..done + count] {
                 self.expect_frame(wire::Frame::Piece {
                     tm,
                     len: g.len() as u64,
                 })?;
             }
+            if end {
+                self.expect_frame(wire::Frame::End {
+                    pieces: self.index as u64,
+                })?;
+            }
+            self.ensure(tm)?;
+            self.recv_refs(tm, &mut group[done..done + count])?;
+            done += count;
+            if end {
+                return Ok(true);
+            }
         }
-        self.ensure(tm)?;
+        Ok(false)
+    }
+
+    fn recv_refs(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
         let progress = self.ch.progress;
         progress.drive_marked(
             self.rx(),
@@ -153,34 +194,75 @@ impl UnpackState<'_> {
 
     #[inline]
     fn copy_out(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
+        self.copy_out_framed(tm, None, buf)
+    }
+
+    /// [`copy_out`](Self::copy_out) after reading an unchecked-mode frame from TM 0 and
+    /// comparing it with `want`, in the same lends as the data (the mirror of the sender's
+    /// `copy_in_framed`): a short piece is one lend. The frame is checked before any data
+    /// is taken; a difference means the message is being unpacked with other pieces than it
+    /// was packed with.
+    #[inline]
+    fn copy_out_framed(
+        &mut self,
+        tm: TmId,
+        want: Option<wire::Frame>,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let want = want.map(|w| (w, wire::encode_frame(w)));
+        let mut fb = [0u8; wire::FRAME_LEN];
+        // Frame bytes still to read (0 without a frame), then data.
+        let mut fk = if want.is_some() { 0 } else { wire::FRAME_LEN };
+        let mut bad = false;
         let progress = self.ch.progress;
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
-        while off < buf.len() {
+        while fk < wire::FRAME_LEN || off < buf.len() {
             let rest = &mut buf[off..];
-            let n = progress.drive_marked(
+            let want_len = wire::FRAME_LEN - fk + rest.len();
+            let (n, d) = progress.drive_marked(
                 &mut *rx,
                 |rx| {
-                    let mut got = 0usize;
-                    let r = rx.link.with_data(tm, rest.len(), &mut |src: &[u8]| {
-                        let n = src.len().min(rest.len());
-                        rest[..n].copy_from_slice(&src[..n]);
-                        got = n;
-                        n
+                    let (mut took, mut data) = (0usize, 0usize);
+                    let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
+                        let mut used = 0;
+                        if fk < wire::FRAME_LEN {
+                            let f = (wire::FRAME_LEN - fk).min(src.len());
+                            fb[fk..fk + f].copy_from_slice(&src[..f]);
+                            fk += f;
+                            used = f;
+                            if fk == wire::FRAME_LEN && want.is_some_and(|(_, w)| w != fb) {
+                                bad = true;
+                                took = used;
+                                return used;
+                            }
+                        }
+                        if fk == wire::FRAME_LEN {
+                            let m = (src.len() - used).min(rest.len());
+                            rest[..m].copy_from_slice(&src[used..used + m]);
+                            used += m;
+                            data = m;
+                        }
+                        took = used;
+                        used
                     })?;
-                    Ok(r.map(|()| got))
+                    Ok(r.map(|()| (took, data)))
                 },
                 |rx, t| rx.link.wait(t),
                 |rx| rx.link.progress_mark(),
             )?;
+            if bad {
+                let (w, _) = want.expect("a frame was expected");
+                return Err(self.frame_mismatch(&fb, w));
+            }
             if n == 0 {
                 return Err(Error::protocol(
                     remote,
                     "driver lent no received bytes (driver bug)",
                 ));
             }
-            off += n;
+            off += d;
         }
         Ok(())
     }
@@ -303,7 +385,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return Ok(());
         }
         let tm = self.st.gtm;
-        self.st.recv_group(tm, &mut self.group)?;
+        self.st.recv_group(tm, &mut self.group, false)?;
         self.group.clear();
         Ok(())
     }
@@ -312,15 +394,22 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     fn recv_copy(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
         self.flush_group()?;
-        if !self.st.checked {
-            self.st.ensure(0)?;
-            self.st.expect_frame(wire::Frame::Piece {
-                tm,
-                len: buf.len() as u64,
-            })?;
+        if self.st.checked {
+            self.st.ensure(tm)?;
+            return self.st.copy_out(tm, buf);
         }
-        self.st.ensure(tm)?;
-        self.st.copy_out(tm, buf)
+        let f = wire::Frame::Piece {
+            tm,
+            len: buf.len() as u64,
+        };
+        self.st.ensure(0)?;
+        if tm == 0 {
+            self.st.copy_out_framed(0, Some(f), buf)
+        } else {
+            self.st.expect_frame(f)?;
+            self.st.ensure(tm)?;
+            self.st.copy_out(tm, buf)
+        }
     }
 
     fn read_desc(&mut self) -> Result<PieceOrEnd> {
@@ -396,7 +485,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 #[allow(clippy::extend_with_drain)]
                 tmp.extend(self.group.drain(..));
                 tmp.push(IoSliceMut::new(buf));
-                let r = self.st.recv_group(tm, &mut tmp);
+                let r = self.st.recv_group(tm, &mut tmp, false).map(drop);
                 self.st.rx().spare.tmp.restore(tmp);
                 r
             }
@@ -443,12 +532,22 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
             self.tail = tail; // (kept for the connection's next message)
         }
-        self.flush_group()?;
-        if !self.st.checked {
-            // Only a message whose end frame arrived is complete (see `pack.rs`).
-            self.st.ensure(0)?;
-            let pieces = self.st.index as u64;
-            self.st.expect_frame(wire::Frame::End { pieces })?;
+        if self.st.checked {
+            self.flush_group()?;
+        } else {
+            // Only a message whose end frame arrived is complete (see `pack.rs`); it comes
+            // with the frames of a last gather group, or alone.
+            let mut ended = false;
+            if !self.group.is_empty() {
+                let tm = self.st.gtm;
+                ended = self.st.recv_group(tm, &mut self.group, true)?;
+                self.group.clear();
+            }
+            if !ended {
+                self.st.ensure(0)?;
+                let pieces = self.st.index as u64;
+                self.st.expect_frame(wire::Frame::End { pieces })?;
+            }
         }
         let cur = self.st.cur;
         let rx = self.st.rx();

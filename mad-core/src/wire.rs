@@ -20,7 +20,7 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0 | kind: `0xf1` = piece, `0xf2` = gather group, `0xf3` = end of message |
-//! | 1 | TM index (piece, group); 0 for end |
+//! | 1 | TM index (piece, group; bit 7 of a group's: the end frame follows its piece frames); 0 for end |
 //! | 2..8 | piece length (piece), slice count (group; a piece frame per slice follows), piece count (end); 48 bits little-endian |
 //!
 //! Descriptor (16 bytes, checked mode only, through TM 0 before each piece and at the end):
@@ -149,12 +149,15 @@ pub enum Frame {
         /// Piece length (bytes; compared modulo 2^48).
         len: u64,
     },
-    /// A gather group of `count` slices through TM `tm`; `count` piece frames follow.
+    /// A gather group of `count` slices through TM `tm`; `count` piece frames follow, then,
+    /// when `end` is set (the message's last group), the end frame.
     Group {
         /// Transmission module.
         tm: u8,
         /// Number of slices.
         count: u64,
+        /// The end frame follows the piece frames.
+        end: bool,
     },
     /// The message ends here; it had `pieces` pieces.
     End {
@@ -164,14 +167,18 @@ pub enum Frame {
 }
 
 const FRAME_VALUE_MASK: u64 = (1 << 48) - 1;
+/// Bit of a group frame's TM byte: the end frame follows its piece frames.
+const GROUP_END: u8 = 0x80;
 
 impl std::fmt::Display for Frame {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Frame::Piece { tm, len } => write!(f, "a piece of {len} B through TM {tm}"),
-            Frame::Group { tm, count } => {
-                write!(f, "a group of {count} piece(s) through TM {tm}")
-            }
+            Frame::Group { tm, count, end } => write!(
+                f,
+                "a group of {count} piece(s) through TM {tm}{}",
+                if *end { ", the message's last" } else { "" }
+            ),
             Frame::End { pieces } => write!(f, "the end of the message after {pieces} piece(s)"),
         }
     }
@@ -182,7 +189,7 @@ impl std::fmt::Display for Frame {
 pub fn encode_frame(fr: Frame) -> [u8; FRAME_LEN] {
     let (kind, tm, v) = match fr {
         Frame::Piece { tm, len } => (0xf1u8, tm, len),
-        Frame::Group { tm, count } => (0xf2, tm, count),
+        Frame::Group { tm, count, end } => (0xf2, tm | if end { GROUP_END } else { 0 }, count),
         Frame::End { pieces } => (0xf3, 0, pieces),
     };
     let v = (v & FRAME_VALUE_MASK).to_le_bytes();
@@ -195,7 +202,11 @@ pub fn decode_frame(b: &[u8; FRAME_LEN]) -> Option<Frame> {
     let v = u64::from_le_bytes([b[2], b[3], b[4], b[5], b[6], b[7], 0, 0]);
     match b[0] {
         0xf1 => Some(Frame::Piece { tm: b[1], len: v }),
-        0xf2 => Some(Frame::Group { tm: b[1], count: v }),
+        0xf2 => Some(Frame::Group {
+            tm: b[1] & !GROUP_END,
+            count: v,
+            end: b[1] & GROUP_END != 0,
+        }),
         0xf3 if b[1] == 0 => Some(Frame::End { pieces: v }),
         _ => None,
     }
@@ -210,9 +221,10 @@ pub fn normalize_frame(fr: Frame) -> Frame {
             tm,
             len: len & FRAME_VALUE_MASK,
         },
-        Frame::Group { tm, count } => Frame::Group {
+        Frame::Group { tm, count, end } => Frame::Group {
             tm,
             count: count & FRAME_VALUE_MASK,
+            end,
         },
         Frame::End { pieces } => Frame::End {
             pieces: pieces & FRAME_VALUE_MASK,
@@ -330,7 +342,16 @@ mod tests {
                 tm: 3,
                 len: (1 << 48) - 1,
             },
-            Frame::Group { tm: 1, count: 16 },
+            Frame::Group {
+                tm: 1,
+                count: 16,
+                end: false,
+            },
+            Frame::Group {
+                tm: 2,
+                count: 1,
+                end: true,
+            },
             Frame::End { pieces: 7 },
         ] {
             assert_eq!(decode_frame(&encode_frame(fr)), Some(fr));

@@ -233,7 +233,22 @@ fn fp(tm: u8, len: u64) -> Vec<u8> {
 
 /// The frame announcing a gather group of `count` slices through TM `tm`.
 fn fg(tm: u8, count: u64) -> Vec<u8> {
-    mad_core::wire::encode_frame(mad_core::wire::Frame::Group { tm, count }).to_vec()
+    mad_core::wire::encode_frame(mad_core::wire::Frame::Group {
+        tm,
+        count,
+        end: false,
+    })
+    .to_vec()
+}
+
+/// The frame announcing a message's last gather group (the end frame follows its pieces').
+fn fg_end(tm: u8, count: u64) -> Vec<u8> {
+    mad_core::wire::encode_frame(mad_core::wire::Frame::Group {
+        tm,
+        count,
+        end: true,
+    })
+    .to_vec()
 }
 
 /// The end frame of a message of `pieces` pieces.
@@ -553,6 +568,36 @@ fn express_pieces_are_published_before_end_packing() {
             Ev::Commit(1),
             Ev::Copy(0, fe(1)),
             Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+}
+
+#[test]
+fn a_last_gather_group_carries_the_end_frame() {
+    // The end frame travels with the last group's frames, in one lend before the group: the
+    // end of the message costs no lend (on sockets no system call) of its own. A flush in the
+    // middle of a group sends the group so far; the receiver follows the sender's groups.
+    let (a, b) = (vec![2u8; 100], vec![3u8; 200]);
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.pack(&a, RecvMode::Cheaper)?;
+        p.flush()?;
+        p.pack(&b, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, cat(&[&fg(1, 1), &fp(1, 100)])),
+            Ev::Commit(0),
+            Ev::Refs(1, vec![a.clone()]),
+            Ev::Publish, // the flush (the recording driver's default `flush`)
+            Ev::Commit(1),
+            Ev::Copy(0, cat(&[&fg_end(1, 1), &fp(1, 200), &fe(2)])),
+            Ev::Commit(0),
+            Ev::Refs(1, vec![b.clone()]),
+            Ev::Commit(1),
             Ev::End,
         ]
     );
