@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, Criterion, Throughput};
 use madeleine::bootstrap::ThreadBootstrap;
+use madeleine::config::{Adapters, DriverOptions};
 use madeleine::driver::{
     AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
     TmId, TmSpec, TmTable, TxLink,
@@ -123,6 +124,13 @@ impl Driver for NullDriver {
 
     fn describe(&self) -> String {
         "benchmark sink".into()
+    }
+
+    fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
+        DriverOptions {
+            adapters: Adapters::None,
+            keys: &["copy_max", "buf"],
+        }
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {

@@ -77,6 +77,9 @@ struct UnpackState<'c> {
     checked: bool,
     done: bool,
     index: u32,
+    /// Unchecked mode: the end frame was already taken, right after the last piece in the
+    /// same lend (see `copy_out_framed`).
+    ended: bool,
     counts: [u32; MAX_TMS],
     bytes: u64,
 }
@@ -210,6 +213,18 @@ impl UnpackState<'_> {
         buf: &mut [u8],
     ) -> Result<()> {
         let want = want.map(|w| (w, wire::encode_frame(w)));
+        // A short piece through TM 0 may be the message's last: when the sender's end frame
+        // follows it in the same lend, take it now (one lend less per short message; the
+        // sender wrote it only if it had no piece after this one).
+        let end = match want {
+            Some((wire::Frame::Piece { tm: 0, .. }, _)) => {
+                Some(wire::encode_frame(wire::Frame::End {
+                    pieces: self.index as u64,
+                }))
+            }
+            _ => None,
+        };
+        let mut ended = false;
         let mut fb = [0u8; wire::FRAME_LEN];
         // Frame bytes still to read (0 without a frame), then data.
         let mut fk = if want.is_some() { 0 } else { wire::FRAME_LEN };
@@ -243,6 +258,14 @@ impl UnpackState<'_> {
                             rest[..m].copy_from_slice(&src[used..used + m]);
                             used += m;
                             data = m;
+                            if m == rest.len() {
+                                if let Some(e) = &end {
+                                    if src.get(used..used + wire::FRAME_LEN) == Some(&e[..]) {
+                                        used += wire::FRAME_LEN;
+                                        ended = true;
+                                    }
+                                }
+                            }
                         }
                         took = used;
                         used
@@ -264,6 +287,7 @@ impl UnpackState<'_> {
             }
             off += d;
         }
+        self.ended |= ended;
         Ok(())
     }
 
@@ -319,6 +343,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             checked: false,
             done: false,
             index: 0,
+            ended: false,
             counts: [0; MAX_TMS],
             bytes: 0,
         };
@@ -543,7 +568,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 ended = self.st.recv_group(tm, &mut self.group, true)?;
                 self.group.clear();
             }
-            if !ended {
+            if !ended && !self.st.ended {
                 self.st.ensure(0)?;
                 let pieces = self.st.index as u64;
                 self.st.expect_frame(wire::Frame::End { pieces })?;

@@ -493,6 +493,8 @@ pub struct ShmRx {
     broken: Option<String>,
     /// Shared with the sending half once joined by [`connection`].
     conn: Option<Arc<Conn>>,
+    /// Read position at the last wake-up of a writer waiting for room (see `consumed`).
+    notified: u64,
 }
 
 impl ShmRx {
@@ -517,6 +519,7 @@ impl ShmRx {
             stream: None,
             broken: None,
             conn: None,
+            notified: 0,
         }
     }
 
@@ -544,6 +547,8 @@ impl ShmRx {
     /// Nothing to read: is the writer gone for good (closed flag or dead process, and the
     /// ring still empty once that is known)?
     fn pending(&mut self, need: u64) -> Result<Poll<()>> {
+        // The writer may be asleep waiting for the room this side released.
+        self.wake_writer();
         let closed = self.cons.view().writer_closed().load(Ordering::Acquire) != 0;
         if closed || self.live.maybe_dead() {
             // Re-read `head` after learning that the writer is gone: what it published
@@ -563,9 +568,25 @@ impl ShmRx {
         Error::PeerClosed { rank: self.peer }
     }
 
+    /// Bytes were taken from the ring: publish the read position (one store; a spinning
+    /// writer sees it at once). Waking a writer asleep for room costs a SeqCst fence, so it is
+    /// done once per message (`end_message`, `checkout`), before this side waits, and every
+    /// quarter ring in a long stream, not after every lend: a short message is three lends
+    /// (header, piece, end frame), and a fence each was a third of its one-way latency. A
+    /// sleeping writer that misses a release sees it at the end of its wait slice at worst.
     fn consumed(&mut self) {
         self.cons.release();
-        notify_writer(self.cons.view());
+        if self.cons.position() - self.notified >= self.cons.view().cap() / 4 {
+            self.wake_writer();
+        }
+    }
+
+    /// Wake a writer asleep for room, if anything was released since the last time.
+    fn wake_writer(&mut self) {
+        if self.cons.position() != self.notified {
+            self.notified = self.cons.position();
+            notify_writer(self.cons.view());
+        }
     }
 
     fn recv_cma(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
@@ -677,6 +698,16 @@ impl ShmRx {
 }
 
 impl RxLink for ShmRx {
+    fn checkout(&mut self, _tm: TmId) -> Result<()> {
+        self.wake_writer();
+        Ok(())
+    }
+
+    fn end_message(&mut self) -> Result<()> {
+        self.wake_writer();
+        Ok(())
+    }
+
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
         if self.avail(1)? > 0 {

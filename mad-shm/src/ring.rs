@@ -378,6 +378,11 @@ impl Consumer {
         self.v.tail().store(self.tail, Ordering::Release);
     }
 
+    /// The read position (bytes consumed since the ring was made).
+    pub fn position(&self) -> u64 {
+        self.tail
+    }
+
     /// Whether the ring is (as far as the shared head says) empty.
     pub fn is_empty(&mut self) -> bool {
         matches!(self.available(1), Ok(0))
