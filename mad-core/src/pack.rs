@@ -621,9 +621,17 @@ impl<'c, 'b> Packer<'c, 'b> {
             // It travels with the frames of a last gather group, or alone.
             let pieces = self.st.index as u64;
             if self.group.is_empty() {
-                self.st.ensure(0)?;
+                // In the Copy TM of the last piece (right after it: no commit, and on TM 0
+                // often the same lend at the receiver), else in TM 0.
+                let cur = self.st.cur;
+                let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
+                    cur
+                } else {
+                    self.st.ensure(0)?;
+                    0
+                };
                 self.st
-                    .copy_in(0, &wire::encode_frame(wire::Frame::End { pieces }))?;
+                    .copy_in(tm, &wire::encode_frame(wire::Frame::End { pieces }))?;
             } else {
                 let tm = self.st.gtm;
                 self.st.send_group(tm, &self.group, Some(pieces))?;

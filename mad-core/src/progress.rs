@@ -225,6 +225,8 @@ impl ProgressPolicy {
                     // the data).
                     last_mark = m;
                     start = Some(now);
+                    // A fresh spin phase: the one-attempt rule is for fruitless wake-ups.
+                    blocked = false;
                     Duration::ZERO
                 } else {
                     now - began

@@ -109,7 +109,13 @@ impl UnpackState<'_> {
     /// than it was packed with.
     #[inline]
     fn expect_frame(&mut self, want: wire::Frame) -> Result<()> {
-        self.copy_out_framed(0, Some(want), &mut [])
+        self.expect_frame_in(0, want)
+    }
+
+    /// [`expect_frame`](Self::expect_frame) from TM `tm`'s stream (the end frame travels in
+    /// the Copy TM of the message's last piece).
+    fn expect_frame_in(&mut self, tm: TmId, want: wire::Frame) -> Result<()> {
+        self.copy_out_framed(tm, Some(want), &mut [], false)
     }
 
     #[cold]
@@ -197,33 +203,33 @@ impl UnpackState<'_> {
 
     #[inline]
     fn copy_out(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
-        self.copy_out_framed(tm, None, buf)
+        self.copy_out_framed(tm, None, buf, false)
     }
 
-    /// [`copy_out`](Self::copy_out) after reading an unchecked-mode frame from TM 0 and
-    /// comparing it with `want`, in the same lends as the data (the mirror of the sender's
+    /// [`copy_out`](Self::copy_out) after reading an unchecked-mode frame and comparing it
+    /// with `want`, in the same lends as the data (the mirror of the sender's
     /// `copy_in_framed`): a short piece is one lend. The frame is checked before any data
     /// is taken; a difference means the message is being unpacked with other pieces than it
     /// was packed with.
+    ///
+    /// `piece`: `buf` is a whole piece of a Copy TM (unchecked mode). It may be the message's
+    /// last: the sender then writes the end frame right after it in the same TM, and when it
+    /// is in the same lend it is taken now (one lend less per short message; the sender wrote
+    /// it only if it had no piece after this one).
     #[inline]
     fn copy_out_framed(
         &mut self,
         tm: TmId,
         want: Option<wire::Frame>,
         buf: &mut [u8],
+        piece: bool,
     ) -> Result<()> {
         let want = want.map(|w| (w, wire::encode_frame(w)));
-        // A short piece through TM 0 may be the message's last: when the sender's end frame
-        // follows it in the same lend, take it now (one lend less per short message; the
-        // sender wrote it only if it had no piece after this one).
-        let end = match want {
-            Some((wire::Frame::Piece { tm: 0, .. }, _)) => {
-                Some(wire::encode_frame(wire::Frame::End {
-                    pieces: self.index as u64,
-                }))
-            }
-            _ => None,
-        };
+        let end = piece.then(|| {
+            wire::encode_frame(wire::Frame::End {
+                pieces: self.index as u64,
+            })
+        });
         let mut ended = false;
         let mut fb = [0u8; wire::FRAME_LEN];
         // Frame bytes still to read (0 without a frame), then data.
@@ -429,11 +435,11 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         };
         self.st.ensure(0)?;
         if tm == 0 {
-            self.st.copy_out_framed(0, Some(f), buf)
+            self.st.copy_out_framed(0, Some(f), buf, true)
         } else {
             self.st.expect_frame(f)?;
             self.st.ensure(tm)?;
-            self.st.copy_out(tm, buf)
+            self.st.copy_out_framed(tm, None, buf, true)
         }
     }
 
@@ -569,9 +575,17 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 self.group.clear();
             }
             if !ended && !self.st.ended {
-                self.st.ensure(0)?;
+                // In the Copy TM of the last piece (the sender's is the same: every frame
+                // before agreed), else in TM 0.
+                let cur = self.st.cur;
+                let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
+                    cur
+                } else {
+                    self.st.ensure(0)?;
+                    0
+                };
                 let pieces = self.st.index as u64;
-                self.st.expect_frame(wire::Frame::End { pieces })?;
+                self.st.expect_frame_in(tm, wire::Frame::End { pieces })?;
             }
         }
         let cur = self.st.cur;
