@@ -257,10 +257,25 @@ impl<F: Fabric> SciTx<F> {
     }
 
     fn send_short(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<Poll<()>> {
+        let g = self.e.geom;
+        // The last slot filled is not published yet and has room: the lend continues it, so
+        // consecutive short lends (a header, a frame, a short piece and the end frame of a
+        // short message) share one line and one flag.
+        if let Some(used) = self.unpub.last().copied().filter(|&u| u < SLOT_DATA) {
+            let off = slot_flag(&g, self.slot_pos - 1);
+            let n = self
+                .e
+                .remote
+                .lend_mut(off + 8 + used, SLOT_DATA - used, fill)
+                .ok_or_else(|| oob(self.peer))?;
+            if let Some(last) = self.unpub.last_mut() {
+                *last += n;
+            }
+            return Ok(Poll::Ready(()));
+        }
         if !self.free_slots()? {
             return self.pending(Blocked::Slot);
         }
-        let g = self.e.geom;
         let off = slot_flag(&g, self.slot_pos);
         let n = self
             .e
@@ -874,6 +889,16 @@ mod tests {
         })
     }
 
+    /// A short lend published at once: one slot each (consecutive unpublished short lends
+    /// share a slot).
+    fn put_slot(tx: &mut SciTx, bytes: &[u8]) -> Result<Poll<()>> {
+        let r = put(tx, TM_SHORT, bytes)?;
+        if r.is_ready() {
+            tx.publish()?;
+        }
+        Ok(r)
+    }
+
     fn get(rx: &mut SciRx, tm: TmId) -> Result<Poll<Vec<u8>>> {
         let mut v = Vec::new();
         let p = rx.with_data(tm, usize::MAX, &mut |b: &[u8]| {
@@ -888,13 +913,27 @@ mod tests {
     }
 
     #[test]
+    fn unpublished_short_lends_share_a_slot() {
+        let (_a, _b, mut tx, mut rx) = pair("share");
+        assert!(put(&mut tx, TM_SHORT, b"head").unwrap().is_ready());
+        assert!(put(&mut tx, TM_SHORT, b"+end").unwrap().is_ready());
+        assert!(put(&mut tx, TM_SHORT, &[7; 60]).unwrap().is_ready()); // 48 B fit the slot
+        tx.publish().unwrap();
+        assert!(rx.poll_message().unwrap().is_ready());
+        let mut first = b"head+end".to_vec();
+        first.extend_from_slice(&[7; 48]);
+        assert_eq!(get(&mut rx, TM_SHORT).unwrap(), Poll::Ready(first));
+        assert!(get(&mut rx, TM_SHORT).unwrap().is_pending());
+    }
+
+    #[test]
     fn slots_ring_and_chunks_carry_bytes_and_apply_back_pressure() {
         let (_a, _b, mut tx, mut rx) = pair("ok");
         assert!(rx.poll_message().unwrap().is_pending());
-        assert!(put(&mut tx, TM_SHORT, b"hello").unwrap().is_ready());
-        assert!(put(&mut tx, TM_SHORT, &[9; 100]).unwrap().is_ready()); // 56 B lent
+        assert!(put_slot(&mut tx, b"hello").unwrap().is_ready());
+        assert!(put_slot(&mut tx, &[9; 100]).unwrap().is_ready()); // 56 B lent
         assert!(
-            put(&mut tx, TM_SHORT, b"x").unwrap().is_pending(),
+            put_slot(&mut tx, b"x").unwrap().is_pending(),
             "2 slots in flight"
         );
         assert!(rx.poll_message().unwrap().is_ready());
@@ -949,9 +988,9 @@ mod tests {
         ));
         // An acknowledgement ahead of what was sent.
         w64(&area_a1, ctl::SHORT_ACK).store(1000, Ordering::Release);
-        assert!(put(&mut tx, TM_SHORT, b"a").unwrap().is_ready());
-        assert!(put(&mut tx, TM_SHORT, b"b").unwrap().is_ready());
-        assert!(is_protocol(&put(&mut tx, TM_SHORT, b"c")));
+        assert!(put_slot(&mut tx, b"a").unwrap().is_ready());
+        assert!(put_slot(&mut tx, b"b").unwrap().is_ready());
+        assert!(is_protocol(&put_slot(&mut tx, b"c")));
         // Wrong TM numbers.
         assert!(is_protocol(&put(&mut tx, TM_DMA, b"c")));
         assert!(is_protocol(&tx.send_refs(TM_RING, &[])));
@@ -987,10 +1026,10 @@ mod tests {
         // A receiver that goes away makes the sender fail once it must wait.
         let (_a, _b, mut tx, rx) = pair("close");
         drop(rx);
-        assert!(put(&mut tx, TM_SHORT, b"1").unwrap().is_ready());
-        assert!(put(&mut tx, TM_SHORT, b"2").unwrap().is_ready());
+        assert!(put_slot(&mut tx, b"1").unwrap().is_ready());
+        assert!(put_slot(&mut tx, b"2").unwrap().is_ready());
         assert!(matches!(
-            put(&mut tx, TM_SHORT, b"3"),
+            put_slot(&mut tx, b"3"),
             Err(Error::PeerClosed { rank: 1 })
         ));
     }
