@@ -353,8 +353,8 @@ impl PidFd {
     /// `kill(pid, 0)` are asked one by one): calls `dead(i)` for each index `i` whose process
     /// has exited. An any-source watcher of n peers pays one system call, not n.
     pub fn exited_among(fds: &[&PidFd], dead: &mut dyn FnMut(usize)) {
-        let mut polled: Vec<libc::pollfd> = Vec::with_capacity(fds.len());
-        let mut index: Vec<usize> = Vec::with_capacity(fds.len());
+        let mut polled: smallvec::SmallVec<[libc::pollfd; 32]> = smallvec::SmallVec::new();
+        let mut index: smallvec::SmallVec<[usize; 32]> = smallvec::SmallVec::new();
         for (i, p) in fds.iter().enumerate() {
             match &p.fd {
                 Some(fd) => {

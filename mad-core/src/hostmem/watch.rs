@@ -194,7 +194,9 @@ impl DeathCheck {
             return;
         }
         *last = now;
-        let mut pids: Vec<(&PidFd, &PeerWatch)> = Vec::new();
+        // Inline for up to 32 local peers: the receive path allocates nothing (the drivers'
+        // no-allocation test), here neither.
+        let mut pids: smallvec::SmallVec<[(&PidFd, &PeerWatch); 32]> = smallvec::SmallVec::new();
         for w in watches {
             if w.retired() || w.known_dead() {
                 continue;
@@ -206,7 +208,7 @@ impl DeathCheck {
                 }
             }
         }
-        let fds: Vec<&PidFd> = pids.iter().map(|(p, _)| *p).collect();
+        let fds: smallvec::SmallVec<[&PidFd; 32]> = pids.iter().map(|(p, _)| *p).collect();
         PidFd::exited_among(&fds, &mut |i| pids[i].1.dead.store(true, Ordering::Relaxed));
     }
 }
