@@ -23,8 +23,9 @@
 //! process), `--threads N` (server worker threads, default 2), `--calls N` (calls per client
 //! thread with 8 B arguments, default 2000; a twentieth of it with 1 MiB ones), `--quick`
 //! (100 calls, for CI), `--hostile` (the last client finally sends a request whose header lies
-//! about its arguments: the server answers it, then drops that client when the next message
-//! from it turns out to be garbage, and keeps serving the others).
+//! about its arguments: the server finds at that very message that it holds more pieces than
+//! it unpacked, so that client's connection is finished in both directions, its pending call
+//! fails at once, and the server keeps serving the others).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -285,10 +286,13 @@ fn receive(ch: &Channel, services: &HashMap<u32, Service>) -> Result<Received> {
     let refuse = |u: madeleine::Unpacker<'_, '_>, status: Status, why: String| {
         // The arguments the header announces cannot be trusted or are not wanted: the message
         // must end here. A well-formed sender sent nothing more (see `Client::call_raw`); if it
-        // did, end_unpacking reports it and only that client's connection is lost.
+        // did, end_unpacking reports it, that client's connection is finished (both ways: the
+        // error reply cannot reach it), and the dispatcher drops it.
         let r = u.end_unpacking();
         eprintln!("rpc server: call {} from rank {client}: {why}", h.call);
-        reply(ch, client, h.call, status, why.as_bytes())?;
+        if let Err(e) = reply(ch, client, h.call, status, why.as_bytes()) {
+            eprintln!("rpc server: error reply to rank {client}: {e}");
+        }
         r.map(|()| Received::Refused)
     };
     if h.magic != MAGIC || h.nargs as usize > MAX_ARGS {
@@ -489,12 +493,26 @@ impl Client<'_> {
             p.pack(a, RecvMode::Cheaper)?; // lands in the service's memory
         }
         p.end_packing()?;
-        rx.recv_timeout(REPLY_TIMEOUT)
-            .map_err(|_| Error::Timeout(REPLY_TIMEOUT))
+        rx.recv_timeout(REPLY_TIMEOUT).map_err(|e| match e {
+            // The demultiplexer stopped (the connection to the server failed): fail now.
+            mpsc::RecvTimeoutError::Disconnected => Error::PeerClosed { rank: 0 },
+            mpsc::RecvTimeoutError::Timeout => Error::Timeout(REPLY_TIMEOUT),
+        })
     }
 
-    /// Receive replies until the answer to `bye` arrives; hand each to its caller.
+    /// Receive replies until the answer to `bye` arrives; hand each to its caller. If the
+    /// connection fails, every pending call fails at once (its reply can no longer come).
     fn demultiplex(&self, bye: u64) -> Result<()> {
+        let r = self.receive_replies(bye);
+        if r.is_err() {
+            if let Ok(mut p) = self.pending.lock() {
+                p.clear();
+            }
+        }
+        r
+    }
+
+    fn receive_replies(&self, bye: u64) -> Result<()> {
         loop {
             let mut u = self.ch.begin_unpacking_from(0)?;
             let h: ReplyHeader = u.unpack_value()?;
@@ -596,6 +614,8 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
     };
     let bye_call = u64::MAX;
     let hostile = o.hostile && ch.rank() == ch.size() - 1;
+    // Set when the server closed this client's connection after its lying request.
+    let mut dropped = false;
     let phases = [(8usize, o.calls), (1 << 20, (o.calls / 20).max(5))];
     let mut lines = Vec::new();
     std::thread::scope(|s| -> Result<()> {
@@ -645,11 +665,17 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
                 h.magic = MAGIC;
                 h.service = SVC_SUM;
                 h.nargs = 1000; // a lie: one argument follows
-                expect(
-                    &c.call_raw(h, &[&[1u8; 100]])?,
-                    Status::Malformed,
-                    "lying header",
-                )?;
+                match c.call_raw(h, &[&[1u8; 100]]) {
+                    // The server finished this connection at that message: expected.
+                    Err(e) if e.is_peer_failure() || matches!(e, Error::Poisoned { .. }) => {
+                        lines.push(format!(
+                            "rank {}: hostile request refused, connection closed by the server ({e})",
+                            ch.rank()
+                        ));
+                        dropped = true;
+                    }
+                    r => expect(&r?, Status::Malformed, "lying header")?,
+                }
             }
             Ok(())
         })();
@@ -666,16 +692,16 @@ fn client(ch: &Channel, o: &Opts) -> Result<()> {
         let d = demux
             .join()
             .map_err(|_| Error::BadConfig("the demultiplexer panicked".into()))?;
-        let d = match d {
-            // The server dropped this client after its lying request: expected.
-            Err(e) if hostile && (e.is_peer_failure() || matches!(e, Error::Poisoned { .. })) => {
-                lines.push(format!(
-                    "rank {}: hostile request answered, then dropped by the server ({e})",
-                    ch.rank()
-                ));
-                Ok(())
-            }
-            d => d,
+        // The server dropped this client after its lying request: the goodbye and the
+        // demultiplexer fail, as expected.
+        let gone = |e: &Error| e.is_peer_failure() || matches!(e, Error::Poisoned { .. });
+        let (bye, d) = if dropped {
+            (
+                bye.or_else(|e| if gone(&e) { Ok(()) } else { Err(e) }),
+                d.or_else(|e| if gone(&e) { Ok(()) } else { Err(e) }),
+            )
+        } else {
+            (bye, d)
         };
         work.and(bye).and(d)
     })?;
