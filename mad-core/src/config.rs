@@ -763,6 +763,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "FIFOs, /dev/zero and files: not under Miri")]
     fn config_files_are_bounded_regular_files() {
         // A device that never ends.
         let m = bad_config(read_config_file(std::path::Path::new("/dev/zero")));
