@@ -31,7 +31,10 @@ fn coarse_ms() -> u64 {
         // probes keep coming rather than stopping for good.
         Err(_) => {
             static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
-            EPOCH.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+            EPOCH
+                .get_or_init(std::time::Instant::now)
+                .elapsed()
+                .as_millis() as u64
         }
     }
 }
