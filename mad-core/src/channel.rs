@@ -14,7 +14,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use crate::config::ChannelConfig;
-use crate::driver::{Bmm, Capabilities, Incoming, RxLink, TmTable, TxLink, MAX_TMS};
+use crate::driver::{Armed, Bmm, Capabilities, Incoming, RxLink, TmTable, TxLink, MAX_TMS};
 use crate::error::{Error, Result};
 use crate::modes::{RecvMode, SendMode};
 use crate::pack::Packer;
@@ -250,6 +250,10 @@ pub(crate) struct ChannelInner {
     pub(crate) notes: Vec<String>,
     rr: AtomicUsize,
     waiters: AtomicUsize,
+    /// An event loop armed the readiness descriptor: a released connection must signal it.
+    pub(crate) armed: AtomicBool,
+    /// [`Channel::close`] was called.
+    pub(crate) closed: AtomicBool,
     released: Mutex<u64>,
     released_cv: Condvar,
 }
@@ -342,6 +346,8 @@ impl ChannelInner {
             notes,
             rr: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
+            armed: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             released: Mutex::new(0),
             released_cv: Condvar::new(),
         }
@@ -362,6 +368,9 @@ impl ChannelInner {
     pub(crate) fn released(&self, remote: usize) {
         if let Some(Some(c)) = self.conns.get(remote) {
             c.hint.store(true, Ordering::Release);
+        }
+        if self.armed.load(Ordering::Acquire) {
+            self.incoming.wake();
         }
         if self.waiters.load(Ordering::Acquire) > 0 {
             *lock(&self.released) += 1;
@@ -585,6 +594,52 @@ impl Channel {
             return Err(e);
         }
         Unpacker::start(inner, remote, rx)
+    }
+
+    /// The channel's readiness descriptor, for an event loop (epoll, mio, tokio's `AsyncFd`),
+    /// or `None` when the driver has none (MPI: poll with back-off instead).
+    ///
+    /// The protocol follows UCX's `ucp_worker_get_efd` / `ucp_worker_arm`: poll
+    /// ([`try_begin_unpacking`](Self::try_begin_unpacking)) until nothing is ready, then
+    /// [`arm`](Self::arm); on [`Armed::Busy`] poll again, on [`Armed::Armed`] sleep until the
+    /// descriptor is readable. It becomes readable on a message start or a hang-up on any
+    /// connection, a connection released by another thread with a message waiting, progress
+    /// of a send armed by the non-blocking send calls, and [`close`](Self::close). It may stay
+    /// readable until the next `arm` (level-triggered), and false positives are possible:
+    /// readable means "poll now", not "a message is there".
+    ///
+    /// ```no_run
+    /// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+    /// use mad_core::driver::Armed;
+    /// use std::os::fd::AsRawFd;
+    /// let fd = ch.readiness_fd().expect("this driver has a descriptor").as_raw_fd();
+    /// loop {
+    ///     if let Some(u) = ch.try_begin_unpacking()? {
+    ///         u.end_unpacking()?;
+    ///         continue;
+    ///     }
+    ///     if ch.arm()? == Armed::Armed {
+    ///         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    ///         // SAFETY: one valid pollfd.
+    ///         unsafe { libc::poll(&mut p, 1, -1) };
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn readiness_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.incoming.readiness_fd()
+    }
+
+    /// Arm the readiness descriptor: see [`readiness_fd`](Self::readiness_fd). Returns
+    /// [`Armed::Busy`] when something may be ready already (and always on a closed channel,
+    /// so its waiters find out), [`Armed::Armed`] when the caller may sleep.
+    pub fn arm(&self) -> Result<Armed> {
+        let inner = &*self.inner;
+        inner.armed.store(true, Ordering::SeqCst);
+        if inner.closed.load(Ordering::SeqCst) {
+            return Ok(Armed::Busy);
+        }
+        inner.incoming.arm()
     }
 
     /// This process's rank.

@@ -25,7 +25,10 @@
 //! or a wait on a sender that waits in turn), `dead_peer_idle` (sends to peers that left while
 //! this rank was not waiting fail, and `try_begin_unpacking` says that no peer is left; skipped
 //! when the driver cannot detect a dead peer; the three failure cases before it likewise
-//! skip what needs a connection torn down under the peer: mpi). An unknown name in
+//! skip what needs a connection torn down under the peer: mpi), and the event-driven engine's:
+//! `readiness` (thousands of poll / arm / sleep races on the readiness descriptor without a
+//! lost wake-up, an idle armed descriptor that stays quiet, a peer's departure that wakes it;
+//! skipped by drivers without a descriptor). An unknown name in
 //! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
@@ -38,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::modes::{RecvMode, SendMode};
 use crate::{Channel, Session};
 
+mod events;
 pub mod jobs;
 
 /// What to run.
@@ -96,6 +100,7 @@ const CASES: &[(&str, Case)] = &[
     ("sender_abandons", case_sender_abandons),
     ("wrong_unpacks", case_wrong_unpacks),
     ("dead_peer_idle", case_dead_peer_idle),
+    ("readiness", events::case_readiness),
 ];
 
 struct Ctx<'s> {

@@ -38,6 +38,7 @@
 //! ([`RxLink::poll_message`]).
 
 use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::BorrowedFd;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -308,6 +309,17 @@ pub enum Direction {
     Recv,
 }
 
+/// What arming a readiness descriptor found ([`Incoming::arm`], [`TxLink::arm_send`]), after
+/// UCX's `ucp_worker_arm`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Armed {
+    /// Something may be ready already: poll again instead of sleeping on the descriptor.
+    Busy,
+    /// Nothing is ready, and the next event makes the readiness descriptor readable: the
+    /// caller may sleep on it without losing a wake-up.
+    Armed,
+}
+
 /// The sending half of one point-to-point connection.
 ///
 /// The core serialises access: one message at a time per connection and direction, one thread
@@ -399,6 +411,19 @@ pub trait TxLink: Send {
     fn flush(&mut self) -> Result<Poll<()>> {
         self.publish().map(|()| Poll::Ready(()))
     }
+
+    /// Event-loop form of [`wait`](Self::wait), called after a send method returned
+    /// `Pending` by a caller that will sleep on the channel's
+    /// [`Incoming::readiness_fd`] instead of blocking here. Return [`Armed::Busy`] when the
+    /// send may progress now (room, credit, a writable socket, a peer gone); otherwise arrange
+    /// that its next progress makes the channel's readiness descriptor readable, and return
+    /// [`Armed::Armed`]. The arrangement must be race-free: progress that happens between the
+    /// check and the caller's sleep still makes the descriptor readable (set the "armed" flag
+    /// first, then check). The default says `Busy`, which is right for drivers without a
+    /// descriptor (the caller polls with back-off).
+    fn arm_send(&mut self) -> Result<Armed> {
+        Ok(Armed::Busy)
+    }
 }
 
 /// The receiving half of one point-to-point connection.
@@ -477,6 +502,40 @@ pub trait Incoming: Send + Sync {
     /// for drivers whose readiness of a closed peer is not sticky.
     fn forget(&self, rank: usize) {
         let _ = rank;
+    }
+
+    /// The channel's readiness descriptor, for event loops (epoll, mio, tokio's `AsyncFd`):
+    /// it is readable when an event happened since the last [`arm`](Self::arm) returned
+    /// [`Armed::Armed`]: a message start or a hang-up on some connection, a peer's death, a
+    /// [`wake`](Self::wake), or progress of a send armed with [`TxLink::arm_send`]. The
+    /// descriptor is the same for the channel's whole life; it may stay readable until the
+    /// next `arm` (level), and false positives are fine. `None` (the default): the driver has
+    /// no descriptor (MPI progresses only inside MPI calls), and event-driven callers poll it
+    /// with back-off.
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+
+    /// Arm the readiness descriptor (`ucp_worker_arm`): clear its readable state, then return
+    /// [`Armed::Busy`] if a peer may be ready already (a message start, a hang-up, a pending
+    /// wake), so the caller polls instead of sleeping; otherwise [`Armed::Armed`], and the next
+    /// event makes the descriptor readable. No wake-up may be lost between this check and the
+    /// caller's sleep: set the flag that makes senders signal before looking at the queues.
+    /// Senders signal only while the receiver is armed, so traffic between arms costs nothing.
+    /// The default (no descriptor) always says `Busy`.
+    fn arm(&self) -> Result<Armed> {
+        Ok(Armed::Busy)
+    }
+
+    /// The channel is closing ([`Channel::close`](crate::Channel::close)): tell every peer
+    /// with a clean close (as a process that leaves between messages does), and make every
+    /// blocked wait of this channel return promptly: [`wait`](Self::wait),
+    /// [`RxLink::wait`], [`TxLink::wait`] on every connection (the core holds the links'
+    /// locks meanwhile, so this must work without them). Later calls on the links may fail.
+    /// Called once. The default only [`wake`](Self::wake)s: link waits then end at their
+    /// time slice, and peers learn of the close when the links are dropped.
+    fn shutdown(&self) {
+        self.wake();
     }
 }
 

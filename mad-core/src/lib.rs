@@ -54,6 +54,7 @@ pub mod config;
 pub mod conformance;
 pub mod driver;
 pub mod error;
+pub mod events;
 #[cfg(feature = "hostmem")]
 pub mod hostmem;
 pub mod launch;
@@ -70,6 +71,7 @@ pub mod wire;
 pub use bytemuck;
 pub use channel::{Channel, ChannelStats};
 pub use config::ChannelConfig;
+pub use driver::Armed;
 pub use error::{Error, Result};
 pub use modes::{RecvMode, SendMode};
 pub use pack::Packer;
