@@ -8,10 +8,11 @@
 use std::cell::Cell;
 use std::fmt::Write as _;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
-use std::task::Poll;
-use std::time::Duration;
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use crate::config::ChannelConfig;
 use crate::driver::{Armed, Bmm, Capabilities, Incoming, RxLink, TmTable, TxLink, MAX_TMS};
@@ -51,80 +52,150 @@ fn thread_token() -> u64 {
     })
 }
 
-/// One direction of a connection: its state behind a mutex, and which thread holds it, so a
-/// thread that asks again for a direction it already holds gets [`Error::InUse`] instead of
-/// waiting for itself forever.
+/// One direction of a connection: its state behind the engine's own lock, and which thread
+/// holds it, so a thread that asks again for a direction it already holds gets
+/// [`Error::InUse`] instead of waiting for itself forever.
+///
+/// Not a `std::sync::Mutex`: its guard is `Send` (a message, and the direction it holds, may
+/// move to another thread, as a future does between the polls of a multi-threaded runtime),
+/// and an event-driven caller waits for it with a [`Waker`] instead of a blocked thread
+/// ([`Half::poll_lock`]). Uncontended, taking and releasing it is one compare-and-swap and one
+/// swap, as a mutex's.
 pub(crate) struct Half<T> {
-    m: Mutex<T>,
+    /// 0 free, 1 held, 2 held with waiters (threads or wakers) to wake on release.
+    state: AtomicU32,
     /// The holder's [`thread_token`], 0 when free. Only the holder writes its own token (after
     /// locking) and clears it (before unlocking), so a thread that reads its own token is the
-    /// holder; nothing else is inferred from this word.
+    /// holder (or started the message that holds it, on another thread now); nothing else is
+    /// inferred from this word.
     owner: AtomicU64,
+    /// Waiters of the slow path: blocked threads (the condition variable) and wakers.
+    queue: Mutex<Vec<Waker>>,
+    cv: Condvar,
+    data: UnsafeCell<T>,
 }
 
-/// A held direction of a connection (a `MutexGuard` that forgets its owner on drop).
+// SAFETY: `Half` is a lock: `data` is only reached through a `HalfGuard`, and the `state`
+// protocol (acquire on taking, release on giving back) lets one guard exist at a time, so
+// sharing a `Half` between threads only ever moves `T` between them (hence `T: Send`).
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Sync for Half<T> {}
+
+/// A held direction of a connection; releasing it (on drop) wakes its waiters.
 pub(crate) struct HalfGuard<'a, T> {
-    guard: MutexGuard<'a, T>,
-    owner: &'a AtomicU64,
+    half: &'a Half<T>,
 }
 
 impl<T> Deref for HalfGuard<'_, T> {
     type Target = T;
     #[inline]
+    #[allow(unsafe_code)]
     fn deref(&self) -> &T {
-        &self.guard
+        // SAFETY: this guard is the only one (see `Half`), so nobody writes `data` meanwhile.
+        unsafe { &*self.half.data.get() }
     }
 }
 
 impl<T> DerefMut for HalfGuard<'_, T> {
     #[inline]
+    #[allow(unsafe_code)]
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.guard
+        // SAFETY: as in `deref`, and `&mut self` makes this borrow unique.
+        unsafe { &mut *self.half.data.get() }
     }
 }
 
 impl<T> Drop for HalfGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        // Runs before the guard field drops, i.e. before the unlock.
-        self.owner.store(0, Ordering::Relaxed);
+        let h = self.half;
+        h.owner.store(0, Ordering::Relaxed);
+        if h.state.swap(0, Ordering::Release) == 2 {
+            h.wake_all();
+        }
     }
 }
 
 impl<T> Half<T> {
     fn new(t: T) -> Self {
         Half {
-            m: Mutex::new(t),
+            state: AtomicU32::new(0),
             owner: AtomicU64::new(0),
+            queue: Mutex::new(Vec::new()),
+            cv: Condvar::new(),
+            data: UnsafeCell::new(t),
         }
     }
 
     #[inline]
-    fn held<'a>(&'a self, guard: MutexGuard<'a, T>, me: u64) -> HalfGuard<'a, T> {
+    fn held(&self, me: u64) -> HalfGuard<'_, T> {
         self.owner.store(me, Ordering::Relaxed);
-        HalfGuard {
-            guard,
-            owner: &self.owner,
-        }
+        HalfGuard { half: self }
     }
 
-    /// Take this direction, waiting while another thread holds it; `None` when the calling
-    /// thread holds it already. (A panic while holding it leaves the state usable: the drop
-    /// paths of `Packer`/`Unpacker` mark it broken, so the poison flag is ignored.)
     #[inline]
-    pub(crate) fn lock(&self) -> Option<HalfGuard<'_, T>> {
+    fn try_take(&self) -> bool {
+        self.state
+            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    #[cold]
+    fn wake_all(&self) {
+        self.wake_all_locked(lock(&self.queue));
+    }
+
+    /// Take this direction, waiting while another thread holds it, at most until `deadline`
+    /// and while `stop()` says nothing; `Ok(None)` when the calling thread holds it already.
+    #[inline]
+    pub(crate) fn lock_until(
+        &self,
+        deadline: Option<Instant>,
+        stop: &dyn Fn() -> Result<()>,
+    ) -> Result<Option<HalfGuard<'_, T>>> {
         let me = thread_token();
-        let guard = match self.m.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                if self.owner.load(Ordering::Relaxed) == me {
-                    return None;
-                }
-                lock(&self.m)
+        if self.try_take() {
+            return Ok(Some(self.held(me)));
+        }
+        if self.owner.load(Ordering::Relaxed) == me {
+            return Ok(None);
+        }
+        self.lock_slow(me, deadline, stop).map(Some)
+    }
+
+    #[cold]
+    fn lock_slow(
+        &self,
+        me: u64,
+        deadline: Option<Instant>,
+        stop: &dyn Fn() -> Result<()>,
+    ) -> Result<HalfGuard<'_, T>> {
+        let mut q = lock(&self.queue);
+        loop {
+            // Announce a waiter, and take the lock if it was free meanwhile (2 is then merely
+            // a spurious wake-up at release).
+            if self.state.swap(2, Ordering::Acquire) == 0 {
+                drop(q);
+                return Ok(self.held(me));
             }
-        };
-        Some(self.held(guard, me))
+            stop()?;
+            let slice = Duration::from_millis(50);
+            let t = match deadline {
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(Error::Timeout(Duration::ZERO));
+                    }
+                    (d - now).min(slice)
+                }
+                None => slice,
+            };
+            q = self
+                .cv
+                .wait_timeout(q, t)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// Take this direction if it is free: `Err(true)` when the calling thread holds it,
@@ -132,10 +203,41 @@ impl<T> Half<T> {
     #[inline]
     pub(crate) fn try_lock(&self) -> std::result::Result<HalfGuard<'_, T>, bool> {
         let me = thread_token();
-        match self.m.try_lock() {
-            Ok(g) => Ok(self.held(g, me)),
-            Err(TryLockError::Poisoned(p)) => Ok(self.held(p.into_inner(), me)),
-            Err(TryLockError::WouldBlock) => Err(self.owner.load(Ordering::Relaxed) == me),
+        if self.try_take() {
+            Ok(self.held(me))
+        } else {
+            Err(self.owner.load(Ordering::Relaxed) == me)
+        }
+    }
+
+    /// Take this direction, or register `cx`'s waker to be woken when it is released.
+    pub(crate) fn poll_lock(&self, cx: &mut Context<'_>) -> Poll<HalfGuard<'_, T>> {
+        let me = thread_token();
+        if self.try_take() {
+            return Poll::Ready(self.held(me));
+        }
+        let mut q = lock(&self.queue);
+        if self.state.swap(2, Ordering::Acquire) == 0 {
+            drop(q);
+            return Poll::Ready(self.held(me));
+        }
+        if !q.iter().any(|w| w.will_wake(cx.waker())) {
+            q.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
+    /// Wake every waiter without releasing (a closing channel: they find out and fail).
+    pub(crate) fn notify(&self) {
+        self.wake_all_locked(lock(&self.queue));
+    }
+
+    fn wake_all_locked(&self, mut q: MutexGuard<'_, Vec<Waker>>) {
+        let wakers = std::mem::take(&mut *q);
+        drop(q);
+        self.cv.notify_all();
+        for w in wakers {
+            w.wake();
         }
     }
 }
@@ -353,6 +455,23 @@ impl ChannelInner {
         }
     }
 
+    /// `Err(Closed)` once [`Channel::close`] was called.
+    #[inline]
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(self.closed_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    #[cold]
+    pub(crate) fn closed_error(&self) -> Error {
+        Error::Closed {
+            channel: self.config.name.clone(),
+        }
+    }
+
     pub(crate) fn conn(&self, remote: usize) -> Result<&Conn> {
         match self.conns.get(remote) {
             Some(Some(c)) => Ok(c),
@@ -504,6 +623,7 @@ impl ChannelInner {
     /// Wait for any-source readiness (called by the progress policy once spinning is over). It
     /// is also where a channel whose peers are all gone is noticed, off the polling fast path.
     fn block_any(&self, busy: bool, t: Duration) -> Result<()> {
+        self.check_open()?;
         if !busy && self.all_broken() {
             return Err(self.all_gone());
         }
@@ -529,7 +649,18 @@ impl Channel {
     /// channel (a connection carries one message at a time in each direction).
     #[inline]
     pub fn begin_packing<'b>(&self, remote: usize) -> Result<Packer<'_, 'b>> {
-        Packer::start(&self.inner, remote)
+        Packer::start(&self.inner, remote, None)
+    }
+
+    /// [`begin_packing`](Self::begin_packing) with a deadline: waiting for the connection
+    /// gives up at `deadline` with [`Error::Timeout`], and the deadline stays on the message
+    /// ([`Packer::set_deadline`]).
+    pub fn begin_packing_until<'b>(
+        &self,
+        remote: usize,
+        deadline: Instant,
+    ) -> Result<Packer<'_, 'b>> {
+        Packer::start(&self.inner, remote, Some(deadline))
     }
 
     /// Start receiving the next message from any peer; [`Unpacker::remote`] says which.
@@ -539,23 +670,39 @@ impl Channel {
     /// (clients come and go); a connection that fails otherwise (reset, protocol violation,
     /// closed in the middle of a message) is reported by one call ([`Error::ConnectionLost`],
     /// [`Error::Protocol`], ...), and later calls keep serving the other peers. When no peer
-    /// is left, the call fails with [`Error::Poisoned`].
+    /// is left, the call fails with [`Error::Poisoned`]; when the channel is closed, with
+    /// [`Error::Closed`].
     pub fn begin_unpacking<'b>(&self) -> Result<Unpacker<'_, 'b>> {
+        self.begin_any(None)
+    }
+
+    /// [`begin_unpacking`](Self::begin_unpacking) that gives up at `deadline` with
+    /// [`Error::Timeout`] (nothing is consumed then); the deadline stays on the message
+    /// ([`Unpacker::set_deadline`]).
+    pub fn begin_unpacking_until<'b>(&self, deadline: Instant) -> Result<Unpacker<'_, 'b>> {
+        self.begin_any(Some(deadline))
+    }
+
+    fn begin_any<'b>(&self, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
+        inner.check_open()?;
         let mut busy = false;
-        let (remote, rx) = inner.progress.drive(
+        let (remote, rx) = inner.progress.drive_until(
             &mut busy,
             |busy| inner.try_any(busy),
             |busy, t| inner.block_any(*busy, t),
+            |_| 0,
+            deadline,
         )?;
-        Unpacker::start(inner, remote, rx)
+        Unpacker::start(inner, remote, rx, deadline)
     }
 
     /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
     pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
+        self.inner.check_open()?;
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
-            Poll::Ready((remote, rx)) => Unpacker::start(&self.inner, remote, rx).map(Some),
+            Poll::Ready((remote, rx)) => Unpacker::start(&self.inner, remote, rx, None).map(Some),
             // Like `begin_unpacking`: no message can ever come, so say so instead of `None`.
             Poll::Pending if !busy && self.inner.all_broken() => Err(self.inner.all_gone()),
             Poll::Pending => Ok(None),
@@ -565,12 +712,48 @@ impl Channel {
     /// Start receiving the next message from `remote`.
     #[inline]
     pub fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<Unpacker<'_, 'b>> {
+        self.begin_from(remote, None)
+    }
+
+    /// [`begin_unpacking_from`](Self::begin_unpacking_from) that gives up at `deadline` with
+    /// [`Error::Timeout`] (nothing is consumed then); the deadline stays on the message.
+    pub fn begin_unpacking_from_until<'b>(
+        &self,
+        remote: usize,
+        deadline: Instant,
+    ) -> Result<Unpacker<'_, 'b>> {
+        self.begin_from(remote, Some(deadline))
+    }
+
+    /// Non-blocking: start receiving the next message from `remote` if it has begun to
+    /// arrive; `None` when nothing is there yet or another thread is receiving from `remote`.
+    /// Fails as [`begin_unpacking_from`](Self::begin_unpacking_from) does when the
+    /// connection is finished.
+    pub fn try_begin_unpacking_from<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
         let inner = &*self.inner;
         let conn = inner.conn(remote)?;
-        let mut rx = conn.rx.lock().ok_or(Error::InUse {
-            rank: remote,
-            direction: "message from",
-        })?;
+        inner.check_open()?;
+        let mut rx = match conn.rx.try_lock() {
+            Ok(g) => g,
+            Err(true) => {
+                return Err(Error::InUse {
+                    rank: remote,
+                    direction: "message from",
+                })
+            }
+            Err(false) => return Ok(None),
+        };
+        Self::usable_rx(conn, &mut rx, remote)?;
+        match rx.link.poll_message() {
+            Ok(Poll::Pending) => Ok(None),
+            Ok(Poll::Ready(())) => Unpacker::start(inner, remote, rx, None).map(Some),
+            Err(e) => Err(Self::rx_failed(conn, &mut rx, e)),
+        }
+    }
+
+    /// `Err` when the receiving half `rx` of `conn` can carry no new message.
+    #[inline]
+    fn usable_rx(conn: &Conn, rx: &mut RxState, remote: usize) -> Result<()> {
         if let Some(cause) = &rx.broken {
             return Err(Error::Poisoned {
                 rank: remote,
@@ -582,18 +765,73 @@ impl Channel {
             rx.link.abort_message();
             return Err(e);
         }
-        let r = inner.progress.drive(
+        Ok(())
+    }
+
+    #[cold]
+    fn rx_failed(conn: &Conn, rx: &mut RxState, e: Error) -> Error {
+        rx.broken = Some(e.to_string());
+        rx.link.abort_message();
+        conn.fail(peer_gone(&e), e.to_string());
+        e
+    }
+
+    fn begin_from<'b>(&self, remote: usize, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
+        let inner = &*self.inner;
+        let conn = inner.conn(remote)?;
+        inner.check_open()?;
+        let mut rx = conn
+            .rx
+            .lock_until(deadline, &|| inner.check_open())?
+            .ok_or(Error::InUse {
+                rank: remote,
+                direction: "message from",
+            })?;
+        Self::usable_rx(conn, &mut rx, remote)?;
+        let r = inner.progress.drive_until(
             &mut *rx,
             |rx| rx.link.poll_message(),
-            |rx, t| rx.link.wait(t),
+            |rx, t| {
+                inner.check_open()?;
+                rx.link.wait(t)
+            },
+            |_| 0,
+            deadline,
         );
-        if let Err(e) = r {
-            rx.broken = Some(e.to_string());
-            rx.link.abort_message();
-            conn.fail(peer_gone(&e), e.to_string());
-            return Err(e);
+        match r {
+            Ok(()) => Unpacker::start(inner, remote, rx, deadline),
+            // Nothing of a message was consumed: the connection is intact.
+            Err(e @ (Error::Timeout(_) | Error::Closed { .. })) => Err(e),
+            Err(e) => Err(Self::rx_failed(conn, &mut rx, e)),
         }
-        Unpacker::start(inner, remote, rx)
+    }
+
+    /// Close the channel: every thread blocked in a call on it, and every later call, fails
+    /// with [`Error::Closed`]; the driver closes the connections cleanly, so the peers see
+    /// this process leave (as between messages: [`Error::PeerClosed`] on their calls towards
+    /// it, and it leaves their any-source set). Messages in progress on this side are
+    /// abandoned. Returns at once; idempotent. Dropping every handle of a channel also closes
+    /// its connections, but does not wake threads blocked on it (they hold handles).
+    pub fn close(&self) {
+        let inner = &*self.inner;
+        if inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        inner.incoming.shutdown();
+        inner.incoming.wake();
+        {
+            let _g = lock(&inner.released);
+            inner.released_cv.notify_all();
+        }
+        for c in inner.conns.iter().flatten() {
+            c.tx.notify();
+            c.rx.notify();
+        }
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
     }
 
     /// The channel's readiness descriptor, for an event loop (epoll, mio, tokio's `AsyncFd`),

@@ -135,6 +135,13 @@ pub enum Error {
     /// A call did not complete within the configured operation timeout.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),
+    /// The channel was closed ([`Channel::close`](crate::Channel::close)) by this process,
+    /// before or during the call.
+    #[error("channel `{channel}` is closed")]
+    Closed {
+        /// The channel's name.
+        channel: String,
+    },
     /// A connection attempt failed authentication (wrong or missing session secret).
     #[error("authentication failed: {0}")]
     Auth(String),
@@ -235,6 +242,7 @@ impl Error {
             Error::BadRank { .. } => "BadRank",
             Error::InUse { .. } => "InUse",
             Error::Timeout(_) => "Timeout",
+            Error::Closed { .. } => "Closed",
             Error::Auth(_) => "Auth",
             Error::Resource(_) => "Resource",
             Error::Io { .. } => "Io",

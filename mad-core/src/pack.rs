@@ -16,6 +16,8 @@
 
 use std::cell::Cell;
 use std::io::IoSlice;
+use std::task::Poll;
+use std::time::Instant;
 
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
@@ -138,6 +140,8 @@ struct PackState<'c> {
     /// The message header, until it is copied in with the first bytes of TM 0 (so a short
     /// message is one lend, not two) or, before a switch to another TM or the end, alone.
     header: Option<[u8; wire::HEADER_LEN]>,
+    /// Every wait of this message gives up at this instant ([`Packer::set_deadline`]).
+    deadline: Option<Instant>,
 }
 
 /// View LATER data as bytes for the duration of `end_packing`.
@@ -158,23 +162,30 @@ mod later {
 }
 
 impl PackState<'_> {
-    fn commit(&mut self) -> Result<()> {
-        let cur = self.cur;
-        self.ch.progress.drive_marked(
+    /// Wait for the sending half as the channel's progress policy says, until this message's
+    /// deadline, and fail with [`Error::Closed`] once the channel is closed.
+    #[inline]
+    fn drive<T>(&mut self, attempt: impl FnMut(&mut TxState) -> Result<Poll<T>>) -> Result<T> {
+        let ch = self.ch;
+        ch.progress.drive_until(
             &mut *self.tx,
-            |tx| tx.link.commit(cur),
-            |tx, t| tx.link.wait(t),
+            attempt,
+            |tx, t| {
+                ch.check_open()?;
+                tx.link.wait(t)
+            },
             |tx| tx.link.progress_mark(),
+            self.deadline,
         )
     }
 
+    fn commit(&mut self) -> Result<()> {
+        let cur = self.cur;
+        self.drive(|tx| tx.link.commit(cur))
+    }
+
     fn flush_link(&mut self) -> Result<()> {
-        self.ch.progress.drive_marked(
-            &mut *self.tx,
-            |tx| tx.link.flush(),
-            |tx, t| tx.link.wait(t),
-            |tx| tx.link.progress_mark(),
-        )
+        self.drive(|tx| tx.link.flush())
     }
 
     /// Gather BMM: hand `group` to TM `tm`, announced in unchecked mode by a group frame and
@@ -212,12 +223,7 @@ impl PackState<'_> {
             self.copy_in(0, &buf[..k * wire::FRAME_LEN])?;
         }
         self.ensure(tm)?;
-        self.ch.progress.drive_marked(
-            &mut *self.tx,
-            |tx| tx.link.send_refs(tm, group),
-            |tx, t| tx.link.wait(t),
-            |tx| tx.link.progress_mark(),
-        )
+        self.drive(|tx| tx.link.send_refs(tm, group))
     }
 
     /// Copy BMM: copy `data` into buffers lent by TM `tm`, preceded by the pending message
@@ -252,9 +258,7 @@ impl PackState<'_> {
         let total = head.len() + data.len();
         let mut off = 0;
         while off < total {
-            let n = self.ch.progress.drive_marked(
-                &mut *self.tx,
-                |tx| {
+            let n = self.drive(|tx| {
                     let mut wrote = 0usize;
                     let r = tx
                         .link
@@ -274,10 +278,7 @@ impl PackState<'_> {
                             n
                         })?;
                     Ok(r.map(|()| wrote))
-                },
-                |tx, t| tx.link.wait(t),
-                |tx| tx.link.progress_mark(),
-            )?;
+                })?;
             if n == 0 {
                 return Err(Error::protocol(
                     self.ch.rank,
@@ -342,12 +343,31 @@ impl Drop for PackState<'_> {
 
 impl<'c, 'b> Packer<'c, 'b> {
     #[inline]
-    pub(crate) fn start(ch: &'c ChannelInner, remote: usize) -> Result<Packer<'c, 'b>> {
+    pub(crate) fn start(
+        ch: &'c ChannelInner,
+        remote: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Packer<'c, 'b>> {
         let conn = ch.conn(remote)?;
-        let mut tx = conn.tx.lock().ok_or(Error::InUse {
-            rank: remote,
-            direction: "message to",
-        })?;
+        ch.check_open()?;
+        let tx = conn
+            .tx
+            .lock_until(deadline, &|| ch.check_open())?
+            .ok_or(Error::InUse {
+                rank: remote,
+                direction: "message to",
+            })?;
+        Self::started(ch, remote, tx, deadline)
+    }
+
+    /// A message on the sending half `tx`, taken by the caller.
+    pub(crate) fn started(
+        ch: &'c ChannelInner,
+        remote: usize,
+        mut tx: HalfGuard<'c, TxState>,
+        deadline: Option<Instant>,
+    ) -> Result<Packer<'c, 'b>> {
+        let conn = ch.conn(remote)?;
         if let Some(cause) = &tx.broken {
             return Err(Error::Poisoned {
                 rank: remote,
@@ -376,6 +396,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             counts: [0; MAX_TMS],
             bytes: 0,
             header: Some(header),
+            deadline,
         };
         let spare = &mut st.tx.spare;
         let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
@@ -641,13 +662,16 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.st.flush_header()?;
         self.st.commit()?;
         let st = &mut self.st;
-        st.ch.progress.drive_marked(
-            &mut *st.tx,
-            |tx| tx.link.end_message(),
-            |tx, t| tx.link.wait(t),
-            |tx| tx.link.progress_mark(),
-        )?;
+        st.drive(|tx| tx.link.end_message())?;
         Ok(())
+    }
+
+    /// Every later wait of this message (back-pressure in `pack`, `flush`, `end_packing`)
+    /// gives up at `deadline` with [`Error::Timeout`]; `None` removes the limit. A deadline
+    /// that expires after part of the message left abandons it, as a dropped packer does
+    /// (the connection is then finished in both directions).
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.st.deadline = deadline;
     }
 
     /// The peer this message goes to.

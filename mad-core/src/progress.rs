@@ -141,14 +141,29 @@ impl ProgressPolicy {
     pub fn drive_marked<S: ?Sized, T>(
         &self,
         state: &mut S,
+        attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
+        block: impl FnMut(&mut S, Duration) -> Result<()>,
+        mark: impl Fn(&S) -> u64,
+    ) -> Result<T> {
+        self.drive_until(state, attempt, block, mark, None)
+    }
+
+    /// [`drive_marked`](Self::drive_marked) that also gives up at `until` (a per-call
+    /// deadline, on top of the channel's `op_timeout`) with [`Error::Timeout`] (the time
+    /// waited).
+    #[inline]
+    pub fn drive_until<S: ?Sized, T>(
+        &self,
+        state: &mut S,
         mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
         block: impl FnMut(&mut S, Duration) -> Result<()>,
         mark: impl Fn(&S) -> u64,
+        until: Option<Instant>,
     ) -> Result<T> {
         if let Poll::Ready(v) = attempt(state)? {
             return Ok(v);
         }
-        self.drive_slow(state, attempt, block, mark)
+        self.drive_slow(state, attempt, block, mark, until)
     }
 
     #[cold]
@@ -159,6 +174,7 @@ impl ProgressPolicy {
         mut attempt: impl FnMut(&mut S) -> Result<Poll<T>>,
         mut block: impl FnMut(&mut S, Duration) -> Result<()>,
         mark: impl Fn(&S) -> u64,
+        until: Option<Instant>,
     ) -> Result<T> {
         // The process-wide count of waiting threads (two atomic read-modify-writes) is taken at
         // the first look at the clock, not on entry: most waits end before it (a ping-pong's
@@ -210,12 +226,18 @@ impl ProgressPolicy {
                     (spin, yield_for, poll_yield_after) = phases(crowded);
                 }
                 let began = *start.get_or_insert_with(|| {
-                    deadline = self.op_timeout.map(|t| now + t);
+                    deadline = match (self.op_timeout.map(|t| now + t), until) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
                     now
                 });
                 if let Some(d) = deadline {
                     if now >= d {
-                        return Err(Error::Timeout(self.op_timeout.unwrap_or_default()));
+                        return Err(Error::Timeout(match until {
+                            Some(u) if u <= d => now - began,
+                            _ => self.op_timeout.unwrap_or_default(),
+                        }));
                     }
                 }
                 let m = mark(state);

@@ -6,6 +6,7 @@
 //! receive at checkout; EXPRESS data is in place before `unpack_express` returns.
 
 use std::io::IoSliceMut;
+use std::time::Instant;
 
 use crate::channel::{ChannelInner, HalfGuard, RxState};
 use crate::driver::{Bmm, TmId, MAX_TMS};
@@ -82,6 +83,29 @@ struct UnpackState<'c> {
     ended: bool,
     counts: [u32; MAX_TMS],
     bytes: u64,
+    /// Every wait of this message gives up at this instant ([`Unpacker::set_deadline`]).
+    deadline: Option<Instant>,
+}
+
+/// Wait for the receiving half as the channel's progress policy says, until `deadline`, and
+/// fail with [`Error::Closed`] once the channel is closed.
+#[inline]
+fn drive<T>(
+    ch: &ChannelInner,
+    deadline: Option<Instant>,
+    rx: &mut RxState,
+    attempt: impl FnMut(&mut RxState) -> Result<std::task::Poll<T>>,
+) -> Result<T> {
+    ch.progress.drive_until(
+        rx,
+        attempt,
+        |rx, t| {
+            ch.check_open()?;
+            rx.link.wait(t)
+        },
+        |rx| rx.link.progress_mark(),
+        deadline,
+    )
 }
 
 impl UnpackState<'_> {
@@ -192,13 +216,8 @@ impl UnpackState<'_> {
     }
 
     fn recv_refs(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
-        let progress = self.ch.progress;
-        progress.drive_marked(
-            self.rx(),
-            |rx| rx.link.recv_refs(tm, group),
-            |rx, t| rx.link.wait(t),
-            |rx| rx.link.progress_mark(),
-        )
+        let (ch, deadline) = (self.ch, self.deadline);
+        drive(ch, deadline, self.rx(), |rx| rx.link.recv_refs(tm, group))
     }
 
     #[inline]
@@ -235,16 +254,14 @@ impl UnpackState<'_> {
         // Frame bytes still to read (0 without a frame), then data.
         let mut fk = if want.is_some() { 0 } else { wire::FRAME_LEN };
         let mut bad = false;
-        let progress = self.ch.progress;
+        let (ch, deadline) = (self.ch, self.deadline);
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
         while fk < wire::FRAME_LEN || off < buf.len() {
             let rest = &mut buf[off..];
             let want_len = wire::FRAME_LEN - fk + rest.len();
-            let (n, d) = progress.drive_marked(
-                &mut *rx,
-                |rx| {
+            let (n, d) = drive(ch, deadline, &mut *rx, |rx| {
                     let (mut took, mut data) = (0usize, 0usize);
                     let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
                         let mut used = 0;
@@ -277,10 +294,7 @@ impl UnpackState<'_> {
                         used
                     })?;
                     Ok(r.map(|()| (took, data)))
-                },
-                |rx, t| rx.link.wait(t),
-                |rx| rx.link.progress_mark(),
-            )?;
+                })?;
             if bad {
                 let (w, _) = want.expect("a frame was expected");
                 return Err(self.frame_mismatch(&fb, w));
@@ -339,8 +353,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         ch: &'c ChannelInner,
         remote: usize,
         rx: HalfGuard<'c, RxState>,
+        deadline: Option<Instant>,
     ) -> Result<Unpacker<'c, 'b>> {
         let mut st = UnpackState {
+            deadline,
             ch,
             remote,
             rx: Some(rx),
@@ -594,6 +610,14 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         rx.link.end_message()
     }
 
+    /// Every later wait of this message (unpacks, `end_unpacking`) gives up at `deadline`
+    /// with [`Error::Timeout`]; `None` removes the limit. A deadline that expires in the
+    /// middle of a message abandons it, as any failed unpack does (the connection is finished
+    /// in both directions), so it is a bound on a peer that stalls, not a way to pause.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.st.deadline = deadline;
+    }
+
     /// The peer this message comes from.
     pub fn remote(&self) -> usize {
         self.st.remote
@@ -686,4 +710,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
         }
     }
+}
+
+/// An `Unpacker` may move between threads (a future between the polls of a multi-threaded
+/// runtime): checked at compile time.
+#[allow(dead_code)]
+fn unpacker_is_send() {
+    fn send<T: Send>() {}
+    send::<Unpacker<'static, 'static>>();
 }
