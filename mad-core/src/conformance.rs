@@ -28,7 +28,10 @@
 //! skip what needs a connection torn down under the peer: mpi), and the event-driven engine's:
 //! `readiness` (thousands of poll / arm / sleep races on the readiness descriptor without a
 //! lost wake-up, an idle armed descriptor that stays quiet, a peer's departure that wakes it;
-//! skipped by drivers without a descriptor). An unknown name in
+//! skipped by drivers without a descriptor), `close` (`Channel::close` frees blocked receives
+//! and an `end_unpacking` moved to another thread with `Closed`; the peer's calls fail),
+//! `deadlines` (per-call deadlines leave an idle connection intact; one that expires in the
+//! middle of a message finishes it), `try_from` (`try_begin_unpacking_from`). An unknown name in
 //! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
@@ -101,6 +104,9 @@ const CASES: &[(&str, Case)] = &[
     ("wrong_unpacks", case_wrong_unpacks),
     ("dead_peer_idle", case_dead_peer_idle),
     ("readiness", events::case_readiness),
+    ("close", events::case_close),
+    ("deadlines", events::case_deadlines),
+    ("try_from", events::case_try_from),
 ];
 
 struct Ctx<'s> {

@@ -130,3 +130,286 @@ pub(super) fn case_readiness(c: &Ctx<'_>) -> Result<()> {
     }
     Ok(())
 }
+
+/// How long a closed channel may keep a blocked call before the kit calls it stuck (the
+/// target is 10 ms; the kit prints what it measured).
+const CLOSE_BOUND: Duration = Duration::from_secs(1);
+
+/// A call that `close` had to end: `Error::Closed` within [`CLOSE_BOUND`] of the close.
+fn closed_in_time(r: Result<()>, closed_at: Instant, what: &str) -> Result<Duration> {
+    let took = closed_at.elapsed();
+    match r {
+        Err(crate::Error::Closed { .. }) if took <= CLOSE_BOUND => Ok(took),
+        Err(crate::Error::Closed { .. }) => Err(fail(format!(
+            "{what}: freed {took:?} after close (bound {CLOSE_BOUND:?})"
+        ))),
+        Ok(()) => Err(fail(format!("{what}: returned Ok on a closed channel"))),
+        Err(e) => Err(fail(format!("{what}: {e} instead of Closed"))),
+    }
+}
+
+/// `Channel::close` frees every thread blocked on the channel (an any-source receive, a
+/// receive from one peer, a message in the middle of its `end_unpacking`, on a thread other
+/// than the one that began it: an `Unpacker` is `Send`) with `Error::Closed`, later calls
+/// fail the same way, and the peer sees this rank leave: its receives fail, and a sender
+/// caught in the middle of a 16 MiB message fails instead of waiting (drivers that can finish
+/// a connection under a peer).
+pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "timeout_ms=20000")?;
+    let mid = c.open("-mid", "timeout_ms=20000")?;
+    c.barrier("open")?;
+    const BODY: usize = 16 << 20;
+    match c.rank() {
+        0 => {
+            // A message whose sender stops after its header, received on another thread.
+            let mut u = mid.begin_unpacking_from(1)?;
+            let n: u64 = u.unpack_value()?;
+            let mut body = vec![0u8; n as usize];
+            let body = &mut body;
+            let (waits, mid_wait) = std::thread::scope(|s| {
+                let any = s.spawn(|| ch.begin_unpacking().map(drop));
+                let from = s.spawn(|| ch.begin_unpacking_from(1).map(drop));
+                let body = s.spawn(move || {
+                    u.unpack(body, crate::SendMode::Cheaper)?;
+                    u.end_unpacking()
+                });
+                std::thread::sleep(Duration::from_millis(200));
+                let t0 = Instant::now();
+                ch.close();
+                mid.close();
+                let any = any.join().map_err(|_| fail("a receiver panicked"))?;
+                let from = from.join().map_err(|_| fail("a receiver panicked"))?;
+                let body = body.join().map_err(|_| fail("a receiver panicked"))?;
+                Ok::<_, crate::Error>((
+                    [
+                        closed_in_time(any, t0, "begin_unpacking")?,
+                        closed_in_time(from, t0, "begin_unpacking_from")?,
+                    ],
+                    closed_in_time(body, t0, "end_unpacking in the middle of a message")?,
+                ))
+            })?;
+            eprintln!(
+                "kit close [{}]: blocked calls freed in {:?} (any source), {:?} (from one \
+                 peer), {:?} (end_unpacking)",
+                ch.config().driver,
+                waits[0],
+                waits[1],
+                mid_wait
+            );
+            for (r, what) in [
+                (ch.begin_packing(1).map(drop), "begin_packing after close"),
+                (ch.try_begin_unpacking().map(drop), "try_begin_unpacking after close"),
+                (
+                    ch.try_begin_unpacking_from(1).map(drop),
+                    "try_begin_unpacking_from after close",
+                ),
+            ] {
+                closed_in_time(r, Instant::now(), what)?;
+            }
+            c.barrier("closed")?;
+        }
+        1 => {
+            let body = vec![7u8; BODY];
+            let mut p = mid.begin_packing(0)?;
+            p.pack_value(&(BODY as u64), RecvMode::Express)?;
+            p.flush()?;
+            c.barrier("closed")?;
+            if super::tears_down(&ch) {
+                let sent = p.pack(&body, RecvMode::Cheaper).and_then(|()| p.end_packing());
+                super::failed_promptly(sent, "a 16 MiB send to a rank that closed the channel")?;
+                super::failed_promptly(
+                    ch.begin_unpacking_from(0).map(drop),
+                    "a receive from a rank that closed the channel",
+                )?;
+            } else {
+                drop(p);
+            }
+        }
+        _ => c.barrier("closed")?,
+    }
+    Ok(())
+}
+
+/// Per-call deadlines: a receive with nothing to receive gives up at its deadline with
+/// `Timeout`, and the connection is intact (the next message arrives whole); a sender waiting
+/// for a connection another thread holds gives up too; a deadline that expires in the middle
+/// of a message from a stalled sender fails it, and the connection is finished both ways.
+pub(super) fn case_deadlines(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "timeout_ms=20000")?;
+    c.barrier("open")?;
+    const WAIT: Duration = Duration::from_millis(100);
+    let timed_out = |r: Result<()>, t0: Instant, what: &str| -> Result<()> {
+        let took = t0.elapsed();
+        match r {
+            Err(crate::Error::Timeout(_)) if took >= WAIT && took < WAIT + CLOSE_BOUND => Ok(()),
+            Err(crate::Error::Timeout(_)) => Err(fail(format!(
+                "{what}: timed out after {took:?}, the deadline was {WAIT:?}"
+            ))),
+            Ok(()) => Err(fail(format!("{what}: returned Ok with nothing sent"))),
+            Err(e) => Err(fail(format!("{what}: {e} instead of Timeout"))),
+        }
+    };
+    match c.rank() {
+        0 => {
+            let t0 = Instant::now();
+            timed_out(
+                ch.begin_unpacking_until(t0 + WAIT).map(drop),
+                t0,
+                "begin_unpacking_until",
+            )?;
+            let t0 = Instant::now();
+            timed_out(
+                ch.begin_unpacking_from_until(1, t0 + WAIT).map(drop),
+                t0,
+                "begin_unpacking_from_until",
+            )?;
+            // A connection held by another thread (a packer that sends nothing: discarded).
+            let ch = &ch;
+            std::thread::scope(|s| -> Result<()> {
+                let (held_tx, held_rx) = std::sync::mpsc::channel();
+                let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+                let holder = s.spawn(move || -> Result<()> {
+                    let p = ch.begin_packing(1)?;
+                    let _ = held_tx.send(());
+                    let _ = go_rx.recv();
+                    drop(p);
+                    Ok(())
+                });
+                let _ = held_rx.recv();
+                let t0 = Instant::now();
+                let r = ch.begin_packing_until(1, t0 + WAIT).map(drop);
+                let _ = go_tx.send(());
+                holder.join().map_err(|_| fail("the holder panicked"))??;
+                timed_out(r, t0, "begin_packing_until on a held connection")
+            })?;
+            c.barrier("timed-out")?;
+            super::recv_sized(&ch, 1, 41)?;
+            super::send_sized(&ch, 1, 42, 4096)?;
+            c.barrier("intact")?;
+            if !super::tears_down(&ch) {
+                return Ok(());
+            }
+            let mut u = ch.begin_unpacking_from(1)?;
+            let n: u64 = u.unpack_value()?;
+            let mut body = vec![0u8; n as usize];
+            u.set_deadline(Some(Instant::now() + WAIT));
+            let t0 = Instant::now();
+            let r = u
+                .unpack(&mut body, crate::SendMode::Cheaper)
+                .and_then(|()| u.end_unpacking());
+            timed_out(r, t0, "end_unpacking past its deadline")?;
+            c.barrier("stalled")?;
+            super::connection_refused_both_ways(c, &ch, "deadline")?;
+        }
+        1 => {
+            c.barrier("timed-out")?;
+            super::send_sized(&ch, 0, 41, 100_000)?;
+            super::recv_sized(&ch, 0, 42)?;
+            c.barrier("intact")?;
+            if !super::tears_down(&ch) {
+                return Ok(());
+            }
+            let body = vec![3u8; 16 << 20];
+            let mut p = ch.begin_packing(0)?;
+            p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+            p.flush()?;
+            c.barrier("stalled")?;
+            super::failed_promptly(
+                p.pack(&body, RecvMode::Cheaper).and_then(|()| p.end_packing()),
+                "a send whose receiver gave up at its deadline",
+            )?;
+            super::connection_refused_both_ways(c, &ch, "deadline")?;
+        }
+        _ => {
+            c.barrier("timed-out")?;
+            c.barrier("intact")?;
+            if super::tears_down(&ch) {
+                c.barrier("stalled")?;
+                super::connection_refused_both_ways(c, &ch, "deadline")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `try_begin_unpacking_from`: `None` while nothing came, every message in order once they
+/// come, `None` for another thread while one thread holds that peer's message, `InUse` for
+/// the thread that holds it.
+pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    c.barrier("open")?;
+    const N: u64 = 20;
+    match c.rank() {
+        0 => {
+            if ch.try_begin_unpacking_from(1)?.is_some() {
+                return Err(fail("a message before the peer sent any"));
+            }
+            c.barrier("quiet")?;
+            let t0 = Instant::now();
+            let mut got = 0;
+            while got < N {
+                match ch.try_begin_unpacking_from(1)? {
+                    Some(mut u) => {
+                        let v: u64 = u.unpack_value()?;
+                        if v != got {
+                            return Err(fail(format!("message {v} arrived as number {got}")));
+                        }
+                        if got == 0 {
+                            // Held by this thread: InUse here, None on another thread.
+                            match ch.try_begin_unpacking_from(1) {
+                                Err(crate::Error::InUse { .. }) => {}
+                                r => {
+                                    return Err(fail(format!(
+                                        "try_begin_unpacking_from by the thread holding the \
+                                         peer's message: {:?} instead of InUse",
+                                        r.map(|o| o.is_some())
+                                    )))
+                                }
+                            }
+                            let other = std::thread::scope(|s| {
+                                s.spawn(|| ch.try_begin_unpacking_from(1).map(|o| o.is_some()))
+                                    .join()
+                            })
+                            .map_err(|_| fail("a thread panicked"))??;
+                            if other {
+                                return Err(fail(
+                                    "another thread got a message from a peer whose message \
+                                     this thread holds",
+                                ));
+                            }
+                        }
+                        u.end_unpacking()?;
+                        got += 1;
+                    }
+                    None if t0.elapsed() > LOST => {
+                        return Err(fail(format!(
+                            "try_begin_unpacking_from said None for {LOST:?} with {} of {N} \
+                             messages received",
+                            got
+                        )))
+                    }
+                    None => std::thread::yield_now(),
+                }
+            }
+        }
+        1 => {
+            c.barrier("quiet")?;
+            for i in 0..N {
+                let mut p = ch.begin_packing(0)?;
+                p.pack_value(&i, RecvMode::Express)?;
+                p.end_packing()?;
+            }
+        }
+        _ => c.barrier("quiet")?,
+    }
+    Ok(())
+}
