@@ -6,9 +6,9 @@
 //! connections work in parallel). Order is guaranteed per connection, never across channels.
 
 use std::cell::Cell;
+use std::cell::UnsafeCell;
 use std::fmt::Write as _;
 use std::ops::{Deref, DerefMut};
-use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -663,6 +663,48 @@ impl Channel {
         Packer::start(&self.inner, remote, Some(deadline))
     }
 
+    /// Non-blocking [`begin_packing`](Self::begin_packing): `None` while another thread (or
+    /// task) sends a message to `remote` on this channel.
+    pub fn try_begin_packing<'b>(&self, remote: usize) -> Result<Option<Packer<'_, 'b>>> {
+        let inner = &*self.inner;
+        let conn = inner.conn(remote)?;
+        inner.check_open()?;
+        match conn.tx.try_lock() {
+            Ok(tx) => Packer::started(inner, remote, tx, None).map(Some),
+            Err(true) => Err(Error::InUse {
+                rank: remote,
+                direction: "message to",
+            }),
+            Err(false) => Ok(None),
+        }
+    }
+
+    /// [`begin_packing`](Self::begin_packing) for event loops and futures: `Pending` while
+    /// another thread or task sends to `remote` on this channel, with `cx`'s waker woken when
+    /// the connection is released (or the channel closed).
+    pub fn poll_begin_packing<'b>(
+        &self,
+        remote: usize,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Packer<'_, 'b>>> {
+        let inner = &*self.inner;
+        let conn = match inner
+            .conn(remote)
+            .and_then(|c| inner.check_open().map(|()| c))
+        {
+            Ok(c) => c,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        match conn.tx.poll_lock(cx) {
+            Poll::Ready(tx) => Poll::Ready(Packer::started(inner, remote, tx, None)),
+            // A close between the check and the registration wakes the registered waker.
+            Poll::Pending => match inner.check_open() {
+                Err(e) => Poll::Ready(Err(e)),
+                Ok(()) => Poll::Pending,
+            },
+        }
+    }
+
     /// Start receiving the next message from any peer; [`Unpacker::remote`] says which.
     ///
     /// Several threads may wait here at once: each gets a different whole message. A peer
@@ -837,10 +879,12 @@ impl Channel {
     /// The channel's readiness descriptor, for an event loop (epoll, mio, tokio's `AsyncFd`),
     /// or `None` when the driver has none (MPI: poll with back-off instead).
     ///
-    /// The protocol follows UCX's `ucp_worker_get_efd` / `ucp_worker_arm`: poll
-    /// ([`try_begin_unpacking`](Self::try_begin_unpacking)) until nothing is ready, then
-    /// [`arm`](Self::arm); on [`Armed::Busy`] poll again, on [`Armed::Armed`] sleep until the
-    /// descriptor is readable. It becomes readable on a message start or a hang-up on any
+    /// The protocol follows UCX's `ucp_worker_get_efd` / `ucp_worker_arm`: [`arm`](Self::arm),
+    /// then try everything that waits ([`try_begin_unpacking`](Self::try_begin_unpacking),
+    /// [`Packer::poll_end_packing`], ...), then sleep until the descriptor is readable if
+    /// nothing progressed ([`Armed::Busy`] from `arm` says that something may be ready: trying
+    /// again before sleeping saves a wake-up). Arming first is what makes it race-free: an
+    /// event after the arm makes the descriptor readable. It becomes readable on a message start or a hang-up on any
     /// connection, a connection released by another thread with a message waiting, progress
     /// of a send armed by the non-blocking send calls, and [`close`](Self::close). It may stay
     /// readable until the next `arm` (level-triggered), and false positives are possible:
@@ -852,11 +896,12 @@ impl Channel {
     /// use std::os::fd::AsRawFd;
     /// let fd = ch.readiness_fd().expect("this driver has a descriptor").as_raw_fd();
     /// loop {
+    ///     let armed = ch.arm()?;
     ///     if let Some(u) = ch.try_begin_unpacking()? {
     ///         u.end_unpacking()?;
     ///         continue;
     ///     }
-    ///     if ch.arm()? == Armed::Armed {
+    ///     if armed == Armed::Armed {
     ///         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     ///         // SAFETY: one valid pollfd.
     ///         unsafe { libc::poll(&mut p, 1, -1) };

@@ -31,7 +31,9 @@
 //! skipped by drivers without a descriptor), `close` (`Channel::close` frees blocked receives
 //! and an `end_unpacking` moved to another thread with `Closed`; the peer's calls fail),
 //! `deadlines` (per-call deadlines leave an idle connection intact; one that expires in the
-//! middle of a message finishes it), `try_from` (`try_begin_unpacking_from`). An unknown name in
+//! middle of a message finishes it), `try_from` (`try_begin_unpacking_from`), `polled` (the
+//! `random` messages and 16 MiB ones from an event-driven sender: deferred pieces, the end
+//! driven by `poll_end_packing` and the readiness descriptor). An unknown name in
 //! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
@@ -107,6 +109,7 @@ const CASES: &[(&str, Case)] = &[
     ("close", events::case_close),
     ("deadlines", events::case_deadlines),
     ("try_from", events::case_try_from),
+    ("polled", events::case_polled),
 ];
 
 struct Ctx<'s> {

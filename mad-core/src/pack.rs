@@ -17,7 +17,7 @@
 use std::cell::Cell;
 use std::io::IoSlice;
 use std::task::Poll;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
@@ -107,6 +107,150 @@ pub(crate) struct TxSpare {
     tmp: Spare<Slices>,
     tail: Spare<Cells>,
     held: Spare<HeldPieces>,
+    /// The steps of a message ended without blocking ([`Packer::poll_end_packing`]).
+    plan: TxPlan,
+}
+
+/// A memory range a recorded step reads when it runs (see [`TxPlan`]).
+#[derive(Clone, Copy)]
+struct Raw(*const u8, usize);
+
+// SAFETY: a `Raw` is only read by the thread holding the connection's sending half, while the
+// message that recorded it is alive (`TxPlan`'s invariant); it is only an address meanwhile.
+#[allow(unsafe_code)]
+unsafe impl Send for Raw {}
+
+impl Raw {
+    const EMPTY: Raw = Raw(std::ptr::null(), 0);
+
+    fn of(s: &[u8]) -> Raw {
+        Raw(s.as_ptr(), s.len())
+    }
+
+    /// # Safety
+    /// The range must still be alive and unchanged (`TxPlan`'s invariant).
+    #[allow(unsafe_code)]
+    unsafe fn get<'a>(self) -> &'a [u8] {
+        if self.1 == 0 {
+            return &[];
+        }
+        // SAFETY: the caller guarantees the range recorded from a live slice still is one.
+        unsafe { std::slice::from_raw_parts(self.0, self.1) }
+    }
+}
+
+/// One step of a recorded end of message.
+#[derive(Clone, Copy)]
+enum TxOp {
+    /// Copy `head` (a range of the plan's stage: header, frames) then `piece` into lends of `tm`.
+    Copy {
+        tm: TmId,
+        head: (usize, usize),
+        piece: Raw,
+    },
+    /// `TxLink::commit(tm)`.
+    Commit(TmId),
+    /// `TxLink::send_refs(tm, slices[a..b])`.
+    Refs { tm: TmId, a: usize, b: usize },
+    /// `TxLink::end_message()`.
+    End,
+}
+
+/// The rest of a message, as steps, for an end that must not block
+/// ([`Packer::poll_end_packing`]). `end_packing`'s own code records it, so the bytes on the
+/// wire are the same as a blocking end's; each step is one driver call that the driver
+/// resumes ("call again with the same arguments"), and `pos`/`off` say where the plan is.
+///
+/// Invariant behind every `Raw`: it points into memory that outlives the plan untouched: the
+/// user's pieces (borrowed by the packer for `'b`), the SAFER copies in the packer's `held`
+/// list (kept until the plan is over), the LATER snapshot in `later` (its capacity reserved
+/// before the first byte, so it never moves), and never into `stage` (which may grow).
+#[derive(Default)]
+pub(crate) struct TxPlan {
+    ops: Vec<TxOp>,
+    stage: Vec<u8>,
+    later: Vec<u8>,
+    slices: Vec<Raw>,
+    pos: usize,
+    off: usize,
+}
+
+impl TxPlan {
+    fn clear(&mut self) {
+        self.ops.clear();
+        self.stage.clear();
+        self.later.clear();
+        self.slices.clear();
+        self.pos = 0;
+        self.off = 0;
+    }
+
+    /// Run steps until one is pending (`Ok(Pending)`) or all are done.
+    #[allow(unsafe_code)]
+    fn run(&mut self, link: &mut dyn crate::driver::TxLink, rank: usize) -> Result<Poll<()>> {
+        while self.pos < self.ops.len() {
+            let r = match self.ops[self.pos] {
+                TxOp::Copy { tm, head, piece } => {
+                    let head = &self.stage[head.0..head.0 + head.1];
+                    // SAFETY: `TxPlan`'s invariant.
+                    let data = unsafe { piece.get() };
+                    let total = head.len() + data.len();
+                    loop {
+                        let off = self.off;
+                        if off == total {
+                            break Poll::Ready(());
+                        }
+                        let mut wrote = 0usize;
+                        let r = link.with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
+                            wrote = fill_concat(buf, head, data, off);
+                            wrote
+                        })?;
+                        if r.is_pending() {
+                            break Poll::Pending;
+                        }
+                        if wrote == 0 {
+                            return Err(Error::protocol(
+                                rank,
+                                "driver lent an empty buffer (driver bug)",
+                            ));
+                        }
+                        self.off += wrote;
+                    }
+                }
+                TxOp::Commit(tm) => link.commit(tm)?,
+                TxOp::Refs { tm, a, b } => {
+                    let mut iov: smallvec::SmallVec<[IoSlice<'_>; 8]> = Default::default();
+                    for r in &self.slices[a..b] {
+                        // SAFETY: `TxPlan`'s invariant.
+                        iov.push(IoSlice::new(unsafe { r.get() }));
+                    }
+                    link.send_refs(tm, &iov)?
+                }
+                TxOp::End => link.end_message()?,
+            };
+            if r.is_pending() {
+                return Ok(Poll::Pending);
+            }
+            self.pos += 1;
+            self.off = 0;
+        }
+        Ok(Poll::Ready(()))
+    }
+}
+
+/// Copy bytes `off..` of the concatenation `head ‖ data` into `buf`; returns how many.
+#[inline]
+fn fill_concat(buf: &mut [u8], head: &[u8], data: &[u8], off: usize) -> usize {
+    let n = buf.len().min(head.len() + data.len() - off);
+    let h = head.len().saturating_sub(off).min(n);
+    if h > 0 {
+        buf[..h].copy_from_slice(&head[off..off + h]);
+    }
+    if n > h {
+        let d0 = off + h - head.len();
+        buf[h..n].copy_from_slice(&data[d0..d0 + (n - h)]);
+    }
+    n
 }
 
 pub(crate) struct HeldPieces;
@@ -142,6 +286,11 @@ struct PackState<'c> {
     header: Option<[u8; wire::HEADER_LEN]>,
     /// Every wait of this message gives up at this instant ([`Packer::set_deadline`]).
     deadline: Option<Instant>,
+    /// `end_packing`'s code is recording its steps into the connection's plan instead of
+    /// running them ([`Packer::poll_end_packing`]).
+    recording: bool,
+    /// The plan of this message's end was recorded.
+    planned: bool,
 }
 
 /// View LATER data as bytes for the duration of `end_packing`.
@@ -162,6 +311,21 @@ mod later {
 }
 
 impl PackState<'_> {
+    /// A step of a polled end is pending: fail if the channel closed or the deadline passed,
+    /// else arm the readiness descriptor for this send (rung at once when it may progress).
+    fn pending(&mut self) -> Result<()> {
+        self.ch.check_open()?;
+        if let Some(d) = self.deadline {
+            if Instant::now() >= d {
+                return Err(Error::Timeout(Duration::ZERO));
+            }
+        }
+        if self.tx.link.arm_send()? == crate::driver::Armed::Busy {
+            self.ch.incoming.wake();
+        }
+        Ok(())
+    }
+
     /// Wait for the sending half as the channel's progress policy says, until this message's
     /// deadline, and fail with [`Error::Closed`] once the channel is closed.
     #[inline]
@@ -181,6 +345,10 @@ impl PackState<'_> {
 
     fn commit(&mut self) -> Result<()> {
         let cur = self.cur;
+        if self.recording {
+            self.tx.spare.plan.ops.push(TxOp::Commit(cur));
+            return Ok(());
+        }
         self.drive(|tx| tx.link.commit(cur))
     }
 
@@ -213,16 +381,24 @@ impl PackState<'_> {
             let mut k = 0;
             for f in frames {
                 if k == BATCH + 1 {
-                    self.copy_in(0, &buf)?;
+                    self.copy_in_local(0, &buf)?;
                     k = 0;
                 }
                 buf[k * wire::FRAME_LEN..(k + 1) * wire::FRAME_LEN]
                     .copy_from_slice(&wire::encode_frame(f));
                 k += 1;
             }
-            self.copy_in(0, &buf[..k * wire::FRAME_LEN])?;
+            self.copy_in_local(0, &buf[..k * wire::FRAME_LEN])?;
         }
         self.ensure(tm)?;
+        if self.recording {
+            let plan = &mut self.tx.spare.plan;
+            let a = plan.slices.len();
+            plan.slices.extend(group.iter().map(|s| Raw::of(s)));
+            let b = plan.slices.len();
+            plan.ops.push(TxOp::Refs { tm, a, b });
+            return Ok(());
+        }
         self.drive(|tx| tx.link.send_refs(tm, group))
     }
 
@@ -231,6 +407,49 @@ impl PackState<'_> {
     #[inline]
     fn copy_in(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
         self.copy_in_framed(tm, None, data)
+    }
+
+    /// [`copy_in`](Self::copy_in) of bytes that live only for this call (frames, descriptors):
+    /// a recorded end stages them in its plan.
+    #[inline]
+    fn copy_in_local(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
+        if self.recording {
+            return self.record_copy(tm, None, data, true);
+        }
+        self.copy_in_framed(tm, None, data)
+    }
+
+    /// Recording mode: the copy becomes a step of the plan. `local`: `data` dies with the
+    /// call, so it is staged; otherwise it is a piece's memory, which outlives the plan (the
+    /// user's, borrowed for `'b`; a SAFER copy in `held`; a LATER snapshot in the plan).
+    #[cold]
+    fn record_copy(
+        &mut self,
+        tm: TmId,
+        frame: Option<&[u8; wire::FRAME_LEN]>,
+        data: &[u8],
+        local: bool,
+    ) -> Result<()> {
+        let header = if tm == 0 { self.header.take() } else { None };
+        let plan = &mut self.tx.spare.plan;
+        let h0 = plan.stage.len();
+        if let Some(h) = header {
+            plan.stage.extend_from_slice(&h);
+        }
+        if let Some(f) = frame {
+            plan.stage.extend_from_slice(f);
+        }
+        let mut piece = Raw::EMPTY;
+        if local {
+            plan.stage.extend_from_slice(data);
+        } else {
+            piece = Raw::of(data);
+        }
+        let head = (h0, plan.stage.len() - h0);
+        if head.1 + piece.1 > 0 {
+            plan.ops.push(TxOp::Copy { tm, head, piece });
+        }
+        Ok(())
     }
 
     /// [`copy_in`](Self::copy_in) with an unchecked-mode frame before `data` (TM 0 only), so
@@ -242,6 +461,9 @@ impl PackState<'_> {
         frame: Option<&[u8; wire::FRAME_LEN]>,
         data: &[u8],
     ) -> Result<()> {
+        if self.recording {
+            return self.record_copy(tm, frame, data, false);
+        }
         let mut pre = [0u8; wire::HEADER_LEN + wire::FRAME_LEN];
         let mut k = 0;
         if tm == 0 {
@@ -259,26 +481,15 @@ impl PackState<'_> {
         let mut off = 0;
         while off < total {
             let n = self.drive(|tx| {
-                    let mut wrote = 0usize;
-                    let r = tx
-                        .link
-                        .with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
-                            let n = buf.len().min(total - off);
-                            // `off..off + n` of the concatenation head ‖ data.
-                            let h = head.len().saturating_sub(off).min(n);
-                            if h > 0 {
-                                buf[..h].copy_from_slice(&head[off..off + h]);
-                            }
-                            if n > h {
-                                // The header is complete: the rest comes from `data`.
-                                let d0 = off + h - head.len();
-                                buf[h..n].copy_from_slice(&data[d0..d0 + (n - h)]);
-                            }
-                            wrote = n;
-                            n
-                        })?;
-                    Ok(r.map(|()| wrote))
-                })?;
+                let mut wrote = 0usize;
+                let r = tx
+                    .link
+                    .with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
+                        wrote = fill_concat(buf, head, data, off);
+                        wrote
+                    })?;
+                Ok(r.map(|()| wrote))
+            })?;
             if n == 0 {
                 return Err(Error::protocol(
                     self.ch.rank,
@@ -397,6 +608,8 @@ impl<'c, 'b> Packer<'c, 'b> {
             bytes: 0,
             header: Some(header),
             deadline,
+            recording: false,
+            planned: false,
         };
         let spare = &mut st.tx.spare;
         let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
@@ -455,7 +668,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn emit_desc(&mut self, d: &[u8; wire::DESC_LEN]) -> Result<()> {
         self.flush_group()?;
         self.st.ensure(0)?;
-        self.st.copy_in(0, d)
+        self.st.copy_in_local(0, d)
     }
 
     #[inline]
@@ -481,7 +694,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         if tm == 0 {
             self.st.copy_in_framed(0, Some(&f), d)
         } else {
-            self.st.copy_in(0, &f)?;
+            self.st.copy_in_local(0, &f)?;
             self.st.ensure(tm)?;
             self.st.copy_in(tm, d)
         }
@@ -603,25 +816,58 @@ impl<'c, 'b> Packer<'c, 'b> {
         Ok(())
     }
 
+    /// The bytes of a LATER piece, read now: inside `end_packing`, a view of the cells; in a
+    /// recorded end, a snapshot (its steps run across calls, between which user code runs).
     #[allow(unsafe_code)]
+    fn later_bytes(&mut self, c: &'b [Cell<u8>]) -> &'b [u8] {
+        if self.st.recording {
+            let later = &mut self.st.tx.spare.plan.later;
+            debug_assert!(later.capacity() - later.len() >= c.len());
+            let at = later.len();
+            later.extend(c.iter().map(Cell::get));
+            let snap = Raw::of(&later[at..]);
+            // SAFETY: the snapshot's capacity was reserved before its first byte, so it never
+            // moves, and it is cleared only once the plan is over (after the group and the
+            // steps that reference it are gone): it outlives every use of this slice, which
+            // ends with the message.
+            unsafe { snap.get() }
+        } else {
+            // SAFETY: we are inside end_packing, which runs no user code, and `Cell` is
+            // `!Sync`: nobody writes these cells while the byte view is alive.
+            unsafe { later::bytes(c) }
+        }
+    }
+
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
         let mut held = std::mem::take(&mut self.held);
         self.st.holding = false;
+        if self.st.recording {
+            // LATER values are read now, when the end begins; the snapshot never moves.
+            let later: usize = held
+                .iter()
+                .map(|h| match h {
+                    Held::Later(c, _) => c.len(),
+                    _ => 0,
+                })
+                .chain(self.tail.iter().map(|c| c.len()))
+                .sum();
+            self.st.tx.spare.plan.later.reserve_exact(later);
+        }
         for h in &held {
             match h {
                 Held::Cheaper(d, r) => self.emit_ref(d, SendMode::Cheaper, *r)?,
                 Held::Safer(v, r) => self.emit_safer(v, *r)?,
                 Held::Later(c, r) => {
-                    // SAFETY: we are inside end_packing, which runs no user code, and `Cell` is
-                    // `!Sync`: nobody writes these cells while the byte view is alive.
-                    let bytes = unsafe { later::bytes(c) };
+                    let bytes = self.later_bytes(c);
                     self.emit_ref(bytes, SendMode::Later, *r)?
                 }
                 Held::Desc(d) => self.emit_desc(d)?,
             }
         }
-        held.clear();
+        if !self.st.recording {
+            held.clear();
+        } // (a recorded end's steps read the SAFER copies: kept until it is over)
         self.held = held; // (kept for the connection's next message)
         if self.st.checked {
             self.emit_desc(&wire::encode_desc(PieceOrEnd::End {
@@ -630,8 +876,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
         for i in 0..self.tail.len() {
             let c = self.tail[i];
-            // SAFETY: as above: inside end_packing, no user code runs, cells are `!Sync`.
-            let bytes = unsafe { later::bytes(c) };
+            let bytes = self.later_bytes(c);
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
         if self.st.checked {
@@ -652,7 +897,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                     0
                 };
                 self.st
-                    .copy_in(tm, &wire::encode_frame(wire::Frame::End { pieces }))?;
+                    .copy_in_local(tm, &wire::encode_frame(wire::Frame::End { pieces }))?;
             } else {
                 let tm = self.st.gtm;
                 self.st.send_group(tm, &self.group, Some(pieces))?;
@@ -662,6 +907,10 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.st.flush_header()?;
         self.st.commit()?;
         let st = &mut self.st;
+        if st.recording {
+            st.tx.spare.plan.ops.push(TxOp::End);
+            return Ok(());
+        }
         st.drive(|tx| tx.link.end_message())?;
         Ok(())
     }
@@ -761,26 +1010,89 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// when this returns every CHEAPER piece's memory is released.
     pub fn end_packing(mut self) -> Result<()> {
         let r = self.finish_inner();
-        self.recycle();
         match r {
             Ok(()) => {
-                let st = &mut self.st;
-                st.done = true;
-                st.tx.seq = st.tx.seq.wrapping_add(1);
-                if let Some(Some(c)) = st.ch.conns.get(st.remote) {
-                    c.sent.add(st.bytes, &st.counts);
-                }
+                self.completed();
                 Ok(())
             }
-            Err(e) => {
-                if !self.st.done {
-                    self.st.fail(
-                        &format!("end_packing failed: {e}"),
-                        crate::channel::peer_gone(&e),
-                    );
-                }
-                Err(e)
+            Err(e) => Err(self.end_failed(e)),
+        }
+    }
+
+    /// The message went out whole: count it, give the lists back.
+    fn completed(&mut self) {
+        self.recycle();
+        let st = &mut self.st;
+        st.done = true;
+        st.tx.seq = st.tx.seq.wrapping_add(1);
+        if let Some(Some(c)) = st.ch.conns.get(st.remote) {
+            c.sent.add(st.bytes, &st.counts);
+        }
+    }
+
+    #[cold]
+    fn end_failed(&mut self, e: Error) -> Error {
+        self.recycle();
+        if !self.st.done {
+            self.st.fail(
+                &format!("end_packing failed: {e}"),
+                crate::channel::peer_gone(&e),
+            );
+        }
+        e
+    }
+
+    /// Event-driven use: every piece packed from now on waits for the end of the message
+    /// (SAFER pieces are copied aside, LATER ones read when the end begins), so `pack`,
+    /// `pack_safer` and `pack_later` never wait for the network, and the end is driven by
+    /// [`poll_end_packing`](Self::poll_end_packing) without blocking. Pieces packed before
+    /// were handed to the driver already.
+    pub fn defer(&mut self) {
+        self.st.holding = true;
+    }
+
+    /// `end_packing` without blocking: `Ready` once the message is out (or failed), `Pending`
+    /// under back-pressure. A `Pending` has armed the channel's readiness descriptor for this
+    /// send ([`TxLink::arm_send`]; or made it readable at once when the send may progress
+    /// already), so an event loop calls again when [`Channel::readiness_fd`] is readable (or,
+    /// on a driver without one, after a short back-off). Blocking and polling calls must not
+    /// be mixed on one message; after `Ready`, the packer is spent (drop it).
+    ///
+    /// Dropping the packer while this is pending abandons the message as a dropped packer
+    /// does: discarded if nothing of it had left, the connection torn down otherwise.
+    ///
+    /// [`TxLink::arm_send`]: crate::driver::TxLink::arm_send
+    /// [`Channel::readiness_fd`]: crate::Channel::readiness_fd
+    pub fn poll_end_packing(&mut self) -> Poll<Result<()>> {
+        if let Err(e) = self.alive() {
+            return Poll::Ready(Err(e));
+        }
+        if !self.st.planned {
+            self.st.tx.spare.plan.clear();
+            self.st.recording = true;
+            let r = self.finish_inner();
+            self.st.recording = false;
+            if let Err(e) = r {
+                return Poll::Ready(Err(self.end_failed(e)));
             }
+            self.st.planned = true;
+        }
+        let st = &mut self.st;
+        let rank = st.ch.rank;
+        let tx: &mut TxState = &mut st.tx;
+        let r = tx.spare.plan.run(&mut *tx.link, rank);
+        let r = match r {
+            Ok(Poll::Ready(())) => {
+                self.st.tx.spare.plan.clear();
+                self.completed();
+                return Poll::Ready(Ok(()));
+            }
+            Ok(Poll::Pending) => self.st.pending(),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(()) => Poll::Pending,
+            Err(e) => Poll::Ready(Err(self.end_failed(e))),
         }
     }
 }

@@ -262,39 +262,39 @@ impl UnpackState<'_> {
             let rest = &mut buf[off..];
             let want_len = wire::FRAME_LEN - fk + rest.len();
             let (n, d) = drive(ch, deadline, &mut *rx, |rx| {
-                    let (mut took, mut data) = (0usize, 0usize);
-                    let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
-                        let mut used = 0;
-                        if fk < wire::FRAME_LEN {
-                            let f = (wire::FRAME_LEN - fk).min(src.len());
-                            fb[fk..fk + f].copy_from_slice(&src[..f]);
-                            fk += f;
-                            used = f;
-                            if fk == wire::FRAME_LEN && want.is_some_and(|(_, w)| w != fb) {
-                                bad = true;
-                                took = used;
-                                return used;
-                            }
+                let (mut took, mut data) = (0usize, 0usize);
+                let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
+                    let mut used = 0;
+                    if fk < wire::FRAME_LEN {
+                        let f = (wire::FRAME_LEN - fk).min(src.len());
+                        fb[fk..fk + f].copy_from_slice(&src[..f]);
+                        fk += f;
+                        used = f;
+                        if fk == wire::FRAME_LEN && want.is_some_and(|(_, w)| w != fb) {
+                            bad = true;
+                            took = used;
+                            return used;
                         }
-                        if fk == wire::FRAME_LEN {
-                            let m = (src.len() - used).min(rest.len());
-                            rest[..m].copy_from_slice(&src[used..used + m]);
-                            used += m;
-                            data = m;
-                            if m == rest.len() {
-                                if let Some(e) = &end {
-                                    if src.get(used..used + wire::FRAME_LEN) == Some(&e[..]) {
-                                        used += wire::FRAME_LEN;
-                                        ended = true;
-                                    }
+                    }
+                    if fk == wire::FRAME_LEN {
+                        let m = (src.len() - used).min(rest.len());
+                        rest[..m].copy_from_slice(&src[used..used + m]);
+                        used += m;
+                        data = m;
+                        if m == rest.len() {
+                            if let Some(e) = &end {
+                                if src.get(used..used + wire::FRAME_LEN) == Some(&e[..]) {
+                                    used += wire::FRAME_LEN;
+                                    ended = true;
                                 }
                             }
                         }
-                        took = used;
-                        used
-                    })?;
-                    Ok(r.map(|()| (took, data)))
+                    }
+                    took = used;
+                    used
                 })?;
+                Ok(r.map(|()| (took, data)))
+            })?;
             if bad {
                 let (w, _) = want.expect("a frame was expected");
                 return Err(self.frame_mismatch(&fb, w));

@@ -201,7 +201,10 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
             );
             for (r, what) in [
                 (ch.begin_packing(1).map(drop), "begin_packing after close"),
-                (ch.try_begin_unpacking().map(drop), "try_begin_unpacking after close"),
+                (
+                    ch.try_begin_unpacking().map(drop),
+                    "try_begin_unpacking after close",
+                ),
                 (
                     ch.try_begin_unpacking_from(1).map(drop),
                     "try_begin_unpacking_from after close",
@@ -218,7 +221,9 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
             p.flush()?;
             c.barrier("closed")?;
             if super::tears_down(&ch) {
-                let sent = p.pack(&body, RecvMode::Cheaper).and_then(|()| p.end_packing());
+                let sent = p
+                    .pack(&body, RecvMode::Cheaper)
+                    .and_then(|()| p.end_packing());
                 super::failed_promptly(sent, "a 16 MiB send to a rank that closed the channel")?;
                 super::failed_promptly(
                     ch.begin_unpacking_from(0).map(drop),
@@ -321,7 +326,8 @@ pub(super) fn case_deadlines(c: &Ctx<'_>) -> Result<()> {
             p.flush()?;
             c.barrier("stalled")?;
             super::failed_promptly(
-                p.pack(&body, RecvMode::Cheaper).and_then(|()| p.end_packing()),
+                p.pack(&body, RecvMode::Cheaper)
+                    .and_then(|()| p.end_packing()),
                 "a send whose receiver gave up at its deadline",
             )?;
             super::connection_refused_both_ways(c, &ch, "deadline")?;
@@ -410,6 +416,115 @@ pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
             }
         }
         _ => c.barrier("quiet")?,
+    }
+    Ok(())
+}
+
+/// Drive a polled call to completion the way an event loop does: arm the channel's readiness
+/// descriptor, try, and sleep on the descriptor while the call is pending (yield on drivers
+/// without one). A pending call whose descriptor stays quiet for [`LOST`] lost its wake-up.
+pub(super) fn drive_polled<T>(
+    ch: &crate::Channel,
+    what: &str,
+    mut f: impl FnMut() -> std::task::Poll<Result<T>>,
+) -> Result<T> {
+    loop {
+        ch.arm()?;
+        if let std::task::Poll::Ready(r) = f() {
+            return r;
+        }
+        match ch.readiness_fd() {
+            Some(fd) => {
+                if wait_readable(&[fd], Some(LOST))?.is_empty() {
+                    return Err(fail(format!(
+                        "lost wake-up: {what} pending, and the armed readiness descriptor \
+                         stayed quiet for {LOST:?}"
+                    )));
+                }
+            }
+            None => std::thread::yield_now(),
+        }
+    }
+}
+
+/// The `random` case's messages (every mode, sizes from 0 to 600 kB, checked mode and not),
+/// plus 16 MiB ones, sent by an event-driven sender: pieces deferred to the end
+/// (`Packer::defer`), the end driven by `poll_end_packing` and the readiness descriptor. The
+/// receiver sees the same messages as from a blocking sender.
+pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
+    use super::{check, pat, random_msg, send_piece, Rng};
+    use crate::SendMode;
+    use std::cell::Cell;
+    if c.size() < 2 {
+        return Ok(());
+    }
+    for checked in [false, true] {
+        let ch = c.open(
+            if checked { "-checked" } else { "" },
+            if checked { "checked=true" } else { "" },
+        )?;
+        let seed0 = 0x9011_0000 + checked as u64;
+        let msgs = 8 + Rng(seed0).below(8);
+        for m in 0..=msgs {
+            let seed = seed0 * 1000 + m;
+            let mut pieces = random_msg(seed);
+            if m == msgs {
+                // Beyond every buffer: the end waits for the receiver many times.
+                pieces = vec![
+                    (8, SendMode::Safer, RecvMode::Express),
+                    (16 << 20, SendMode::Cheaper, RecvMode::Cheaper),
+                    (1 << 20, SendMode::Later, RecvMode::Cheaper),
+                ];
+            }
+            if c.rank() == 0 {
+                let data: Vec<Vec<u8>> = pieces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(n, ..))| (0..n).map(|j| pat(seed + i as u64, j)).collect())
+                    .collect();
+                let mut later: Vec<Vec<u8>> = pieces.iter().map(|&(n, ..)| vec![0u8; n]).collect();
+                let cells: Vec<&[Cell<u8>]> = later
+                    .iter_mut()
+                    .map(|v| Cell::from_mut(&mut v[..]).as_slice_of_cells())
+                    .collect();
+                let mut p = drive_polled(&ch, "poll_begin_packing", || {
+                    ch.try_begin_packing(1).map_or_else(
+                        |e| std::task::Poll::Ready(Err(e)),
+                        |o| o.map_or(std::task::Poll::Pending, |p| std::task::Poll::Ready(Ok(p))),
+                    )
+                })?;
+                p.defer();
+                for (i, &(_, s, r)) in pieces.iter().enumerate() {
+                    send_piece(&mut p, &data[i], s, r, Some(cells[i]))?;
+                }
+                for (i, &(_, s, _)) in pieces.iter().enumerate() {
+                    if s == SendMode::Later {
+                        for (j, cell) in cells[i].iter().enumerate() {
+                            cell.set(data[i][j]);
+                        }
+                    }
+                }
+                drive_polled(&ch, "poll_end_packing", || p.poll_end_packing())?;
+                drop(p);
+            } else if c.rank() == 1 {
+                let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|&(n, ..)| vec![0u8; n]).collect();
+                let mut u = ch.begin_unpacking()?;
+                for (b, &(_, s, r)) in bufs.iter_mut().zip(&pieces) {
+                    match r {
+                        RecvMode::Express => u.unpack_express(b, s)?,
+                        RecvMode::Cheaper => u.unpack(b, s)?,
+                    }
+                }
+                u.end_unpacking()?;
+                for (i, b) in bufs.iter().enumerate() {
+                    check(
+                        seed + i as u64,
+                        b,
+                        &format!("polled msg {m} piece {i} {:?}", pieces[i]),
+                    )?;
+                }
+            }
+        }
     }
     Ok(())
 }
