@@ -740,11 +740,12 @@ impl Channel {
     }
 
     /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
+    /// `None` also when a message has begun to arrive but its header is not whole yet.
     pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
         self.inner.check_open()?;
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
-            Poll::Ready((remote, rx)) => Unpacker::start(&self.inner, remote, rx, None).map(Some),
+            Poll::Ready((remote, rx)) => Unpacker::try_start(&self.inner, remote, rx),
             // Like `begin_unpacking`: no message can ever come, so say so instead of `None`.
             Poll::Pending if !busy && self.inner.all_broken() => Err(self.inner.all_gone()),
             Poll::Pending => Ok(None),
@@ -788,7 +789,7 @@ impl Channel {
         Self::usable_rx(conn, &mut rx, remote)?;
         match rx.link.poll_message() {
             Ok(Poll::Pending) => Ok(None),
-            Ok(Poll::Ready(())) => Unpacker::start(inner, remote, rx, None).map(Some),
+            Ok(Poll::Ready(())) => Unpacker::try_start(inner, remote, rx),
             Err(e) => Err(Self::rx_failed(conn, &mut rx, e)),
         }
     }

@@ -64,6 +64,7 @@ pub mod mem;
 pub mod modes;
 mod pack;
 pub mod progress;
+mod rxplan;
 mod session;
 mod unpack;
 pub mod wire;

@@ -6,6 +6,7 @@
 //! receive at checkout; EXPRESS data is in place before `unpack_express` returns.
 
 use std::io::IoSliceMut;
+use std::task::Poll;
 use std::time::Instant;
 
 use crate::channel::{ChannelInner, HalfGuard, RxState};
@@ -13,6 +14,7 @@ use crate::driver::{Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
 use crate::lists::{MutSlices, Spare};
 use crate::modes::{RecvMode, SendMode};
+use crate::rxplan::{frame_mismatch, Framed, RawMut, RxOp, RxPlan};
 use crate::wire;
 
 /// A message being received from one peer on one channel.
@@ -63,6 +65,12 @@ pub(crate) struct RxSpare {
     /// A gather group ended by an EXPRESS piece that is only borrowed for one call.
     tmp: Spare<MutSlices>,
     tail: Spare<MutSlices>,
+    /// The steps of a deferred message ([`Unpacker::defer`]).
+    pub(crate) plan: RxPlan,
+    /// A message header read in part by a non-blocking start (the rest had not arrived):
+    /// its bytes and how many, for whichever receiver takes the connection next.
+    hdr: [u8; wire::HEADER_LEN],
+    hdr_fill: usize,
 }
 
 /// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
@@ -85,6 +93,14 @@ struct UnpackState<'c> {
     bytes: u64,
     /// Every wait of this message gives up at this instant ([`Unpacker::set_deadline`]).
     deadline: Option<Instant>,
+    /// Deferred mode: the unpack code records steps into the connection's plan
+    /// ([`Unpacker::defer`]).
+    recording: bool,
+    /// Deferred mode: the EXPRESS buffer of a pending `poll_unpack_express` (the steps
+    /// recorded for it write there), as (address, length).
+    express: Option<(usize, usize)>,
+    /// Deferred mode: the end of the message was recorded (`poll_end_unpacking`).
+    ending: bool,
 }
 
 /// Wait for the receiving half as the channel's progress policy says, until `deadline`, and
@@ -94,7 +110,7 @@ fn drive<T>(
     ch: &ChannelInner,
     deadline: Option<Instant>,
     rx: &mut RxState,
-    attempt: impl FnMut(&mut RxState) -> Result<std::task::Poll<T>>,
+    attempt: impl FnMut(&mut RxState) -> Result<Poll<T>>,
 ) -> Result<T> {
     ch.progress.drive_until(
         rx,
@@ -121,6 +137,11 @@ impl UnpackState<'_> {
     #[inline]
     fn ensure(&mut self, tm: TmId) -> Result<()> {
         if tm != self.cur {
+            if self.recording {
+                // The steps check out when they run.
+                self.cur = tm;
+                return Ok(());
+            }
             let cur = self.cur;
             self.rx().link.checkout(cur)?;
             self.cur = tm;
@@ -144,20 +165,7 @@ impl UnpackState<'_> {
 
     #[cold]
     fn frame_mismatch(&self, got: &[u8; wire::FRAME_LEN], want: wire::Frame) -> Error {
-        let want = wire::normalize_frame(want);
-        Error::protocol(
-            self.remote,
-            format!(
-                "unpack does not match the message (unchecked mode): the sender sent {}, \
-                 this side expected {want} (piece {} of the message); the connection is \
-                 closed; enable checked mode (checked=true) to find the piece",
-                match wire::decode_frame(got) {
-                    Some(g) => g.to_string(),
-                    None => format!("bytes {got:02x?} where a frame belongs"),
-                },
-                self.index
-            ),
-        )
+        frame_mismatch(self.remote, self.index, got, want)
     }
 
     /// Gather BMM: receive a group into `group`. In unchecked mode the sender's group frames
@@ -167,6 +175,26 @@ impl UnpackState<'_> {
     /// its frames checked. `at_end`: this is the message's last group (`end_unpacking`); the
     /// sender's last group carries the end frame. Returns whether the end frame was read.
     fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>], at_end: bool) -> Result<bool> {
+        if self.recording {
+            let (checked, index) = (self.checked, self.index);
+            let plan = &mut self.rx().spare.plan;
+            let a = plan.slices.len();
+            plan.slices.extend(group.iter_mut().map(|s| RawMut::of(s)));
+            let b = plan.slices.len();
+            plan.ops.push(if checked {
+                RxOp::Refs { tm, a, b }
+            } else {
+                RxOp::Group {
+                    tm,
+                    a,
+                    b,
+                    at_end,
+                    index,
+                }
+            });
+            self.cur = tm;
+            return Ok(false);
+        }
         if self.checked {
             self.ensure(tm)?;
             self.recv_refs(tm, group)?;
@@ -243,61 +271,53 @@ impl UnpackState<'_> {
         buf: &mut [u8],
         piece: bool,
     ) -> Result<()> {
-        let want = want.map(|w| (w, wire::encode_frame(w)));
+        if self.recording {
+            let index = self.index;
+            self.rx().spare.plan.ops.push(RxOp::Copy {
+                tm,
+                want,
+                dst: RawMut::of(buf),
+                end: piece.then_some(index),
+                index,
+            });
+            self.cur = tm;
+            return Ok(());
+        }
+        let want_b = want.map(wire::encode_frame);
         let end = piece.then(|| {
             wire::encode_frame(wire::Frame::End {
                 pieces: self.index as u64,
             })
         });
         let mut ended = false;
-        let mut fb = [0u8; wire::FRAME_LEN];
-        // Frame bytes still to read (0 without a frame), then data.
-        let mut fk = if want.is_some() { 0 } else { wire::FRAME_LEN };
+        // Frame bytes still to read (none without a frame), then data.
+        let mut framed = Framed {
+            fk: if want.is_some() { 0 } else { wire::FRAME_LEN },
+            fb: [0; wire::FRAME_LEN],
+        };
         let mut bad = false;
         let (ch, deadline) = (self.ch, self.deadline);
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
-        while fk < wire::FRAME_LEN || off < buf.len() {
+        while framed.fk < wire::FRAME_LEN || off < buf.len() {
             let rest = &mut buf[off..];
-            let want_len = wire::FRAME_LEN - fk + rest.len();
+            let want_len = wire::FRAME_LEN - framed.fk + rest.len();
             let (n, d) = drive(ch, deadline, &mut *rx, |rx| {
                 let (mut took, mut data) = (0usize, 0usize);
                 let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
-                    let mut used = 0;
-                    if fk < wire::FRAME_LEN {
-                        let f = (wire::FRAME_LEN - fk).min(src.len());
-                        fb[fk..fk + f].copy_from_slice(&src[..f]);
-                        fk += f;
-                        used = f;
-                        if fk == wire::FRAME_LEN && want.is_some_and(|(_, w)| w != fb) {
-                            bad = true;
-                            took = used;
-                            return used;
-                        }
-                    }
-                    if fk == wire::FRAME_LEN {
-                        let m = (src.len() - used).min(rest.len());
-                        rest[..m].copy_from_slice(&src[used..used + m]);
-                        used += m;
-                        data = m;
-                        if m == rest.len() {
-                            if let Some(e) = &end {
-                                if src.get(used..used + wire::FRAME_LEN) == Some(&e[..]) {
-                                    used += wire::FRAME_LEN;
-                                    ended = true;
-                                }
-                            }
-                        }
-                    }
-                    took = used;
-                    used
+                    let t = framed.take(src, want_b.as_ref(), rest, end.as_ref());
+                    bad |= t.bad;
+                    ended |= t.ended;
+                    took = t.used;
+                    data = t.data;
+                    t.used
                 })?;
                 Ok(r.map(|()| (took, data)))
             })?;
             if bad {
-                let (w, _) = want.expect("a frame was expected");
-                return Err(self.frame_mismatch(&fb, w));
+                let w = want.expect("a frame was expected");
+                return Err(self.frame_mismatch(&framed.fb, w));
             }
             if n == 0 {
                 return Err(Error::protocol(
@@ -309,6 +329,44 @@ impl UnpackState<'_> {
         }
         self.ended |= ended;
         Ok(())
+    }
+
+    /// The message header, after what a non-blocking start left in the connection. `block`:
+    /// wait for it; otherwise `None` when it has not arrived whole (the part read is kept).
+    #[inline]
+    fn read_header(&mut self, block: bool) -> Result<Option<[u8; wire::HEADER_LEN]>> {
+        let fill = self.rx().spare.hdr_fill;
+        if block {
+            let mut h = [0u8; wire::HEADER_LEN];
+            if fill == 0 {
+                self.copy_out(0, &mut h)?;
+            } else {
+                h = self.rx().spare.hdr;
+                self.copy_out(0, &mut h[fill..])?;
+                self.rx().spare.hdr_fill = 0;
+            }
+            return Ok(Some(h));
+        }
+        let rx = self.rx();
+        loop {
+            let sp = &mut rx.spare;
+            if sp.hdr_fill == wire::HEADER_LEN {
+                sp.hdr_fill = 0;
+                return Ok(Some(sp.hdr));
+            }
+            let (hdr, fill) = (&mut sp.hdr, &mut sp.hdr_fill);
+            let r = rx
+                .link
+                .with_data(0, wire::HEADER_LEN - *fill, &mut |src: &[u8]| {
+                    let m = (wire::HEADER_LEN - *fill).min(src.len());
+                    hdr[*fill..*fill + m].copy_from_slice(&src[..m]);
+                    *fill += m;
+                    m
+                })?;
+            if r.is_pending() {
+                return Ok(None);
+            }
+        }
     }
 
     /// The message cannot be finished: the stream is out of step, so the connection is
@@ -355,6 +413,28 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         rx: HalfGuard<'c, RxState>,
         deadline: Option<Instant>,
     ) -> Result<Unpacker<'c, 'b>> {
+        Self::start_with(ch, remote, rx, deadline, true)
+            .map(|u| u.expect("a blocking start waits for the whole header"))
+    }
+
+    /// Non-blocking start: `None` when the message's header has not arrived whole (the part
+    /// read stays with the connection for whoever takes it next).
+    pub(crate) fn try_start(
+        ch: &'c ChannelInner,
+        remote: usize,
+        rx: HalfGuard<'c, RxState>,
+    ) -> Result<Option<Unpacker<'c, 'b>>> {
+        Self::start_with(ch, remote, rx, None, false)
+    }
+
+    #[inline]
+    fn start_with(
+        ch: &'c ChannelInner,
+        remote: usize,
+        rx: HalfGuard<'c, RxState>,
+        deadline: Option<Instant>,
+        block: bool,
+    ) -> Result<Option<Unpacker<'c, 'b>>> {
         let mut st = UnpackState {
             deadline,
             ch,
@@ -368,9 +448,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             ended: false,
             counts: [0; MAX_TMS],
             bytes: 0,
+            recording: false,
+            express: None,
+            ending: false,
         };
-        let mut h = [0u8; wire::HEADER_LEN];
-        let r = st.copy_out(0, &mut h).and_then(|()| {
+        let r = st.read_header(block).and_then(|h| {
+            let Some(h) = h else { return Ok(None) };
             let hdr =
                 wire::decode_header(&h).map_err(|w| Error::protocol(remote, w.to_string()))?;
             let expect = st.rx().seq;
@@ -383,14 +466,20 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                     ),
                 ));
             }
-            Ok(hdr)
+            Ok(Some(hdr))
         });
         match r {
-            Ok(hdr) => {
+            Ok(Some(hdr)) => {
                 st.checked = hdr.checked;
                 let spare = &mut st.rx().spare;
                 let (group, tail) = (spare.group.lend(), spare.tail.lend());
-                Ok(Unpacker { st, group, tail })
+                Ok(Some(Unpacker { st, group, tail }))
+            }
+            Ok(None) => {
+                // Nothing failed: the connection keeps the part of the header read.
+                st.done = true;
+                st.release();
+                Ok(None)
             }
             Err(e) => {
                 st.fail(
@@ -476,16 +565,28 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 send: s,
                 recv: r,
             });
-            let sent = self.read_desc()?;
-            if sent != expected {
-                return Err(Error::UnpackMismatch {
-                    rank: self.st.remote,
-                    sent,
-                    expected,
-                });
-            }
+            self.check_desc(expected)?;
         }
         self.st.index = self.st.index.wrapping_add(1);
+        Ok(())
+    }
+
+    /// Checked mode: the sender's next descriptor must be `expected`.
+    fn check_desc(&mut self, expected: PieceOrEnd) -> Result<()> {
+        if self.st.recording {
+            self.flush_group()?;
+            self.st.ensure(0)?;
+            self.st.rx().spare.plan.ops.push(RxOp::Desc { expected });
+            return Ok(());
+        }
+        let sent = self.read_desc()?;
+        if sent != expected {
+            return Err(Error::UnpackMismatch {
+                rank: self.st.remote,
+                sent,
+                expected,
+            });
+        }
         Ok(())
     }
 
@@ -560,17 +661,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.alive()?;
         // No flush here: the sender's last gather group may continue with tail pieces.
         if self.st.checked {
-            let sent = self.read_desc()?;
-            let expected = PieceOrEnd::End {
+            self.check_desc(PieceOrEnd::End {
                 pieces: self.st.index,
-            };
-            if sent != expected {
-                return Err(Error::UnpackMismatch {
-                    rank: self.st.remote,
-                    sent,
-                    expected,
-                });
-            }
+            })?;
         }
         if !self.tail.is_empty() {
             let mut tail = std::mem::take(&mut self.tail);
@@ -590,7 +683,22 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 ended = self.st.recv_group(tm, &mut self.group, true)?;
                 self.group.clear();
             }
-            if !ended && !self.st.ended {
+            if self.st.recording {
+                // Whether the end frame came already is known when the steps run.
+                let cur = self.st.cur;
+                let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
+                    cur
+                } else {
+                    0
+                };
+                let pieces = self.st.index;
+                self.st
+                    .rx()
+                    .spare
+                    .plan
+                    .ops
+                    .push(RxOp::EndFrame { tm, pieces });
+            } else if !ended && !self.st.ended {
                 // In the Copy TM of the last piece (the sender's is the same: every frame
                 // before agreed), else in TM 0.
                 let cur = self.st.cur;
@@ -603,6 +711,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                 let pieces = self.st.index as u64;
                 self.st.expect_frame_in(tm, wire::Frame::End { pieces })?;
             }
+        }
+        if self.st.recording {
+            self.st.rx().spare.plan.ops.push(RxOp::Finish);
+            return Ok(());
         }
         let cur = self.st.cur;
         let rx = self.st.rx();
@@ -640,7 +752,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// `s` is the send mode the sender used.
     #[inline]
     pub fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
-        let res = self.unpack_express_inner(buf, s);
+        let mut res = self.unpack_express_inner(buf, s);
+        if res.is_ok() && self.st.recording {
+            res = self.run_blocking();
+        }
         self.check(res)
     }
 
@@ -684,30 +799,166 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// packed (checked mode: [`Error::UnpackMismatch`]; otherwise [`Error::Protocol`]). Either
     /// way the connection is finished in both directions.
     pub fn end_unpacking(mut self) -> Result<()> {
-        let r = self.finish_inner();
-        self.recycle();
+        let mut r = self.finish_inner();
+        if r.is_ok() && self.st.recording {
+            r = self.run_blocking();
+        }
         match r {
             Ok(()) => {
-                let st = &mut self.st;
-                st.done = true;
-                let rx = st.rx();
-                rx.seq = rx.seq.wrapping_add(1);
-                if let Some(Some(c)) = st.ch.conns.get(st.remote) {
-                    c.received.add(st.bytes, &st.counts);
-                }
-                st.release();
+                self.completed();
                 Ok(())
             }
-            Err(e) => {
-                if !self.st.done {
-                    self.st.fail(
-                        format!("end_unpacking failed: {e}"),
-                        crate::channel::peer_gone(&e),
-                    );
-                }
-                self.st.release();
-                Err(e)
+            Err(e) => Err(self.end_failed(e)),
+        }
+    }
+
+    /// The message was received whole: count it, give the lists back, release the connection.
+    fn completed(&mut self) {
+        self.recycle();
+        let st = &mut self.st;
+        st.done = true;
+        let rx = st.rx();
+        rx.seq = rx.seq.wrapping_add(1);
+        if let Some(Some(c)) = st.ch.conns.get(st.remote) {
+            c.received.add(st.bytes, &st.counts);
+        }
+        st.release();
+    }
+
+    #[cold]
+    fn end_failed(&mut self, e: Error) -> Error {
+        self.recycle();
+        if !self.st.done {
+            self.st.fail(
+                format!("end_unpacking failed: {e}"),
+                crate::channel::peer_gone(&e),
+            );
+        }
+        self.st.release();
+        e
+    }
+
+    /// Event-driven use: from now on no unpack waits for the network. CHEAPER unpacks are
+    /// recorded and received later (they are only due at the end anyway); EXPRESS pieces are
+    /// received by [`poll_unpack_express`](Self::poll_unpack_express) and the end by
+    /// [`poll_end_unpacking`](Self::poll_end_unpacking), which return `Pending` instead of
+    /// waiting (the blocking `unpack_express` and `end_unpacking` still work, and wait). The
+    /// bytes read are the same as a blocking receiver's: the engine's own unpack code records
+    /// its steps (module `rxplan`).
+    pub fn defer(&mut self) {
+        if !self.st.recording {
+            let (cur, ended) = (self.st.cur, self.st.ended);
+            self.st.rx().spare.plan.reset(cur, ended);
+            self.st.recording = true;
+        }
+    }
+
+    /// Run the recorded steps, waiting as the progress policy says.
+    fn run_blocking(&mut self) -> Result<()> {
+        let (ch, deadline, remote) = (self.st.ch, self.st.deadline, self.st.remote);
+        let rx = self.st.rx();
+        drive(ch, deadline, rx, |rx| {
+            let RxState { link, spare, .. } = rx;
+            spare.plan.run(&mut **link, remote)
+        })?;
+        rx.spare.plan.drained();
+        Ok(())
+    }
+
+    /// Run the recorded steps until one is pending; fail at the deadline or on a closed channel.
+    fn run_polled(&mut self) -> Result<Poll<()>> {
+        let remote = self.st.remote;
+        let rx = self.st.rx();
+        let RxState { link, spare, .. } = rx;
+        match spare.plan.run(&mut **link, remote)? {
+            Poll::Ready(()) => {
+                spare.plan.drained();
+                Ok(Poll::Ready(()))
             }
+            Poll::Pending => {
+                self.st.ch.check_open()?;
+                if self.st.deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(Error::Timeout(std::time::Duration::ZERO));
+                }
+                Ok(Poll::Pending)
+            }
+        }
+    }
+
+    /// [`unpack_express`](Self::unpack_express) without blocking (the unpacker switches to
+    /// [deferred mode](Self::defer)): `Ready` once `buf` holds the piece, `Pending` while it
+    /// has not arrived (call again, with the same `buf`, when the channel's readiness
+    /// descriptor is readable). Every CHEAPER piece unpacked before is received first.
+    ///
+    /// Abandoning a pending call (calling anything else, or dropping the unpacker) abandons
+    /// the message as a failed unpack does: the connection is finished in both directions.
+    pub fn poll_unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Poll<Result<()>> {
+        if let Err(e) = self.alive() {
+            return Poll::Ready(Err(e));
+        }
+        self.defer();
+        let key = (buf.as_ptr() as usize, buf.len());
+        match self.st.express {
+            None => {
+                let r = self.unpack_express_inner(buf, s);
+                if let Err(e) = self.check(r) {
+                    return Poll::Ready(Err(e));
+                }
+                self.st.express = Some(key);
+            }
+            Some(k) if k != key => {
+                let e = Error::protocol(
+                    self.st.remote,
+                    "poll_unpack_express called with another buffer than the pending one \
+                     (an abandoned EXPRESS unpack abandons its message)",
+                );
+                return Poll::Ready(self.check(Err(e)));
+            }
+            Some(_) => {}
+        }
+        match self.run_polled() {
+            Ok(Poll::Ready(())) => {
+                self.st.express = None;
+                Poll::Ready(Ok(()))
+            }
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(e) => Poll::Ready(self.check(Err(e))),
+        }
+    }
+
+    /// [`end_unpacking`](Self::end_unpacking) without blocking (the unpacker switches to
+    /// [deferred mode](Self::defer)): `Ready` once every CHEAPER destination is filled and
+    /// the message is over (or failed), `Pending` while data is missing (call again when the
+    /// channel's readiness descriptor is readable). After `Ready`, the unpacker is spent.
+    ///
+    /// Dropping the unpacker while this is pending abandons the message (the connection is
+    /// finished in both directions), as dropping it before `end_unpacking` always does.
+    pub fn poll_end_unpacking(&mut self) -> Poll<Result<()>> {
+        if let Err(e) = self.alive() {
+            return Poll::Ready(Err(e));
+        }
+        if self.st.express.is_some() {
+            let e = Error::protocol(
+                self.st.remote,
+                "poll_end_unpacking while an EXPRESS unpack is pending (an abandoned EXPRESS \
+                 unpack abandons its message)",
+            );
+            return Poll::Ready(Err(self.end_failed(e)));
+        }
+        self.defer();
+        if !self.st.ending {
+            if let Err(e) = self.finish_inner() {
+                return Poll::Ready(Err(self.end_failed(e)));
+            }
+            self.st.ending = true;
+        }
+        match self.run_polled() {
+            Ok(Poll::Ready(())) => {
+                self.completed();
+                Poll::Ready(Ok(()))
+            }
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(e) => Poll::Ready(Err(self.end_failed(e))),
         }
     }
 }

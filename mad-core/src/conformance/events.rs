@@ -447,10 +447,22 @@ pub(super) fn drive_polled<T>(
     }
 }
 
+/// `Ok(Some(x))` as `Ready(Ok(x))`, `Ok(None)` as `Pending`.
+fn ready_some<T>(r: Result<Option<T>>) -> std::task::Poll<Result<T>> {
+    match r {
+        Ok(Some(x)) => std::task::Poll::Ready(Ok(x)),
+        Ok(None) => std::task::Poll::Pending,
+        Err(e) => std::task::Poll::Ready(Err(e)),
+    }
+}
+
 /// The `random` case's messages (every mode, sizes from 0 to 600 kB, checked mode and not),
-/// plus 16 MiB ones, sent by an event-driven sender: pieces deferred to the end
-/// (`Packer::defer`), the end driven by `poll_end_packing` and the readiness descriptor. The
-/// receiver sees the same messages as from a blocking sender.
+/// plus 16 MiB ones, between event-driven ends: a sender that defers its pieces to the end
+/// (`Packer::defer`) and drives the end with `poll_end_packing`, a receiver that defers its
+/// CHEAPER pieces and polls its EXPRESS ones and its end (`Unpacker::defer`,
+/// `poll_unpack_express`, `poll_end_unpacking`), both sleeping on the readiness descriptor.
+/// Each message is polled at both ends, at the sender only, or at the receiver only: the
+/// bytes on the wire are the same as between blocking ends.
 pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
     use super::{check, pat, random_msg, send_piece, Rng};
     use crate::SendMode;
@@ -476,6 +488,9 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
                     (1 << 20, SendMode::Later, RecvMode::Cheaper),
                 ];
             }
+            // Who polls: both ends, the sender only, the receiver only.
+            let (poll_send, poll_recv) =
+                [(true, true), (true, false), (false, true)][m as usize % 3];
             if c.rank() == 0 {
                 let data: Vec<Vec<u8>> = pieces
                     .iter()
@@ -487,13 +502,15 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
                     .iter_mut()
                     .map(|v| Cell::from_mut(&mut v[..]).as_slice_of_cells())
                     .collect();
-                let mut p = drive_polled(&ch, "poll_begin_packing", || {
-                    ch.try_begin_packing(1).map_or_else(
-                        |e| std::task::Poll::Ready(Err(e)),
-                        |o| o.map_or(std::task::Poll::Pending, |p| std::task::Poll::Ready(Ok(p))),
-                    )
-                })?;
-                p.defer();
+                let mut p = if poll_send {
+                    let mut p = drive_polled(&ch, "try_begin_packing", || {
+                        ready_some(ch.try_begin_packing(1))
+                    })?;
+                    p.defer();
+                    p
+                } else {
+                    ch.begin_packing(1)?
+                };
                 for (i, &(_, s, r)) in pieces.iter().enumerate() {
                     send_piece(&mut p, &data[i], s, r, Some(cells[i]))?;
                 }
@@ -504,18 +521,46 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
                         }
                     }
                 }
-                drive_polled(&ch, "poll_end_packing", || p.poll_end_packing())?;
-                drop(p);
+                if poll_send {
+                    drive_polled(&ch, "poll_end_packing", || p.poll_end_packing())?;
+                    drop(p);
+                } else {
+                    p.end_packing()?;
+                }
             } else if c.rank() == 1 {
                 let mut bufs: Vec<Vec<u8>> = pieces.iter().map(|&(n, ..)| vec![0u8; n]).collect();
-                let mut u = ch.begin_unpacking()?;
-                for (b, &(_, s, r)) in bufs.iter_mut().zip(&pieces) {
-                    match r {
-                        RecvMode::Express => u.unpack_express(b, s)?,
-                        RecvMode::Cheaper => u.unpack(b, s)?,
+                if poll_recv {
+                    let mut u = drive_polled(&ch, "try_begin_unpacking", || {
+                        ready_some(ch.try_begin_unpacking())
+                    })?;
+                    u.defer();
+                    for (i, (b, &(_, s, r))) in bufs.iter_mut().zip(&pieces).enumerate() {
+                        match r {
+                            RecvMode::Express => {
+                                drive_polled(&ch, "poll_unpack_express", || {
+                                    u.poll_unpack_express(b, s)
+                                })?;
+                                check(
+                                    seed + i as u64,
+                                    b,
+                                    &format!("polled msg {m} piece {i} (EXPRESS, at unpack)"),
+                                )?;
+                            }
+                            RecvMode::Cheaper => u.unpack(b, s)?,
+                        }
                     }
+                    drive_polled(&ch, "poll_end_unpacking", || u.poll_end_unpacking())?;
+                    drop(u);
+                } else {
+                    let mut u = ch.begin_unpacking()?;
+                    for (b, &(_, s, r)) in bufs.iter_mut().zip(&pieces) {
+                        match r {
+                            RecvMode::Express => u.unpack_express(b, s)?,
+                            RecvMode::Cheaper => u.unpack(b, s)?,
+                        }
+                    }
+                    u.end_unpacking()?;
                 }
-                u.end_unpacking()?;
                 for (i, b) in bufs.iter().enumerate() {
                     check(
                         seed + i as u64,
