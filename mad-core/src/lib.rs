@@ -75,6 +75,6 @@ pub use config::ChannelConfig;
 pub use driver::Armed;
 pub use error::{Error, Result};
 pub use modes::{RecvMode, SendMode};
-pub use pack::Packer;
+pub use pack::{Packer, SendPacker};
 pub use session::{Session, SessionBuilder, DEFAULT_OPEN_TIMEOUT};
 pub use unpack::Unpacker;

@@ -44,7 +44,23 @@ impl Family for MutSlices {
 /// LATER pieces, read at `end_packing`.
 pub(crate) struct Cells;
 impl Family for Cells {
-    type At<'b> = &'b [Cell<u8>];
+    type At<'b> = Later<'b>;
+}
+
+/// A LATER piece: cells (one thread) or atomics (a packer that may cross threads).
+#[derive(Clone, Copy)]
+pub(crate) enum Later<'b> {
+    Cells(&'b [Cell<u8>]),
+    Atomics(&'b [std::sync::atomic::AtomicU8]),
+}
+
+impl Later<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Later::Cells(c) => c.len(),
+            Later::Atomics(a) => a.len(),
+        }
+    }
 }
 
 /// An empty list kept by a connection between messages (see the module documentation).

@@ -16,13 +16,14 @@
 
 use std::cell::Cell;
 use std::io::IoSlice;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
-use crate::lists::{Cells, Family, Slices, Spare};
+use crate::lists::{Cells, Family, Later, Slices, Spare};
 use crate::modes::{RecvMode, SendMode};
 use crate::wire;
 
@@ -95,7 +96,7 @@ use crate::wire;
 pub struct Packer<'c, 'b> {
     st: PackState<'c>,
     group: Vec<IoSlice<'b>>,
-    tail: Vec<&'b [Cell<u8>]>,
+    tail: Vec<Later<'b>>,
     held: Vec<Held<'b>>,
 }
 
@@ -261,7 +262,7 @@ impl Family for HeldPieces {
 pub(crate) enum Held<'b> {
     Cheaper(&'b [u8], RecvMode),
     Safer(Vec<u8>, RecvMode),
-    Later(&'b [Cell<u8>], RecvMode),
+    Later(Later<'b>, RecvMode),
     Desc([u8; wire::DESC_LEN]),
 }
 
@@ -803,7 +804,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     }
 
     #[inline]
-    fn pack_later_inner(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
+    fn pack_later_inner(&mut self, data: Later<'b>, r: RecvMode) -> Result<()> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Later, r)?;
         match r {
@@ -819,22 +820,29 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// The bytes of a LATER piece, read now: inside `end_packing`, a view of the cells; in a
     /// recorded end, a snapshot (its steps run across calls, between which user code runs).
     #[allow(unsafe_code)]
-    fn later_bytes(&mut self, c: &'b [Cell<u8>]) -> &'b [u8] {
-        if self.st.recording {
-            let later = &mut self.st.tx.spare.plan.later;
-            debug_assert!(later.capacity() - later.len() >= c.len());
-            let at = later.len();
-            later.extend(c.iter().map(Cell::get));
-            let snap = Raw::of(&later[at..]);
-            // SAFETY: the snapshot's capacity was reserved before its first byte, so it never
-            // moves, and it is cleared only once the plan is over (after the group and the
-            // steps that reference it are gone): it outlives every use of this slice, which
-            // ends with the message.
-            unsafe { snap.get() }
-        } else {
+    fn later_bytes(&mut self, l: Later<'b>) -> &'b [u8] {
+        let view = match l {
+            Later::Cells(c) if !self.st.recording => Some(c),
+            _ => None,
+        };
+        if let Some(c) = view {
             // SAFETY: we are inside end_packing, which runs no user code, and `Cell` is
             // `!Sync`: nobody writes these cells while the byte view is alive.
             unsafe { later::bytes(c) }
+        } else {
+            let later = &mut self.st.tx.spare.plan.later;
+            debug_assert!(later.capacity() - later.len() >= l.len());
+            let at = later.len();
+            match l {
+                Later::Cells(c) => later.extend(c.iter().map(Cell::get)),
+                Later::Atomics(a) => later.extend(a.iter().map(|x| x.load(Ordering::Relaxed))),
+            }
+            let snap = Raw::of(&later[at..]);
+            // SAFETY: the snapshot's capacity was reserved before its first byte, so it never
+            // moves, and it is cleared only once the message is over (after the group and the
+            // steps that reference it are gone): it outlives every use of this slice, which
+            // ends with the message.
+            unsafe { snap.get() }
         }
     }
 
@@ -842,24 +850,34 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         let mut held = std::mem::take(&mut self.held);
         self.st.holding = false;
-        if self.st.recording {
-            // LATER values are read now, when the end begins; the snapshot never moves.
-            let later: usize = held
-                .iter()
-                .map(|h| match h {
-                    Held::Later(c, _) => c.len(),
-                    _ => 0,
-                })
-                .chain(self.tail.iter().map(|c| c.len()))
-                .sum();
-            self.st.tx.spare.plan.later.reserve_exact(later);
+        // LATER values are read now, when the end begins: into a snapshot (whose capacity is
+        // reserved first, so it never moves) for atomics, and for cells in a recorded end.
+        let rec = self.st.recording;
+        let snap = |l: &Later<'_>| match l {
+            Later::Cells(_) if !rec => 0,
+            _ => l.len(),
+        };
+        let need: usize = held
+            .iter()
+            .map(|h| match h {
+                Held::Later(l, _) => snap(l),
+                _ => 0,
+            })
+            .chain(self.tail.iter().map(snap))
+            .sum();
+        if need > 0 {
+            let later = &mut self.st.tx.spare.plan.later;
+            if !rec {
+                later.clear();
+            }
+            later.reserve_exact(need);
         }
         for h in &held {
             match h {
                 Held::Cheaper(d, r) => self.emit_ref(d, SendMode::Cheaper, *r)?,
                 Held::Safer(v, r) => self.emit_safer(v, *r)?,
-                Held::Later(c, r) => {
-                    let bytes = self.later_bytes(c);
+                Held::Later(l, r) => {
+                    let bytes = self.later_bytes(*l);
                     self.emit_ref(bytes, SendMode::Later, *r)?
                 }
                 Held::Desc(d) => self.emit_desc(d)?,
@@ -875,8 +893,8 @@ impl<'c, 'b> Packer<'c, 'b> {
             }))?;
         }
         for i in 0..self.tail.len() {
-            let c = self.tail[i];
-            let bytes = self.later_bytes(c);
+            let l = self.tail[i];
+            let bytes = self.later_bytes(l);
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
         if self.st.checked {
@@ -952,8 +970,36 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// every piece after it wait for `end_packing` (EXPRESS data must arrive in order).
     #[inline]
     pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
-        let res = self.pack_later_inner(data, r);
+        let res = self.pack_later_inner(Later::Cells(data), r);
         self.check(res)
+    }
+
+    /// [`pack_later`](Self::pack_later) over atomics: the value is read (with relaxed loads)
+    /// when the message ends, and the data may be changed from any thread meanwhile, so a
+    /// packer holding such pieces may move between threads ([`into_send`](Self::into_send)).
+    #[inline]
+    pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
+        let res = self.pack_later_inner(Later::Atomics(data), r);
+        self.check(res)
+    }
+
+    /// This packer as one that may move between threads (a future of a multi-threaded
+    /// runtime): fails with [`Error::BadConfig`] if a LATER piece over cells was packed
+    /// (cells are one thread's; use [`pack_later_atomic`](Self::pack_later_atomic)).
+    pub fn into_send(self) -> Result<SendPacker<'c, 'b>> {
+        let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
+            || self
+                .held
+                .iter()
+                .any(|h| matches!(h, Held::Later(Later::Cells(_), _)));
+        if cells {
+            return Err(Error::BadConfig(
+                "a packer holding LATER pieces over cells cannot move between threads; pack \
+                 them with pack_later_atomic"
+                    .into(),
+            ));
+        }
+        Ok(SendPacker(self))
     }
 
     /// Pack a plain value (an integer, a `#[repr(C)]` struct deriving `bytemuck::NoUninit`)
@@ -1094,5 +1140,93 @@ impl<'c, 'b> Packer<'c, 'b> {
             Ok(()) => Poll::Pending,
             Err(e) => Poll::Ready(Err(self.end_failed(e))),
         }
+    }
+}
+
+/// A [`Packer`] that may move between threads (across the `.await`s of a task on a
+/// multi-threaded runtime): one that holds no LATER piece over cells
+/// ([`Packer::into_send`]). It offers the packer's calls but `pack_later` over cells (use
+/// [`pack_later_atomic`](Self::pack_later_atomic)).
+///
+/// A plain `Packer` may hold cells, so it stays on its thread:
+///
+/// ```compile_fail
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// let p = ch.begin_packing(1)?;
+/// std::thread::scope(|s| {
+///     s.spawn(move || p.end_packing()); // error: `Cell<u8>` cannot be shared between threads
+/// });
+/// # Ok(()) }
+/// ```
+///
+/// ```
+/// # fn f(ch: &mad_core::Channel) -> mad_core::Result<()> {
+/// use mad_core::RecvMode;
+/// use std::sync::atomic::{AtomicU8, Ordering};
+/// let later = [AtomicU8::new(0)];
+/// let mut p = ch.begin_packing(1)?.into_send()?;
+/// p.pack_later_atomic(&later, RecvMode::Cheaper)?;
+/// later[0].store(42, Ordering::Relaxed); // sent as 42
+/// std::thread::scope(|s| s.spawn(move || p.end_packing()).join().unwrap())
+/// # }
+/// ```
+pub struct SendPacker<'c, 'b>(Packer<'c, 'b>);
+
+// SAFETY: the one `!Send` thing a `Packer` may hold is a LATER piece over cells
+// (`&[Cell<u8>]`); `Packer::into_send` refuses a packer that holds one, and `SendPacker` offers
+// no way to pack one. Everything else in a packer is `Send`: the connection's guard, slices of
+// `u8`, atomics, owned copies.
+#[allow(unsafe_code)]
+unsafe impl Send for SendPacker<'_, '_> {}
+
+impl<'c, 'b> SendPacker<'c, 'b> {
+    /// See [`Packer::pack`].
+    #[inline]
+    pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        self.0.pack(data, r)
+    }
+    /// See [`Packer::pack_safer`].
+    #[inline]
+    pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        self.0.pack_safer(data, r)
+    }
+    /// See [`Packer::pack_value`].
+    #[inline]
+    pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
+        self.0.pack_value(v, r)
+    }
+    /// See [`Packer::pack_slice`].
+    #[inline]
+    pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
+        self.0.pack_slice(v, r)
+    }
+    /// See [`Packer::pack_later_atomic`].
+    #[inline]
+    pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
+        self.0.pack_later_atomic(data, r)
+    }
+    /// See [`Packer::defer`].
+    pub fn defer(&mut self) {
+        self.0.defer()
+    }
+    /// See [`Packer::flush`].
+    pub fn flush(&mut self) -> Result<()> {
+        self.0.flush()
+    }
+    /// See [`Packer::set_deadline`].
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.0.set_deadline(deadline)
+    }
+    /// See [`Packer::remote`].
+    pub fn remote(&self) -> usize {
+        self.0.remote()
+    }
+    /// See [`Packer::poll_end_packing`].
+    pub fn poll_end_packing(&mut self) -> Poll<Result<()>> {
+        self.0.poll_end_packing()
+    }
+    /// See [`Packer::end_packing`].
+    pub fn end_packing(self) -> Result<()> {
+        self.0.end_packing()
     }
 }

@@ -462,11 +462,13 @@ fn ready_some<T>(r: Result<Option<T>>) -> std::task::Poll<Result<T>> {
 /// CHEAPER pieces and polls its EXPRESS ones and its end (`Unpacker::defer`,
 /// `poll_unpack_express`, `poll_end_unpacking`), both sleeping on the readiness descriptor.
 /// Each message is polled at both ends, at the sender only, or at the receiver only: the
-/// bytes on the wire are the same as between blocking ends.
+/// bytes on the wire are the same as between blocking ends. The polled sender is a
+/// `SendPacker` (LATER over atomics) whose end runs on another thread than its packs.
 pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
     use super::{check, pat, random_msg, send_piece, Rng};
     use crate::SendMode;
     use std::cell::Cell;
+    use std::sync::atomic::AtomicU8;
     if c.size() < 2 {
         return Ok(());
     }
@@ -502,29 +504,52 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
                     .iter_mut()
                     .map(|v| Cell::from_mut(&mut v[..]).as_slice_of_cells())
                     .collect();
-                let mut p = if poll_send {
-                    let mut p = drive_polled(&ch, "try_begin_packing", || {
+                if poll_send {
+                    // A packer that may cross threads: LATER over atomics, the end driven on
+                    // another thread than the one that packed.
+                    let atomics: Vec<Vec<AtomicU8>> = pieces
+                        .iter()
+                        .map(|&(n, ..)| (0..n).map(|_| AtomicU8::new(0)).collect())
+                        .collect();
+                    let p = drive_polled(&ch, "try_begin_packing", || {
                         ready_some(ch.try_begin_packing(1))
                     })?;
+                    let mut p = p.into_send()?;
                     p.defer();
-                    p
-                } else {
-                    ch.begin_packing(1)?
-                };
-                for (i, &(_, s, r)) in pieces.iter().enumerate() {
-                    send_piece(&mut p, &data[i], s, r, Some(cells[i]))?;
-                }
-                for (i, &(_, s, _)) in pieces.iter().enumerate() {
-                    if s == SendMode::Later {
-                        for (j, cell) in cells[i].iter().enumerate() {
-                            cell.set(data[i][j]);
+                    for (i, &(_, s, r)) in pieces.iter().enumerate() {
+                        match s {
+                            SendMode::Cheaper => p.pack(&data[i], r)?,
+                            SendMode::Safer => p.pack_safer(&data[i], r)?,
+                            SendMode::Later => p.pack_later_atomic(&atomics[i], r)?,
                         }
                     }
-                }
-                if poll_send {
-                    drive_polled(&ch, "poll_end_packing", || p.poll_end_packing())?;
-                    drop(p);
+                    for (i, &(_, s, _)) in pieces.iter().enumerate() {
+                        if s == SendMode::Later {
+                            for (j, a) in atomics[i].iter().enumerate() {
+                                a.store(data[i][j], std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    let ch = &ch;
+                    std::thread::scope(|sc| {
+                        sc.spawn(move || {
+                            drive_polled(ch, "poll_end_packing", || p.poll_end_packing())
+                        })
+                        .join()
+                    })
+                    .map_err(|_| fail("the ending thread panicked"))??;
                 } else {
+                    let mut p = ch.begin_packing(1)?;
+                    for (i, &(_, s, r)) in pieces.iter().enumerate() {
+                        send_piece(&mut p, &data[i], s, r, Some(cells[i]))?;
+                    }
+                    for (i, &(_, s, _)) in pieces.iter().enumerate() {
+                        if s == SendMode::Later {
+                            for (j, cell) in cells[i].iter().enumerate() {
+                                cell.set(data[i][j]);
+                            }
+                        }
+                    }
                     p.end_packing()?;
                 }
             } else if c.rank() == 1 {
