@@ -33,7 +33,9 @@
 //! `deadlines` (per-call deadlines leave an idle connection intact; one that expires in the
 //! middle of a message finishes it), `try_from` (`try_begin_unpacking_from`), `polled` (the
 //! `random` messages and 16 MiB ones from an event-driven sender: deferred pieces, the end
-//! driven by `poll_end_packing` and the readiness descriptor). An unknown name in
+//! driven by `poll_end_packing` and the readiness descriptor), `abandoned_end` (an end of
+//! message abandoned while pending, its memory reused at once: never delivered as complete
+//! with the reused bytes). An unknown name in
 //! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
@@ -110,6 +112,7 @@ const CASES: &[(&str, Case)] = &[
     ("deadlines", events::case_deadlines),
     ("try_from", events::case_try_from),
     ("polled", events::case_polled),
+    ("abandoned_end", events::case_abandoned_end),
 ];
 
 struct Ctx<'s> {

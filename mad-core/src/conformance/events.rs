@@ -598,3 +598,72 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
     }
     Ok(())
 }
+
+/// An end of message abandoned while it is pending (an event-driven sender drops its packer, as
+/// a cancelled future does), and the sender then reuses the memory at once: the receiver never
+/// takes the message as complete with bytes the sender wrote after abandoning it (a driver
+/// that lets the receiver read the sender's memory in place, as CMA does, must not let a read
+/// that overlaps the reuse count). 64 MiB, beyond every buffer, the kernel's included.
+pub(super) fn case_abandoned_end(c: &Ctx<'_>) -> Result<()> {
+    use crate::SendMode;
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "timeout_ms=20000")?;
+    c.barrier("open")?;
+    if !super::tears_down(&ch) {
+        return Ok(());
+    }
+    const LEN: usize = 64 << 20;
+    match c.rank() {
+        0 => {
+            let mut body = vec![0x11u8; LEN];
+            {
+                let mut p = ch.begin_packing(1)?.into_send()?;
+                p.defer();
+                p.pack_value(&(LEN as u64), RecvMode::Express)?;
+                p.pack(&body, RecvMode::Cheaper)?;
+                // Let the receiver start: a few polls while it reads.
+                let t0 = Instant::now();
+                while t0.elapsed() < Duration::from_millis(50) {
+                    if p.poll_end_packing().is_ready() {
+                        return Err(fail("a 64 MiB end was over before its receiver read"));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                c.barrier("reading")?;
+                std::thread::sleep(Duration::from_millis(2));
+                let _ = p.poll_end_packing();
+                drop(p);
+            }
+            // The memory is the sender's again: overwrite it at once.
+            body.fill(0x22);
+            c.barrier("abandoned")?;
+            std::hint::black_box(&body);
+        }
+        1 => {
+            let mut u = ch.begin_unpacking_from(0)?;
+            let n: u64 = u.unpack_value()?;
+            let mut got = vec![0u8; n as usize];
+            c.barrier("reading")?;
+            let r = u
+                .unpack(&mut got, SendMode::Cheaper)
+                .and_then(|()| u.end_unpacking());
+            c.barrier("abandoned")?;
+            if r.is_ok() {
+                if let Some(i) = got.iter().position(|&b| b != 0x11) {
+                    return Err(fail(format!(
+                        "a message abandoned by its sender was delivered as complete with \
+                         byte {i} = {:#x}, written after the abandonment",
+                        got[i]
+                    )));
+                }
+            }
+        }
+        _ => {
+            c.barrier("reading")?;
+            c.barrier("abandoned")?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! Madeleine on tokio: the blocking calls of a channel as futures.
+//!
+//! [`AsyncChannel`] wraps a [`Channel`] and registers its readiness descriptor
+//! ([`Channel::readiness_fd`]) with tokio's reactor. Every future follows the arming protocol of
+//! the descriptor: arm, try the non-blocking call, and await the descriptor only if nothing
+//! progressed, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
+//! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), yielding
+//! to the runtime between tries, because a kernel wake-up costs far more than a message on
+//! shared memory; `progress=block` goes to the descriptor at once, `progress=poll` never sleeps.
+//! A driver without a descriptor (MPI: it progresses only inside MPI calls) is polled with a
+//! back-off from 20 µs to 1 ms.
+//!
+//! Messages are built and taken apart as with the blocking API, in the same order, with the
+//! same modes; the difference is where waiting happens:
+//!
+//! * [`AsyncPacker`]: `pack*` never wait (pieces are deferred to the end, SAFER ones copied
+//!   aside); [`end_packing`](AsyncPacker::end_packing) is a future. LATER pieces are over
+//!   atomics ([`AsyncPacker::pack_later_atomic`]), so a packer may cross the `.await`s of a
+//!   task on a multi-threaded runtime.
+//! * [`AsyncUnpacker`]: CHEAPER [`unpack`](AsyncUnpacker::unpack) never waits (it is due at the
+//!   end); [`unpack_express`](AsyncUnpacker::unpack_express) and
+//!   [`end_unpacking`](AsyncUnpacker::end_unpacking) are futures. Between the EXPRESS header
+//!   and the CHEAPER body the task may await anything (a lookup, a permit) and allocate the
+//!   body's buffer from what the header said.
+//!
+//! # Cancellation
+//!
+//! | future | dropped before it is ready |
+//! |---|---|
+//! | [`AsyncChannel::begin_unpacking`], [`begin_unpacking_from`](AsyncChannel::begin_unpacking_from) | nothing is consumed: the next message stays for the next call (cancel-safe: use them in `tokio::select!`) |
+//! | [`AsyncChannel::begin_packing`] | nothing happened (cancel-safe) |
+//! | [`AsyncPacker::end_packing`] | the message is abandoned as a dropped packer is: discarded if nothing of it had left, else the connection is torn down both ways |
+//! | [`AsyncUnpacker::unpack_express`], [`end_unpacking`](AsyncUnpacker::end_unpacking) | the message is abandoned: the connection is finished both ways (the peer's calls fail) |
+//!
+//! [`Channel::close`] (or [`AsyncChannel::close`]) makes every pending future of the channel
+//! fail with [`Error::Closed`].
+//!
+//! ```no_run
+//! # async fn f(ch: mad_core::Channel) -> mad_core::Result<()> {
+//! use mad_core::{RecvMode, SendMode};
+//! let ch = mad_tokio::AsyncChannel::new(ch)?;
+//! // Send: a size (EXPRESS) and a body (CHEAPER).
+//! let body = vec![7u8; 1 << 20];
+//! let mut p = ch.begin_packing(1).await?;
+//! p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+//! p.pack(&body, RecvMode::Cheaper)?;
+//! p.end_packing().await?;
+//! // Receive: the size first, then a buffer of that size for the body.
+//! let mut u = ch.begin_unpacking().await?;
+//! let n: u64 = u.unpack_value().await?;
+//! let mut buf = vec![0u8; n as usize];
+//! u.unpack(&mut buf, SendMode::Cheaper)?;
+//! u.end_unpacking().await?;
+//! # Ok(()) }
+//! ```
+
+use std::future::poll_fn;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::AtomicU8;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use mad_core::progress::ProgressMode;
+use mad_core::{Channel, Error, RecvMode, Result, SendMode, SendPacker, Unpacker};
+use tokio::io::unix::AsyncFd;
+
+/// The channel's descriptor as tokio sees it (the channel owns and closes it).
+struct ReadyFd(RawFd);
+
+impl AsRawFd for ReadyFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+struct Inner {
+    // Declared first: deregistered from the reactor before the channel (which owns the
+    // descriptor) can go.
+    fd: Option<AsyncFd<ReadyFd>>,
+    ch: Channel,
+    spin: Option<Duration>,
+}
+
+/// A [`Channel`] whose waits are futures. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct AsyncChannel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for AsyncChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Async{:?}", self.inner.ch)
+    }
+}
+
+/// Longest back-off between two polls of a driver without a readiness descriptor.
+const MAX_BACKOFF: Duration = Duration::from_millis(1);
+
+impl AsyncChannel {
+    /// Wrap `ch`; its readiness descriptor is registered with the current tokio runtime (call
+    /// this inside one). One `AsyncChannel` per channel: clone it to share.
+    pub fn new(ch: Channel) -> Result<AsyncChannel> {
+        let fd = match ch.readiness_fd() {
+            Some(fd) => {
+                let fd = ReadyFd(fd.as_raw_fd());
+                // SAFETY: the descriptor belongs to the channel, which `Inner` holds: it stays
+                // open and unchanged while registered, and `Inner` drops the registration
+                // (its first field) before its handle of the channel.
+                let afd =
+                    unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
+                Some(afd.map_err(|e| {
+                    Error::io(
+                        "registering the channel's readiness descriptor with tokio",
+                        e.into_parts().1,
+                    )
+                })?)
+            }
+            None => None,
+        };
+        let spin = match ch.config().progress {
+            ProgressMode::Poll => None,
+            ProgressMode::Block => Some(Duration::ZERO),
+            ProgressMode::Adaptive { spin } => Some(spin),
+        };
+        Ok(AsyncChannel {
+            inner: Arc::new(Inner { fd, ch, spin }),
+        })
+    }
+
+    /// The channel (for its rank, peers, stats, and blocking calls outside the runtime).
+    pub fn channel(&self) -> &Channel {
+        &self.inner.ch
+    }
+
+    /// [`Channel::close`]: every pending future of this channel fails with [`Error::Closed`].
+    pub fn close(&self) {
+        self.inner.ch.close()
+    }
+
+    /// Drive `f` (a non-blocking call) to completion: retry for the spin budget, yielding to
+    /// the runtime, then arm the descriptor, try once more, and sleep on it.
+    async fn wait<T>(&self, mut f: impl FnMut() -> Poll<Result<T>>) -> Result<T> {
+        let inner = &*self.inner;
+        if let Poll::Ready(r) = f() {
+            return r;
+        }
+        let start = Instant::now();
+        let mut backoff = Duration::from_micros(20);
+        loop {
+            let spinning = match inner.spin {
+                None => true,
+                Some(s) => start.elapsed() < s,
+            };
+            if spinning {
+                tokio::task::yield_now().await;
+                if let Poll::Ready(r) = f() {
+                    return r;
+                }
+                continue;
+            }
+            // Arm first: anything that happens after this makes the descriptor readable.
+            inner.ch.arm()?;
+            if let Poll::Ready(r) = f() {
+                return r;
+            }
+            match &inner.fd {
+                Some(afd) => {
+                    let mut ready = afd
+                        .readable()
+                        .await
+                        .map_err(|e| Error::io("awaiting the channel's readiness descriptor", e))?;
+                    ready.clear_ready();
+                }
+                None => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// Start a message to `remote`: waits (without blocking the thread) while another task or
+    /// thread sends to `remote` on this channel. Cancel-safe.
+    pub async fn begin_packing<'b>(&self, remote: usize) -> Result<AsyncPacker<'_, 'b>> {
+        let ch = &self.inner.ch;
+        let p = poll_fn(|cx| ch.poll_begin_packing(remote, cx)).await?;
+        let mut p = p.into_send()?;
+        p.defer();
+        Ok(AsyncPacker { p, ch: self })
+    }
+
+    /// The next message from any peer. Cancel-safe: dropped before it is ready, it consumes
+    /// nothing. Fails with [`Error::Poisoned`] once no peer is left, [`Error::Closed`] once the
+    /// channel is closed.
+    pub async fn begin_unpacking<'b>(&self) -> Result<AsyncUnpacker<'_, 'b>> {
+        let ch = &self.inner.ch;
+        let mut u = self.wait(|| ready_some(ch.try_begin_unpacking())).await?;
+        u.defer();
+        Ok(AsyncUnpacker { u, ch: self })
+    }
+
+    /// The next message from `remote`. Cancel-safe.
+    pub async fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<AsyncUnpacker<'_, 'b>> {
+        let ch = &self.inner.ch;
+        let mut u = self
+            .wait(|| ready_some(ch.try_begin_unpacking_from(remote)))
+            .await?;
+        u.defer();
+        Ok(AsyncUnpacker { u, ch: self })
+    }
+}
+
+fn ready_some<T>(r: Result<Option<T>>) -> Poll<Result<T>> {
+    match r {
+        Ok(Some(x)) => Poll::Ready(Ok(x)),
+        Ok(None) => Poll::Pending,
+        Err(e) => Poll::Ready(Err(e)),
+    }
+}
+
+/// A message being built; `pack*` never wait, [`end_packing`](Self::end_packing) is a future.
+/// `Send`: it may cross `.await`s on a multi-threaded runtime.
+pub struct AsyncPacker<'c, 'b> {
+    p: SendPacker<'c, 'b>,
+    ch: &'c AsyncChannel,
+}
+
+impl<'c, 'b> AsyncPacker<'c, 'b> {
+    /// CHEAPER: `data` stays borrowed, untouched, until `end_packing`.
+    pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        self.p.pack(data, r)
+    }
+    /// SAFER: `data` is copied now.
+    pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        self.p.pack_safer(data, r)
+    }
+    /// A plain value, SAFER.
+    pub fn pack_value<T: mad_core::bytemuck::NoUninit>(
+        &mut self,
+        v: &T,
+        r: RecvMode,
+    ) -> Result<()> {
+        self.p.pack_value(v, r)
+    }
+    /// A slice of plain values, CHEAPER.
+    pub fn pack_slice<T: mad_core::bytemuck::NoUninit>(
+        &mut self,
+        v: &'b [T],
+        r: RecvMode,
+    ) -> Result<()> {
+        self.p.pack_slice(v, r)
+    }
+    /// LATER over atomics: the value is read when `end_packing` starts.
+    pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
+        self.p.pack_later_atomic(data, r)
+    }
+    /// The peer this message goes to.
+    pub fn remote(&self) -> usize {
+        self.p.remote()
+    }
+    /// Every later wait of this message gives up at `deadline` ([`Error::Timeout`]).
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.p.set_deadline(deadline)
+    }
+    /// Send the message. Dropped before it is ready, the message is abandoned: discarded if
+    /// nothing of it had left, otherwise the connection is torn down in both directions.
+    pub async fn end_packing(mut self) -> Result<()> {
+        let ch = self.ch;
+        ch.wait(|| self.p.poll_end_packing()).await
+    }
+}
+
+/// A message being taken apart; CHEAPER `unpack` never waits, EXPRESS unpacks and the end
+/// are futures. `Send`.
+pub struct AsyncUnpacker<'c, 'b> {
+    u: Unpacker<'c, 'b>,
+    ch: &'c AsyncChannel,
+}
+
+impl<'c, 'b> AsyncUnpacker<'c, 'b> {
+    /// The peer this message comes from.
+    pub fn remote(&self) -> usize {
+        self.u.remote()
+    }
+    /// CHEAPER: `buf` is filled by `end_unpacking` and stays borrowed until then.
+    pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
+        self.u.unpack(buf, s)
+    }
+    /// CHEAPER, a slice of plain values.
+    pub fn unpack_slice<T: mad_core::bytemuck::Pod>(
+        &mut self,
+        v: &'b mut [T],
+        s: SendMode,
+    ) -> Result<()> {
+        self.u.unpack_slice(v, s)
+    }
+    /// Every later wait of this message gives up at `deadline` ([`Error::Timeout`]); the
+    /// message is then abandoned.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.u.set_deadline(deadline)
+    }
+    /// EXPRESS: `buf` holds the piece when this is ready. Dropped before it is ready, the
+    /// message is abandoned (the connection is finished both ways).
+    pub async fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        let ch = self.ch;
+        let u = &mut self.u;
+        ch.wait(|| u.poll_unpack_express(buf, s)).await
+    }
+    /// A plain value packed with `pack_value(.., RecvMode::Express)`.
+    pub async fn unpack_value<T: mad_core::bytemuck::Pod>(&mut self) -> Result<T> {
+        let mut v = T::zeroed();
+        self.unpack_express(mad_core::bytemuck::bytes_of_mut(&mut v), SendMode::Safer)
+            .await?;
+        Ok(v)
+    }
+    /// Finish the message: every CHEAPER destination is filled when this is ready. Dropped
+    /// before it is ready, the message is abandoned (the connection is finished both ways).
+    pub async fn end_unpacking(mut self) -> Result<()> {
+        let ch = self.ch;
+        ch.wait(|| self.u.poll_end_unpacking()).await
+    }
+}
