@@ -35,7 +35,8 @@
 //! `random` messages and 16 MiB ones from an event-driven sender: deferred pieces, the end
 //! driven by `poll_end_packing` and the readiness descriptor), `abandoned_end` (an end of
 //! message abandoned while pending, its memory reused at once: never delivered as complete
-//! with the reused bytes). An unknown name in
+//! with the reused bytes), `select` (`events::begin_unpacking_any` over two channels). An
+//! unknown name in
 //! `MAD_KIT_CASES` is an error, not a kit that runs nothing.
 
 use std::cell::Cell;
@@ -113,6 +114,7 @@ const CASES: &[(&str, Case)] = &[
     ("try_from", events::case_try_from),
     ("polled", events::case_polled),
     ("abandoned_end", events::case_abandoned_end),
+    ("select", events::case_select),
 ];
 
 struct Ctx<'s> {

@@ -2,14 +2,17 @@
 //!
 //! A channel's readiness descriptor ([`Channel::readiness_fd`](crate::Channel::readiness_fd))
 //! and its arming protocol are the driver contract's ([`Incoming::arm`](crate::driver::Incoming::arm));
-//! this module holds the one blocking helper the core and the kit need on top of them.
+//! this module holds what blocking callers build on them: waiting on descriptors, and waiting
+//! for the first message on any of several channels ([`begin_unpacking_any`]).
 
 use std::os::fd::BorrowedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use crate::error::{Error, Result};
+use crate::progress::ProgressMode;
+use crate::{Channel, Unpacker};
 
 /// Wait until one of `fds` is readable (or hung up), or `timeout` passes; `None` waits
 /// without a limit. Returns the indices of the readable descriptors (empty on timeout).
@@ -36,5 +39,79 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
             .map(|(i, _)| i)
             .collect()),
         Err(e) => Err(Error::io("poll on readiness descriptors", e.into())),
+    }
+}
+
+/// The first message on any of several channels: the blocking counterpart of a
+/// `tokio::select!` over the async adapter's `begin_unpacking` futures. Returns the index of
+/// the channel in `channels` and the message's [`Unpacker`]; fails with
+/// [`Error::Timeout`] at `deadline` (nothing consumed). An error of one channel
+/// (a failed connection, a channel whose peers are all gone, a closed one) is returned as
+/// `begin_unpacking` on that channel would return it.
+///
+/// It polls every channel for the channels' spin budget, then arms their readiness
+/// descriptors and sleeps on all of them at once (`poll(2)`); a channel without a descriptor
+/// (MPI) is polled every millisecond at most.
+pub fn begin_unpacking_any<'c, 'b>(
+    channels: &[&'c Channel],
+    deadline: Option<Instant>,
+) -> Result<(usize, Unpacker<'c, 'b>)> {
+    if channels.is_empty() {
+        return Err(Error::BadConfig(
+            "begin_unpacking_any needs at least one channel".into(),
+        ));
+    }
+    let spin = channels
+        .iter()
+        .map(|c| match c.config().progress {
+            ProgressMode::Poll => Duration::MAX,
+            ProgressMode::Block => Duration::ZERO,
+            ProgressMode::Adaptive { spin } => spin,
+        })
+        .min()
+        .unwrap_or_default();
+    let all_fds = channels.iter().all(|c| c.readiness_fd().is_some());
+    let try_all = || -> Result<Option<(usize, Unpacker<'c, 'b>)>> {
+        for (i, c) in channels.iter().enumerate() {
+            if let Some(u) = c.try_begin_unpacking()? {
+                return Ok(Some((i, u)));
+            }
+        }
+        Ok(None)
+    };
+    let t0 = Instant::now();
+    let mut backoff = Duration::from_micros(20);
+    loop {
+        if let Some(r) = try_all()? {
+            return Ok(r);
+        }
+        let now = Instant::now();
+        if let Some(d) = deadline {
+            if now >= d {
+                return Err(Error::Timeout(now - t0));
+            }
+        }
+        if now - t0 < spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Arm every descriptor, look once more, then sleep on all of them.
+        for c in channels {
+            c.arm()?;
+        }
+        if let Some(r) = try_all()? {
+            return Ok(r);
+        }
+        let fds: Vec<BorrowedFd<'_>> = channels.iter().filter_map(|c| c.readiness_fd()).collect();
+        let mut timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if !all_fds {
+            timeout = Some(timeout.map_or(backoff, |t| t.min(backoff)));
+            backoff = (backoff * 2).min(Duration::from_millis(1));
+        }
+        if fds.is_empty() {
+            std::thread::sleep(timeout.unwrap_or(backoff));
+        } else {
+            wait_readable(&fds, timeout)?;
+        }
     }
 }

@@ -667,3 +667,49 @@ pub(super) fn case_abandoned_end(c: &Ctx<'_>) -> Result<()> {
     }
     Ok(())
 }
+
+/// `events::begin_unpacking_any` over two channels: the message on the second is found while
+/// the first stays quiet, then one on the first; a deadline with nothing sent is a timeout.
+pub(super) fn case_select(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let a = c.open("-a", "")?;
+    let b = c.open("-b", "")?;
+    c.barrier("open")?;
+    match c.rank() {
+        0 => {
+            let t0 = Instant::now();
+            match crate::events::begin_unpacking_any(
+                &[&a, &b],
+                Some(t0 + Duration::from_millis(50)),
+            ) {
+                Err(crate::Error::Timeout(_)) => {}
+                Ok((i, _)) => return Err(fail(format!("a message on channel {i} with none sent"))),
+                Err(e) => return Err(e),
+            }
+            c.barrier("quiet")?;
+            for (want, v) in [(1usize, 7u64), (0, 8)] {
+                let (i, mut u) = crate::events::begin_unpacking_any(&[&a, &b], None)?;
+                let got: u64 = u.unpack_value()?;
+                u.end_unpacking()?;
+                if (i, got) != (want, v) {
+                    return Err(fail(format!(
+                        "begin_unpacking_any: channel {i} value {got}, expected channel {want} value {v}"
+                    )));
+                }
+            }
+        }
+        1 => {
+            c.barrier("quiet")?;
+            for (ch, v) in [(&b, 7u64), (&a, 8)] {
+                std::thread::sleep(Duration::from_millis(20));
+                let mut p = ch.begin_packing(0)?;
+                p.pack_value(&v, RecvMode::Express)?;
+                p.end_packing()?;
+            }
+        }
+        _ => c.barrier("quiet")?,
+    }
+    Ok(())
+}
