@@ -923,7 +923,23 @@ impl Channel {
         if inner.closed.load(Ordering::SeqCst) {
             return Ok(Armed::Busy);
         }
-        inner.incoming.arm()
+        if inner.incoming.arm()? == Armed::Busy {
+            return Ok(Armed::Busy);
+        }
+        // A message the driver read already (into its own buffer, for a connection another
+        // thread held meanwhile) leaves nothing on the descriptor: look at the free
+        // connections. A release after this look rings the descriptor (`armed` is set).
+        for &p in &inner.peers {
+            let Some(c) = &inner.conns[p] else { continue };
+            if let Ok(mut rx) = c.rx.try_lock() {
+                if rx.broken.is_none() && c.failed.get().is_none() {
+                    if let Ok(Poll::Ready(())) | Err(_) = rx.link.poll_message() {
+                        return Ok(Armed::Busy);
+                    }
+                }
+            }
+        }
+        Ok(Armed::Armed)
     }
 
     /// This process's rank.
