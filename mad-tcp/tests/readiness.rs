@@ -212,3 +212,57 @@ fn shutdown_few_peers() {
 fn shutdown_many_peers_epoll() {
     shutdown_wakes_and_closes_cleanly(6);
 }
+
+/// Block mode: a gather receive waiting in the kernel (`MSG_WAITALL`, in 200 ms slices) is
+/// woken by `Incoming::shutdown` and fails, naming the close.
+#[test]
+fn shutdown_wakes_a_blocking_gather_receive() {
+    use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
+    use mad_core::progress::{ProgressMode, ProgressPolicy};
+    let boots: Vec<Box<dyn Bootstrap>> = ThreadBootstrap::group(2)
+        .into_iter()
+        .map(|b| Box::new(b) as Box<dyn Bootstrap>)
+        .collect();
+    let tables = (0..2)
+        .map(|_| mad_tcp::tm_table(mad_tcp::DEFAULT_SMALL_MAX).unwrap())
+        .collect();
+    let policy = ProgressPolicy {
+        mode: ProgressMode::Block,
+        oversubscribed: false,
+        op_timeout: None,
+    };
+    let mut res = open_with_policy(boots, cfg("blockclose"), tables, policy);
+    let mut c1 = res.pop().unwrap().unwrap();
+    let mut c0 = res.pop().unwrap().unwrap();
+    let mut a = take(&mut c0, 1);
+    let mut b = take(&mut c1, 0);
+    // Half of a gather piece, then silence: the receiver waits in the kernel for the rest.
+    let half = vec![3u8; 256 << 10];
+    a.tx.begin_message().unwrap();
+    drive(|| a.tx.send_refs(1, &[IoSlice::new(&half)])).unwrap();
+    drive(|| a.tx.end_message()).unwrap();
+    let receiver = thread::spawn(move || {
+        let mut body = vec![0u8; 1 << 20];
+        let mut iov = [IoSliceMut::new(&mut body)];
+        let e = loop {
+            match b.rx.recv_refs(1, &mut iov) {
+                Ok(Poll::Pending) => {}
+                Ok(Poll::Ready(())) => panic!("half a piece reported complete"),
+                Err(e) => break e,
+            }
+        };
+        (Instant::now(), e)
+    });
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    c1.incoming.shutdown();
+    let (t, e) = receiver.join().unwrap();
+    let took = t.saturating_duration_since(t0);
+    eprintln!("tcp (block mode): shutdown ended a blocking gather receive in {took:?}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    match e {
+        Error::Poisoned { cause, .. } => assert!(cause.contains("closed"), "{cause}"),
+        other => panic!("after shutdown: {other}"),
+    }
+    drop(a);
+}
