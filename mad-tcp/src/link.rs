@@ -13,7 +13,7 @@
 //! `MSG_WAITALL` on the user's slices only), bounded by the socket timeouts.
 //!
 //! Event loops ([`Incoming::readiness_fd`]): the descriptor is the channel's level-triggered
-//! epoll set ([`Events`]). A send armed with [`TxLink::arm_send`] adds a one-shot `EPOLLOUT`
+//! epoll set (`Events`). A send armed with [`TxLink::arm_send`] adds a one-shot `EPOLLOUT`
 //! registration of a duplicate of its socket, which disables itself when it fires.
 
 use std::io::{self, IoSlice, IoSliceMut};
