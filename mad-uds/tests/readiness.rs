@@ -214,3 +214,35 @@ fn shutdown_wakes_and_closes_cleanly() {
     }
     drop(at2);
 }
+
+/// A peer that left makes the descriptor readable; once the core has heard it and forgotten
+/// the peer, its hung-up socket no longer keeps the descriptor readable (an event loop would
+/// spin).
+#[test]
+fn departed_peer_then_quiet() {
+    let mut chans = open_group(3);
+    let mut from2 = take(&mut chans[0], 2);
+    let departing = chans.remove(2);
+    let inc = &chans[0].incoming;
+    let fd = inc.readiness_fd().expect("uds has a readiness descriptor");
+    assert_eq!(inc.arm().unwrap(), Armed::Armed, "idle channel");
+    drop(departing);
+    assert!(
+        readable(fd, Duration::from_secs(5)),
+        "the departure left the descriptor quiet"
+    );
+    match from2.rx.poll_message() {
+        Err(Error::PeerClosed { rank: 2 }) => {}
+        other => panic!("from the departed peer: {other:?}"),
+    }
+    inc.forget(2);
+    assert_eq!(
+        inc.arm().unwrap(),
+        Armed::Armed,
+        "a forgotten peer keeps arm busy"
+    );
+    assert!(
+        !readable(fd, Duration::from_millis(300)),
+        "a forgotten peer keeps the descriptor readable"
+    );
+}
