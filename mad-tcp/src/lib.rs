@@ -21,6 +21,12 @@
 //! [`Error::ConnectionLost`]. A live peer that is slow to read (a long compute phase with the
 //! window closed) is not a dead one: its sender keeps waiting (see `link::Liveness`).
 //!
+//! Readiness descriptor (`Incoming::readiness_fd`, for event loops): the channel's
+//! level-triggered epoll set of its sockets and wake-up eventfd (made at first use when the
+//! channel has few peers, so blocking programs never pay for it); a send armed with
+//! `TxLink::arm_send` adds a one-shot `EPOLLOUT` registration. `Incoming::shutdown` shuts
+//! every socket down both ways: the peers see a clean close (FIN), local waits wake up.
+//!
 //! ```no_run
 //! # fn main() -> mad_core::Result<()> {
 //! use mad_core::{ChannelConfig, RecvMode, Session};
@@ -275,6 +281,7 @@ impl Driver for TcpDriver {
                     opts.buffer,
                     bulk_blocking,
                     live.clone(),
+                    incoming.events(),
                 )),
                 rx: Box::new(TcpRx::new(
                     st,

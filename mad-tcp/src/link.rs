@@ -11,16 +11,20 @@
 //! already in the socket come along in the same `recvmsg` instead of costing another system
 //! call. In block mode, gather sends and receives wait in the kernel (no `MSG_DONTWAIT`,
 //! `MSG_WAITALL` on the user's slices only), bounded by the socket timeouts.
+//!
+//! Event loops ([`Incoming::readiness_fd`]): the descriptor is the channel's level-triggered
+//! epoll set (`Events`). A send armed with [`TxLink::arm_send`] adds a one-shot `EPOLLOUT`
+//! registration of a duplicate of its socket, which disables itself when it fires.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use mad_core::driver::{AbortOutcome, Incoming, RxLink, TmId, TxLink};
+use mad_core::driver::{AbortOutcome, Armed, Incoming, RxLink, TmId, TxLink};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 use smallvec::SmallVec;
@@ -32,6 +36,123 @@ fn lost(peer: usize, e: io::Error) -> Error {
     Error::ConnectionLost {
         rank: peer,
         source: e,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
+const WAKE_TOKEN: u64 = u64::MAX;
+/// Tokens of one-shot send registrations ([`TxLink::arm_send`]): this bit and the rank.
+const SEND_TOKEN: u64 = 1 << 62;
+
+/// The cause of the teardown [`Incoming::shutdown`] records on every connection.
+const CLOSED: &str = "the channel was closed";
+
+/// The channel's epoll set and wake-up eventfd, shared by [`TcpIncoming`] and the links.
+///
+/// The set is the readiness descriptor: level-triggered registrations of every connection
+/// still watched (input, hang-up) and of the eventfd, plus one-shot `EPOLLOUT` registrations
+/// of sends armed by [`TxLink::arm_send`]. With many peers it also serves any-source waits and
+/// is made at open; with few it is made when first asked for, so that a program that only
+/// blocks never pays the epoll callback on every incoming segment.
+pub(crate) struct Events {
+    set: OnceLock<Epoll>,
+    /// The connections, to register in a set made late. Its lock orders the making of the
+    /// set with taking finished connections out of it.
+    conns: Mutex<Vec<Reg>>,
+    wake: EventFd,
+    /// A poll or wait consumed the event of an armed send: the next `arm` says `Busy`.
+    send_ready: AtomicBool,
+}
+
+struct Reg {
+    sock: Arc<TcpStream>,
+    peer: usize,
+    dead: Arc<AtomicBool>,
+}
+
+impl Events {
+    /// With `eager`, the set is made now (the channel's any-source waits use it).
+    pub(crate) fn new(eager: bool) -> Result<Arc<Self>> {
+        let wake = EventFd::new().map_err(|e| Error::io("creating the tcp wake-up eventfd", e))?;
+        let ev = Events {
+            set: OnceLock::new(),
+            conns: Mutex::new(Vec::new()),
+            wake,
+            send_ready: AtomicBool::new(false),
+        };
+        if eager {
+            ev.set()
+                .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
+        }
+        Ok(Arc::new(ev))
+    }
+
+    /// The set, made now if it was not yet.
+    fn set(&self) -> io::Result<&Epoll> {
+        if let Some(ep) = self.set.get() {
+            return Ok(ep);
+        }
+        let conns = lock(&self.conns);
+        if let Some(ep) = self.set.get() {
+            return Ok(ep);
+        }
+        let ep = Epoll::new()?;
+        ep.add(self.wake.raw(), WAKE_TOKEN)?;
+        for r in conns.iter().filter(|r| !r.dead.load(Ordering::Acquire)) {
+            ep.add(r.sock.as_raw_fd(), r.peer as u64)?;
+        }
+        Ok(self.set.get_or_init(|| ep))
+    }
+
+    fn watch(&self, sock: &Arc<TcpStream>, peer: usize, dead: &Arc<AtomicBool>) -> Result<()> {
+        let mut conns = lock(&self.conns);
+        conns.push(Reg {
+            sock: sock.clone(),
+            peer,
+            dead: dead.clone(),
+        });
+        if let Some(ep) = self.set.get() {
+            ep.add(sock.as_raw_fd(), peer as u64).map_err(|e| {
+                Error::io(
+                    format!("registering the connection to rank {peer} in epoll"),
+                    e,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The connection on `fd` is over for reading: stop reporting it (a hung-up socket stays
+    /// readable, which would keep the set readable and every waiter spinning).
+    fn unwatch(&self, fd: RawFd, dead: &AtomicBool) {
+        if dead.load(Ordering::Acquire) {
+            return;
+        }
+        let _g = lock(&self.conns);
+        if !dead.swap(true, Ordering::AcqRel) {
+            if let Some(ep) = self.set.get() {
+                ep.remove(fd);
+            }
+        }
+    }
+
+    /// Wait on the set up to `timeout`: `ready(rank)` for connections with input or a
+    /// hang-up; the eventfd is drained, armed sends are noted for the next `arm`.
+    fn wait(&self, ep: &Epoll, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        ep.wait(timeout, &mut |t| {
+            if t == WAKE_TOKEN {
+                self.wake.drain();
+            } else if t & SEND_TOKEN != 0 {
+                self.send_ready.store(true, Ordering::Release);
+            } else {
+                ready(t as usize);
+            }
+        })
+        .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
     }
 }
 
@@ -176,6 +297,11 @@ pub struct TcpTx {
     broken: Option<String>,
     /// Rate limit of the peer-gone probe in `begin_message`.
     gate: ProbeGate,
+    events: Arc<Events>,
+    /// A duplicate of the socket for the one-shot `EPOLLOUT` registration of
+    /// [`arm_send`](TxLink::arm_send) (the socket itself is registered for input), made at
+    /// the first arming; `true` once registered.
+    send_fd: Option<(TcpStream, bool)>,
 }
 
 impl TcpTx {
@@ -185,8 +311,11 @@ impl TcpTx {
         buf_len: usize,
         bulk_blocking: bool,
         live: Arc<Liveness>,
+        events: Arc<Events>,
     ) -> Self {
         TcpTx {
+            events,
+            send_fd: None,
             live,
             bulk_blocking,
             fd: sock.as_raw_fd(),
@@ -368,6 +497,44 @@ impl TxLink for TcpTx {
     fn progress_mark(&self) -> u64 {
         self.moved
     }
+
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.check().is_err() || self.live.check().is_err() {
+            return Ok(Armed::Busy); // the send call reports it
+        }
+        let ep = self
+            .events
+            .set()
+            .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
+        if self.send_fd.is_none() {
+            let dup = self
+                ._sock
+                .try_clone()
+                .map_err(|e| Error::io("tcp: duplicating a socket for arm_send", e))?;
+            self.send_fd = Some((dup, false));
+        }
+        let Some((dup, registered)) = &mut self.send_fd else {
+            return Ok(Armed::Busy);
+        };
+        ep.watch_write_once(dup.as_raw_fd(), SEND_TOKEN | self.peer as u64, !*registered)
+            .map_err(|e| Error::io("tcp: arming a send in epoll", e))?;
+        *registered = true;
+        // Armed first, then look: room that came meanwhile has fired the registration too.
+        match sys::poll_one(self.fd, Interest::Write, Duration::ZERO) {
+            Ok(false) => Ok(Armed::Armed),
+            _ => Ok(Armed::Busy),
+        }
+    }
+}
+
+impl Drop for TcpTx {
+    fn drop(&mut self) {
+        // The registration would outlive the duplicate (it belongs to the socket, which the
+        // receiving half keeps open).
+        if let (Some((dup, true)), Some(ep)) = (&self.send_fd, self.events.set.get()) {
+            ep.remove(dup.as_raw_fd());
+        }
+    }
 }
 
 /// The receiving half of a connection.
@@ -399,8 +566,8 @@ pub struct TcpRx {
 pub(crate) struct Watch {
     /// Set once the connection is over for reading.
     dead: Arc<AtomicBool>,
-    /// The epoll set the connection is registered in, for channels with many peers.
-    epoll: Option<Arc<Epoll>>,
+    /// The channel's epoll set, which the connection is registered in once it exists.
+    events: Arc<Events>,
 }
 
 impl TcpRx {
@@ -432,11 +599,7 @@ impl TcpRx {
 
     /// The connection is over for reading: stop reporting it to any-source receptions.
     fn deregister(&mut self) {
-        if !self.watch.dead.swap(true, Ordering::AcqRel) {
-            if let Some(ep) = &self.watch.epoll {
-                ep.remove(self.fd);
-            }
-        }
+        self.watch.events.unwatch(self.fd, &self.watch.dead);
     }
 
     #[inline]
@@ -651,19 +814,16 @@ impl Drop for TcpRx {
 ///
 /// With few peers (at most the direct-poll limit) the core polls each connection itself and
 /// only asks this object to *block*; then a `poll(2)` over the sockets and the wake-up eventfd
-/// is used and the sockets are in no epoll set (an epoll registration costs a callback on
-/// every incoming segment, measurable on the 8-byte latency). With more peers, a
-/// level-triggered epoll set holds every connection.
+/// is used and the sockets are in no epoll set until an event loop asks for the readiness
+/// descriptor (an epoll registration costs a callback on every incoming segment, measurable
+/// on the 8-byte latency). With more peers, a level-triggered epoll set holds every
+/// connection, and is also the readiness descriptor.
 pub struct TcpIncoming {
-    kind: Kind,
+    /// Whether any-source polls and waits use the epoll set (many peers) or `poll(2)`.
+    epoll: bool,
     /// Every watched connection (polled directly with few peers; for liveness in any case).
     list: Vec<Watched>,
-    wake: EventFd,
-}
-
-enum Kind {
-    Epoll(Arc<Epoll>),
-    Poll,
+    events: Arc<Events>,
 }
 
 struct Watched {
@@ -673,26 +833,19 @@ struct Watched {
     live: Arc<Liveness>,
 }
 
-/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
-const WAKE_TOKEN: u64 = u64::MAX;
-
 impl TcpIncoming {
     /// Readiness for a channel; `use_epoll` for many peers.
     pub(crate) fn new(use_epoll: bool) -> Result<Self> {
-        let wake = EventFd::new().map_err(|e| Error::io("creating the tcp wake-up eventfd", e))?;
-        let kind = if use_epoll {
-            let ep = Epoll::new().map_err(|e| Error::io("tcp: creating the epoll set", e))?;
-            ep.add(wake.raw(), WAKE_TOKEN)
-                .map_err(|e| Error::io("registering the tcp wake-up eventfd", e))?;
-            Kind::Epoll(Arc::new(ep))
-        } else {
-            Kind::Poll
-        };
         Ok(TcpIncoming {
-            kind,
+            epoll: use_epoll,
             list: Vec::new(),
-            wake,
+            events: Events::new(use_epoll)?,
         })
+    }
+
+    /// The shared readiness state, for the sending halves ([`TxLink::arm_send`]).
+    pub(crate) fn events(&self) -> Arc<Events> {
+        self.events.clone()
     }
 
     /// Watch the connection to `peer`; the returned [`Watch`] goes to its receiving half.
@@ -709,21 +862,11 @@ impl TcpIncoming {
             dead: dead.clone(),
             live: live.clone(),
         });
-        match &self.kind {
-            Kind::Epoll(ep) => {
-                ep.add(sock.as_raw_fd(), peer as u64).map_err(|e| {
-                    Error::io(
-                        format!("registering the connection to rank {peer} in epoll"),
-                        e,
-                    )
-                })?;
-                Ok(Watch {
-                    dead,
-                    epoll: Some(ep.clone()),
-                })
-            }
-            Kind::Poll => Ok(Watch { dead, epoll: None }),
-        }
+        self.events.watch(sock, peer, &dead)?;
+        Ok(Watch {
+            dead,
+            events: self.events.clone(),
+        })
     }
 
     /// Before blocking: judge the liveness of every connection still watched. A peer found
@@ -735,21 +878,16 @@ impl TcpIncoming {
         }
     }
 
-    fn poll_list(
-        &self,
-        list: &[Watched],
-        timeout: Duration,
-        ready: &mut dyn FnMut(usize),
-    ) -> Result<()> {
+    fn poll_list(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
         let mut fds: SmallVec<[RawFd; 8]> = SmallVec::new();
         let mut peers: SmallVec<[usize; 8]> = SmallVec::new();
-        for w in list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
+        for w in self.list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
             fds.push(w.sock.as_raw_fd());
             peers.push(w.peer);
         }
-        fds.push(self.wake.raw());
+        fds.push(self.events.wake.raw());
         let wake_at = fds.len() - 1;
-        let wake = &self.wake;
+        let wake = &self.events.wake;
         sys::poll_read_many(&fds, timeout, &mut |i| {
             if i == wake_at {
                 wake.drain();
@@ -760,41 +898,64 @@ impl TcpIncoming {
         .map_err(|e| Error::io("poll on the tcp connections", e))
     }
 
-    fn epoll_wait(
-        ep: &Epoll,
-        wake: &EventFd,
-        timeout: Duration,
-        ready: &mut dyn FnMut(usize),
-    ) -> Result<()> {
-        ep.wait(timeout, &mut |t| {
-            if t == WAKE_TOKEN {
-                wake.drain();
-            } else {
-                ready(t as usize);
-            }
-        })
-        .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
+    fn any(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        match self.events.set.get() {
+            Some(ep) if self.epoll => self.events.wait(ep, timeout, ready),
+            _ => self.poll_list(timeout, ready),
+        }
     }
 }
 
 impl Incoming for TcpIncoming {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        match &self.kind {
-            Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, Duration::ZERO, ready),
-            Kind::Poll => self.poll_list(&self.list, Duration::ZERO, ready),
-        }
+        self.any(Duration::ZERO, ready)
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         self.check_liveness();
-        match &self.kind {
-            Kind::Epoll(ep) => Self::epoll_wait(ep, &self.wake, timeout, &mut |_| {}),
-            Kind::Poll => self.poll_list(&self.list, timeout, &mut |_| {}),
-        }
+        self.any(timeout, &mut |_| {})
     }
 
     fn wake(&self) {
-        self.wake.signal();
+        self.events.wake.signal();
+    }
+
+    fn forget(&self, rank: usize) {
+        for w in self.list.iter().filter(|w| w.peer == rank) {
+            self.events.unwatch(w.sock.as_raw_fd(), &w.dead);
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.events.set().ok().map(|ep| ep.as_fd())
+    }
+
+    fn arm(&self) -> Result<Armed> {
+        let ep = self
+            .events
+            .set()
+            .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
+        // A peer found unreachable is shut down here, which makes its socket readable.
+        self.check_liveness();
+        // Clear, then look: the set is level-triggered, so looking consumes nothing but the
+        // one-shot events of armed sends (which make this arm `Busy`), and anything that
+        // happens after the drain makes the set readable again.
+        self.events.wake.drain();
+        let mut busy = self.events.send_ready.swap(false, Ordering::AcqRel);
+        ep.wait(Duration::ZERO, &mut |_| busy = true)
+            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))?;
+        Ok(if busy { Armed::Busy } else { Armed::Armed })
+    }
+
+    fn shutdown(&self) {
+        for w in &self.list {
+            // Both halves fail from now on (without a reset: the close is clean), then the
+            // shutdown sends the FIN (the peer sees this process leave) and wakes every thread
+            // blocked on the socket: `poll` for input or room, a blocking send or receive.
+            w.live.torn.tear(CLOSED);
+            let _ = w.sock.shutdown(Shutdown::Both);
+        }
+        self.wake();
     }
 }
 

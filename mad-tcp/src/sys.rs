@@ -8,7 +8,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
 /// Largest number of `iovec`s one `sendmsg`/`recvmsg` takes on Linux (`IOV_MAX`).
@@ -377,6 +377,30 @@ impl Epoll {
         // SAFETY: `ev` is a valid epoll_event for the duration of the call.
         cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })
             .map(|_| ())
+    }
+
+    /// Watch `fd` once for room to send (or an error, a hang-up), reporting `token`:
+    /// `EPOLLOUT | EPOLLONESHOT`, added the first time (`first`), re-enabled afterwards. A
+    /// one-shot registration disables itself when it fires, so a writable socket does not keep
+    /// the set readable; `fd` must not be registered for anything else in this set (register
+    /// a duplicate of a socket that is).
+    pub fn watch_write_once(&self, fd: RawFd, token: u64, first: bool) -> io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32,
+            u64: token,
+        };
+        let op = if first {
+            libc::EPOLL_CTL_ADD
+        } else {
+            libc::EPOLL_CTL_MOD
+        };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) }).map(|_| ())
+    }
+
+    /// The epoll descriptor itself (readable while some registered descriptor is ready).
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     /// Stop watching `fd` (errors are ignored: the descriptor may already be gone).

@@ -12,7 +12,13 @@
 //! | `copy` | Copy | up to 1 KiB | copied into a per-connection buffer, sent with the next write |
 //! | `gather` | Gather | larger | one `writev` per group of up to 16 slices, `readv` in place |
 //!
-//! Progress blocks in `poll(2)`. No `unsafe` anywhere (std sockets, `nix` for `poll`/`pipe2`).
+//! Progress blocks in `poll(2)`. No `unsafe` anywhere (std sockets, `nix` for `poll`/`pipe2`/
+//! epoll).
+//!
+//! Readiness descriptor (event loops): an epoll set of the streams and the wake-up pipe, made
+//! at first use; `arm_send` registers the sending half's descriptor, one-shot, for room.
+//! `Incoming::shutdown` shuts every stream down both ways: peers read end of stream (a clean
+//! close), local waits wake up.
 
 #![forbid(unsafe_code)]
 

@@ -1,4 +1,8 @@
 //! The links: one non-blocking stream per peer, a copy buffer per direction, `poll(2)` waits.
+//!
+//! Event loops: the readiness descriptor is an epoll set of the watcher's duplicates of the
+//! streams and of the wake-up pipe, made when first asked for (blocking programs never pay
+//! for it). A send armed with `arm_send` registers its own descriptor, one-shot, for room.
 
 use std::fs::File;
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
@@ -6,15 +10,18 @@ use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
 use std::time::Duration;
 
-use mad_core::driver::{AbortOutcome, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink};
+use mad_core::driver::{
+    AbortOutcome, Armed, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink,
+};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use smallvec::SmallVec;
 
 use crate::MAX_GROUP;
@@ -23,16 +30,33 @@ use crate::MAX_GROUP;
 pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChannel> {
     let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)
         .map_err(|e| Error::io("uds: wake pipe", e.into()))?;
+    let dup = |s: &UnixStream| s.try_clone().map_err(|e| Error::io("uds: dup", e));
     let mut watched = Vec::new();
+    for (peer, s) in streams.iter().enumerate() {
+        if let Some(s) = s {
+            watched.push(Watched {
+                peer,
+                s: dup(s)?,
+                torn: Arc::new(Teardown::new()),
+                gone: AtomicBool::new(false),
+            });
+        }
+    }
+    let watch = Arc::new(Watch {
+        watched,
+        wake_r: File::from(r),
+        wake_w: File::from(w),
+        set: OnceLock::new(),
+        making: Mutex::new(()),
+    });
     let mut links = Vec::with_capacity(streams.len());
+    let mut torn = watch.watched.iter().map(|w| w.torn.clone());
     for (peer, s) in streams.into_iter().enumerate() {
         let Some(s) = s else {
             links.push(None);
             continue;
         };
-        let dup = |s: &UnixStream| s.try_clone().map_err(|e| Error::io("uds: dup", e));
-        watched.push((peer, dup(&s)?));
-        let torn = Arc::new(Teardown::new());
+        let torn = torn.next().expect("one watched entry per stream");
         let tx = Tx {
             torn: torn.clone(),
             gate: ProbeGate::new(),
@@ -43,6 +67,8 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
             off: 0,
             done: 0,
             wrote: false,
+            watch: watch.clone(),
+            armed_once: false,
         };
         let rx = Rx {
             torn,
@@ -60,12 +86,7 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
     }
     Ok(OpenedChannel {
         links,
-        incoming: Box::new(Watch {
-            gone: watched.iter().map(|_| AtomicBool::new(false)).collect(),
-            watched,
-            wake_r: File::from(r),
-            wake_w: File::from(w),
-        }),
+        incoming: Box::new(Incomings(watch)),
         notes: vec![format!("uds: {buf} B copy buffers, poll(2) progress")],
     })
 }
@@ -130,6 +151,10 @@ struct Tx {
     done: usize,
     /// Whether any byte of the current message has left.
     wrote: bool,
+    /// The channel's watcher, whose epoll set `arm_send` registers this descriptor in.
+    watch: Arc<Watch>,
+    /// This descriptor was added to the set (later armings re-enable it).
+    armed_once: bool,
 }
 
 impl Tx {
@@ -231,10 +256,41 @@ impl TxLink for Tx {
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         wait_fd(self.s.as_fd(), PollFlags::POLLOUT, timeout)
     }
+
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.torn.is_torn() {
+            return Ok(Armed::Busy);
+        }
+        let set = self.watch.set()?;
+        // One-shot: the registration disables itself when it fires, so a socket with room
+        // does not keep the set readable. This descriptor is ours alone (the watcher
+        // registers its own duplicate for input).
+        let mut ev = EpollEvent::new(
+            EpollFlags::EPOLLOUT | EpollFlags::EPOLLONESHOT,
+            SEND_TOKEN | self.peer as u64,
+        );
+        let r = if self.armed_once {
+            set.modify(self.s.as_fd(), &mut ev)
+        } else {
+            set.add(self.s.as_fd(), ev)
+        };
+        r.map_err(|e| Error::io("uds: arming a send in epoll", e.into()))?;
+        self.armed_once = true;
+        // Armed first, then look: room that came meanwhile has fired the registration too.
+        let mut fds = [PollFd::new(self.s.as_fd(), PollFlags::POLLOUT)];
+        Ok(match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) => Armed::Armed,
+            _ => Armed::Busy,
+        })
+    }
 }
 
 impl Drop for Tx {
     fn drop(&mut self) {
+        // The registration belongs to the socket, which other descriptors keep open.
+        if let (true, Some(set)) = (self.armed_once, self.watch.set.get()) {
+            let _ = set.delete(self.s.as_fd());
+        }
         // The receive half and the readiness watcher hold duplicates of the descriptor: say
         // goodbye explicitly so the peer sees end-of-file now.
         let _ = self.s.shutdown(Shutdown::Write);
@@ -356,24 +412,45 @@ impl RxLink for Rx {
     }
 }
 
-/// Any-source readiness: `poll(2)` over every peer's descriptor and a wake-up pipe.
+/// Token of the wake-up pipe in the epoll set (ranks use their own number).
+const WAKE_TOKEN: u64 = u64::MAX;
+/// Tokens of one-shot send registrations: this bit and the rank.
+const SEND_TOKEN: u64 = 1 << 62;
+
+/// Any-source readiness: `poll(2)` over every peer's descriptor and a wake-up pipe; for event
+/// loops, an epoll set of the same.
 struct Watch {
-    watched: Vec<(usize, UnixStream)>,
-    /// Per entry of `watched`: the core gave up on that peer (`Incoming::forget`). A hung-up
-    /// socket stays readable, so polling it would end every wait at once.
-    gone: Vec<AtomicBool>,
+    watched: Vec<Watched>,
     wake_r: File,
     wake_w: File,
+    /// The readiness descriptor, made when first asked for.
+    set: OnceLock<Epoll>,
+    /// Orders the making of the set with taking forgotten peers out of it.
+    making: Mutex<()>,
 }
+
+struct Watched {
+    peer: usize,
+    /// A duplicate of the connection's stream.
+    s: UnixStream,
+    /// Shared with the connection's halves.
+    torn: Arc<Teardown>,
+    /// The core gave up on that peer (`Incoming::forget`). A hung-up socket stays readable,
+    /// so polling it would end every wait at once.
+    gone: AtomicBool,
+}
+
+/// The channel's [`Incoming`] (the watcher is shared with the sending halves).
+struct Incomings(Arc<Watch>);
 
 impl Watch {
     fn poll_all(&self, timeout: PollTimeout, ready: &mut dyn FnMut(usize)) -> Result<bool> {
         let mut ranks: SmallVec<[usize; 8]> = SmallVec::new();
         let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
-        for ((rank, s), gone) in self.watched.iter().zip(&self.gone) {
-            if !gone.load(Ordering::Relaxed) {
-                ranks.push(*rank);
-                fds.push(PollFd::new(s.as_fd(), PollFlags::POLLIN));
+        for w in &self.watched {
+            if !w.gone.load(Ordering::Relaxed) {
+                ranks.push(w.peer);
+                fds.push(PollFd::new(w.s.as_fd(), PollFlags::POLLIN));
             }
         }
         fds.push(PollFd::new(self.wake_r.as_fd(), PollFlags::POLLIN));
@@ -389,31 +466,92 @@ impl Watch {
         }
         Ok(fds[ranks.len()].revents().is_some_and(|r| !r.is_empty()))
     }
+
+    fn drain_wake(&self) {
+        let mut sink = [0u8; 64];
+        while matches!((&self.wake_r).read(&mut sink), Ok(n) if n > 0) {}
+    }
+
+    /// The epoll set, made now if it was not yet: level-triggered input and hang-ups of the
+    /// peers not forgotten, and the wake-up pipe.
+    fn set(&self) -> Result<&Epoll> {
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let err = |e: nix::errno::Errno| Error::io("uds: epoll set", e.into());
+        let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(err)?;
+        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
+        set.add(self.wake_r.as_fd(), EpollEvent::new(input, WAKE_TOKEN))
+            .map_err(err)?;
+        for w in self
+            .watched
+            .iter()
+            .filter(|w| !w.gone.load(Ordering::Acquire))
+        {
+            set.add(w.s.as_fd(), EpollEvent::new(input, w.peer as u64))
+                .map_err(err)?;
+        }
+        Ok(self.set.get_or_init(|| set))
+    }
 }
 
-impl Incoming for Watch {
+impl Incoming for Incomings {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        self.poll_all(PollTimeout::ZERO, ready).map(drop)
+        self.0.poll_all(PollTimeout::ZERO, ready).map(drop)
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        if self.poll_all(ms(timeout), &mut |_| {})? {
+        if self.0.poll_all(ms(timeout), &mut |_| {})? {
             // Woken: consume the wake-ups (only waiters do, so `poll` cannot steal one).
-            let mut sink = [0u8; 64];
-            while matches!((&self.wake_r).read(&mut sink), Ok(n) if n > 0) {}
+            self.0.drain_wake();
         }
         Ok(())
     }
 
     fn wake(&self) {
-        let _ = (&self.wake_w).write(&[1]);
+        let _ = (&self.0.wake_w).write(&[1]);
     }
 
     fn forget(&self, rank: usize) {
-        for ((r, _), gone) in self.watched.iter().zip(&self.gone) {
-            if *r == rank {
-                gone.store(true, Ordering::Relaxed);
+        let _g = self.0.making.lock().unwrap_or_else(|p| p.into_inner());
+        for w in self.0.watched.iter().filter(|w| w.peer == rank) {
+            if !w.gone.swap(true, Ordering::AcqRel) {
+                if let Some(set) = self.0.set.get() {
+                    let _ = set.delete(w.s.as_fd());
+                }
             }
         }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.0.set().ok().map(|s| s.0.as_fd())
+    }
+
+    fn arm(&self) -> Result<Armed> {
+        let set = self.0.set()?;
+        // Clear, then look: the set is level-triggered, so looking consumes nothing but the
+        // one-shot events of armed sends (which make this arm `Busy`); whatever happens after
+        // the drain makes the set readable again.
+        self.0.drain_wake();
+        let mut evs = [EpollEvent::empty(); 4];
+        let n = set
+            .wait(&mut evs, EpollTimeout::ZERO)
+            .map_err(|e| Error::io("uds: epoll_wait", e.into()))?;
+        Ok(if n > 0 { Armed::Busy } else { Armed::Armed })
+    }
+
+    fn shutdown(&self) {
+        for w in &self.0.watched {
+            // Both halves fail from now on; shutting a Unix stream both ways closes the peer's
+            // end too (it reads what was sent, then end of stream: a clean close) and wakes
+            // every local thread polling the socket.
+            w.torn.tear("the channel was closed");
+            let _ = w.s.shutdown(Shutdown::Both);
+        }
+        self.wake();
     }
 }

@@ -28,6 +28,12 @@
 //! registration cache are written once against a verbs-shaped provider interface
 //! (`provider.rs`, `proto.rs`), implemented by the soft NIC and by the verbs NIC.
 //!
+//! Readiness descriptor (event loops): an epoll set, made at first use, of each connection's
+//! control socket (verbs: completion channel) and a wake-up socket; a send armed with
+//! `arm_send` is signalled by whichever poll of its connection sees it move, or by one-shot
+//! registrations of its sockets for room. `Incoming::shutdown` marks every connection closed
+//! and sends end of stream on both queue pairs (soft: a clean close for the peer).
+//!
 //! Users can also borrow pre-registered memory ([`ViaHandle::request_buffer`], pCoR's buffer
 //! request/release): data packed from such a buffer travels without registration.
 //!

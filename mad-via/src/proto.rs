@@ -34,16 +34,30 @@
 //! data QP and sends a CTS (key, address, length) on the control QP; the sender RDMA-writes the
 //! data into it, the last write carrying an immediate that consumes the posted receive: the
 //! completion signal.
+//!
+//! # Event loops
+//!
+//! The readiness descriptor ([`Incoming::readiness_fd`]) is an epoll set ([`Events`]) of each
+//! connection's first wait descriptor (soft: the control socket; verbs: the completion
+//! channel) and of a wake-up socket, made at first use. A send armed with
+//! [`TxLink::arm_send`] records the connection's [`Progress`]; whoever next finds it changed
+//! under the connection's lock (any thread's poll of the NIC) signals the set, and the
+//! sending link's own descriptors are registered one-shot for room in the NIC's queues.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::Poll;
 use std::time::Duration;
 
-use mad_core::driver::{AbortOutcome, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink};
+use mad_core::driver::{
+    AbortOutcome, Armed, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink,
+};
 use mad_core::{Error, Result};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
 use crate::provider::{
     Device, Dst, Interest, Interests, Nic, Qp, RecvSge, Remote, Sge, Src, WaitFds, Wc, WcKind,
@@ -136,6 +150,26 @@ pub(crate) struct Conn<N: Nic> {
     msg_started: bool,
     stats: ConnStats,
     wcs: Vec<Wc>,
+    /// A send armed by an event loop ([`TxLink::arm_send`]) waits for the connection to move
+    /// from this state; whoever sees it move signals `events`.
+    tx_armed: Option<Progress>,
+    /// The channel's readiness set (none for raw endpoints).
+    events: Option<Arc<Events>>,
+}
+
+/// What a blocked send may be waiting for, compared before and after: credits, control
+/// receives (a CTS), send completions, free static buffers, room in the NIC's queues, the
+/// connection's end. A change means the send may progress (false positives are fine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Progress {
+    seen: u32,
+    received: u32,
+    data_tx_done: u64,
+    cts: usize,
+    tx_free: usize,
+    backlog: usize,
+    failed: bool,
+    closed: bool,
 }
 
 fn chunks(total: usize, max: usize) -> usize {
@@ -240,7 +274,40 @@ impl<N: Nic> Conn<N> {
             msg_started: false,
             stats: ConnStats::default(),
             wcs: Vec::with_capacity(2 * cfg.slots + tx + 8),
+            tx_armed: None,
+            events: None,
         })))
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            seen: self.seen,
+            received: self.received,
+            data_tx_done: self.data_tx_done,
+            cts: self.cts.len(),
+            tx_free: self.tx_free.len(),
+            backlog: self.nic.backlog(),
+            failed: self.failed.is_some(),
+            closed: self.nic.peer_closed(Qp::Ctrl),
+        }
+    }
+
+    /// After the connection may have moved: tell an event loop whose send waits for it.
+    #[inline]
+    fn moved(&mut self) {
+        if let Some(p) = self.tx_armed {
+            self.signal_if_moved(p);
+        }
+    }
+
+    #[cold]
+    fn signal_if_moved(&mut self, armed: Progress) {
+        if self.progress() != armed {
+            self.tx_armed = None;
+            if let Some(ev) = &self.events {
+                ev.send_progressed();
+            }
+        }
     }
 
     pub(crate) fn check(&self) -> Result<()> {
@@ -261,6 +328,7 @@ impl<N: Nic> Conn<N> {
                 if matches!(e, Error::Protocol { .. }) {
                     self.nic.fail(wire::ERR_PROTOCOL, &e.to_string());
                 }
+                self.moved();
             }
         }
         r
@@ -303,6 +371,12 @@ impl<N: Nic> Conn<N> {
 
     /// Act on the completions known without I/O (send buffers and windows free up).
     fn reap(&mut self) -> Result<()> {
+        let r = self.reap_inner();
+        self.moved();
+        r
+    }
+
+    fn reap_inner(&mut self) -> Result<()> {
         let mut wcs = std::mem::take(&mut self.wcs);
         let mut r = self.nic.reap(&mut wcs);
         if r.is_ok() {
@@ -321,6 +395,12 @@ impl<N: Nic> Conn<N> {
     /// Collect completions (lending `lent` to a NIC that needs it to land data) and act on
     /// them; return credits if due.
     pub(crate) fn poll_nic(&mut self, lent: &mut [IoSliceMut<'_>]) -> Result<()> {
+        let r = self.poll_nic_inner(lent);
+        self.moved();
+        r
+    }
+
+    fn poll_nic_inner(&mut self, lent: &mut [IoSliceMut<'_>]) -> Result<()> {
         let mut wcs = std::mem::take(&mut self.wcs);
         let mut r = self.nic.poll(lent, &mut wcs);
         if r.is_ok() {
@@ -789,6 +869,12 @@ pub(crate) struct ViaTx<D: Device, N: Nic> {
     cache: Arc<RegCache<D>>,
     st: TxGather,
     fds: Vec<OwnedFd>,
+    /// The channel's readiness set, for `arm_send` (none for raw endpoints).
+    events: Option<Arc<Events>>,
+    /// The connection's state at the last `Pending` return, for `arm_send`.
+    pending_at: Option<Progress>,
+    /// Which of `fds` were added to the set (later armings re-enable them).
+    in_set: Vec<bool>,
 }
 
 /// Receiving half of a VIA connection.
@@ -811,18 +897,23 @@ fn dup_fds<N: Nic>(conn: &Shared<N>) -> Result<Vec<OwnedFd>> {
         .collect()
 }
 
-/// The link pair over a connection.
+/// The link pair over a connection; `events`: the channel's readiness set.
 pub(crate) fn links<D: Device, N: Nic>(
     conn: &Shared<N>,
     cache: &Arc<RegCache<D>>,
+    events: Option<&Arc<Events>>,
 ) -> Result<LinkPair> {
+    let fds = dup_fds(conn)?;
     Ok(LinkPair {
         tx: Box::new(ViaTx {
             conn: conn.clone(),
             gate: mad_core::liveness::ProbeGate::new(),
             cache: cache.clone(),
             st: TxGather::default(),
-            fds: dup_fds(conn)?,
+            in_set: vec![false; fds.len()],
+            fds,
+            events: events.cloned(),
+            pending_at: None,
         }),
         rx: Box::new(ViaRx {
             conn: conn.clone(),
@@ -900,6 +991,12 @@ impl<D: Device, N: Nic> ViaTx<D, N> {
 
 impl<D: Device, N: Nic> Drop for ViaTx<D, N> {
     fn drop(&mut self) {
+        // The registrations belong to the sockets, which other descriptors keep open.
+        if let Some(set) = self.events.as_ref().and_then(|e| e.set.get()) {
+            for (fd, _) in self.fds.iter().zip(&self.in_set).filter(|(_, r)| **r) {
+                let _ = set.delete(fd);
+            }
+        }
         if self.st.active {
             // Work requests may still read the user's memory: break the connection (the NIC
             // stops touching it) before the registrations go.
@@ -938,7 +1035,11 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
             return Err(c.proto(format!("TM {tm} is not a copy TM")));
         }
         let r = c.with_buffer(fill);
-        c.guard(r)
+        let r = c.guard(r)?;
+        if r.is_pending() {
+            self.pending_at = Some(c.progress());
+        }
+        Ok(r)
     }
 
     fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
@@ -962,6 +1063,9 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
             _ => Err(c.proto(format!("TM {tm} is not a gather TM"))),
         };
         let r = c.guard(r)?;
+        if r.is_pending() {
+            self.pending_at = Some(c.progress());
+        }
         drop(c);
         if r.is_ready() {
             self.finish();
@@ -979,6 +1083,7 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         Ok(if c.guard(r)? {
             Poll::Ready(())
         } else {
+            self.pending_at = Some(c.progress());
             Poll::Pending
         })
     }
@@ -988,11 +1093,13 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         c.check()?;
         let r = c.send_slot();
         if !c.guard(r)? {
+            self.pending_at = Some(c.progress());
             return Ok(Poll::Pending);
         }
         // Flushes the soft NIC's queues and hears about errors the peer reported.
         c.poll_nic(&mut [])?;
         Ok(if c.nic.transmit_pending() {
+            self.pending_at = Some(c.progress());
             Poll::Pending
         } else {
             Poll::Ready(())
@@ -1055,6 +1162,59 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
             |c| !c.cts.is_empty() || c.failed.is_some(),
             timeout,
         )
+    }
+
+    fn arm_send(&mut self) -> Result<Armed> {
+        let Some(events) = &self.events else {
+            return Ok(Armed::Busy);
+        };
+        let set = events.set()?;
+        let mut c = lock(&self.conn);
+        if c.failed.is_some() {
+            return Ok(Armed::Busy); // the send call reports it
+        }
+        let before = self.pending_at.take().unwrap_or_else(|| c.progress());
+        // Hear what came (credits, a CTS, completions) and push the NIC's queues, as the send
+        // would: anything that moved since the `Pending` return means it may progress now.
+        if c.poll_nic(&mut []).is_err() {
+            return Ok(Armed::Busy);
+        }
+        let now = c.progress();
+        if now != before {
+            return Ok(Armed::Busy);
+        }
+        let mut interest = Interests::new();
+        if c.nic.prepare_wait(false, &mut interest)? {
+            return Ok(Armed::Busy);
+        }
+        // Armed under the connection's lock: every later poll of the NIC compares.
+        c.tx_armed = Some(now);
+        // What only the wire can bring: room in the NIC's queues, data-QP input. The first
+        // descriptor's input (control traffic: credits, CTS) is in the channel's set already.
+        for i in &interest {
+            let mut flags = EpollFlags::empty();
+            if i.write {
+                flags |= EpollFlags::EPOLLOUT;
+            }
+            if i.read && i.fd != 0 {
+                flags |= EpollFlags::EPOLLIN;
+            }
+            let Some(fd) = self.fds.get(i.fd) else {
+                continue;
+            };
+            if flags.is_empty() {
+                continue;
+            }
+            let mut ev = EpollEvent::new(flags | EpollFlags::EPOLLONESHOT, SEND_TOKEN);
+            let r = if self.in_set[i.fd] {
+                set.modify(fd, &mut ev)
+            } else {
+                set.add(fd, ev)
+            };
+            r.map_err(|e| Error::io("via: arming a send in epoll", e.into()))?;
+            self.in_set[i.fd] = true;
+        }
+        Ok(Armed::Armed)
     }
 }
 
@@ -1163,31 +1323,117 @@ impl<D: Device, N: Nic> RxLink for ViaRx<D, N> {
     }
 }
 
-/// Any-source readiness over the connections of a channel.
-pub(crate) struct ViaIncoming<N: Nic> {
-    conns: Vec<(usize, Shared<N>, Vec<OwnedFd>)>,
-    wake_rx: std::os::unix::net::UnixStream,
-    wake_tx: std::os::unix::net::UnixStream,
+/// Token of the wake-up socket in the readiness set (connections use their rank).
+const WAKE_TOKEN: u64 = u64::MAX;
+/// Token of the one-shot registrations of armed sends.
+const SEND_TOKEN: u64 = 1 << 62;
+
+/// The channel's readiness descriptor: an epoll set, made at first use, of each connection's
+/// first wait descriptor (level-triggered input) and of the wake-up socket, plus the one-shot
+/// registrations of armed sends. Shared by [`ViaIncoming`], the sending links and the
+/// connections (which signal it when an armed send's connection moves).
+pub(crate) struct Events {
+    set: OnceLock<Epoll>,
+    /// Orders the making of the set with taking forgotten connections out of it.
+    making: Mutex<()>,
+    regs: Vec<Reg>,
+    wake_rx: UnixStream,
+    wake_tx: UnixStream,
+    /// An armed send's connection moved: the next `arm` says `Busy`.
+    send_ready: AtomicBool,
 }
 
-impl<N: Nic> ViaIncoming<N> {
-    fn new(conns: Vec<(usize, Shared<N>)>) -> Result<ViaIncoming<N>> {
-        let (wake_rx, wake_tx) =
-            std::os::unix::net::UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
+struct Reg {
+    rank: usize,
+    /// A duplicate of the connection's first wait descriptor (every NIC has one).
+    fd: Option<OwnedFd>,
+    /// The core gave up on the connection (`Incoming::forget`): out of the set, so that an
+    /// ended socket does not keep it readable.
+    forgotten: AtomicBool,
+}
+
+impl Events {
+    fn new<N: Nic>(conns: &[(usize, Shared<N>)]) -> Result<Arc<Events>> {
+        let (wake_rx, wake_tx) = UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
         wake_rx
             .set_nonblocking(true)
             .and_then(|_| wake_tx.set_nonblocking(true))
             .map_err(|e| Error::io("socketpair", e))?;
+        let mut regs = Vec::with_capacity(conns.len());
+        for (rank, c) in conns {
+            regs.push(Reg {
+                rank: *rank,
+                fd: dup_fds(c)?.into_iter().next(),
+                forgotten: AtomicBool::new(false),
+            });
+        }
+        Ok(Arc::new(Events {
+            set: OnceLock::new(),
+            making: Mutex::new(()),
+            regs,
+            wake_rx,
+            wake_tx,
+            send_ready: AtomicBool::new(false),
+        }))
+    }
+
+    /// The set, made now if it was not yet.
+    fn set(&self) -> Result<&Epoll> {
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let err = |e: nix::errno::Errno| Error::io("via: epoll set", e.into());
+        let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(err)?;
+        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
+        set.add(self.wake_rx.as_fd(), EpollEvent::new(input, WAKE_TOKEN))
+            .map_err(err)?;
+        for r in self
+            .regs
+            .iter()
+            .filter(|r| !r.forgotten.load(Ordering::Acquire))
+        {
+            if let Some(fd) = &r.fd {
+                set.add(fd, EpollEvent::new(input, r.rank as u64))
+                    .map_err(err)?;
+            }
+        }
+        Ok(self.set.get_or_init(|| set))
+    }
+
+    fn wake(&self) {
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    fn drain_wake(&self) {
+        let mut sink = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+    }
+
+    /// An armed send's connection moved.
+    fn send_progressed(&self) {
+        self.send_ready.store(true, Ordering::Release);
+        self.wake();
+    }
+}
+
+/// Any-source readiness over the connections of a channel.
+pub(crate) struct ViaIncoming<N: Nic> {
+    conns: Vec<(usize, Shared<N>, Vec<OwnedFd>)>,
+    events: Arc<Events>,
+}
+
+impl<N: Nic> ViaIncoming<N> {
+    fn new(conns: Vec<(usize, Shared<N>)>, events: Arc<Events>) -> Result<ViaIncoming<N>> {
         let mut v = Vec::with_capacity(conns.len());
         for (r, c) in conns {
             let fds = dup_fds(&c)?;
             v.push((r, c, fds));
         }
-        Ok(ViaIncoming {
-            conns: v,
-            wake_rx,
-            wake_tx,
-        })
+        Ok(ViaIncoming { conns: v, events })
     }
 }
 
@@ -1211,7 +1457,6 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        use std::io::Read;
         // Inline up to 8 connections: an any-source wait allocates nothing in small jobs.
         let mut fds: smallvec::SmallVec<[BorrowedFd<'_>; 17]> = smallvec::SmallVec::new();
         let mut interest: smallvec::SmallVec<[Interest; 17]> = smallvec::SmallVec::new();
@@ -1247,23 +1492,89 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
                 ..*i
             }));
         }
-        fds.push(self.wake_rx.as_fd());
+        fds.push(self.events.wake_rx.as_fd());
         interest.push(Interest {
             fd: fds.len() - 1,
             read: true,
             write: false,
         });
         wait_fds(&fds, &interest, timeout.min(Duration::from_millis(10)))?;
-        let mut sink = [0u8; 64];
-        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+        self.events.drain_wake();
         Ok(())
     }
 
     fn wake(&self) {
-        use std::io::Write;
-        let _ = (&self.wake_tx).write(&[1]);
+        self.events.wake();
+    }
+
+    fn forget(&self, rank: usize) {
+        let ev = &self.events;
+        let _g = ev.making.lock().unwrap_or_else(|p| p.into_inner());
+        for r in ev.regs.iter().filter(|r| r.rank == rank) {
+            if !r.forgotten.swap(true, Ordering::AcqRel) {
+                if let (Some(set), Some(fd)) = (ev.set.get(), &r.fd) {
+                    let _ = set.delete(fd);
+                }
+            }
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.events.set().ok().map(|s| s.0.as_fd())
+    }
+
+    fn arm(&self) -> Result<Armed> {
+        let ev = &self.events;
+        let set = ev.set()?;
+        // Clear first; whatever happens afterwards makes the set readable again.
+        ev.drain_wake();
+        let mut busy = ev.send_ready.swap(false, Ordering::AcqRel);
+        let mut one = Interests::new();
+        for ((_, c, _), r) in self.conns.iter().zip(&ev.regs) {
+            if r.forgotten.load(Ordering::Acquire) {
+                continue;
+            }
+            let mut c = lock(c);
+            // What is already here (in user space, where the set cannot see it): a message, or
+            // a failure or an end the core has not heard of yet.
+            if c.ready_for_rx() {
+                busy = true;
+                continue;
+            }
+            // Verbs: request the completion event; a completion already there says so.
+            if c.nic.prepare_wait(true, &mut one)? {
+                busy = true;
+            }
+        }
+        if !busy {
+            // Level-triggered: looking consumes nothing but armed sends' one-shot events.
+            let mut evs = [EpollEvent::empty(); 4];
+            let n = set
+                .wait(&mut evs, EpollTimeout::ZERO)
+                .map_err(|e| Error::io("via: epoll_wait", e.into()))?;
+            busy = n > 0;
+        }
+        Ok(if busy { Armed::Busy } else { Armed::Armed })
+    }
+
+    fn shutdown(&self) {
+        for (_, c, _) in &self.conns {
+            // The connection's lock is only held for the duration of a non-blocking call.
+            let mut c = lock(c);
+            if c.failed.is_none() {
+                c.failed = Some(CLOSED.to_string());
+            }
+            // End of stream towards the peer (a clean close); the links' waits return within
+            // their 1 ms slice and then find the connection failed.
+            c.nic.close();
+            c.moved();
+        }
+        self.wake();
     }
 }
+
+/// The cause later calls report after [`Incoming::shutdown`].
+const CLOSED: &str = "the channel was closed";
 
 /// Assemble an opened channel from one NIC per reachable rank.
 pub(crate) fn open_channel<D: Device, N: Nic>(
@@ -1272,21 +1583,28 @@ pub(crate) fn open_channel<D: Device, N: Nic>(
     cfg: SlotConfig,
     notes: Vec<String>,
 ) -> Result<OpenedChannel> {
-    let mut links = Vec::with_capacity(nics.len());
-    let mut all = Vec::new();
+    let mut conns = Vec::with_capacity(nics.len());
     for (r, nic) in nics.into_iter().enumerate() {
-        match nic {
-            Some(nic) => {
-                let conn = Conn::shared(nic, r, cfg)?;
-                links.push(Some(self::links(&conn, cache)?));
-                all.push((r, conn));
+        conns.push(match nic {
+            Some(nic) => Some((r, Conn::shared(nic, r, cfg)?)),
+            None => None,
+        });
+    }
+    let all: Vec<(usize, Shared<N>)> = conns.iter().flatten().cloned().collect();
+    let events = Events::new(&all)?;
+    let mut links = Vec::with_capacity(conns.len());
+    for c in &conns {
+        links.push(match c {
+            Some((_, conn)) => {
+                lock(conn).events = Some(events.clone());
+                Some(self::links(conn, cache, Some(&events))?)
             }
-            None => links.push(None),
-        }
+            None => None,
+        });
     }
     Ok(OpenedChannel {
         links,
-        incoming: Box::new(ViaIncoming::new(all)?),
+        incoming: Box::new(ViaIncoming::new(all, events)?),
         notes,
     })
 }

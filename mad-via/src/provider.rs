@@ -276,6 +276,20 @@ pub(crate) trait Nic: Send + 'static {
     /// Stop the receiving side (a received message was abandoned midway).
     fn shutdown_recv(&mut self);
 
+    /// The channel closes (`Incoming::shutdown`): send what is queued if that can be done
+    /// without blocking, then tell the peer this side leaves, as a process that exits between
+    /// messages does (soft: end of stream on both queue pairs). The default stops the sending
+    /// side (verbs: the QPs go to the error state; the peer sees a failure, not a clean close).
+    fn close(&mut self) {
+        self.shutdown_send();
+    }
+
+    /// Bytes posted but still queued in user space on their way to the wire (soft: the
+    /// sockets' send queues; a hardware NIC: 0). A change means a blocked send may progress.
+    fn backlog(&self) -> usize {
+        0
+    }
+
     /// Tear the connection down for both ends (a message was abandoned midway, by this side's
     /// sender after part of it left or by its receiver): the peer's pending and later
     /// operations on the connection must fail, promptly (soft: the sockets are reset; verbs:

@@ -1116,6 +1116,17 @@ impl Nic for SoftNic {
         }
     }
 
+    fn close(&mut self) {
+        for w in &mut self.q {
+            let _ = w.flush();
+            w.sock.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    fn backlog(&self) -> usize {
+        self.q.iter().map(|w| w.out_pending()).sum()
+    }
+
     fn tear_down(&mut self) {
         // Both queue pairs: a TCP socket is reset (the peer's blocked and later sends and
         // receives fail at once; a shutdown would leave its sends waiting for room or
@@ -1260,7 +1271,7 @@ impl Endpoint {
 
     /// The link pair over this endpoint (what the driver hands to the core).
     pub fn links(&self) -> Result<LinkPair> {
-        proto::links(&self.conn, &self.cache)
+        proto::links(&self.conn, &self.cache, None)
     }
 
     /// Counters of this end.
