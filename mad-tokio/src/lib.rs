@@ -4,9 +4,10 @@
 //! ([`Channel::readiness_fd`]) with tokio's reactor. Every future follows the arming protocol of
 //! the descriptor: arm, try the non-blocking call, and await the descriptor only if nothing
 //! progressed, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
-//! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), yielding
-//! to the runtime between tries, because a kernel wake-up costs far more than a message on
-//! shared memory; `progress=block` goes to the descriptor at once, `progress=poll` never sleeps.
+//! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
+//! a kernel wake-up costs far more than a message on shared memory: at most 10 µs on its
+//! thread, then yielding to the runtime between tries; `progress=block` goes to the descriptor
+//! at once, `progress=poll` never sleeps.
 //! A driver without a descriptor (MPI: it progresses only inside MPI calls) is polled with a
 //! back-off from 20 µs to 1 ms.
 //!
@@ -94,12 +95,17 @@ impl std::fmt::Debug for AsyncChannel {
     }
 }
 
+/// Longest a future retries on its thread before it yields to the runtime (the first part of
+/// the spin budget).
+const SPIN_IN_PLACE: Duration = Duration::from_micros(10);
+
 /// Longest back-off between two polls of a driver without a readiness descriptor.
 const MAX_BACKOFF: Duration = Duration::from_millis(1);
 
 impl AsyncChannel {
     /// Wrap `ch`; its readiness descriptor is registered with the current tokio runtime (call
-    /// this inside one). One `AsyncChannel` per channel: clone it to share.
+    /// this inside one, with I/O enabled; a channel without a descriptor needs timers too).
+    /// One `AsyncChannel` per channel: clone it to share.
     pub fn new(ch: Channel) -> Result<AsyncChannel> {
         let fd = match ch.readiness_fd() {
             Some(fd) => {
@@ -116,7 +122,18 @@ impl AsyncChannel {
                     )
                 })?)
             }
-            None => None,
+            None => {
+                // Without a descriptor, waits are timed back-offs: the runtime needs timers.
+                let timers = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
+                if timers.is_err() {
+                    return Err(Error::BadConfig(format!(
+                        "channel `{}` has no readiness descriptor, so its futures poll with \
+                         timed back-offs: build the tokio runtime with timers (enable_time)",
+                        ch.config().name
+                    )));
+                }
+                None
+            }
         };
         let spin = match ch.config().progress {
             ProgressMode::Poll => None,
@@ -146,6 +163,21 @@ impl AsyncChannel {
             return r;
         }
         let start = Instant::now();
+        // A ping-pong's answer takes a few microseconds at most under busy traffic: try
+        // without giving the thread away first (a yield to tokio costs an `epoll_wait` of the
+        // reactor), for at most `SPIN_IN_PLACE`.
+        let in_place = inner.spin.map_or(SPIN_IN_PLACE, |s| s.min(SPIN_IN_PLACE));
+        let mut i = 0u32;
+        while !in_place.is_zero() {
+            std::hint::spin_loop();
+            if let Poll::Ready(r) = f() {
+                return r;
+            }
+            i += 1;
+            if i % 64 == 0 && start.elapsed() >= in_place {
+                break;
+            }
+        }
         let mut backoff = Duration::from_micros(20);
         loop {
             let spinning = match inner.spin {

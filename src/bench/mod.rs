@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use mad_core::config::parse_size;
 use mad_core::{Error, Result, Session};
 
-use net::{MadNet, Mode, Net, RawShm, RawTcp, Wait};
+use net::{AsyncNet, MadNet, Mode, Net, RawShm, RawTcp, Wait};
 use patterns::Counts;
 use report::Row;
 
@@ -460,6 +460,21 @@ impl Imp {
 fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
     let mut v = Vec::new();
     for (i, spec) in o.channels.iter().enumerate() {
+        if let Some(inner) = spec.strip_prefix("async:") {
+            // The tokio adapter over the same kind of channel, one mode pair.
+            let a = MadNet::open(session, &format!("bench{i}a"), inner, Mode::Cc)?;
+            let b = MadNet::open(session, &format!("bench{i}b"), inner, Mode::Cc)?;
+            v.push(Imp {
+                name: spec.clone(),
+                mode: Some(Mode::Cc),
+                baseline: Some(baseline_of(inner)),
+                a: Some(Box::new(AsyncNet::new(&a)?)),
+                b: Some(Box::new(AsyncNet::new(&b)?)),
+                mt: None,
+                only: Some(&["latency", "bw", "rpc"]),
+            });
+            continue;
+        }
         let a = MadNet::open(session, &format!("bench{i}a"), spec, Mode::Cc)?;
         let b = MadNet::open(session, &format!("bench{i}b"), spec, Mode::Cc)?;
         let base = Some(baseline_of(spec));

@@ -22,6 +22,22 @@ pub trait Net: Send {
     fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()>;
     /// Receive an RPC into `buf`; returns the body length.
     fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize>;
+
+    /// A whole ping-pong loop of `warm + iters` round trips, for endpoints that run it
+    /// differently from `send`/`recv` in a loop (the async adapter: one runtime entry for the
+    /// loop); returns the timed part's seconds. `None`: use `send`/`recv`.
+    fn pingpong(
+        &mut self,
+        peer: usize,
+        initiator: bool,
+        warm: usize,
+        iters: usize,
+        s: &[u8],
+        r: &mut [u8],
+    ) -> Option<Result<f64>> {
+        let _ = (peer, initiator, warm, iters, s, r);
+        None
+    }
 }
 
 /// The mode pair a Madeleine endpoint packs with.
@@ -129,6 +145,133 @@ impl Net for MadNet {
         u.unpack(&mut buf[..n], SendMode::Cheaper)?;
         u.end_unpacking()?;
         Ok(n)
+    }
+}
+
+/// A Madeleine channel through the tokio adapter (`mad-tokio`), each call one `block_on` of a
+/// current-thread runtime (so the figure includes entering the runtime once per message).
+pub struct AsyncNet {
+    rt: tokio::runtime::Runtime,
+    ch: mad_tokio::AsyncChannel,
+    mode: Mode,
+}
+
+impl AsyncNet {
+    /// Wrap an opened channel.
+    pub fn new(net: &MadNet) -> Result<AsyncNet> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("tokio runtime", e))?;
+        let ch = {
+            let _g = rt.enter();
+            mad_tokio::AsyncChannel::new(net.ch.clone())?
+        };
+        Ok(AsyncNet {
+            rt,
+            ch,
+            mode: net.mode,
+        })
+    }
+}
+
+impl Net for AsyncNet {
+    fn pingpong(
+        &mut self,
+        peer: usize,
+        initiator: bool,
+        warm: usize,
+        iters: usize,
+        s: &[u8],
+        r: &mut [u8],
+    ) -> Option<Result<f64>> {
+        let ch = &self.ch;
+        Some(self.rt.block_on(async {
+            let mut t0 = std::time::Instant::now();
+            for i in 0..warm + iters {
+                if i == warm {
+                    t0 = std::time::Instant::now();
+                }
+                if initiator {
+                    let mut p = ch.begin_packing(peer).await?;
+                    p.pack(s, RecvMode::Cheaper)?;
+                    p.end_packing().await?;
+                }
+                let mut u = ch.begin_unpacking_from(peer).await?;
+                u.unpack(r, SendMode::Cheaper)?;
+                u.end_unpacking().await?;
+                if !initiator {
+                    let mut p = ch.begin_packing(peer).await?;
+                    p.pack(r, RecvMode::Cheaper)?;
+                    p.end_packing().await?;
+                }
+            }
+            Ok(t0.elapsed().as_secs_f64())
+        }))
+    }
+
+    fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
+        let (ch, mode) = (&self.ch, self.mode);
+        self.rt.block_on(async {
+            let mut p = ch.begin_packing(peer).await?;
+            match mode {
+                Mode::Cc => p.pack(msg, RecvMode::Cheaper)?,
+                Mode::Se => p.pack_safer(msg, RecvMode::Express)?,
+                Mode::Multi16 => {
+                    for r in pieces(msg.len()) {
+                        p.pack(&msg[r], RecvMode::Cheaper)?;
+                    }
+                }
+            }
+            p.end_packing().await
+        })
+    }
+
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let (ch, mode) = (&self.ch, self.mode);
+        self.rt.block_on(async {
+            let mut u = ch.begin_unpacking_from(peer).await?;
+            match mode {
+                Mode::Cc => u.unpack(buf, SendMode::Cheaper)?,
+                Mode::Se => u.unpack_express(buf, SendMode::Safer).await?,
+                Mode::Multi16 => {
+                    let step = buf.len() / 16;
+                    let mut rest = buf;
+                    for i in 0..16 {
+                        let take = if i == 15 { rest.len() } else { step };
+                        let (piece, tail) = rest.split_at_mut(take);
+                        u.unpack(piece, SendMode::Cheaper)?;
+                        rest = tail;
+                    }
+                }
+            }
+            u.end_unpacking().await
+        })
+    }
+
+    fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
+        let ch = &self.ch;
+        self.rt.block_on(async {
+            let mut p = ch.begin_packing(peer).await?;
+            p.pack_value(&(body.len() as u64), RecvMode::Express)?;
+            p.pack(body, RecvMode::Cheaper)?;
+            p.end_packing().await
+        })
+    }
+
+    fn recv_rpc(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize> {
+        let ch = &self.ch;
+        self.rt.block_on(async {
+            let mut u = ch.begin_unpacking_from(peer).await?;
+            let n: u64 = u.unpack_value().await?;
+            let n = usize::try_from(n)
+                .ok()
+                .filter(|&n| n <= buf.len())
+                .ok_or_else(|| Error::protocol(peer, format!("RPC body of {n} bytes too large")))?;
+            u.unpack(&mut buf[..n], SendMode::Cheaper)?;
+            u.end_unpacking().await?;
+            Ok(n)
+        })
     }
 }
 
