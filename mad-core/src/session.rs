@@ -33,6 +33,8 @@ struct SessionInner {
     oversubscribed: AtomicBool,
     /// Opens attempted per channel name: a retry after a failed open gets fresh bootstrap tags.
     attempts: Mutex<HashMap<String, u32>>,
+    /// Every channel opened, for [`Session::close`] (weak: a channel lives while it has handles).
+    channels: Mutex<Vec<std::sync::Weak<crate::channel::ChannelInner>>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -97,6 +99,7 @@ impl SessionBuilder {
                 drivers: self.drivers,
                 oversubscribed: AtomicBool::new(local > cores),
                 attempts: Mutex::new(HashMap::new()),
+                channels: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -134,6 +137,23 @@ impl Session {
     /// Start building a session.
     pub fn builder() -> SessionBuilder {
         SessionBuilder::default()
+    }
+
+    /// Close every channel this session opened that is still alive ([`Channel::close`]):
+    /// every blocked call and pending future on them fails with [`Error::Closed`], and the
+    /// peers see this process leave. Channels opened afterwards are not affected.
+    pub fn close(&self) {
+        let list: Vec<_> = self
+            .inner
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|w| w.upgrade())
+            .collect();
+        for inner in list {
+            Channel { inner }.close();
+        }
     }
 
     /// This process's rank.
@@ -330,6 +350,15 @@ impl Session {
         let ch = Channel {
             inner: Arc::new(ch),
         };
+        {
+            let mut list = self
+                .inner
+                .channels
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&ch.inner));
+        }
         if std::env::var("MAD_PROTO_INFO")
             .map(|v| v == "1")
             .unwrap_or(false)

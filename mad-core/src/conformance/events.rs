@@ -151,7 +151,7 @@ fn closed_in_time(r: Result<()>, closed_at: Instant, what: &str) -> Result<Durat
 /// `Channel::close` frees every thread blocked on the channel (an any-source receive, a
 /// receive from one peer, a message in the middle of its `end_unpacking`, on a thread other
 /// than the one that began it: an `Unpacker` is `Send`) with `Error::Closed`, later calls
-/// fail the same way, and the peer sees this rank leave: its receives fail, and a sender
+/// fail the same way, `Session::close` does the same for every channel it opened, and the peer sees this rank leave: its receives fail, and a sender
 /// caught in the middle of a 16 MiB message fails instead of waiting (drivers that can finish
 /// a connection under a peer).
 pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
@@ -199,6 +199,17 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
                 waits[1],
                 mid_wait
             );
+            // Session::close closes what the session opened.
+            let third = c.open("-session", "timeout_ms=20000")?;
+            let blocked = std::thread::scope(|s| {
+                let h = s.spawn(|| third.begin_unpacking_from(1).map(drop));
+                std::thread::sleep(Duration::from_millis(50));
+                let t0 = Instant::now();
+                c.session.close();
+                let r = h.join().map_err(|_| fail("a receiver panicked"))?;
+                closed_in_time(r, t0, "begin_unpacking_from after Session::close")
+            })?;
+            eprintln!("kit close: Session::close freed a blocked receive in {blocked:?}");
             for (r, what) in [
                 (ch.begin_packing(1).map(drop), "begin_packing after close"),
                 (
@@ -219,7 +230,9 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
             let mut p = mid.begin_packing(0)?;
             p.pack_value(&(BODY as u64), RecvMode::Express)?;
             p.flush()?;
+            let third = c.open("-session", "timeout_ms=20000")?;
             c.barrier("closed")?;
+            drop(third);
             if super::tears_down(&ch) {
                 let sent = p
                     .pack(&body, RecvMode::Cheaper)
@@ -233,7 +246,10 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
                 drop(p);
             }
         }
-        _ => c.barrier("closed")?,
+        _ => {
+            let _third = c.open("-session", "timeout_ms=20000")?;
+            c.barrier("closed")?
+        }
     }
     Ok(())
 }
