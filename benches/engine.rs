@@ -510,13 +510,54 @@ fn loop_roundtrip(c: &mut Criterion) {
     g.finish();
 }
 
+/// [`loop_once`] through the event-driven calls: deferred packer and unpacker, the end and
+/// the EXPRESS piece polled (each ready at the first poll here): the cost of recording the
+/// steps and running the plans against the blocking engine's direct calls.
+#[inline(never)]
+fn polled_once(a: &Channel, b: &Channel, data: &[u8], out: &mut [u8], k: usize) {
+    let mut p = a.try_begin_packing(1).expect("begin").expect("free");
+    p.defer();
+    p.pack(&data[..8], RecvMode::Express).expect("pack");
+    for piece in data[8..].chunks(8).take(k - 1) {
+        p.pack(piece, RecvMode::Cheaper).expect("pack");
+    }
+    while p.poll_end_packing().is_pending() {}
+    drop(p);
+    let mut u = b
+        .try_begin_unpacking_from(0)
+        .expect("begin")
+        .expect("a message");
+    u.defer();
+    let (first, rest) = out.split_at_mut(8);
+    while u.poll_unpack_express(first, SendMode::Cheaper).is_pending() {}
+    for piece in rest.chunks_mut(8).take(k - 1) {
+        u.unpack(piece, SendMode::Cheaper).expect("unpack");
+    }
+    while u.poll_end_unpacking().is_pending() {}
+}
+
+fn polled_roundtrip(c: &mut Criterion) {
+    let (a, b) = pair("loop");
+    let data = [5u8; 8 * 16];
+    let mut out = [0u8; 8 * 16];
+    let mut g = c.benchmark_group("polled_roundtrip");
+    for k in [1usize, 16] {
+        g.throughput(Throughput::Elements(k as u64));
+        g.bench_function(k.to_string(), |bch| {
+            bch.iter(|| polled_once(&a, &b, &data, &mut out, k))
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     select,
     pack_null,
     bmm,
     mem_roundtrip,
-    loop_roundtrip
+    loop_roundtrip,
+    polled_roundtrip
 );
 
 fn main() {
