@@ -66,6 +66,7 @@ fn opts() -> Result<Opts> {
             "--calls" => o.calls = parse(&val("--calls")?)?,
             "--inflight" => o.inflight = parse::<u64>(&val("--inflight")?)?.max(1) as usize,
             "--quick" => o.calls = 1_000,
+            "--" => {}
             _ => {
                 return Err(Error::BadConfig(format!(
                     "unknown argument `{a}` (--channel SPEC, --calls N, --inflight N, --quick)"
