@@ -147,9 +147,9 @@ mod tests {
         let mut data = [1u8, 2, 3];
         let cells = Cell::from_mut(&mut data[..]).as_slice_of_cells();
         let mut l = cells_spare.lend();
-        l.push(cells);
+        l.push(Later::Cells(cells));
         cells[0].set(9);
-        assert_eq!(l[0][0].get(), 9);
+        assert!(matches!(l[0], Later::Cells(c) if c[0].get() == 9 && l[0].len() == 3));
         cells_spare.restore(l);
         let mut s: Spare<Slices> = Spare::default();
         let mut l = s.lend();

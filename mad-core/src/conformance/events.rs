@@ -310,10 +310,10 @@ pub(super) fn case_deadlines(c: &Ctx<'_>) -> Result<()> {
                 timed_out(r, t0, "begin_packing_until on a held connection")
             })?;
             c.barrier("timed-out")?;
-            super::recv_sized(&ch, 1, 41)?;
-            super::send_sized(&ch, 1, 42, 4096)?;
+            super::recv_sized(ch, 1, 41)?;
+            super::send_sized(ch, 1, 42, 4096)?;
             c.barrier("intact")?;
-            if !super::tears_down(&ch) {
+            if !super::tears_down(ch) {
                 return Ok(());
             }
             let mut u = ch.begin_unpacking_from(1)?;
@@ -326,7 +326,7 @@ pub(super) fn case_deadlines(c: &Ctx<'_>) -> Result<()> {
                 .and_then(|()| u.end_unpacking());
             timed_out(r, t0, "end_unpacking past its deadline")?;
             c.barrier("stalled")?;
-            super::connection_refused_both_ways(c, &ch, "deadline")?;
+            super::connection_refused_both_ways(c, ch, "deadline")?;
         }
         1 => {
             c.barrier("timed-out")?;
