@@ -44,8 +44,8 @@ run() { # label, command...
 export MIRIFLAGS="-Zmiri-disable-isolation" # Secret::random reads the OS's random source
 MIRI=(env CARGO_TARGET_DIR="$ROOT/target-miri" cargo +nightly miri test -q)
 run "miri: mad-core library (with hostmem)" "${MIRI[@]}" -p mad-core --lib --features hostmem
-run "miri: engine over mem (tests engine, reentry, observability)" \
-    "${MIRI[@]}" -p mad-core --test engine --test reentry --test observability
+run "miri: engine over mem (tests engine, reentry, observability, polled)" \
+    "${MIRI[@]}" -p mad-core --test engine --test reentry --test observability --test polled
 run "miri: mad-shm ring" "${MIRI[@]}" -p mad-shm --lib ring
 
 ASAN=(env RUSTFLAGS="-Zsanitizer=address" CARGO_TARGET_DIR="$ROOT/target-asan"
