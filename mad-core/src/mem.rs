@@ -12,18 +12,26 @@
 //! of `buf` bytes, default 4096) up to `copy_max` (default 1024), then `gather` (Bmm::Gather,
 //! groups of up to 8 slices). Each direction holds at most `frames` frames (default 64): a
 //! sender that finds it full gets `Poll::Pending` (back-pressure).
+//!
+//! Readiness descriptor: an eventfd per rank, written by a pusher (or a closing peer, a wake,
+//! a reader freeing room for an armed send) only while the rank is armed; the armed flag lives
+//! under the doorbell's lock, which every push takes anyway.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::Poll;
 use std::time::Duration;
 
+use nix::sys::eventfd::{EfdFlags, EventFd};
+
 use crate::channel::lock;
 use crate::config::ChannelConfig;
 use crate::driver::{
-    AbortOutcome, Adapters, Capabilities, Driver, DriverOptions, Incoming, LinkPair, OpenContext,
-    OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
+    AbortOutcome, Adapters, Armed, Capabilities, Driver, DriverOptions, Incoming, LinkPair,
+    OpenContext, OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
 };
 use crate::error::{Error, Result};
 use crate::liveness::{ProbeGate, Teardown};
@@ -49,34 +57,97 @@ struct PipeState {
     free: Vec<Vec<u8>>,
     free_lens: Vec<Vec<usize>>,
     closed: bool,
+    /// The writer armed its readiness descriptor on this full pipe (`arm_send`): the reader
+    /// signals it when it takes a frame.
+    tx_armed: bool,
 }
 
 struct Pipe {
     st: Mutex<PipeState>,
     cv: Condvar,
     max_frames: usize,
+    /// The reader's doorbell.
     doorbell: Arc<Doorbell>,
+    /// The writer's doorbell (its readiness descriptor, for an armed send).
+    writer_bell: Arc<Doorbell>,
 }
 
 #[derive(Default)]
+struct BellState {
+    /// Bumped by every push, close and wake.
+    n: u64,
+    /// The readiness descriptor is armed: the next ring writes the eventfd.
+    armed: bool,
+    /// A wake or an armed send's progress since the last arm: the next arm says busy.
+    pending: bool,
+    /// The channel was shut down.
+    shut: bool,
+}
+
+/// A rank's doorbell: pushes, closes and wakes ring it; its readiness descriptor is `efd`.
 struct Doorbell {
-    n: Mutex<u64>,
+    st: Mutex<BellState>,
     cv: Condvar,
+    efd: Option<EventFd>,
+}
+
+impl Default for Doorbell {
+    fn default() -> Self {
+        Doorbell {
+            st: Mutex::default(),
+            cv: Condvar::new(),
+            efd: EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).ok(),
+        }
+    }
 }
 
 impl Doorbell {
+    /// A push or close: wake the waiters, and the descriptor if armed.
     fn ring(&self) {
-        *lock(&self.n) += 1;
+        let mut st = lock(&self.st);
+        st.n += 1;
+        if st.armed {
+            st.armed = false;
+            self.signal();
+        }
+        drop(st);
         self.cv.notify_all();
+    }
+
+    /// A wake or an armed send's progress: [`ring`](Self::ring), the next arm says busy, and
+    /// the descriptor is written whether armed or not (a send armed after the last arm must
+    /// not be lost by it).
+    fn poke(&self, send: bool) {
+        let mut st = lock(&self.st);
+        st.n += 1;
+        st.pending = true;
+        if st.armed || send {
+            st.armed = false;
+            self.signal();
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    fn signal(&self) {
+        if let Some(e) = &self.efd {
+            let _ = e.write(1);
+        }
     }
 }
 
 impl Pipe {
     /// Close this direction: its writer's pushes and its reader's polls fail (once drained).
     fn close(&self) {
-        lock(&self.st).closed = true;
+        let mut st = lock(&self.st);
+        st.closed = true;
+        let armed = std::mem::take(&mut st.tx_armed);
+        drop(st);
         self.cv.notify_all();
         self.doorbell.ring();
+        if armed {
+            self.writer_bell.poke(true);
+        }
     }
 }
 
@@ -189,10 +260,12 @@ impl Driver for MemDriver {
                                         .collect(),
                                     free_lens: (0..pool).map(|_| Vec::with_capacity(16)).collect(),
                                     closed: false,
+                                    tx_armed: false,
                                 }),
                                 cv: Condvar::new(),
                                 max_frames: p.frames,
                                 doorbell: bells[i % size].clone(),
+                                writer_bell: bells[i / size].clone(),
                             })
                         })
                         .collect();
@@ -235,10 +308,16 @@ impl Driver for MemDriver {
             .filter(|&s| s != rank)
             .map(|s| (s, fabric.pipes[s * size + rank].clone()))
             .collect();
+        let outbound = (0..size)
+            .filter(|&d| d != rank)
+            .map(|d| fabric.pipes[rank * size + d].clone())
+            .collect();
         Ok(OpenedChannel {
             links,
             incoming: Box::new(MemIncoming {
                 inbound,
+                outbound,
+                forgotten: (0..size).map(|_| AtomicBool::new(false)).collect(),
                 bell: fabric.bells[rank].clone(),
             }),
             notes: vec![format!(
@@ -388,6 +467,20 @@ impl TxLink for MemTx {
         }
         Ok(())
     }
+
+    /// Under the pipe's lock: room or a closed pipe is `Busy`; otherwise the reader's next
+    /// pop (or a close) writes this rank's eventfd.
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.pipe.writer_bell.efd.is_none() {
+            return Ok(Armed::Busy);
+        }
+        let mut st = lock(&self.pipe.st);
+        if st.closed || st.frames.len() < self.pipe.max_frames {
+            return Ok(Armed::Busy);
+        }
+        st.tx_armed = true;
+        Ok(Armed::Armed)
+    }
 }
 
 impl Drop for MemTx {
@@ -419,8 +512,12 @@ impl MemRx {
         let mut st = lock(&self.pipe.st);
         match st.frames.pop_front() {
             Some(f) => {
+                let armed = std::mem::take(&mut st.tx_armed);
                 drop(st);
                 self.pipe.cv.notify_all();
+                if armed {
+                    self.pipe.writer_bell.poke(true);
+                }
                 Ok(Some(f))
             }
             None if st.closed => Err(Error::PeerClosed { rank: self.peer }),
@@ -592,6 +689,10 @@ impl Drop for MemRx {
 
 struct MemIncoming {
     inbound: Vec<(usize, Arc<Pipe>)>,
+    outbound: Vec<Arc<Pipe>>,
+    /// Peers the core stopped watching ([`Incoming::forget`]): a closed pipe of theirs no
+    /// longer makes an arm busy.
+    forgotten: Vec<AtomicBool>,
     bell: Arc<Doorbell>,
 }
 
@@ -609,20 +710,70 @@ impl Incoming for MemIncoming {
     fn wait(&self, timeout: Duration) -> Result<()> {
         // Check under the doorbell lock so a frame pushed after the core's last poll is not
         // missed (pushers ring the bell after releasing their pipe lock).
-        let g = lock(&self.bell.n);
-        if self
-            .inbound
-            .iter()
-            .any(|(_, p)| !lock(&p.st).frames.is_empty())
+        let g = lock(&self.bell.st);
+        if g.shut
+            || self
+                .inbound
+                .iter()
+                .any(|(_, p)| !lock(&p.st).frames.is_empty())
         {
             return Ok(());
         }
-        let seen = *g;
-        let _ = self.bell.cv.wait_timeout_while(g, timeout, |n| *n == seen);
+        let seen = g.n;
+        let _ = self
+            .bell
+            .cv
+            .wait_timeout_while(g, timeout, |st| st.n == seen && !st.shut);
         Ok(())
     }
 
     fn wake(&self) {
-        self.bell.ring();
+        self.bell.poke(false);
+    }
+
+    fn forget(&self, rank: usize) {
+        if let Some(f) = self.forgotten.get(rank) {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.bell.efd.as_ref().map(|e| e.as_fd())
+    }
+
+    /// Under the doorbell lock: set the armed flag, drain the eventfd, take a pending wake;
+    /// then look at the pipes (a pusher rings the doorbell after its push, so one of the two
+    /// sees the other).
+    fn arm(&self) -> Result<Armed> {
+        let Some(efd) = &self.bell.efd else {
+            return Ok(Armed::Busy);
+        };
+        {
+            let mut st = lock(&self.bell.st);
+            if st.shut {
+                return Ok(Armed::Busy);
+            }
+            st.armed = true;
+            let _ = efd.read();
+            if std::mem::take(&mut st.pending) {
+                return Ok(Armed::Busy);
+            }
+        }
+        let ready = self.inbound.iter().any(|(r, p)| {
+            let st = lock(&p.st);
+            !st.frames.is_empty() || (st.closed && !self.forgotten[*r].load(Ordering::Relaxed))
+        });
+        Ok(if ready { Armed::Busy } else { Armed::Armed })
+    }
+
+    /// Close every pipe of this rank, both directions: the peers see a clean close (their
+    /// sends fail, their receives once drained), blocked link waits wake on the pipes'
+    /// condition variables, `wait` on the doorbell's.
+    fn shutdown(&self) {
+        lock(&self.bell.st).shut = true;
+        for p in self.outbound.iter().chain(self.inbound.iter().map(|(_, p)| p)) {
+            p.close();
+        }
+        self.bell.poke(false);
     }
 }
