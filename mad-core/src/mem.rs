@@ -789,7 +789,7 @@ impl Incoming for MemIncoming {
 mod tests {
     use std::os::fd::BorrowedFd;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Barrier, Mutex};
+    use std::sync::{Condvar, Mutex};
     use std::task::Poll;
     use std::time::{Duration, Instant};
 
@@ -833,6 +833,40 @@ mod tests {
             .collect();
         for h in hs {
             h.join().expect("rank thread panicked");
+        }
+    }
+
+    /// A barrier whose waits give up (panic) after [`BOUND`]: a rank that failed must not leave
+    /// the others waiting for ever.
+    struct Barrier {
+        n: usize,
+        st: Mutex<(usize, u64)>,
+        cv: Condvar,
+    }
+
+    impl Barrier {
+        fn new(n: usize) -> Self {
+            Barrier {
+                n,
+                st: Mutex::new((0, 0)),
+                cv: Condvar::new(),
+            }
+        }
+
+        fn wait(&self) {
+            let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+            let round = g.1;
+            g.0 += 1;
+            if g.0 == self.n {
+                *g = (0, round + 1);
+                self.cv.notify_all();
+                return;
+            }
+            let (_g, t) = self
+                .cv
+                .wait_timeout_while(g, BOUND, |s| s.1 == round)
+                .unwrap_or_else(|e| e.into_inner());
+            assert!(!t.timed_out(), "a rank never reached the barrier");
         }
     }
 

@@ -367,11 +367,12 @@ impl Driver for ShmDriver {
             for (r, p) in peers.iter().enumerate() {
                 if let Some(MappedPeer { info: pi, .. }) = p {
                     match ep.towards(&pi.name) {
-                        Ok(s) if s.recv.reaches() => sigs[r] = Some(s),
-                        _ => ok = false,
+                        Ok(s) => sigs[r] = Some(s),
+                        Err(_) => ok = false,
                     }
                 }
             }
+            ok = ok && hostmem::reachable(sigs.iter().flatten());
             let watches = peers
                 .iter()
                 .enumerate()

@@ -3,7 +3,7 @@
 //! The protocol works on two [`Region`]s per connection, whatever the backend: *this process's
 //! incoming area* (mapped locally; the peer writes it, this process polls it) and *the peer's
 //! incoming area* (mapped remotely; this process writes it, never polls it). Everything else
-//! it needs from the memory system is here, in four operations:
+//! it needs from the memory system is here, in four operations (and an optional fifth):
 //!
 //! | operation | `local` ([`Local`]) | `dolphin` ([`crate::dolphin::Dolphin`]) |
 //! |---|---|---|
@@ -11,8 +11,7 @@
 //! | **bulk copy** a chunk into the peer's area | block copy (PIO) | copy into a local staging chunk, `SCIStartDmaTransfer` + `SCIWaitForDMAQueue` (PIO copy when DMA is unavailable, and for an unaligned tail) |
 //! | **wake** the peer after a publish | futex doorbell in its segment, only if it sleeps | nothing: the peer naps (see below) |
 //! | **sleep** until something arrives | futex on this process's own word | check, then sleep [`NAP`](crate::dolphin::NAP), return (the caller polls again) |
-//!
-//! | **readiness** (event loops) | the sleeper words' `ARMED` bit, one datagram to the owner's socket ([`mad_core::hostmem::ready`]) | none: no descriptor (the defaults; untested hardware, and no wake-ups to hook it to) |
+//! | **readiness** for event loops (event loops) | the sleeper words' `ARMED` bit, one datagram to the owner's socket ([`mad_core::hostmem::ready`]) | none: no descriptor (the defaults; untested hardware, and no wake-ups to hook it to) |
 //!
 //! [`Fabric`] names the per-connection types of a backend; [`TxWire`], [`RxWire`] and
 //! [`OwnWire`] carry the operations. The link types are generic over the fabric

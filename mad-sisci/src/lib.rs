@@ -350,11 +350,12 @@ impl Driver for SisciDriver {
                 }) = p
                 {
                     match ep.towards(peer_name) {
-                        Ok(s) if s.recv.reaches() => sigs[r] = Some(s),
-                        _ => ok = false,
+                        Ok(s) => sigs[r] = Some(s),
+                        Err(_) => ok = false,
                     }
                 }
             }
+            ok = ok && hostmem::reachable(sigs.iter().flatten());
             let watches = peers
                 .iter()
                 .enumerate()

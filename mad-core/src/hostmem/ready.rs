@@ -125,12 +125,6 @@ impl Signal {
         let _ = self.try_send();
     }
 
-    /// Send it, reporting whether the socket exists (at open: the peer may be in another
-    /// network namespace, where abstract names do not reach). A full socket exists.
-    pub fn reaches(&self) -> bool {
-        matches!(self.try_send(), Ok(()) | Err(Errno::EAGAIN))
-    }
-
     fn try_send(&self) -> Result<(), Errno> {
         loop {
             match socket::sendto(
@@ -144,6 +138,25 @@ impl Signal {
             }
         }
     }
+}
+
+/// Whether every socket of `peers` exists and can be reached from here (at open: a peer may
+/// live in another network namespace, where abstract names do not reach). One `connect` of a
+/// scratch socket per peer: nothing is sent, no peer is woken.
+pub fn reachable<'a>(peers: impl IntoIterator<Item = &'a PeerSignals>) -> bool {
+    let Ok(probe) = socket::socket(
+        AddressFamily::Unix,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    peers.into_iter().all(|p| {
+        [&p.recv, &p.send]
+            .iter()
+            .all(|s| socket::connect(probe.as_raw_fd(), &s.to).is_ok())
+    })
 }
 
 /// The two signals towards one peer: its receive-event socket (a writer rang its doorbell,

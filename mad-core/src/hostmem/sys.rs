@@ -1,4 +1,4 @@
-//! Every foreign call and raw-memory access of [`hostmem`](super): shared mappings, the
+//! Every unsafe foreign call and raw-memory access of [`hostmem`](super): shared mappings, the
 //! [`Region`] window on them, space reservation (`posix_fallocate`, `statvfs`), futexes,
 //! `kill(pid, 0)` and pidfds.
 //!
