@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Armed, Incoming, LinkPair, RxLink, TmId, TxLink};
 pub use mad_core::hostmem::PeerWatch;
-use mad_core::hostmem::{Bell, DeathCheck, Liveness, PeerSignals, Readiness};
+use mad_core::hostmem::{Bell, DeathCheck, Liveness, PeerSignals, Readiness, ARMED};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
@@ -674,8 +674,9 @@ impl ShmRx {
     /// written on the fast path); a miss is caught by the next fenced wake-up.
     fn consumed(&mut self) {
         self.cons.release();
-        if self.cons.position() - self.notified >= self.cons.view().cap() / 4
-            || writer_bell(self.cons.view()).armed()
+        let v = self.cons.view();
+        if self.cons.position() - self.notified >= v.cap() / 4
+            || v.tx_sleeping().load(Ordering::Relaxed) & ARMED != 0
         {
             self.wake_writer();
         }
