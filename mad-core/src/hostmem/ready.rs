@@ -23,7 +23,7 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 use nix::errno::Errno;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
@@ -140,9 +140,10 @@ impl Signal {
     }
 }
 
-/// Whether every socket of `peers` exists and can be reached from here (at open: a peer may
+/// Whether the sockets of `peers` exist and can be reached from here (at open: a peer may
 /// live in another network namespace, where abstract names do not reach). One `connect` of a
-/// scratch socket per peer: nothing is sent, no peer is woken.
+/// scratch socket to each peer's receive-event socket (its send-progress socket is bound at
+/// the same time, in the same namespace): nothing is sent, no peer is woken.
 pub fn reachable<'a>(peers: impl IntoIterator<Item = &'a PeerSignals>) -> bool {
     let Ok(probe) = socket::socket(
         AddressFamily::Unix,
@@ -152,11 +153,9 @@ pub fn reachable<'a>(peers: impl IntoIterator<Item = &'a PeerSignals>) -> bool {
     ) else {
         return false;
     };
-    peers.into_iter().all(|p| {
-        [&p.recv, &p.send]
-            .iter()
-            .all(|s| socket::connect(probe.as_raw_fd(), &s.to).is_ok())
-    })
+    peers
+        .into_iter()
+        .all(|p| socket::connect(probe.as_raw_fd(), &p.recv.to).is_ok())
 }
 
 /// The two signals towards one peer: its receive-event socket (a writer rang its doorbell,
@@ -172,21 +171,35 @@ pub struct PeerSignals {
 struct Watched {
     rank: usize,
     watch: Arc<PeerWatch>,
+    /// Its pidfd is in the epoll set.
     registered: AtomicBool,
+    /// [`Readiness::forget`] was called.
+    forgotten: AtomicBool,
+}
+
+impl Watched {
+    /// The core no longer watches it: its pidfd leaves the set (a dead peer's stays readable).
+    fn gone(&self) -> bool {
+        self.watch.retired() || self.forgotten.load(Ordering::Relaxed)
+    }
 }
 
 /// The any-source side of a channel's readiness: its [`Endpoint`], the peers' pidfds in the
 /// epoll set, and the pending-wake flag.
+///
+/// The pidfds join the set at the first arm: a program that never arms (the blocking API)
+/// pays nothing per peer at open.
 pub struct Readiness {
     ep: Arc<Endpoint>,
     me: Signal,
     peers: Vec<Watched>,
     woken: AtomicBool,
+    registration: Once,
 }
 
 impl Readiness {
     /// Readiness through `ep` (this process's endpoint, bound as `name`), watching the
-    /// processes of `peers` (rank, watch): their pidfds join the epoll set.
+    /// processes of `peers` (rank, watch): their pidfds join the epoll set at the first arm.
     pub fn new(
         ep: Arc<Endpoint>,
         name: &str,
@@ -199,22 +212,32 @@ impl Readiness {
                 rank,
                 watch,
                 registered: AtomicBool::new(false),
+                forgotten: AtomicBool::new(false),
             })
             .collect();
-        for (i, p) in peers.iter().enumerate() {
-            if let Some(fd) = p.watch.pidfd() {
-                ep.epoll
-                    .add(fd, EpollEvent::new(EpollFlags::EPOLLIN, i as u64))
-                    .map_err(to_io)?;
-                p.registered.store(true, Ordering::Relaxed);
-            }
-        }
         Ok(Readiness {
             ep,
             me,
             peers,
             woken: AtomicBool::new(false),
+            registration: Once::new(),
         })
+    }
+
+    /// Put the pidfds of the peers still watched in the epoll set (once). A peer whose pidfd
+    /// cannot join (no pidfd support, a full set) is seen dead at the driver's own rate only.
+    fn register(&self) {
+        for (i, p) in self.peers.iter().enumerate() {
+            if p.gone() {
+                continue;
+            }
+            if let Some(fd) = p.watch.pidfd() {
+                let ev = EpollEvent::new(EpollFlags::EPOLLIN, i as u64);
+                if self.ep.epoll.add(fd, ev).is_ok() {
+                    p.registered.store(true, Ordering::Relaxed);
+                }
+            }
+        }
     }
 
     /// The readiness descriptor (the epoll set).
@@ -228,9 +251,10 @@ impl Readiness {
     /// progress of an armed send, a peer's exit (that peer is then known dead), an event that
     /// arrived during the collection. One `epoll_wait` with no timeout when nothing happened.
     pub fn collect(&self) -> bool {
+        self.registration.call_once(|| self.register());
         let mut busy = self.woken.swap(false, Ordering::SeqCst);
         for p in &self.peers {
-            if p.watch.retired() {
+            if p.gone() {
                 self.unregister(p);
             }
         }
@@ -254,7 +278,7 @@ impl Readiness {
                         if let Some(p) = self.peers.get(i as usize) {
                             // Marks it dead: the caller's look at its peers reports it.
                             p.watch.exited();
-                            if p.watch.retired() {
+                            if p.gone() {
                                 self.unregister(p);
                             }
                         }
@@ -279,6 +303,7 @@ impl Readiness {
     /// [`Incoming::forget`](crate::driver::Incoming::forget): stop watching `rank`'s process.
     pub fn forget(&self, rank: usize) {
         if let Some(p) = self.peers.iter().find(|p| p.rank == rank) {
+            p.forgotten.store(true, Ordering::Relaxed);
             self.unregister(p);
         }
     }
