@@ -22,7 +22,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::{Arc, Once};
 
 use nix::errno::Errno;
@@ -313,6 +313,8 @@ impl Readiness {
     /// says whether the descriptor is armed).
     pub fn wake(&self, bell: super::Bell<'_>) {
         self.woken.store(true, Ordering::SeqCst);
+        // Pairs with the arm's fence: it sees the flag, or this sees its mark.
+        fence(Ordering::SeqCst);
         bell.signal_if_armed(Some(&self.me));
     }
 }
