@@ -3,7 +3,7 @@
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
 //!
 //! Readiness (event loops): the doorbell's and each writer bell's sleeper word carry an
-//! [`ARMED`](mad_core::hostmem::ARMED) bit; a writer that publishes, closes or frees room and
+//! [`ARMED`] bit; a writer that publishes, closes or frees room and
 //! finds it set sends one byte to the owner's socket ([`PeerSignals`]), whose epoll set is the
 //! channel's readiness descriptor ([`Readiness`]).
 
@@ -902,7 +902,7 @@ impl Drop for ShmRx {
 /// ignored, so a wait with closed peers still sleeps.
 ///
 /// Its readiness descriptor, when the channel has one, is the epoll set of [`Readiness`]; the
-/// doorbell's [`ARMED`](mad_core::hostmem::ARMED) bit makes writers signal it.
+/// doorbell's [`ARMED`] bit makes writers signal it.
 pub struct ShmIncoming {
     own: Arc<Segment>,
     peers: Vec<(usize, RingView, Arc<PeerWatch>)>,
