@@ -12,18 +12,26 @@
 //! of `buf` bytes, default 4096) up to `copy_max` (default 1024), then `gather` (Bmm::Gather,
 //! groups of up to 8 slices). Each direction holds at most `frames` frames (default 64): a
 //! sender that finds it full gets `Poll::Pending` (back-pressure).
+//!
+//! Readiness descriptor: an eventfd per rank, written by a pusher (or a closing peer, a wake,
+//! a reader freeing room for an armed send) only while the rank is armed; the armed flag lives
+//! under the doorbell's lock, which every push takes anyway.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::Poll;
 use std::time::Duration;
 
+use nix::sys::eventfd::{EfdFlags, EventFd};
+
 use crate::channel::lock;
 use crate::config::ChannelConfig;
 use crate::driver::{
-    AbortOutcome, Adapters, Capabilities, Driver, DriverOptions, Incoming, LinkPair, OpenContext,
-    OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
+    AbortOutcome, Adapters, Armed, Capabilities, Driver, DriverOptions, Incoming, LinkPair,
+    OpenContext, OpenedChannel, RxLink, TmId, TmSpec, TmTable, TxLink,
 };
 use crate::error::{Error, Result};
 use crate::liveness::{ProbeGate, Teardown};
@@ -49,34 +57,97 @@ struct PipeState {
     free: Vec<Vec<u8>>,
     free_lens: Vec<Vec<usize>>,
     closed: bool,
+    /// The writer armed its readiness descriptor on this full pipe (`arm_send`): the reader
+    /// signals it when it takes a frame.
+    tx_armed: bool,
 }
 
 struct Pipe {
     st: Mutex<PipeState>,
     cv: Condvar,
     max_frames: usize,
+    /// The reader's doorbell.
     doorbell: Arc<Doorbell>,
+    /// The writer's doorbell (its readiness descriptor, for an armed send).
+    writer_bell: Arc<Doorbell>,
 }
 
 #[derive(Default)]
+struct BellState {
+    /// Bumped by every push, close and wake.
+    n: u64,
+    /// The readiness descriptor is armed: the next ring writes the eventfd.
+    armed: bool,
+    /// A wake or an armed send's progress since the last arm: the next arm says busy.
+    pending: bool,
+    /// The channel was shut down.
+    shut: bool,
+}
+
+/// A rank's doorbell: pushes, closes and wakes ring it; its readiness descriptor is `efd`.
 struct Doorbell {
-    n: Mutex<u64>,
+    st: Mutex<BellState>,
     cv: Condvar,
+    efd: Option<EventFd>,
+}
+
+impl Default for Doorbell {
+    fn default() -> Self {
+        Doorbell {
+            st: Mutex::default(),
+            cv: Condvar::new(),
+            efd: EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).ok(),
+        }
+    }
 }
 
 impl Doorbell {
+    /// A push or close: wake the waiters, and the descriptor if armed.
     fn ring(&self) {
-        *lock(&self.n) += 1;
+        let mut st = lock(&self.st);
+        st.n += 1;
+        if st.armed {
+            st.armed = false;
+            self.signal();
+        }
+        drop(st);
         self.cv.notify_all();
+    }
+
+    /// A wake or an armed send's progress: [`ring`](Self::ring), the next arm says busy, and
+    /// the descriptor is written whether armed or not (a send armed after the last arm must
+    /// not be lost by it).
+    fn poke(&self, send: bool) {
+        let mut st = lock(&self.st);
+        st.n += 1;
+        st.pending = true;
+        if st.armed || send {
+            st.armed = false;
+            self.signal();
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    fn signal(&self) {
+        if let Some(e) = &self.efd {
+            let _ = e.write(1);
+        }
     }
 }
 
 impl Pipe {
     /// Close this direction: its writer's pushes and its reader's polls fail (once drained).
     fn close(&self) {
-        lock(&self.st).closed = true;
+        let mut st = lock(&self.st);
+        st.closed = true;
+        let armed = std::mem::take(&mut st.tx_armed);
+        drop(st);
         self.cv.notify_all();
         self.doorbell.ring();
+        if armed {
+            self.writer_bell.poke(true);
+        }
     }
 }
 
@@ -189,10 +260,12 @@ impl Driver for MemDriver {
                                         .collect(),
                                     free_lens: (0..pool).map(|_| Vec::with_capacity(16)).collect(),
                                     closed: false,
+                                    tx_armed: false,
                                 }),
                                 cv: Condvar::new(),
                                 max_frames: p.frames,
                                 doorbell: bells[i % size].clone(),
+                                writer_bell: bells[i / size].clone(),
                             })
                         })
                         .collect();
@@ -235,10 +308,16 @@ impl Driver for MemDriver {
             .filter(|&s| s != rank)
             .map(|s| (s, fabric.pipes[s * size + rank].clone()))
             .collect();
+        let outbound = (0..size)
+            .filter(|&d| d != rank)
+            .map(|d| fabric.pipes[rank * size + d].clone())
+            .collect();
         Ok(OpenedChannel {
             links,
             incoming: Box::new(MemIncoming {
                 inbound,
+                outbound,
+                forgotten: (0..size).map(|_| AtomicBool::new(false)).collect(),
                 bell: fabric.bells[rank].clone(),
             }),
             notes: vec![format!(
@@ -388,6 +467,20 @@ impl TxLink for MemTx {
         }
         Ok(())
     }
+
+    /// Under the pipe's lock: room or a closed pipe is `Busy`; otherwise the reader's next
+    /// pop (or a close) writes this rank's eventfd.
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.pipe.writer_bell.efd.is_none() {
+            return Ok(Armed::Busy);
+        }
+        let mut st = lock(&self.pipe.st);
+        if st.closed || st.frames.len() < self.pipe.max_frames {
+            return Ok(Armed::Busy);
+        }
+        st.tx_armed = true;
+        Ok(Armed::Armed)
+    }
 }
 
 impl Drop for MemTx {
@@ -419,8 +512,12 @@ impl MemRx {
         let mut st = lock(&self.pipe.st);
         match st.frames.pop_front() {
             Some(f) => {
+                let armed = std::mem::take(&mut st.tx_armed);
                 drop(st);
                 self.pipe.cv.notify_all();
+                if armed {
+                    self.pipe.writer_bell.poke(true);
+                }
                 Ok(Some(f))
             }
             None if st.closed => Err(Error::PeerClosed { rank: self.peer }),
@@ -592,6 +689,10 @@ impl Drop for MemRx {
 
 struct MemIncoming {
     inbound: Vec<(usize, Arc<Pipe>)>,
+    outbound: Vec<Arc<Pipe>>,
+    /// Peers the core stopped watching ([`Incoming::forget`]): a closed pipe of theirs no
+    /// longer makes an arm busy.
+    forgotten: Vec<AtomicBool>,
     bell: Arc<Doorbell>,
 }
 
@@ -609,20 +710,401 @@ impl Incoming for MemIncoming {
     fn wait(&self, timeout: Duration) -> Result<()> {
         // Check under the doorbell lock so a frame pushed after the core's last poll is not
         // missed (pushers ring the bell after releasing their pipe lock).
-        let g = lock(&self.bell.n);
-        if self
-            .inbound
-            .iter()
-            .any(|(_, p)| !lock(&p.st).frames.is_empty())
+        let g = lock(&self.bell.st);
+        if g.shut
+            || self
+                .inbound
+                .iter()
+                .any(|(_, p)| !lock(&p.st).frames.is_empty())
         {
             return Ok(());
         }
-        let seen = *g;
-        let _ = self.bell.cv.wait_timeout_while(g, timeout, |n| *n == seen);
+        let seen = g.n;
+        let _ = self
+            .bell
+            .cv
+            .wait_timeout_while(g, timeout, |st| st.n == seen && !st.shut);
         Ok(())
     }
 
     fn wake(&self) {
-        self.bell.ring();
+        self.bell.poke(false);
+    }
+
+    fn forget(&self, rank: usize) {
+        if let Some(f) = self.forgotten.get(rank) {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.bell.efd.as_ref().map(|e| e.as_fd())
+    }
+
+    /// Under the doorbell lock: set the armed flag, drain the eventfd, take a pending wake;
+    /// then look at the pipes (a pusher rings the doorbell after its push, so one of the two
+    /// sees the other).
+    fn arm(&self) -> Result<Armed> {
+        let Some(efd) = &self.bell.efd else {
+            return Ok(Armed::Busy);
+        };
+        {
+            let mut st = lock(&self.bell.st);
+            if st.shut {
+                return Ok(Armed::Busy);
+            }
+            st.armed = true;
+            let _ = efd.read();
+            if std::mem::take(&mut st.pending) {
+                return Ok(Armed::Busy);
+            }
+        }
+        let ready = self.inbound.iter().any(|(r, p)| {
+            let st = lock(&p.st);
+            !st.frames.is_empty() || (st.closed && !self.forgotten[*r].load(Ordering::Relaxed))
+        });
+        Ok(if ready { Armed::Busy } else { Armed::Armed })
+    }
+
+    /// Close every pipe of this rank, both directions: the peers see a clean close (their
+    /// sends fail, their receives once drained), blocked link waits wake on the pipes'
+    /// condition variables, `wait` on the doorbell's.
+    fn shutdown(&self) {
+        lock(&self.bell.st).shut = true;
+        for p in self
+            .outbound
+            .iter()
+            .chain(self.inbound.iter().map(|(_, p)| p))
+        {
+            p.close();
+        }
+        self.bell.poke(false);
+    }
+}
+
+/// Driver-level tests of the event-loop contract: `TxLink::arm_send` on a full pipe, and
+/// `Incoming::shutdown` waking blocked waits of other threads while the peers see a clean
+/// close.
+#[cfg(all(test, not(miri)))]
+mod tests {
+    use std::os::fd::BorrowedFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Condvar, Mutex};
+    use std::task::Poll;
+    use std::time::{Duration, Instant};
+
+    use super::MemDriver;
+    use crate::bootstrap::{Bootstrap, ThreadBootstrap};
+    use crate::config::ChannelConfig;
+    use crate::driver::{Armed, Driver, OpenContext, OpenedChannel, RxLink, TxLink};
+    use crate::events::wait_readable;
+    use crate::progress::ProgressPolicy;
+    use crate::Error;
+
+    /// Longest any test waits for one event.
+    const BOUND: Duration = Duration::from_secs(20);
+
+    /// Open `mem,buf=64,frames=2` on `n` thread-ranks and run `body(rank, channel)` on each:
+    /// TM 0 fills after two frames.
+    fn run_threads<F>(n: usize, body: F)
+    where
+        F: Fn(usize, OpenedChannel) + Send + Sync + Clone + 'static,
+    {
+        let hs: Vec<_> = ThreadBootstrap::group(n)
+            .into_iter()
+            .map(|b| {
+                let body = body.clone();
+                std::thread::spawn(move || {
+                    let cfg = ChannelConfig::new("t", "mem")
+                        .option("buf", "64")
+                        .option("frames", "2");
+                    let table = MemDriver.tm_table(&cfg).expect("table");
+                    let progress = ProgressPolicy::default();
+                    let ctx = OpenContext {
+                        config: &cfg,
+                        bootstrap: &b,
+                        table: &table,
+                        progress: &progress,
+                    };
+                    let ch = MemDriver.open(&ctx).expect("open");
+                    body(b.rank(), ch)
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("rank thread panicked");
+        }
+    }
+
+    /// A barrier whose waits give up (panic) after [`BOUND`]: a rank that failed must not leave
+    /// the others waiting for ever.
+    struct Barrier {
+        n: usize,
+        st: Mutex<(usize, u64)>,
+        cv: Condvar,
+    }
+
+    impl Barrier {
+        fn new(n: usize) -> Self {
+            Barrier {
+                n,
+                st: Mutex::new((0, 0)),
+                cv: Condvar::new(),
+            }
+        }
+
+        fn wait(&self) {
+            let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+            let round = g.1;
+            g.0 += 1;
+            if g.0 == self.n {
+                *g = (0, round + 1);
+                self.cv.notify_all();
+                return;
+            }
+            let (_g, t) = self
+                .cv
+                .wait_timeout_while(g, BOUND, |s| s.1 == round)
+                .unwrap_or_else(|e| e.into_inner());
+            assert!(!t.timed_out(), "a rank never reached the barrier");
+        }
+    }
+
+    /// Longer than any prompt wake-up, shorter than a wait slice (50 ms): a wait that returns
+    /// within it was woken, not timed out.
+    const PROMPT: Duration = Duration::from_millis(25);
+
+    fn readable(fd: BorrowedFd<'_>, t: Duration) -> bool {
+        !wait_readable(&[fd], Some(t)).unwrap().is_empty()
+    }
+
+    /// Lend TM 0 until the driver says `Pending`.
+    fn fill(tx: &mut dyn TxLink) {
+        for _ in 0..100_000 {
+            let p = tx
+                .with_buffer(0, 1 << 20, &mut |b: &mut [u8]| {
+                    b.fill(7);
+                    b.len()
+                })
+                .unwrap();
+            if p.is_pending() {
+                return;
+            }
+        }
+        panic!("the pipe never filled");
+    }
+
+    /// Take TM 0 bytes until the driver says `Pending` or fails; returns how many, and the error.
+    fn drain(rx: &mut dyn RxLink) -> (usize, Option<Error>) {
+        let mut n = 0;
+        loop {
+            let r = rx.with_data(0, 1 << 20, &mut |b: &[u8]| {
+                n += b.len();
+                b.len()
+            });
+            match r {
+                Ok(Poll::Ready(())) => {}
+                Ok(Poll::Pending) => return (n, None),
+                Err(e) => return (n, Some(e)),
+            }
+        }
+    }
+
+    fn link(ch: &mut OpenedChannel, r: usize) -> &mut crate::driver::LinkPair {
+        ch.links[r].as_mut().expect("link")
+    }
+
+    /// The sender fills its ring, arms the send and the channel (both `Armed`), its descriptor
+    /// stays quiet, and becomes readable once the reader drains; the next arm reports it once.
+    fn arm_send_body(me: usize, mut ch: OpenedChannel, bar: &Barrier) {
+        if me == 0 {
+            let OpenedChannel {
+                links, incoming, ..
+            } = &mut ch;
+            let fd = incoming.readiness_fd().expect("a readiness descriptor");
+            let tx = links[1].as_mut().expect("link").tx.as_mut();
+            fill(tx);
+            assert_eq!(
+                tx.arm_send().unwrap(),
+                Armed::Armed,
+                "full pipe, reader idle"
+            );
+            assert_eq!(incoming.arm().unwrap(), Armed::Armed, "nothing incoming");
+            assert!(!readable(fd, Duration::from_millis(100)), "armed and idle");
+            bar.wait();
+            let t0 = Instant::now();
+            assert!(
+                readable(fd, BOUND),
+                "the reader freed room: the descriptor must fire"
+            );
+            eprintln!(
+                "arm_send: readable {:?} after the reader started",
+                t0.elapsed()
+            );
+            assert_eq!(incoming.arm().unwrap(), Armed::Busy, "the send's progress");
+            let sent = tx
+                .with_buffer(0, 1, &mut |b: &mut [u8]| b.len().min(1))
+                .unwrap();
+            assert!(sent.is_ready(), "room after the drain");
+            assert_eq!(incoming.arm().unwrap(), Armed::Armed);
+            bar.wait();
+        } else {
+            bar.wait();
+            let (n, e) = drain(link(&mut ch, 0).rx.as_mut());
+            assert!(n > 0 && e.is_none(), "{n} B, {e:?}");
+            bar.wait();
+        }
+    }
+
+    #[test]
+    fn arm_send_on_full_pipe_fires_when_the_reader_drains() {
+        let bar = std::sync::Arc::new(Barrier::new(2));
+        run_threads(2, move |me, ch| arm_send_body(me, ch, &bar));
+    }
+
+    /// Rank 0 shuts its channel down while three of its threads wait: a receive from rank 2 (in
+    /// `RxLink::wait`), the any-source `Incoming::wait`, and a send to rank 1 blocked on a full
+    /// ring (`TxLink::wait`). Each must return within [`PROMPT`] and fail afterwards; ranks 1
+    /// and 2 see a clean close (their receive from 0 is `PeerClosed` once drained, their next
+    /// message to 0 too), and rank 2's armed descriptor fires.
+    fn shutdown_body(
+        me: usize,
+        mut ch: OpenedChannel,
+        bar: &Barrier,
+        times: &Mutex<Vec<Duration>>,
+    ) {
+        match me {
+            0 => {
+                fill(link(&mut ch, 1).tx.as_mut());
+                bar.wait();
+                let OpenedChannel {
+                    mut links,
+                    incoming,
+                    ..
+                } = ch;
+                // Both halves stay: dropping one closes it, which the peers would see.
+                let mut l1 = links[1].take().expect("link");
+                let mut l2 = links[2].take().expect("link");
+                let to1 = l1.tx.as_mut();
+                let from2 = l2.rx.as_mut();
+                let shut = AtomicBool::new(false);
+                let t_shut = Mutex::new(Instant::now());
+                let since = || {
+                    assert!(shut.load(Ordering::SeqCst), "returned before the shutdown");
+                    t_shut.lock().unwrap().elapsed()
+                };
+                // A wait that never notices (the loop goes on after its slices) gives up after two
+                // seconds, so that the test fails instead of hanging.
+                let given_up = || shut.load(Ordering::SeqCst) && since() > Duration::from_secs(2);
+                std::thread::scope(|s| {
+                    let rx = s.spawn(|| loop {
+                        match from2.poll_message() {
+                            Ok(Poll::Pending) => from2.wait(Duration::from_secs(10)).unwrap(),
+                            Ok(Poll::Ready(())) => panic!("rank 2 sent nothing"),
+                            Err(e) => return (since(), e),
+                        }
+                        if given_up() {
+                            return (since(), Error::Timeout(since()));
+                        }
+                    });
+                    let any = s.spawn(|| loop {
+                        incoming.wait(Duration::from_secs(10)).unwrap();
+                        if shut.load(Ordering::SeqCst) {
+                            return since();
+                        }
+                    });
+                    let tx = s.spawn(|| loop {
+                        match to1.with_buffer(0, 64, &mut |b: &mut [u8]| b.len().min(64)) {
+                            Ok(Poll::Pending) => {
+                                if let Err(e) = to1.wait(Duration::from_secs(10)) {
+                                    return (since(), e);
+                                }
+                            }
+                            Ok(Poll::Ready(())) => {}
+                            Err(e) => return (since(), e),
+                        }
+                        if given_up() {
+                            return (since(), Error::Timeout(since()));
+                        }
+                    });
+                    std::thread::sleep(Duration::from_millis(150));
+                    *t_shut.lock().unwrap() = Instant::now();
+                    shut.store(true, Ordering::SeqCst);
+                    incoming.shutdown();
+                    let (t_rx, e_rx) = rx.join().unwrap();
+                    let t_any = any.join().unwrap();
+                    let (t_tx, e_tx) = tx.join().unwrap();
+                    eprintln!(
+                        "shutdown: RxLink::wait returned after {t_rx:?} ({e_rx}), Incoming::wait \
+                         after {t_any:?}, TxLink::wait after {t_tx:?} ({e_tx})"
+                    );
+                    times.lock().unwrap().extend([t_rx, t_any, t_tx]);
+                    for t in [t_rx, t_any, t_tx] {
+                        assert!(t < PROMPT, "a wait took {t:?} to notice the shutdown");
+                    }
+                });
+                bar.wait();
+                drop((l1, l2, links));
+            }
+            1 => {
+                bar.wait();
+                bar.wait();
+                let l = link(&mut ch, 0);
+                let (n, e) = drain(l.rx.as_mut());
+                assert!(n > 0, "what rank 0 published is delivered");
+                assert!(
+                    matches!(e, Some(Error::PeerClosed { rank: 0 })),
+                    "then a clean close: {e:?}"
+                );
+                assert!(matches!(
+                    l.rx.poll_message(),
+                    Err(Error::PeerClosed { rank: 0 })
+                ));
+                assert!(matches!(
+                    l.tx.begin_message(),
+                    Err(Error::PeerClosed { rank: 0 })
+                ));
+            }
+            _ => {
+                let OpenedChannel {
+                    links, incoming, ..
+                } = &mut ch;
+                let fd = incoming.readiness_fd().expect("a readiness descriptor");
+                assert_eq!(incoming.arm().unwrap(), Armed::Armed);
+                bar.wait();
+                assert!(
+                    !readable(fd, Duration::from_millis(50)),
+                    "quiet until rank 0 closes"
+                );
+                let t0 = Instant::now();
+                assert!(
+                    readable(fd, BOUND),
+                    "rank 0's close must wake an armed peer"
+                );
+                eprintln!(
+                    "shutdown: the armed peer's descriptor fired {:?} after a 50 ms quiet check (rank 0 closes 150 ms after the barrier)",
+                    t0.elapsed()
+                );
+                bar.wait();
+                let l = links[0].as_mut().expect("link");
+                assert!(matches!(
+                    l.rx.poll_message(),
+                    Err(Error::PeerClosed { rank: 0 })
+                ));
+                assert!(matches!(
+                    l.tx.begin_message(),
+                    Err(Error::PeerClosed { rank: 0 })
+                ));
+            }
+        }
+    }
+
+    #[test]
+    fn shutdown_wakes_blocked_waits_and_peers_see_a_clean_close() {
+        let bar = std::sync::Arc::new(Barrier::new(3));
+        let times = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let t = times.clone();
+        run_threads(3, move |me, ch| shutdown_body(me, ch, &bar, &t));
+        assert_eq!(times.lock().unwrap().len(), 3);
     }
 }

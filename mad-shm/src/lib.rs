@@ -19,6 +19,11 @@
 //!   reader has registered as sleeping; a second futex per ring for writers waiting for room.
 //! * **Peer death**: a pidfd per peer, checked every few milliseconds while polling and after
 //!   every blocking slice ([`link::WAIT_SLICE`]).
+//! * **Readiness descriptor** (event loops): an epoll set of two abstract-namespace datagram
+//!   sockets named after the segment and the peers' pidfds; writers send it a byte only while
+//!   it is armed (a bit in the doorbell's and writer bells' sleeper words, see
+//!   [`mad_core::hostmem::ready`]). None when some rank cannot reach the others' sockets
+//!   (another network namespace): the ranks vote at open.
 //!
 //! Options (`shm,ring=262144,cma=off`): `ring` (bytes per ring, power of two, at least 4096;
 //! default [`DEFAULT_RING`]), `cma` = `auto` (default: use it where permitted), `on` (fail if
@@ -40,7 +45,7 @@ use mad_core::driver::{
     Adapters, Capabilities, Driver, DriverOptions, LinkPair, OpenContext, OpenedChannel, TmSpec,
     TmTable,
 };
-use mad_core::hostmem::{self, MappedPeer};
+use mad_core::hostmem::{self, MappedPeer, PeerSignals};
 use mad_core::{Error, Result};
 
 use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
@@ -281,6 +286,8 @@ impl Driver for ShmDriver {
             ", or smaller rings (option ring=<bytes>, a power of two of at least 4096; now {ring})"
         );
         let mut own = Segment::create(&name, n, ring, &proof, local.len(), &advice)?;
+        // Bound before the announcement, so every peer can reach it once the allgather returns.
+        let endpoint = hostmem::Endpoint::open(&name).ok();
 
         let mut probe = [0u8; 16];
         mad_core::auth::fill_random(&mut probe)?;
@@ -352,13 +359,47 @@ impl Driver for ShmDriver {
                 }
             }
         }
-        let votes = b.allgather(&ctx.tag("cma"), &[cma_ok as u8])?;
+        // Readiness: this rank's sockets reach every peer's, and the epoll set takes their pidfds.
+        let mut sigs: Vec<Option<PeerSignals>> = (0..n).map(|_| None).collect();
+        let mut readiness = None;
+        if let Some(ep) = &endpoint {
+            let mut ok = true;
+            for (r, p) in peers.iter().enumerate() {
+                if let Some(MappedPeer { info: pi, .. }) = p {
+                    match ep.towards(&pi.name) {
+                        Ok(s) => sigs[r] = Some(s),
+                        Err(_) => ok = false,
+                    }
+                }
+            }
+            ok = ok && hostmem::reachable(sigs.iter().flatten());
+            let watches = peers
+                .iter()
+                .enumerate()
+                .filter_map(|(r, p)| Some((r, p.as_ref()?.watch.clone())));
+            readiness = ok
+                .then(|| hostmem::Readiness::new(ep.clone(), &name, watches).ok())
+                .flatten();
+        }
+        let ready_ok = readiness.is_some();
+        let votes = b.allgather(&ctx.tag("cma"), &[cma_ok as u8 | (ready_ok as u8) << 1])?;
         drop(probe_buf);
         // Every rank has mapped every segment: remove the files.
         own.unlink()?;
-        let all_ok = local
-            .iter()
-            .all(|&r| votes.get(r).map(|v| v.first() == Some(&1)).unwrap_or(false));
+        let vote = |bit: u8| {
+            local.iter().all(|&r| {
+                votes
+                    .get(r)
+                    .and_then(|v| v.first())
+                    .is_some_and(|v| v & bit != 0)
+            })
+        };
+        let all_ok = vote(1);
+        if !vote(2) {
+            // Some rank has no descriptor: nobody arms, nobody signals.
+            sigs.iter_mut().for_each(|s| *s = None);
+            readiness = None;
+        }
         let path = if cma_tm.is_some() && all_ok {
             GatherPath::Cma
         } else {
@@ -368,6 +409,7 @@ impl Driver for ShmDriver {
         let own = Arc::new(own);
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
+        let mut conns = Vec::new();
         for (r, p) in peers.into_iter().enumerate() {
             let Some(MappedPeer {
                 info: pi,
@@ -384,7 +426,7 @@ impl Driver for ShmDriver {
                 .ring(r)
                 .ok_or_else(|| Error::protocol(me, "shm: own segment lacks a ring"))?;
             watched.push((r, in_ring.clone(), watch.clone()));
-            links[r] = Some(link::connection(
+            let (pair, conn) = link::connection(
                 ShmTx::new(
                     r,
                     out_ring,
@@ -393,9 +435,13 @@ impl Driver for ShmDriver {
                     cma_tm,
                     path,
                     ctx.progress.oversubscribed,
-                ),
-                ShmRx::new(r, pi.pid, in_ring, own.clone(), watch, cma_tm, path),
-            ));
+                )
+                .with_signals(sigs[r].clone()),
+                ShmRx::new(r, pi.pid, in_ring, own.clone(), watch, cma_tm, path)
+                    .with_signals(sigs[r].take()),
+            );
+            links[r] = Some(pair);
+            conns.push(conn);
         }
 
         let mut notes = vec![format!(
@@ -403,6 +449,11 @@ impl Driver for ShmDriver {
             ring,
             watched.len()
         )];
+        notes.push(if readiness.is_some() {
+            "shm: readiness descriptor: epoll over two abstract datagram sockets and the peers' pidfds".into()
+        } else {
+            "shm: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
+        });
         notes.push(match (cma_tm, path) {
             (None, _) => "shm: CMA disabled (cma=off): large pieces are pipelined through the ring".into(),
             (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
@@ -413,7 +464,11 @@ impl Driver for ShmDriver {
         });
         Ok(OpenedChannel {
             links,
-            incoming: Box::new(ShmIncoming::new(own, watched)),
+            incoming: Box::new(
+                ShmIncoming::new(own, watched)
+                    .with_readiness(readiness)
+                    .with_connections(conns),
+            ),
             notes,
         })
     }

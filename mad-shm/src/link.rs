@@ -1,16 +1,22 @@
 //! The connection halves: [`ShmTx`] writes into the ring this process owns in the peer's
 //! segment, [`ShmRx`] reads the ring the peer owns in this process's segment, and
 //! [`ShmIncoming`] watches every incoming ring through the process's doorbell.
+//!
+//! Readiness (event loops): the doorbell's and each writer bell's sleeper word carry an
+//! [`ARMED`] bit; a writer that publishes, closes or frees room and
+//! finds it set sends one byte to the owner's socket ([`PeerSignals`]), whose epoll set is the
+//! channel's readiness descriptor ([`Readiness`]).
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, Ordering};
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use mad_core::driver::{AbortOutcome, Incoming, LinkPair, RxLink, TmId, TxLink};
+use mad_core::driver::{AbortOutcome, Armed, Incoming, LinkPair, RxLink, TmId, TxLink};
 pub use mad_core::hostmem::PeerWatch;
-use mad_core::hostmem::{Bell, DeathCheck, Liveness};
+use mad_core::hostmem::{Bell, DeathCheck, Liveness, PeerSignals, Readiness, ARMED};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
@@ -62,20 +68,24 @@ fn writer_bell(v: &RingView) -> Bell<'_> {
 }
 
 /// Wake a writer asleep on the ring's `tx_seq` (after the reader released space or completed a
-/// CMA transfer). The SeqCst fence pairs with the one in [`ShmTx::wait`].
-fn notify_writer(v: &RingView) {
-    writer_bell(v).notify();
+/// CMA transfer), and signal its readiness descriptor if it armed a send (`sig`: the writer's
+/// send-progress socket). The SeqCst fence pairs with the one in [`ShmTx::wait`] and
+/// [`ShmTx::arm_send`].
+fn notify_writer(v: &RingView, sig: Option<&PeerSignals>) {
+    writer_bell(v).notify_with(sig.map(|s| &s.send));
 }
 
-/// What the two halves of a connection share to tear it down together: both rings and the
-/// peer's doorbell.
-struct Conn {
+/// What the two halves of a connection (and the channel's shutdown) share to tear it down
+/// together: both rings, the peer's doorbell and its sockets.
+pub struct Conn {
     torn: Teardown,
     /// Our ring in the peer's segment (we write it).
     out: RingView,
     peer_seg: Arc<Segment>,
     /// The peer's ring in our segment (we read it).
     inr: RingView,
+    /// The peer's readiness sockets (`None` when the channel has no readiness descriptor).
+    sigs: Option<PeerSignals>,
 }
 
 impl Conn {
@@ -84,28 +94,61 @@ impl Conn {
     fn tear_down(&self, cause: &str) {
         if self.torn.tear(cause) {
             self.out.writer_closed().store(1, Ordering::Release);
-            self.peer_seg.doorbell().notify();
+            self.peer_seg
+                .doorbell()
+                .notify_with(self.sigs.as_ref().map(|s| &s.recv));
             self.inr.reader_closed().store(1, Ordering::Release);
-            notify_writer(&self.inr);
+            notify_writer(&self.inr, self.sigs.as_ref());
         }
+    }
+
+    /// The channel closes ([`Incoming::shutdown`]): the peer sees both our halves closed, as
+    /// when a process leaves between messages (its reader is woken only if it waits for this
+    /// ring in particular, like [`ShmTx`]'s drop; its writer and any armed descriptor are
+    /// signalled); our halves fail from now on; our own sender blocked on this ring is woken
+    /// (the receivers sleep on the doorbell, which the caller rings once).
+    fn shut(&self) {
+        if !self.torn.tear("the channel was closed") {
+            return;
+        }
+        self.out.writer_closed().store(1, Ordering::Release);
+        self.inr.reader_closed().store(1, Ordering::Release);
+        fence(Ordering::SeqCst);
+        let bell = self.peer_seg.doorbell();
+        if self.out.rx_waiting().load(Ordering::Relaxed) != 0 {
+            bell.ring();
+        }
+        bell.signal_if_armed(self.sigs.as_ref().map(|s| &s.recv));
+        notify_writer(&self.inr, self.sigs.as_ref());
+        writer_bell(&self.out).ring();
     }
 }
 
 /// Join the two halves of a connection, so that an abandoned message tears the connection
-/// down in both directions (see [`TxLink::abort_message`], [`RxLink::abort_message`]).
-pub fn connection(mut tx: ShmTx, mut rx: ShmRx) -> LinkPair {
+/// down in both directions (see [`TxLink::abort_message`], [`RxLink::abort_message`]). The
+/// connection is also returned for the channel's [`ShmIncoming`] (its shutdown closes it).
+pub fn connection(mut tx: ShmTx, mut rx: ShmRx) -> (LinkPair, Arc<Conn>) {
     let conn = Arc::new(Conn {
         torn: Teardown::new(),
         out: tx.prod.view().clone(),
         peer_seg: tx.peer_seg.clone(),
         inr: rx.cons.view().clone(),
+        sigs: tx.sigs.clone(),
     });
     tx.conn = Some(conn.clone());
-    rx.conn = Some(conn);
-    LinkPair {
-        tx: Box::new(tx),
-        rx: Box::new(rx),
-    }
+    rx.conn = Some(conn.clone());
+    (
+        LinkPair {
+            tx: Box::new(tx),
+            rx: Box::new(rx),
+        },
+        conn,
+    )
+}
+
+/// Whether the connection was torn down or its channel closed (one atomic load).
+fn is_torn(conn: &Option<Arc<Conn>>) -> bool {
+    conn.as_ref().is_some_and(|c| c.torn.is_torn())
 }
 
 enum TxGather {
@@ -145,6 +188,8 @@ pub struct ShmTx {
     conn: Option<Arc<Conn>>,
     /// Rate limit of the peer-gone probe of `begin_message`.
     gate: ProbeGate,
+    /// The peer's readiness sockets (`None` when the channel has no readiness descriptor).
+    sigs: Option<PeerSignals>,
 }
 
 impl ShmTx {
@@ -175,13 +220,24 @@ impl ShmTx {
             broken: None,
             conn: None,
             gate: ProbeGate::new(),
+            sigs: None,
         }
     }
 
-    /// Publish and ring the peer's doorbell if it sleeps (one SeqCst fence + one load).
+    /// Signal the peer's readiness sockets `sigs` when it armed its descriptor (the channel
+    /// has one). Call before [`connection`].
+    pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
+        self.sigs = sigs;
+        self
+    }
+
+    /// Publish and ring the peer's doorbell if it sleeps, or signal its descriptor if armed
+    /// (one SeqCst fence + one load).
     fn publish_now(&mut self) {
         if self.prod.publish() {
-            self.peer_seg.doorbell().notify();
+            self.peer_seg
+                .doorbell()
+                .notify_with(self.sigs.as_ref().map(|s| &s.recv));
         }
     }
 
@@ -413,7 +469,9 @@ impl TxLink for ShmTx {
         let cause = "a message was abandoned midway";
         self.broken = Some(cause.into());
         self.prod.view().writer_closed().store(1, Ordering::Release);
-        self.peer_seg.doorbell().notify();
+        self.peer_seg
+            .doorbell()
+            .notify_with(self.sigs.as_ref().map(|s| &s.recv));
         // Both directions: the peer's sends to us fail too, and our receiving half.
         if let Some(c) = &self.conn {
             c.tear_down(cause);
@@ -435,19 +493,22 @@ impl TxLink for ShmTx {
                 // until it comes, for no longer than the copy can take at 2 GB/s.
                 let bound = Duration::from_nanos(total / 2).max(Duration::from_micros(50));
                 let until = Instant::now() + timeout.min(bound);
-                while v.cma_done().load(Ordering::Acquire) < target && Instant::now() < until {
+                while v.cma_done().load(Ordering::Acquire) < target
+                    && Instant::now() < until
+                    && !is_torn(&self.conn)
+                {
                     std::thread::yield_now();
                 }
                 return Ok(());
             }
         }
-        let (gather, prod, need) = (&self.gather, &mut self.prod, self.need);
+        let (gather, prod, need, conn) = (&self.gather, &mut self.prod, self.need, &self.conn);
         writer_bell(&v).sleep(timeout.min(WAIT_SLICE), || {
             let room = match gather {
                 TxGather::Waiting { target, .. } => v.cma_done().load(Ordering::Acquire) >= *target,
                 _ => prod.free(need).map(|f| f >= need).unwrap_or(true),
             };
-            room || v.reader_closed().load(Ordering::Acquire) != 0
+            room || v.reader_closed().load(Ordering::Acquire) != 0 || is_torn(conn)
         });
         // Dead, but perhaps only after completing what this half waits for: the next attempt
         // then succeeds (or reports the peer gone).
@@ -455,6 +516,25 @@ impl TxLink for ShmTx {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(())
+    }
+
+    /// Mark the writer bell armed (the reader signals our send-progress socket when it frees
+    /// room or completes a CMA group), then look: room, a completion, a closed reader, a dead
+    /// peer or a torn connection is `Busy`.
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.sigs.is_none() || self.broken.is_some() || is_torn(&self.conn) {
+            return Ok(Armed::Busy);
+        }
+        let v = self.prod.view().clone();
+        writer_bell(&v).arm();
+        if self.satisfied()
+            || v.reader_closed().load(Ordering::Acquire) != 0
+            || is_torn(&self.conn)
+            || self.live.dead_now()
+        {
+            return Ok(Armed::Busy);
+        }
+        Ok(Armed::Armed)
     }
 }
 
@@ -467,16 +547,20 @@ impl Drop for ShmTx {
     /// rank exited: with n ranks leaving one by one, n² wake-ups, each scanning n peers
     /// (400 ranks of `hello` on 2 cores: ~400 runnable processes for tens of seconds).
     fn drop(&mut self) {
-        let news = self.prod.publish();
+        // A torn connection (or closed channel) gets nothing more: the peer saw it closed.
+        let news = !is_torn(&self.conn) && self.prod.publish();
         let v = self.prod.view();
         v.writer_closed().store(1, Ordering::Release);
         // Pairs with the fence of the reader registering in `ShmRx::wait` (its increment of
         // `rx_waiting`, fence, then its look at the flag): either it sees the flag or this
         // side sees it waiting.
         fence(Ordering::SeqCst);
+        let bell = self.peer_seg.doorbell();
         if news || v.rx_waiting().load(Ordering::Relaxed) != 0 {
-            self.peer_seg.doorbell().ring();
+            bell.ring();
         }
+        // An event loop armed on the peer's descriptor hears of the close.
+        bell.signal_if_armed(self.sigs.as_ref().map(|s| &s.recv));
     }
 }
 
@@ -495,6 +579,8 @@ pub struct ShmRx {
     conn: Option<Arc<Conn>>,
     /// Read position at the last wake-up of a writer waiting for room (see `consumed`).
     notified: u64,
+    /// The peer's readiness sockets (`None` when the channel has no readiness descriptor).
+    sigs: Option<PeerSignals>,
 }
 
 impl ShmRx {
@@ -520,7 +606,15 @@ impl ShmRx {
             broken: None,
             conn: None,
             notified: 0,
+            sigs: None,
         }
+    }
+
+    /// Signal the peer's readiness sockets `sigs` when it armed a send on this ring (the
+    /// channel has a readiness descriptor). Call before [`connection`].
+    pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
+        self.sigs = sigs;
+        self
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -574,9 +668,16 @@ impl ShmRx {
     /// quarter ring in a long stream, not after every lend: a short message is three lends
     /// (header, piece, end frame), and a fence each was a third of its one-way latency. A
     /// sleeping writer that misses a release sees it at the end of its wait slice at worst.
+    ///
+    /// A writer that armed its readiness descriptor on this ring (event loops) is signalled at
+    /// once: the relaxed load of its bell is a hint that costs no fence (the line is not
+    /// written on the fast path); a miss is caught by the next fenced wake-up.
     fn consumed(&mut self) {
         self.cons.release();
-        if self.cons.position() - self.notified >= self.cons.view().cap() / 4 {
+        let v = self.cons.view();
+        if self.cons.position() - self.notified >= v.cap() / 4
+            || v.tx_sleeping().load(Ordering::Relaxed) & ARMED != 0
+        {
             self.wake_writer();
         }
     }
@@ -585,7 +686,7 @@ impl ShmRx {
     fn wake_writer(&mut self) {
         if self.cons.position() != self.notified {
             self.notified = self.cons.position();
-            notify_writer(self.cons.view());
+            notify_writer(self.cons.view(), self.sigs.as_ref());
         }
     }
 
@@ -659,7 +760,7 @@ impl ShmRx {
         self.cons.skip(rec.len() as u64);
         self.cons.release();
         self.cons.view().cma_done().fetch_add(1, Ordering::Release);
-        notify_writer(self.cons.view());
+        notify_writer(self.cons.view(), self.sigs.as_ref());
         Ok(Poll::Ready(()))
     }
 
@@ -756,7 +857,7 @@ impl RxLink for ShmRx {
         self.broken = Some(cause.into());
         self.live.retire();
         self.cons.view().reader_closed().store(1, Ordering::Release);
-        notify_writer(self.cons.view());
+        notify_writer(self.cons.view(), self.sigs.as_ref());
         // Both directions: the peer's receive from us fails too, and our sending half.
         if let Some(c) = &self.conn {
             c.tear_down(cause);
@@ -765,13 +866,15 @@ impl RxLink for ShmRx {
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let own = self.own.clone();
-        let cons = &mut self.cons;
+        let (cons, conn) = (&mut self.cons, &self.conn);
         // Registered as waiting for this ring in particular (see `ShmTx::drop`): the writer
         // rings for its close. `Bell::sleep` fences before the check.
         let waiting = cons.view().rx_waiting();
         waiting.fetch_add(1, Ordering::SeqCst);
         own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
-            !cons.is_empty() || cons.view().writer_closed().load(Ordering::Acquire) != 0
+            !cons.is_empty()
+                || cons.view().writer_closed().load(Ordering::Acquire) != 0
+                || is_torn(conn)
         });
         cons.view().rx_waiting().fetch_sub(1, Ordering::SeqCst);
         if self.live.dead_now() {
@@ -788,7 +891,7 @@ impl RxLink for ShmRx {
 impl Drop for ShmRx {
     fn drop(&mut self) {
         self.cons.view().reader_closed().store(1, Ordering::Release);
-        notify_writer(self.cons.view());
+        notify_writer(self.cons.view(), self.sigs.as_ref());
     }
 }
 
@@ -797,10 +900,16 @@ impl Drop for ShmRx {
 /// A peer counts as ready when its ring has bytes, or when it closed or died and the
 /// receiving half has not reported that yet; once reported ([`PeerWatch::retire`]) it is
 /// ignored, so a wait with closed peers still sleeps.
+///
+/// Its readiness descriptor, when the channel has one, is the epoll set of [`Readiness`]; the
+/// doorbell's [`ARMED`] bit makes writers signal it.
 pub struct ShmIncoming {
     own: Arc<Segment>,
     peers: Vec<(usize, RingView, Arc<PeerWatch>)>,
     deaths: DeathCheck,
+    ready: Option<Readiness>,
+    conns: Vec<Arc<Conn>>,
+    shut: AtomicBool,
 }
 
 impl ShmIncoming {
@@ -810,7 +919,22 @@ impl ShmIncoming {
             own,
             peers,
             deaths: DeathCheck::default(),
+            ready: None,
+            conns: Vec::new(),
+            shut: AtomicBool::new(false),
         }
+    }
+
+    /// The channel's readiness descriptor (`None`: the channel has none).
+    pub fn with_readiness(mut self, ready: Option<Readiness>) -> Self {
+        self.ready = ready;
+        self
+    }
+
+    /// The connections [`shutdown`](Incoming::shutdown) closes.
+    pub fn with_connections(mut self, conns: Vec<Arc<Conn>>) -> Self {
+        self.conns = conns;
+        self
     }
 
     fn check_deaths(&self, force: bool) {
@@ -842,14 +966,54 @@ impl Incoming for ShmIncoming {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        self.own
-            .doorbell()
-            .sleep(timeout.min(WAIT_SLICE), || self.any_ready());
+        self.own.doorbell().sleep(timeout.min(WAIT_SLICE), || {
+            self.any_ready() || self.shut.load(Ordering::Acquire)
+        });
         self.check_deaths(true);
         Ok(())
     }
 
     fn wake(&self) {
-        self.own.doorbell().ring();
+        let bell = self.own.doorbell();
+        bell.ring();
+        if let Some(r) = &self.ready {
+            r.wake(bell);
+        }
+    }
+
+    fn forget(&self, rank: usize) {
+        if let Some(r) = &self.ready {
+            r.forget(rank);
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ready.as_ref().map(Readiness::fd)
+    }
+
+    /// Set the doorbell's armed bit (writers then signal), collect the sockets and the
+    /// peers' pidfds, then look at the rings.
+    fn arm(&self) -> Result<Armed> {
+        let Some(r) = &self.ready else {
+            return Ok(Armed::Busy);
+        };
+        if self.shut.load(Ordering::Acquire) {
+            return Ok(Armed::Busy);
+        }
+        self.own.doorbell().arm();
+        if r.collect() || self.any_ready() {
+            return Ok(Armed::Busy);
+        }
+        Ok(Armed::Armed)
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        for c in &self.conns {
+            c.shut();
+        }
+        // Our receivers and any-source waiters sleep on the doorbell; an event loop sleeps on
+        // the descriptor.
+        self.wake();
     }
 }

@@ -34,7 +34,8 @@ pub mod layout {
     pub const CMA_DONE: usize = 256;
     /// Futex word the reader bumps to wake a sleeping writer (`u32`).
     pub const TX_SEQ: usize = 384;
-    /// Number of writer threads asleep on `TX_SEQ` (`u32`).
+    /// Number of writer threads asleep on `TX_SEQ` (`u32`); the top bit says the writer armed
+    /// its readiness descriptor (`arm_send`): the reader signals it when it frees room.
     pub const TX_SLEEPING: usize = 512;
     /// Bytes of CMA groups the reader has started copying (`u64`, monotonic): the writer
     /// waiting for a CMA completion sees it move when the copy starts.

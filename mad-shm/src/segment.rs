@@ -7,7 +7,7 @@
 //! 0      magic "MADSHM01" (u64) | version u32 | ranks u32 | ring capacity u64 | pid u32
 //! 64     proof of the session secret (32 bytes, HMAC over the segment name)
 //! 128    doorbell: u32 futex word every writer bumps when this process sleeps
-//! 256    doorbell sleepers (u32)
+//! 256    doorbell sleepers (u32; top bit: the readiness descriptor is armed)
 //! 4096   ring of rank 0: header block (4096) + data (capacity)
 //! ...    ring of rank 1, ...
 //! ```
@@ -27,7 +27,7 @@ pub const SHM_DIR: &str = hostmem::SHM_DIR;
 /// Prefix of every segment this driver creates.
 pub const PREFIX: &str = "mad-shm-";
 const MAGIC: u64 = u64::from_le_bytes(*b"MADSHM01");
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const OFF_PROOF: usize = 64;
 /// Length of the secret proof stored in the header.
 pub const PROOF_LEN: usize = 32;

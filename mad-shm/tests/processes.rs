@@ -9,7 +9,8 @@
 //!   channel opens: the selection table names the ring fallback and messages of several MiB
 //!   arrive intact;
 //! * short-lived receivers: rank 0 sends 100 KiB (the `cma` TM) to each of 23 ranks, which
-//!   check it and exit at once; no delivered message may be reported lost to the sender.
+//!   check it and exit at once; no delivered message may be reported lost to the sender;
+//! * an armed readiness descriptor fires when a peer dies without closing (its pidfd).
 
 // Real mappings, futexes and processes: nothing here runs under miri.
 #![cfg(not(miri))]
@@ -179,6 +180,12 @@ fn rank_program() {
             // Gone without a destructor (no writer-closed flag): only the pidfd tells.
             std::process::exit(0);
         }
+        "vanish-later" => {
+            let _ch = open(&session, &spec);
+            // Long enough for rank 0 to arm and sleep; then gone without a destructor.
+            std::thread::sleep(Duration::from_millis(300));
+            std::process::exit(0);
+        }
         "quick-receiver" => {
             let ch = open(&session, &spec);
             let mut u = ch.begin_unpacking_from(0).unwrap();
@@ -316,6 +323,42 @@ fn any_source_sleeps_after_a_peer_died() {
         );
         finish(kids, spec);
     }
+}
+
+/// Rank 1 dies 300 ms after the open without closing anything (no flag, no signal: only its
+/// pidfd, which is in rank 0's epoll set): rank 0 (this process), armed and asleep on its
+/// readiness descriptor, must be woken, and its next poll reports that no peer is left.
+#[test]
+fn armed_descriptor_fires_when_a_peer_dies() {
+    use mad_core::driver::Armed;
+    let spec = "shm";
+    let (kids, me) = job(&[None, Some("vanish-later")], spec);
+    let session = me.unwrap();
+    let ch = open(&session, spec);
+    let fd = ch.readiness_fd().expect("shm has a readiness descriptor");
+    let t0 = Instant::now();
+    let mut sleeps = 0;
+    let err = loop {
+        match ch.try_begin_unpacking() {
+            Err(e) => break e,
+            Ok(Some(_)) => panic!("rank 1 sent nothing"),
+            Ok(None) => {}
+        }
+        if ch.arm().unwrap() == Armed::Armed {
+            sleeps += 1;
+            let woke = mad_core::events::wait_readable(&[fd], Some(Duration::from_secs(5)));
+            assert!(
+                !woke.unwrap().is_empty(),
+                "rank 1 died and the armed descriptor stayed quiet ({:?} in)",
+                t0.elapsed()
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never reported");
+    };
+    let wall = t0.elapsed();
+    eprintln!("death reported after {wall:?} ({sleeps} sleep(s) on the descriptor): {err}");
+    assert!((1..=3).contains(&sleeps), "{sleeps} sleeps");
+    finish(kids, spec);
 }
 
 /// Rank 1 dies right after the open without closing anything (no flag in the rings: only its

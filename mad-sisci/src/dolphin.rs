@@ -600,6 +600,7 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
             local: l,
             shared: shared.clone(),
             watch: watch.clone(),
+            shut: None,
         });
         let tx = DolphinTx {
             peer: rs.clone(),
@@ -612,6 +613,7 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
         links[r] = Some(crate::link::connection(
             SciTx::<Dolphin>::new(r, ends.clone(), tx, watch.clone()),
             SciRx::<Dolphin>::new(r, ends, DolphinRx { peer: rs }, watch, shared),
+            Arc::default(),
         ));
     }
     let bulk = match (g.chunks, &dma_note) {

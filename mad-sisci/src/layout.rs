@@ -12,7 +12,8 @@
 //!   DMA_ACK     our chunks it consumed       written by the peer
 //!   R_CLOSED    peer stopped receiving       written by the peer
 //!   TX_SEQ      futex the peer bumps to wake our blocked sender
-//!   TX_SLEEP    our senders asleep on TX_SEQ (written by us, read by the peer to decide a wake)
+//!   TX_SLEEP    our senders asleep on TX_SEQ (written by us, read by the peer to decide a wake;
+//!               top bit: our sender armed its readiness descriptor, the peer signals it)
 //! area + SLOTS  short slots: `slots` × 64 B, each = flag word (8 B) + 56 B of data
 //! area + RING   ring data, `ring` bytes (power of two)
 //! area + FLAGS  one 64-byte flag line per DMA chunk
@@ -65,14 +66,14 @@ pub mod hdr {
     pub const PROOF: usize = 80;
     /// Doorbell futex word (u32).
     pub const BELL: usize = 128;
-    /// Doorbell sleepers (u32).
+    /// Doorbell sleepers (u32; top bit: the readiness descriptor is armed).
     pub const BELL_SLEEPERS: usize = 192;
 }
 
 /// Magic opening every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MADSCI01");
 /// Layout version.
-pub const VERSION: u64 = 1;
+pub const VERSION: u64 = 2;
 
 fn round_page(x: usize) -> Option<usize> {
     x.checked_add(4095).map(|v| v & !4095)

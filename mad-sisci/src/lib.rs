@@ -30,6 +30,12 @@
 //! | 1 `ring` | copy | ≤ [`DEFAULT_RING_MAX`] | a byte ring (64 KiB) with a remote write offset and a remote acknowledgement |
 //! | 2 `dma` | gather | larger | block copies into a large receive area, pipelined in chunks with their own flags |
 //!
+//! Readiness descriptor (event loops): on `local`, an epoll set of two abstract-namespace
+//! datagram sockets named after the segment and the peers' pidfds, signalled by a writer only
+//! while armed (a bit in the doorbell's and the sender bells' sleeper words, see
+//! [`mad_core::hostmem::ready`]); none when some rank cannot reach the others' sockets. On
+//! `dolphin`, none: there are no remote wake-ups to hook it to, and no hardware here to test.
+//!
 //! Options (`sisci:local,slots=64,ring=65536,chunk=262144,chunks=4,dma=on`, `sisci:dolphin,lib=/opt/DIS/lib64/libsisci.so,adapter_no=0`).
 
 #![deny(unsafe_code)]
@@ -50,10 +56,11 @@ use mad_core::driver::{
 };
 use mad_core::{Error, Result};
 
-use fabric::{Local, LocalRx, LocalTx};
+use fabric::{Local, LocalOwn, LocalRx, LocalShut, LocalTx};
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
-use mad_core::hostmem::{self, MappedPeer};
+use mad_core::hostmem::{self, MappedPeer, PeerSignals};
+use mad_core::liveness::Teardown;
 use segment::Segment;
 
 /// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
@@ -305,11 +312,13 @@ impl Driver for SisciDriver {
             g.area_size().unwrap_or(0)
         );
         let mut own = Segment::create(&name, n, o.geom, &proof, b.local_ranks().len(), &advice)?;
+        // Bound before the announcement, so every peer can reach it once the allgather returns.
+        let endpoint = hostmem::Endpoint::open(&name).ok();
         let info = PeerInfo {
             pid,
             fingerprint: ctx.table.fingerprint()
                 ^ hostmem::fnv1a(format!("{:?}", o.geom).as_bytes()),
-            name,
+            name: name.clone(),
         };
         let peers = hostmem::map_peers(b, &tag, &info.encode(), "sisci", |r, bytes| {
             let pi = PeerInfo::decode(r, bytes)?;
@@ -328,11 +337,47 @@ impl Driver for SisciDriver {
                 )
             };
             let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
-            Ok(((), seg, pi.pid))
+            Ok((pi.name, seg, pi.pid))
         })?;
-        // Everyone has mapped everyone: remove the files.
-        b.allgather(&ctx.tag("mapped"), &[1])?;
+        // Readiness: this rank's sockets reach every peer's, and the epoll set takes their pidfds.
+        let mut sigs: Vec<Option<PeerSignals>> = (0..n).map(|_| None).collect();
+        let mut readiness = None;
+        if let Some(ep) = &endpoint {
+            let mut ok = true;
+            for (r, p) in peers.iter().enumerate() {
+                if let Some(MappedPeer {
+                    info: peer_name, ..
+                }) = p
+                {
+                    match ep.towards(peer_name) {
+                        Ok(s) => sigs[r] = Some(s),
+                        Err(_) => ok = false,
+                    }
+                }
+            }
+            ok = ok && hostmem::reachable(sigs.iter().flatten());
+            let watches = peers
+                .iter()
+                .enumerate()
+                .filter_map(|(r, p)| Some((r, p.as_ref()?.watch.clone())));
+            readiness = ok
+                .then(|| hostmem::Readiness::new(ep.clone(), &name, watches).ok())
+                .flatten();
+        }
+        // Everyone has mapped everyone: remove the files. Bit 1: this rank has a readiness
+        // descriptor; all must, or nobody arms and nobody signals.
+        let votes = b.allgather(&ctx.tag("mapped"), &[1 | (readiness.is_some() as u8) << 1])?;
         own.unlink()?;
+        let all_ready = b.local_ranks().iter().all(|&r| {
+            votes
+                .get(r)
+                .and_then(|v| v.first())
+                .is_some_and(|v| v & 2 != 0)
+        });
+        if !all_ready {
+            sigs.iter_mut().for_each(|s| *s = None);
+            readiness = None;
+        }
 
         let own = Arc::new(own);
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
@@ -347,29 +392,61 @@ impl Driver for SisciDriver {
             let ends = Ends::new(l.clone(), rm, o.geom)
                 .ok_or_else(|| Error::protocol(r, "sisci: area too small"))?;
             let shared = Arc::new(RxShared::default());
+            let torn = Arc::new(Teardown::new());
+            let sig = sigs[r].take();
             watched.push(Watched {
                 rank: r,
-                local: l,
+                local: l.clone(),
                 shared: shared.clone(),
                 watch: watch.clone(),
+                shut: Some(LocalShut::new(
+                    torn.clone(),
+                    l,
+                    ends.remote.clone(),
+                    seg.clone(),
+                    sig.clone(),
+                )),
             });
             links[r] = Some(link::connection(
-                SciTx::<Local>::new(r, ends.clone(), LocalTx::new(seg), watch.clone()),
-                SciRx::<Local>::new(r, ends, LocalRx::new(own.clone()), watch, shared),
+                SciTx::<Local>::new(
+                    r,
+                    ends.clone(),
+                    LocalTx::new(seg).with_signals(sig.clone()),
+                    watch.clone(),
+                ),
+                SciRx::<Local>::new(
+                    r,
+                    ends,
+                    LocalRx::new(own.clone()).with_signals(sig),
+                    watch,
+                    shared,
+                ),
+                torn,
             ));
         }
-        let notes = vec![format!(
-            "sisci:local: {} slots x 64 B, {} B ring, {} x {} B DMA area per peer; {} local peer(s); \
-             segments unlinked after mapping",
-            o.geom.slots,
-            o.geom.ring,
-            o.geom.chunks,
-            o.geom.chunk,
-            watched.len()
-        )];
+        let notes = vec![
+            format!(
+                "sisci:local: {} slots x 64 B, {} B ring, {} x {} B DMA area per peer; {} local peer(s); \
+                 segments unlinked after mapping",
+                o.geom.slots,
+                o.geom.ring,
+                o.geom.chunks,
+                o.geom.chunk,
+                watched.len()
+            ),
+            if readiness.is_some() {
+                "sisci:local: readiness descriptor: epoll over two abstract datagram sockets and the peers' pidfds".into()
+            } else {
+                "sisci:local: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
+            },
+        ];
         Ok(OpenedChannel {
             links,
-            incoming: Box::new(SciIncoming::<Local>::new(own, o.geom, watched)),
+            incoming: Box::new(SciIncoming::<Local>::new(
+                LocalOwn::new(own, readiness),
+                o.geom,
+                watched,
+            )),
             notes,
         })
     }

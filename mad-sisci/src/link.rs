@@ -8,17 +8,18 @@
 //! protocol runs over `local` and `dolphin`, each monomorphised.
 
 use std::io::{IoSlice, IoSliceMut};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use mad_core::driver::{AbortOutcome, Incoming, LinkPair, RxLink, TmId, TxLink};
-use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Region};
+use mad_core::driver::{AbortOutcome, Armed, Incoming, LinkPair, RxLink, TmId, TxLink};
+use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Readiness, Region};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
-use crate::fabric::{Fabric, OwnWire, RxWire, TxWire};
+use crate::fabric::{Fabric, LocalShut, OwnWire, RxWire, TxWire};
 use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
 
 /// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
@@ -95,20 +96,26 @@ enum Blocked {
     Dma,
 }
 
-/// Join the two halves of a connection, so that an abandoned message tears the connection
-/// down in both directions (see [`TxLink::abort_message`], [`RxLink::abort_message`]).
-pub fn connection<F: Fabric>(mut tx: SciTx<F>, mut rx: SciRx<F>) -> LinkPair
+/// Join the two halves of a connection through `torn`, so that an abandoned message (or the
+/// channel's shutdown) tears the connection down in both directions (see
+/// [`TxLink::abort_message`], [`RxLink::abort_message`]).
+pub fn connection<F: Fabric>(mut tx: SciTx<F>, mut rx: SciRx<F>, torn: Arc<Teardown>) -> LinkPair
 where
     SciTx<F>: 'static,
     SciRx<F>: 'static,
 {
-    let torn = Arc::new(Teardown::new());
     tx.torn = Some(torn.clone());
     rx.torn = Some(torn);
     LinkPair {
         tx: Box::new(tx),
         rx: Box::new(rx),
     }
+}
+
+/// Whether the connection was torn down or its channel closed (one atomic load).
+#[inline]
+fn is_torn(torn: &Option<Arc<Teardown>>) -> bool {
+    torn.as_ref().is_some_and(|t| t.is_torn())
 }
 
 /// The sending half towards one peer.
@@ -203,6 +210,7 @@ impl<F: Fabric> SciTx<F> {
         self.wire.publish32(w32(&self.e.remote, ctl::W_CLOSED), 1);
         self.wire.publish32(w32(&self.e.remote, ctl::R_CLOSED), 1);
         self.wire.wake_reader();
+        self.wire.wake_writer(&self.e.remote);
         if let Some(t) = &self.torn {
             t.tear(cause);
         }
@@ -458,16 +466,34 @@ impl<F: Fabric> TxLink for SciTx<F> {
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let local = &self.e.local;
+        let (local, torn) = (&self.e.local, &self.torn);
         let (ack_off, cached) = self.ack_of(self.blocked);
         self.wire.sleep(local, timeout.min(WAIT_SLICE), || {
             w64(local, ack_off).load(Ordering::Acquire) != cached
                 || w32(local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+                || is_torn(torn)
         });
         if self.live.dead_now() && !self.acked_since(self.blocked) {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         Ok(())
+    }
+
+    /// Mark our bell armed (the reader's next acknowledgement signals the descriptor), then
+    /// look: an acknowledgement since the `Pending`, a closed reader, a dead peer or a torn
+    /// connection is `Busy`.
+    fn arm_send(&mut self) -> Result<Armed> {
+        if self.check_usable().is_err() || !self.wire.arm_send(&self.e.local) {
+            return Ok(Armed::Busy);
+        }
+        if self.acked_since(self.blocked)
+            || w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+            || is_torn(&self.torn)
+            || self.live.dead_now()
+        {
+            return Ok(Armed::Busy);
+        }
+        Ok(Armed::Armed)
     }
 }
 
@@ -753,7 +779,9 @@ impl<F: Fabric> RxLink for SciRx<F> {
     fn wait(&mut self, timeout: Duration) -> Result<()> {
         let this = &*self;
         this.wire.sleep(timeout.min(WAIT_SLICE), || {
-            this.has_any() || w32(&this.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
+            this.has_any()
+                || w32(&this.e.local, ctl::W_CLOSED).load(Ordering::Acquire) != 0
+                || is_torn(&this.torn)
         });
         if self.live.dead_now() {
             fence(Ordering::SeqCst);
@@ -782,6 +810,9 @@ pub struct Watched {
     pub shared: Arc<RxShared>,
     /// Its process, and whether the receiving half has reported it gone.
     pub watch: Arc<PeerWatch>,
+    /// How the channel's shutdown closes the connection (`None`: the backend has no such
+    /// shutdown; the connection closes when its halves are dropped).
+    pub shut: Option<LocalShut>,
 }
 
 /// Any-source readiness: looks at the next short slot of every peer; blocks through the
@@ -790,11 +821,15 @@ pub struct Watched {
 /// A peer counts as ready when its next slot is written, or when it closed or died and the
 /// receiving half has not reported that yet; once reported it is ignored, so a wait with
 /// closed peers still sleeps.
+///
+/// The readiness descriptor is the fabric's ([`OwnWire::readiness`]): on `local` the epoll
+/// set of [`Readiness`], signalled by writers that find the doorbell armed.
 pub struct SciIncoming<F: Fabric> {
     own: F::Own,
     geom: Geometry,
     peers: Vec<Watched>,
     deaths: DeathCheck,
+    shut: AtomicBool,
 }
 
 impl<F: Fabric> SciIncoming<F> {
@@ -805,7 +840,12 @@ impl<F: Fabric> SciIncoming<F> {
             geom,
             peers,
             deaths: DeathCheck::default(),
+            shut: AtomicBool::new(false),
         }
+    }
+
+    fn any_ready(&self) -> bool {
+        (0..self.peers.len()).any(|i| self.ready_at(i))
     }
 
     fn ready_at(&self, i: usize) -> bool {
@@ -838,13 +878,51 @@ impl<F: Fabric> Incoming for SciIncoming<F> {
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         self.own.sleep(timeout.min(WAIT_SLICE), || {
-            (0..self.peers.len()).any(|i| self.ready_at(i))
+            self.any_ready() || self.shut.load(Ordering::Acquire)
         });
         self.check_deaths(true);
         Ok(())
     }
 
     fn wake(&self) {
+        self.own.wake();
+    }
+
+    fn forget(&self, rank: usize) {
+        if let Some(r) = self.own.readiness() {
+            r.forget(rank);
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.own.readiness().map(Readiness::fd)
+    }
+
+    /// Set the doorbell's armed bit (writers then signal), collect the sockets and the
+    /// peers' pidfds, then look at every peer's next slot.
+    fn arm(&self) -> Result<Armed> {
+        let Some(r) = self.own.readiness() else {
+            return Ok(Armed::Busy);
+        };
+        if self.shut.load(Ordering::Acquire) {
+            return Ok(Armed::Busy);
+        }
+        self.own.arm();
+        if r.collect() || self.any_ready() {
+            return Ok(Armed::Busy);
+        }
+        Ok(Armed::Armed)
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        for p in &self.peers {
+            if let Some(s) = &p.shut {
+                s.shut();
+            }
+        }
+        // Our receivers and any-source waiters sleep on the doorbell; an event loop sleeps on
+        // the descriptor.
         self.own.wake();
     }
 }

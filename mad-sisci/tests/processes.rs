@@ -2,7 +2,8 @@
 //! madrun bootstrap server (started in the test process). The conformance kit over 2 and 4
 //! processes (then no segment of any child left in `/dev/shm`); peer death: a rank killed with
 //! SIGKILL in the middle of a message; an any-source receiver whose peer died keeps sleeping
-//! while it waits for another one.
+//! while it waits for another one; an armed readiness descriptor fires when a peer dies
+//! without closing (its pidfd).
 
 #![cfg(not(miri))]
 
@@ -127,6 +128,14 @@ fn rank_program() {
                 .open_channel_with(ChannelConfig::parse("anysrc", &spec).unwrap())
                 .unwrap();
             // Gone without a destructor (no W_CLOSED): only the pidfd tells.
+            std::process::exit(0);
+        }
+        "vanish-later" => {
+            let _ch = session
+                .open_channel_with(ChannelConfig::parse("anysrc", &spec).unwrap())
+                .unwrap();
+            // Long enough for rank 0 to arm and sleep; then gone without a destructor.
+            std::thread::sleep(Duration::from_millis(300));
             std::process::exit(0);
         }
         "deaf" => {
@@ -309,6 +318,46 @@ fn sender_blocked_on_killed_receiver_gives_peer_closed() {
 /// tells); rank 0 (this process) sleeps 2 s, then sends small messages. The first one must
 /// fail: before `begin_message` probed the peer, 64 sends in a row returned `Ok` (as many as
 /// there are short slots) and were lost. A receive from the dead peer fails too.
+/// Rank 1 dies 300 ms after the open without closing anything (no flag, no signal: only its
+/// pidfd, which is in rank 0's epoll set): rank 0 (this process), armed and asleep on its
+/// readiness descriptor, must be woken, and its next poll reports that no peer is left.
+#[test]
+fn armed_descriptor_fires_when_a_peer_dies() {
+    use mad_core::driver::Armed;
+    let spec = "sisci:local";
+    let (vanished, session) = with_child("vanish-later", spec);
+    let ch = session
+        .open_channel_with(ChannelConfig::parse("anysrc", spec).unwrap())
+        .unwrap();
+    let fd = ch
+        .readiness_fd()
+        .expect("sisci:local has a readiness descriptor");
+    let t0 = Instant::now();
+    let mut sleeps = 0;
+    let err = loop {
+        match ch.try_begin_unpacking() {
+            Err(e) => break e,
+            Ok(Some(_)) => panic!("rank 1 sent nothing"),
+            Ok(None) => {}
+        }
+        if ch.arm().unwrap() == Armed::Armed {
+            sleeps += 1;
+            let woke = mad_core::events::wait_readable(&[fd], Some(Duration::from_secs(5)));
+            assert!(
+                !woke.unwrap().is_empty(),
+                "rank 1 died and the armed descriptor stayed quiet ({:?} in)",
+                t0.elapsed()
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never reported");
+    };
+    let wall = t0.elapsed();
+    eprintln!("death reported after {wall:?} ({sleeps} sleep(s) on the descriptor): {err}");
+    assert!((1..=3).contains(&sleeps), "{sleeps} sleeps");
+    let (ok, out) = wait_bounded(vanished);
+    assert!(ok, "rank 1 failed: {out}");
+}
+
 #[test]
 fn send_to_a_peer_that_died_while_idle_fails() {
     let spec = "sisci:local";

@@ -11,18 +11,21 @@
 //! | [`Bell`] | sleep and wake across processes on a futex word and its sleeper count |
 //! | [`PeerWatch`], [`Liveness`], [`DeathCheck`] | peer death by pidfd, at a bounded rate; "reported once" for any-source |
 //! | [`index`] | SPSC ring index arithmetic over monotonic offsets, hostile values rejected |
-//! | [`sys`] | every foreign call and raw-memory access of the module (`mmap`, futex, `kill`, `pidfd_open`, `poll`) |
+//! | [`Endpoint`], [`Readiness`], [`Signal`] | readiness descriptors for event loops: abstract datagram sockets and peers' pidfds in an epoll set, signalled by writers only while armed ([`ready`]) |
+//! | [`sys`] | every unsafe foreign call and raw-memory access of the module (`mmap`, futex, `kill`, `pidfd_open`, `poll`; [`ready`]'s sockets and epoll use nix's safe wrappers) |
 //!
 //! The core itself uses none of it; a driver crate enables the feature
 //! (`mad-core = { ..., features = ["hostmem"] }`).
 
 pub mod bell;
 pub mod index;
+pub mod ready;
 pub mod segment;
 pub mod sys;
 pub mod watch;
 
 pub use bell::Bell;
+pub use ready::{reachable, Endpoint, PeerSignals, Readiness, Signal, ARMED};
 pub use segment::{
     creator_pid, fnv1a, map_peers, segment_name, sweep_stale, MappedPeer, SegmentFile, SHM_DIR,
 };

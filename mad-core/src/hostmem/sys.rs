@@ -1,4 +1,4 @@
-//! Every foreign call and raw-memory access of [`hostmem`](super): shared mappings, the
+//! Every unsafe foreign call and raw-memory access of [`hostmem`](super): shared mappings, the
 //! [`Region`] window on them, space reservation (`posix_fallocate`, `statvfs`), futexes,
 //! `kill(pid, 0)` and pidfds.
 //!
@@ -10,7 +10,7 @@
 use std::any::Any;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
@@ -383,6 +383,12 @@ impl PidFd {
                 dead(i);
             }
         }
+    }
+
+    /// The descriptor (readable once the process has exited); `None` where pidfds are not
+    /// supported.
+    pub fn as_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
     }
 
     /// Whether the process has exited (non-blocking).

@@ -83,6 +83,15 @@ impl PeerWatch {
         dead
     }
 
+    /// The pidfd of the watched process (readable once it has exited), for a readiness
+    /// descriptor's epoll set; `None` for a driver's own probe or without pidfd support.
+    pub fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.probe {
+            Probe::Pid(p) => p.as_fd(),
+            Probe::Custom(_) => None,
+        }
+    }
+
     /// Whether the process is already known to have exited (no syscall).
     #[inline]
     pub fn known_dead(&self) -> bool {
