@@ -469,6 +469,10 @@ impl TxLink for ShmTx {
         let cause = "a message was abandoned midway";
         self.broken = Some(cause.into());
         self.prod.view().writer_closed().store(1, Ordering::Release);
+        // The caller gets the message's memory back when this returns and may reuse it at
+        // once: order the flag before any such write, for a reader copying that memory
+        // through CMA right now (it checks the flag after its copy: `recv_cma`).
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.peer_seg
             .doorbell()
             .notify_with(self.sigs.as_ref().map(|s| &s.recv));
@@ -755,6 +759,19 @@ impl ShmRx {
                     "shm: CMA record points outside the sender's memory",
                 ),
                 _ => Error::io(format!("shm: process_vm_readv from rank {}", self.peer), e),
+            });
+        }
+        // A sender that abandoned the message meanwhile (a dropped packer, a cancelled future,
+        // a closed channel) had its memory back as soon as it set its closed flag, and may
+        // have written it while we copied: such a copy is not delivered (the kit's
+        // `abandoned_end`). A copy that ended before the flag was set is whole.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.cons.view().writer_closed().load(Ordering::Relaxed) != 0 {
+            return Err(Error::ConnectionLost {
+                rank: self.peer,
+                source: std::io::Error::other(
+                    "shm: the sender abandoned the message while its memory was being read",
+                ),
             });
         }
         self.cons.skip(rec.len() as u64);
