@@ -465,6 +465,17 @@ impl ChannelInner {
         }
     }
 
+    /// `e`, or [`Error::Closed`] when the channel was closed: a call that failed because
+    /// `close` shut the driver's connections down reports the close, not its consequence.
+    #[inline]
+    pub(crate) fn closed_or(&self, e: Error) -> Error {
+        if self.closed.load(Ordering::Acquire) {
+            self.closed_error()
+        } else {
+            e
+        }
+    }
+
     #[cold]
     pub(crate) fn closed_error(&self) -> Error {
         Error::Closed {
@@ -729,19 +740,26 @@ impl Channel {
         let inner = &*self.inner;
         inner.check_open()?;
         let mut busy = false;
-        let (remote, rx) = inner.progress.drive_until(
-            &mut busy,
-            |busy| inner.try_any(busy),
-            |busy, t| inner.block_any(*busy, t),
-            |_| 0,
-            deadline,
-        )?;
-        Unpacker::start(inner, remote, rx, deadline)
+        let (remote, rx) = inner
+            .progress
+            .drive_until(
+                &mut busy,
+                |busy| inner.try_any(busy),
+                |busy, t| inner.block_any(*busy, t),
+                |_| 0,
+                deadline,
+            )
+            .map_err(|e| inner.closed_or(e))?;
+        Unpacker::start(inner, remote, rx, deadline).map_err(|e| inner.closed_or(e))
     }
 
     /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
     /// `None` also when a message has begun to arrive but its header is not whole yet.
     pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
+        self.try_any_start().map_err(|e| self.inner.closed_or(e))
+    }
+
+    fn try_any_start<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
         self.inner.check_open()?;
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
@@ -773,6 +791,11 @@ impl Channel {
     /// Fails as [`begin_unpacking_from`](Self::begin_unpacking_from) does when the
     /// connection is finished.
     pub fn try_begin_unpacking_from<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
+        self.try_from_start(remote)
+            .map_err(|e| self.inner.closed_or(e))
+    }
+
+    fn try_from_start<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
         let inner = &*self.inner;
         let conn = inner.conn(remote)?;
         inner.check_open()?;
@@ -842,10 +865,10 @@ impl Channel {
             deadline,
         );
         match r {
-            Ok(()) => Unpacker::start(inner, remote, rx, deadline),
+            Ok(()) => Unpacker::start(inner, remote, rx, deadline).map_err(|e| inner.closed_or(e)),
             // Nothing of a message was consumed: the connection is intact.
             Err(e @ (Error::Timeout(_) | Error::Closed { .. })) => Err(e),
-            Err(e) => Err(Self::rx_failed(conn, &mut rx, e)),
+            Err(e) => Err(inner.closed_or(Self::rx_failed(conn, &mut rx, e))),
         }
     }
 
@@ -880,12 +903,14 @@ impl Channel {
     /// The channel's readiness descriptor, for an event loop (epoll, mio, tokio's `AsyncFd`),
     /// or `None` when the driver has none (MPI: poll with back-off instead).
     ///
-    /// The protocol follows UCX's `ucp_worker_get_efd` / `ucp_worker_arm`: [`arm`](Self::arm),
-    /// then try everything that waits ([`try_begin_unpacking`](Self::try_begin_unpacking),
-    /// [`Packer::poll_end_packing`], ...), then sleep until the descriptor is readable if
-    /// nothing progressed ([`Armed::Busy`] from `arm` says that something may be ready: trying
-    /// again before sleeping saves a wake-up). Arming first is what makes it race-free: an
-    /// event after the arm makes the descriptor readable. It becomes readable on a message start or a hang-up on any
+    /// The protocol follows UCX's `ucp_worker_get_efd` / `ucp_worker_arm`: try everything that
+    /// waits ([`try_begin_unpacking`](Self::try_begin_unpacking),
+    /// [`Packer::poll_end_packing`], ...); when nothing is ready, [`arm`](Self::arm); on
+    /// [`Armed::Busy`] try again (something may have become ready meanwhile, or a try made
+    /// progress inside the driver that the descriptor cannot show), on [`Armed::Armed`] sleep
+    /// until the descriptor is readable, then try again. No wake-up is lost: an event after
+    /// the arm makes the descriptor readable, and `arm` reports one that came before it
+    /// (a send armed by `poll_end_packing` that progressed included). It becomes readable on a message start or a hang-up on any
     /// connection, a connection released by another thread with a message waiting, progress
     /// of a send armed by the non-blocking send calls, and [`close`](Self::close). It may stay
     /// readable until the next `arm` (level-triggered), and false positives are possible:
@@ -897,12 +922,11 @@ impl Channel {
     /// use std::os::fd::AsRawFd;
     /// let fd = ch.readiness_fd().expect("this driver has a descriptor").as_raw_fd();
     /// loop {
-    ///     let armed = ch.arm()?;
     ///     if let Some(u) = ch.try_begin_unpacking()? {
     ///         u.end_unpacking()?;
     ///         continue;
     ///     }
-    ///     if armed == Armed::Armed {
+    ///     if ch.arm()? == Armed::Armed {
     ///         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     ///         // SAFETY: one valid pollfd.
     ///         unsafe { libc::poll(&mut p, 1, -1) };

@@ -50,8 +50,8 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
 /// `begin_unpacking` on that channel would return it.
 ///
 /// It polls every channel for the channels' spin budget, then arms their readiness
-/// descriptors and sleeps on all of them at once (`poll(2)`); a channel without a descriptor
-/// (MPI) is polled every millisecond at most.
+/// descriptors (looking again while one says `Busy`) and sleeps on all of them at once
+/// (`poll(2)`); a channel without a descriptor (MPI) is polled every millisecond at most.
 pub fn begin_unpacking_any<'c, 'b>(
     channels: &[&'c Channel],
     deadline: Option<Instant>,
@@ -95,12 +95,13 @@ pub fn begin_unpacking_any<'c, 'b>(
             std::hint::spin_loop();
             continue;
         }
-        // Arm every descriptor, look once more, then sleep on all of them.
+        // Arm every descriptor after a look that found nothing; `Busy` anywhere: look again.
+        let mut busy = false;
         for c in channels {
-            c.arm()?;
+            busy |= c.arm()? == crate::driver::Armed::Busy;
         }
-        if let Some(r) = try_all()? {
-            return Ok(r);
+        if busy {
+            continue;
         }
         let fds: Vec<BorrowedFd<'_>> = channels.iter().filter_map(|c| c.readiness_fd()).collect();
         let mut timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));

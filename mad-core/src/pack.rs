@@ -573,7 +573,18 @@ impl<'c, 'b> Packer<'c, 'b> {
     }
 
     /// A message on the sending half `tx`, taken by the caller.
+    #[inline]
     pub(crate) fn started(
+        ch: &'c ChannelInner,
+        remote: usize,
+        tx: HalfGuard<'c, TxState>,
+        deadline: Option<Instant>,
+    ) -> Result<Packer<'c, 'b>> {
+        Self::started_on(ch, remote, tx, deadline).map_err(|e| ch.closed_or(e))
+    }
+
+    #[inline]
+    fn started_on(
         ch: &'c ChannelInner,
         remote: usize,
         mut tx: HalfGuard<'c, TxState>,
@@ -645,6 +656,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline]
     fn check(&mut self, r: Result<()>) -> Result<()> {
+        let r = r.map_err(|e| self.st.ch.closed_or(e));
         if let Err(e) = &r {
             if !self.st.done {
                 self.st
@@ -1078,6 +1090,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[cold]
     fn end_failed(&mut self, e: Error) -> Error {
+        let e = self.st.ch.closed_or(e);
         self.recycle();
         if !self.st.done {
             self.st.fail(

@@ -505,6 +505,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[inline]
     fn check(&mut self, r: Result<()>) -> Result<()> {
+        let r = r.map_err(|e| self.st.ch.closed_or(e));
         if let Err(e) = &r {
             if !self.st.done {
                 self.st
@@ -827,6 +828,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[cold]
     fn end_failed(&mut self, e: Error) -> Error {
+        let e = self.st.ch.closed_or(e);
         self.recycle();
         if !self.st.done {
             self.st.fail(

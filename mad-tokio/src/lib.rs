@@ -2,8 +2,8 @@
 //!
 //! [`AsyncChannel`] wraps a [`Channel`] and registers its readiness descriptor
 //! ([`Channel::readiness_fd`]) with tokio's reactor. Every future follows the arming protocol of
-//! the descriptor: arm, try the non-blocking call, and await the descriptor only if nothing
-//! progressed, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
+//! the descriptor: try the non-blocking call, arm, try again while arming says `Busy`, and
+//! await the descriptor only then, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
 //! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
 //! a kernel wake-up costs far more than a message on shared memory: at most 10 µs on its
 //! thread, then yielding to the runtime between tries; `progress=block` goes to the descriptor
@@ -191,10 +191,15 @@ impl AsyncChannel {
                 }
                 continue;
             }
-            // Arm first: anything that happens after this makes the descriptor readable.
-            inner.ch.arm()?;
-            if let Poll::Ready(r) = f() {
-                return r;
+            // Arm after a try that found nothing: `Busy` says something may have become ready
+            // meanwhile (or the try made progress the descriptor cannot show), so try again;
+            // after `Armed`, anything that happens makes the descriptor readable.
+            if inner.ch.arm()? == mad_core::Armed::Busy {
+                tokio::task::yield_now().await;
+                if let Poll::Ready(r) = f() {
+                    return r;
+                }
+                continue;
             }
             match &inner.fd {
                 Some(afd) => {
@@ -208,6 +213,9 @@ impl AsyncChannel {
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
+            }
+            if let Poll::Ready(r) = f() {
+                return r;
             }
         }
     }

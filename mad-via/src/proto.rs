@@ -153,6 +153,10 @@ pub(crate) struct Conn<N: Nic> {
     /// A send armed by an event loop ([`TxLink::arm_send`]) waits for the connection to move
     /// from this state; whoever sees it move signals `events`.
     tx_armed: Option<Progress>,
+    /// The connection's state at the last `Incoming::arm`: a change since says that a call
+    /// moved data into user space (where the descriptor cannot show it), so the next arm is
+    /// `Busy` and the event loop tries again before it sleeps.
+    armed_at: Option<Progress>,
     /// The channel's readiness set (none for raw endpoints).
     events: Option<Arc<Events>>,
 }
@@ -275,6 +279,7 @@ impl<N: Nic> Conn<N> {
             stats: ConnStats::default(),
             wcs: Vec::with_capacity(2 * cfg.slots + tx + 8),
             tx_armed: None,
+            armed_at: None,
             events: None,
         })))
     }
@@ -1345,8 +1350,10 @@ pub(crate) struct Events {
 
 struct Reg {
     rank: usize,
-    /// A duplicate of the connection's first wait descriptor (every NIC has one).
-    fd: Option<OwnedFd>,
+    /// Duplicates of the connection's wait descriptors (control and data queue pairs): input
+    /// on any of them may be what a pending receive waits for (a rendezvous's data arrives
+    /// on the data queue pair).
+    fds: Vec<OwnedFd>,
     /// The core gave up on the connection (`Incoming::forget`): out of the set, so that an
     /// ended socket does not keep it readable.
     forgotten: AtomicBool,
@@ -1363,7 +1370,7 @@ impl Events {
         for (rank, c) in conns {
             regs.push(Reg {
                 rank: *rank,
-                fd: dup_fds(c)?.into_iter().next(),
+                fds: dup_fds(c)?,
                 forgotten: AtomicBool::new(false),
             });
         }
@@ -1396,7 +1403,7 @@ impl Events {
             .iter()
             .filter(|r| !r.forgotten.load(Ordering::Acquire))
         {
-            if let Some(fd) = &r.fd {
+            for fd in &r.fds {
                 set.add(fd, EpollEvent::new(input, r.rank as u64))
                     .map_err(err)?;
             }
@@ -1512,8 +1519,10 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
         let _g = ev.making.lock().unwrap_or_else(|p| p.into_inner());
         for r in ev.regs.iter().filter(|r| r.rank == rank) {
             if !r.forgotten.swap(true, Ordering::AcqRel) {
-                if let (Some(set), Some(fd)) = (ev.set.get(), &r.fd) {
-                    let _ = set.delete(fd);
+                if let Some(set) = ev.set.get() {
+                    for fd in &r.fds {
+                        let _ = set.delete(fd);
+                    }
                 }
             }
         }
@@ -1540,6 +1549,12 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
             if c.ready_for_rx() {
                 busy = true;
                 continue;
+            }
+            // Progress since the last arm (a rendezvous's data or its end taken in by a call
+            // that still returned `Pending`): the caller tries again first.
+            let now = c.progress();
+            if c.armed_at.replace(now) != Some(now) {
+                busy = true;
             }
             // Verbs: request the completion event; a completion already there says so.
             if c.nic.prepare_wait(true, &mut one)? {

@@ -436,18 +436,20 @@ pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Drive a polled call to completion the way an event loop does: arm the channel's readiness
-/// descriptor, try, and sleep on the descriptor while the call is pending (yield on drivers
-/// without one). A pending call whose descriptor stays quiet for [`LOST`] lost its wake-up.
+/// Drive a polled call to completion the way an event loop does: try, arm the channel's
+/// readiness descriptor (`Busy`: try again), and sleep on the descriptor while the call is
+/// pending (yield on drivers without one). A pending call whose descriptor stays quiet for [`LOST`] lost its wake-up.
 pub(super) fn drive_polled<T>(
     ch: &crate::Channel,
     what: &str,
     mut f: impl FnMut() -> std::task::Poll<Result<T>>,
 ) -> Result<T> {
     loop {
-        ch.arm()?;
         if let std::task::Poll::Ready(r) = f() {
             return r;
+        }
+        if ch.arm()? == Armed::Busy {
+            continue;
         }
         match ch.readiness_fd() {
             Some(fd) => {
