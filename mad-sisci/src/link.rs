@@ -509,6 +509,11 @@ impl<F: Fabric> Drop for SciTx<F> {
 pub struct RxShared {
     /// Next short slot to read.
     pub slot_pos: AtomicU64,
+    /// The reader's position in the data ring: `Incoming::arm` says `Busy` while the ring
+    /// holds unread data (a pending receive of a large piece waits for it).
+    pub ring_tail: AtomicU64,
+    /// The reader's next DMA chunk (the same, for the chunks of the DMA path).
+    pub chunk_pos: AtomicU64,
 }
 
 /// The receiving half from one peer.
@@ -667,6 +672,7 @@ impl<F: Fabric> SciRx<F> {
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
             self.tail += n as u64;
+            self.shared.ring_tail.store(self.tail, Ordering::Relaxed);
             self.wire
                 .publish(w64(&self.e.remote, ctl::RING_ACK), self.tail);
             self.notify_writer();
@@ -714,6 +720,9 @@ impl<F: Fabric> SciRx<F> {
             }
             left -= len;
             self.chunk_pos += 1;
+            self.shared
+                .chunk_pos
+                .store(self.chunk_pos, Ordering::Relaxed);
             self.wire
                 .publish(w64(&self.e.remote, ctl::DMA_ACK), self.chunk_pos);
             self.notify_writer();
@@ -860,6 +869,28 @@ impl<F: Fabric> SciIncoming<F> {
             || p.watch.known_dead()
     }
 
+    /// Unread data in some peer's ring (or its next slot ready, or a close): what a pending
+    /// receive in the middle of a message may be waiting for.
+    fn any_data(&self) -> bool {
+        self.any_ready()
+            || self.peers.iter().any(|p| {
+                !p.watch.retired()
+                    && (w64(&p.local, ctl::HEAD).load(Ordering::Acquire)
+                        != p.shared.ring_tail.load(Ordering::Relaxed)
+                        || self.chunk_ready(p))
+            })
+    }
+
+    fn chunk_ready(&self, p: &Watched) -> bool {
+        let g = &self.geom;
+        if g.chunks == 0 {
+            return false;
+        }
+        let pos = p.shared.chunk_pos.load(Ordering::Relaxed);
+        let w = w64(&p.local, chunk_flag(g, pos)).load(Ordering::Acquire);
+        layout::decode_flag(w, pos, g.chunks as u64, g.chunk) != Flag::Empty
+    }
+
     fn check_deaths(&self, force: bool) {
         self.deaths.run(force, self.peers.iter().map(|p| &*p.watch));
     }
@@ -899,7 +930,7 @@ impl<F: Fabric> Incoming for SciIncoming<F> {
     }
 
     /// Set the doorbell's armed bit (writers then signal), collect the sockets and the
-    /// peers' pidfds, then look at every peer's next slot.
+    /// peers' pidfds, then look at every peer's next slot and ring.
     fn arm(&self) -> Result<Armed> {
         let Some(r) = self.own.readiness() else {
             return Ok(Armed::Busy);
@@ -908,7 +939,7 @@ impl<F: Fabric> Incoming for SciIncoming<F> {
             return Ok(Armed::Busy);
         }
         self.own.arm();
-        if r.collect() || self.any_ready() {
+        if r.collect() || self.any_data() {
             return Ok(Armed::Busy);
         }
         Ok(Armed::Armed)
