@@ -81,6 +81,8 @@ struct Inner {
     fd: Option<AsyncFd<ReadyFd>>,
     ch: Channel,
     spin: Option<Duration>,
+    /// Rung by a task whose arm said `Busy`: the tasks asleep on this channel try again.
+    busy: tokio::sync::Notify,
 }
 
 /// A [`Channel`] whose waits are futures. Cheap to clone; `Send + Sync`.
@@ -141,7 +143,12 @@ impl AsyncChannel {
             ProgressMode::Adaptive { spin } => Some(spin),
         };
         Ok(AsyncChannel {
-            inner: Arc::new(Inner { fd, ch, spin }),
+            inner: Arc::new(Inner {
+                fd,
+                ch,
+                spin,
+                busy: tokio::sync::Notify::new(),
+            }),
         })
     }
 
@@ -191,10 +198,17 @@ impl AsyncChannel {
                 }
                 continue;
             }
+            // Listen for the other tasks of this channel before arming: arming drains the
+            // descriptor, so an event one task drains may be another's.
+            let others = inner.busy.notified();
+            tokio::pin!(others);
+            others.as_mut().enable();
             // Arm after a try that found nothing: `Busy` says something may have become ready
-            // meanwhile (or the try made progress the descriptor cannot show), so try again;
+            // meanwhile (or the try made progress the descriptor cannot show), so try again,
+            // and so do the other tasks waiting on this channel (the event may be theirs);
             // after `Armed`, anything that happens makes the descriptor readable.
             if inner.ch.arm()? == mad_core::Armed::Busy {
+                inner.busy.notify_waiters();
                 tokio::task::yield_now().await;
                 if let Poll::Ready(r) = f() {
                     return r;
@@ -203,11 +217,15 @@ impl AsyncChannel {
             }
             match &inner.fd {
                 Some(afd) => {
-                    let mut ready = afd
-                        .readable()
-                        .await
-                        .map_err(|e| Error::io("awaiting the channel's readiness descriptor", e))?;
-                    ready.clear_ready();
+                    tokio::select! {
+                        ready = afd.readable() => {
+                            let mut ready = ready.map_err(|e| {
+                                Error::io("awaiting the channel's readiness descriptor", e)
+                            })?;
+                            ready.clear_ready();
+                        }
+                        () = &mut others => {}
+                    }
                 }
                 None => {
                     tokio::time::sleep(backoff).await;
