@@ -352,7 +352,8 @@ pub(crate) struct ChannelInner {
     pub(crate) notes: Vec<String>,
     rr: AtomicUsize,
     waiters: AtomicUsize,
-    /// An event loop armed the readiness descriptor: a released connection must signal it.
+    /// An event loop armed the readiness descriptor since the last release signalled it: the
+    /// next connection released signals it (and clears this).
     pub(crate) armed: AtomicBool,
     /// [`Channel::close`] was called.
     pub(crate) closed: AtomicBool,
@@ -499,7 +500,9 @@ impl ChannelInner {
         if let Some(Some(c)) = self.conns.get(remote) {
             c.hint.store(true, Ordering::Release);
         }
-        if self.armed.load(Ordering::Acquire) {
+        // Once per arm: the event loop that armed wakes, tries, and arms again before it
+        // sleeps (a flag left set would cost a wake-up per message for ever after).
+        if self.armed.load(Ordering::Relaxed) && self.armed.swap(false, Ordering::AcqRel) {
             self.incoming.wake();
         }
         if self.waiters.load(Ordering::Acquire) > 0 {
