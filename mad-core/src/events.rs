@@ -92,7 +92,13 @@ pub fn begin_unpacking_any<'c, 'b>(
             }
         }
         if now - t0 < spin {
-            std::hint::spin_loop();
+            // Past the first microseconds, give the core away between looks, as the progress
+            // policy does (busy-polling threads share two cores with their peers here).
+            if now - t0 > crate::progress::POLL_YIELD_AFTER {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             continue;
         }
         // Arm every descriptor after a look that found nothing; `Busy` anywhere: look again.
