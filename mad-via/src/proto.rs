@@ -254,7 +254,7 @@ impl<N: Nic> Conn<N> {
         }
         let slots = cfg.slots as u32;
         let tx = nic.tx_slots();
-        Ok(Arc::new(Mutex::new(Conn {
+        let mut c = Conn {
             rank,
             nic,
             failed: None,
@@ -281,7 +281,10 @@ impl<N: Nic> Conn<N> {
             tx_armed: None,
             armed_at: None,
             events: None,
-        })))
+        };
+        // The state the first arm compares with: a call that moved data before it says Busy.
+        c.armed_at = Some(c.progress());
+        Ok(Arc::new(Mutex::new(c)))
     }
 
     fn progress(&self) -> Progress {
