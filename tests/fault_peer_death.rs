@@ -13,7 +13,7 @@
 //! Stages:
 //! - `idle`: the survivor is blocked in `begin_unpacking`; the victim dies before sending.
 //! - `mid`: the victim dies after packing two of four 1 MiB pieces (no `end_packing`).
-//! - `large`: the victim sends 64 MiB single pieces in a loop (tcp: direct writes, shm: CMA,
+//! - `large`: the victim sends 64 MiB single pieces in a loop (tcp: direct writes, shm: the pipelined ring,
 //!   via: RDMA-write rendezvous) and dies 150 ms in, normally in the middle of a transfer.
 //! - `recv_dead`: the victim is the receiver; the survivor sends 1 MiB messages until a
 //!   call fails.
@@ -343,6 +343,8 @@ death_cases! {
     shm_idle: "shm", "idle";
     shm_mid: "shm", "mid";
     shm_large: "shm", "large";
+    shm_cma_large: "shm,cma=auto", "large";
+    shm_cma_recv_dead: "shm,cma=auto", "recv_dead";
     shm_recv_dead: "shm", "recv_dead";
     via_soft_idle: "via:soft", "idle";
     via_soft_mid: "via:soft", "mid";

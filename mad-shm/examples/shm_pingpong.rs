@@ -285,7 +285,7 @@ fn main() {
     pin(me);
     const MIB4: usize = 4 << 20;
     let mut raw = raw_open(&b, MIB4);
-    let ch = std::cell::RefCell::new(open_with(&b, &common::config(&[])).unwrap());
+    let ch = std::cell::RefCell::new(open_with(&b, &common::config(&[("cma", "auto")])).unwrap());
     let mut ch_off =
         open_with(&b, &common::config(&[("cma", "off"), ("ring", "1048576")])).unwrap();
     if me == 0 {

@@ -11,10 +11,11 @@
 //! * **Rings** ([`ring`]): the SCALE discipline (copy in place, Release-publish the write
 //!   offset; Acquire-read, copy out, Release-publish the read offset), lock-free, monotonic
 //!   64-bit offsets, head and tail on separate 128-byte blocks.
-//! * **Transmission modules**: TM 0 `ring` (copy BMM) for pieces up to
-//!   [`DEFAULT_RING_MAX`] bytes, TM 1 `cma` (gather BMM) for larger ones: the sender posts its
-//!   iovec list as a record in the ring, the receiver reads the sender's memory directly and
-//!   bumps a completion counter the sender waits on.
+//! * **Transmission modules**: TM 0 `ring` (copy BMM): every piece by default, a large one
+//!   pipelined through the ring in 64 KiB lends. With `cma=auto|on`, TM 1 `cma` (gather BMM)
+//!   takes pieces above [`DEFAULT_RING_MAX`]: the sender posts its iovec list as a record in
+//!   the ring, the receiver reads the sender's memory directly and bumps a completion counter
+//!   the sender waits on.
 //! * **Waiting**: a shared futex per process (the doorbell) that writers ring only when the
 //!   reader has registered as sleeping; a second futex per ring for writers waiting for room.
 //! * **Peer death**: a pidfd per peer, checked every few milliseconds while polling and after
@@ -25,11 +26,13 @@
 //!   [`mad_core::hostmem::ready`]). None when some rank cannot reach the others' sockets
 //!   (another network namespace): the ranks vote at open.
 //!
-//! Options (`shm,ring=262144,cma=off`): `ring` (bytes per ring, power of two, at least 4096;
-//! default [`DEFAULT_RING`]), `cma` = `auto` (default: use it where permitted), `on` (fail if
-//! the kernel forbids it), `ring` (keep the `cma` TM but stream through the ring: the fallback
-//! path, selectable for tests) or `off` (no `cma` TM: large pieces are split and pipelined through
-//! the ring by the core's copy BMM).
+//! Options (`shm,ring=262144,cma=auto`): `ring` (bytes per ring, power of two, at least 4096;
+//! default [`default_ring`] of the job size), `cma` = `off` (the default: no `cma` TM, large
+//! pieces are split and pipelined through the ring by the core's copy BMM, both processes
+//! copying at once: 2.5–4× CMA's speed from 128 KiB up on this machine kind, see `NOTES.md`),
+//! `auto` (use CMA above [`DEFAULT_RING_MAX`] where permitted), `on` (the same, but fail if the
+//! kernel forbids it) or `ring` (keep the `cma` TM but stream its groups through the ring: the
+//! fallback path, selectable for tests).
 
 #![deny(unsafe_code)]
 
@@ -51,19 +54,22 @@ use mad_core::{Error, Result};
 use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
 use segment::Segment;
 
-/// Default capacity of each ring (bytes) in jobs of up to 16 ranks: 8 processes hold
-/// 8 × 8 rings = 16 MiB of `/dev/shm`. Larger jobs get smaller rings ([`default_ring`]).
-pub const DEFAULT_RING: usize = 256 * 1024;
-/// Budget of one process's segment that sizes the default ring of large jobs: every byte of
-/// a segment is reserved in `/dev/shm` at open, and a segment holds one ring per rank, so
-/// `n` processes with rings of `cap` bytes reserve about `n² × cap`.
+/// Largest default ring (bytes), used by jobs of 2 or 3 ranks: a large piece streams through
+/// the ring in [`link`]'s 64 KiB lends, and a 1 MiB ring keeps 16 of them in flight (the sweep
+/// in `NOTES.md`: 4–16 MiB messages 5–15 % faster than with 256 KiB rings, level with
+/// sisci:local's four 256 KiB chunks). Larger jobs get smaller rings ([`default_ring`]).
+pub const DEFAULT_RING: usize = 1 << 20;
+/// Budget of one process's segment that sizes the default ring: every byte of a segment is
+/// reserved in `/dev/shm` at open, and a segment holds one ring per rank, so `n` processes
+/// with rings of `cap` bytes reserve about `n² × cap`.
 pub const SEGMENT_BUDGET: usize = 4 << 20;
 
-/// The ring capacity used when the `ring` option is absent, for a job of `n` ranks:
-/// [`DEFAULT_RING`] up to 16 ranks, then the largest power of two (at least 4 KiB) that keeps
-/// the segment within [`SEGMENT_BUDGET`]: 128 KiB for 17–31 ranks, 4 KiB from 342 ranks on
-/// (400 ranks then reserve 400 × 3.2 MiB = 1.3 GB of `/dev/shm`, against 42 GB with 256 KiB
-/// rings). Every rank computes the same value (the ring sizes are compared at open).
+/// The ring capacity used when the `ring` option is absent, for a job of `n` ranks: the
+/// largest power of two (between 4 KiB and [`DEFAULT_RING`]) that keeps the segment within
+/// [`SEGMENT_BUDGET`]: 1 MiB for 2–3 ranks, 512 KiB for 4–7, 256 KiB for 8–15, 128 KiB for
+/// 16–31, 4 KiB from 342 ranks on (400 ranks then reserve 400 × 3.2 MiB = 1.3 GB of
+/// `/dev/shm`, against 42 GB with 256 KiB rings). Every rank computes the same value (the
+/// ring sizes are compared at open).
 pub fn default_ring(n: usize) -> usize {
     let per_ring = (SEGMENT_BUDGET / n.max(1)).saturating_sub(ring::layout::HDR);
     let cap = match per_ring.checked_ilog2() {
@@ -74,8 +80,8 @@ pub fn default_ring(n: usize) -> usize {
 }
 /// Largest ring accepted.
 pub const MAX_RING: usize = 1 << 30;
-/// Default largest piece sent through the ring when CMA is available (from the sweep in
-/// `NOTES.md`).
+/// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring`),
+/// from the 2026-11-22 sweep in `NOTES.md`. By default (`cma=off`) the ring takes every piece.
 pub const DEFAULT_RING_MAX: usize = 64 * 1024;
 /// Slices per CMA group.
 pub const CMA_MAX_GROUP: usize = 64;
@@ -120,9 +126,9 @@ fn options(config: &ChannelConfig) -> Result<Options> {
         }
     }
     let cma = match config.options.get("cma").map(String::as_str) {
-        None | Some("auto") => CmaWish::Auto,
+        None | Some("off") | Some("0") | Some("false") => CmaWish::Off,
+        Some("auto") => CmaWish::Auto,
         Some("on") | Some("1") | Some("true") => CmaWish::On,
-        Some("off") | Some("0") | Some("false") => CmaWish::Off,
         Some("ring") => CmaWish::Ring,
         Some(v) => {
             return Err(Error::BadConfig(format!(
@@ -194,7 +200,7 @@ impl Driver for ShmDriver {
     }
 
     fn describe(&self) -> String {
-        "shm: processes on this host, rings in /dev/shm, single copy with CMA (options ring=<bytes>, cma=auto|on|off)"
+        "shm: processes on this host, rings in /dev/shm, large pieces pipelined through the ring or single-copied with CMA (options ring=<bytes>, cma=off|auto|on|ring)"
             .into()
     }
 
@@ -455,7 +461,7 @@ impl Driver for ShmDriver {
             "shm: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
         });
         notes.push(match (cma_tm, path) {
-            (None, _) => "shm: CMA disabled (cma=off): large pieces are pipelined through the ring".into(),
+            (None, _) => "shm: no CMA (cma=off, the default): large pieces are pipelined through the ring".into(),
             (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
             (Some(_), GatherPath::Ring) => format!(
                 "shm: CMA not permitted between every pair of ranks{}: `cma` pieces are streamed through the ring",

@@ -40,7 +40,7 @@ const NOTIFY_EAGER: usize = 4096;
 /// while the sender copies in. One lend per piece made a 256 KiB piece cost two full copies
 /// end to end (A/B, one-way µs at 128 / 256 KiB: 23–25 / 44–55 in one lend, 11–15 / 18–19 in
 /// 32 KiB lends; 16 KiB lends measured the same latency with less bandwidth).
-const PIPELINE_LEND: usize = 32 << 10;
+const PIPELINE_LEND: usize = 64 << 10;
 /// Most slices in one record.
 pub const MAX_RECORD_SLICES: usize = 128;
 

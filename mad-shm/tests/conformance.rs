@@ -42,8 +42,13 @@ fn kit_2_block() {
 }
 
 #[test]
-fn kit_2_cma_off() {
-    kit(2, "shm,cma=off,ring=8192");
+fn kit_2_small_ring() {
+    kit(2, "shm,ring=8192");
+}
+
+#[test]
+fn kit_2_cma() {
+    kit(2, "shm,cma=auto");
 }
 
 #[test]
@@ -57,8 +62,8 @@ fn kit_4_adaptive() {
 }
 
 #[test]
-fn kit_4_block_cma_off() {
-    kit(4, "shm,progress=block,cma=off");
+fn kit_4_block_cma() {
+    kit(4, "shm,progress=block,cma=auto");
 }
 
 #[test]

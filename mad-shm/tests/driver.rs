@@ -60,7 +60,7 @@ fn exchange(cfg: mad_core::ChannelConfig, big: usize) {
 
 #[test]
 fn cma_single_copy_between_threads() {
-    exchange(config(&[]), 3 << 20);
+    exchange(config(&[("cma", "auto")]), 3 << 20);
 }
 
 #[test]
@@ -239,6 +239,14 @@ fn bad_options_are_config_errors() {
         d.tm_table(&config(&[("cma", "off")])).unwrap().tms().len(),
         1
     );
+    // The default is `cma=off`: one TM, the ring, for every length.
+    let t = d.tm_table(&config(&[])).unwrap();
+    assert_eq!(t.tms().len(), 1);
+    assert_eq!(t.tms()[0].max_len, usize::MAX);
+    assert_eq!(
+        d.tm_table(&config(&[("cma", "auto")])).unwrap().tms().len(),
+        2
+    );
 }
 
 #[test]
@@ -250,7 +258,7 @@ fn mismatched_tables_refuse_to_connect() {
         .map(|b| {
             std::thread::spawn(move || {
                 let cfg = if mad_core::bootstrap::Bootstrap::rank(&b) == 0 {
-                    config(&[])
+                    config(&[("cma", "auto")])
                 } else {
                     config(&[("cma", "off")])
                 };
