@@ -162,6 +162,42 @@ pub fn options(config: &ChannelConfig) -> Result<Options> {
     })
 }
 
+/// Budget of one process's segment that scales the default geometry down in large jobs: a
+/// segment holds one area per rank, and every byte is reserved at open.
+pub const SEGMENT_BUDGET: usize = 16 << 20;
+
+/// The geometry a job of `n` ranks uses: `g` as configured, with the sizes the user did not
+/// set (`chunk_set`, `ring_set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the DMA
+/// chunk (down to 16 KiB), then the ring (down to 4 KiB), then the chunk again (down to
+/// 4 KiB). Up to 14 ranks the defaults stay (1.1 MiB per peer); 64 ranks get 32 KiB chunks
+/// (204 KiB per peer, 13 MiB per process instead of 70 MiB); past 512 ranks even the smallest
+/// areas (32 KiB) exceed the budget. Every rank computes the same geometry (it is compared at
+/// open).
+pub fn fit_geometry(mut g: Geometry, n: usize, chunk_set: bool, ring_set: bool) -> Geometry {
+    let fits = |g: &Geometry| g.segment_size(n).is_some_and(|s| s <= SEGMENT_BUDGET);
+    let steps: [(bool, fn(&mut Geometry) -> bool); 3] = [
+        (!chunk_set && g.chunks > 0, |g| {
+            halve(&mut g.chunk, 16 << 10)
+        }),
+        (!ring_set, |g| halve(&mut g.ring, 4096)),
+        (!chunk_set && g.chunks > 0, |g| halve(&mut g.chunk, 4096)),
+    ];
+    for (allowed, step) in steps {
+        while allowed && !fits(&g) && step(&mut g) {}
+    }
+    g
+}
+
+/// Halve `v` if the result stays at least `min`; whether it did.
+fn halve(v: &mut usize, min: usize) -> bool {
+    if *v / 2 >= min {
+        *v /= 2;
+        true
+    } else {
+        false
+    }
+}
+
 /// The `sisci` driver.
 #[derive(Debug, Default, Clone)]
 pub struct SisciDriver {
@@ -287,7 +323,13 @@ impl Driver for SisciDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        let o = options(ctx.config)?;
+        let mut o = options(ctx.config)?;
+        o.geom = fit_geometry(
+            o.geom,
+            ctx.bootstrap.size(),
+            ctx.config.options.contains_key("chunk"),
+            ctx.config.options.contains_key("ring"),
+        );
         if o.backend == Backend::Dolphin {
             return dolphin::open(ctx, &o);
         }
@@ -449,5 +491,42 @@ impl Driver for SisciDriver {
             )),
             notes,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> Geometry {
+        Geometry {
+            slots: DEFAULT_SLOTS,
+            ring: DEFAULT_RING,
+            chunk: DEFAULT_CHUNK,
+            chunks: DEFAULT_CHUNKS,
+        }
+    }
+
+    #[test]
+    fn large_jobs_get_smaller_areas_within_the_budget() {
+        let d = defaults();
+        for n in [1, 2, 8, 14] {
+            assert_eq!(fit_geometry(d, n, false, false), d, "{n} ranks");
+        }
+        let g = fit_geometry(d, 64, false, false);
+        assert_eq!((g.chunk, g.ring), (32 << 10, DEFAULT_RING));
+        for n in [15, 32, 64, 128, 400] {
+            let g = fit_geometry(d, n, false, false);
+            assert!(g.valid(), "{n}: {g:?}");
+            assert!(g.segment_size(n).unwrap() <= SEGMENT_BUDGET, "{n}: {g:?}");
+        }
+        // Past 512 ranks the smallest areas (32 KiB) no longer fit: the smallest it is.
+        let g = fit_geometry(d, 1000, false, false);
+        assert_eq!((g.chunk, g.ring), (4096, 4096));
+        // What the user set stays, even past the budget.
+        let g = fit_geometry(d, 64, true, true);
+        assert_eq!(g, d);
+        let g = fit_geometry(Geometry { chunks: 0, ..d }, 400, false, false);
+        assert_eq!(g.chunk, d.chunk, "no DMA: the chunk is not used");
     }
 }
