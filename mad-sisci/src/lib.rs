@@ -175,16 +175,10 @@ pub const SEGMENT_BUDGET: usize = 16 << 20;
 /// open).
 pub fn fit_geometry(mut g: Geometry, n: usize, chunk_set: bool, ring_set: bool) -> Geometry {
     let fits = |g: &Geometry| g.segment_size(n).is_some_and(|s| s <= SEGMENT_BUDGET);
-    let steps: [(bool, fn(&mut Geometry) -> bool); 3] = [
-        (!chunk_set && g.chunks > 0, |g| {
-            halve(&mut g.chunk, 16 << 10)
-        }),
-        (!ring_set, |g| halve(&mut g.ring, 4096)),
-        (!chunk_set && g.chunks > 0, |g| halve(&mut g.chunk, 4096)),
-    ];
-    for (allowed, step) in steps {
-        while allowed && !fits(&g) && step(&mut g) {}
-    }
+    let shrink_chunk = !chunk_set && g.chunks > 0;
+    while shrink_chunk && !fits(&g) && halve(&mut g.chunk, 16 << 10) {}
+    while !ring_set && !fits(&g) && halve(&mut g.ring, 4096) {}
+    while shrink_chunk && !fits(&g) && halve(&mut g.chunk, 4096) {}
     g
 }
 
