@@ -1,0 +1,330 @@
+//! Active messages over every driver that runs in one process (mem, tcp, uds, shm,
+//! sisci:local, via:soft), ranks as threads: inline and pool handlers called from several
+//! threads of every rank at once with arguments up to 3 MiB (beyond every driver's buffers),
+//! calling threads that poll for each other (no progress thread until a rank's own calls are
+//! done), error replies (unknown handler, handler error, handler panic) after which the
+//! server goes on, an inline handler that ignores its arguments, one-way messages, a pool of
+//! one worker with a queue of one (back-pressure), a peer that closes while a call waits for
+//! it, and a peer that sends something that is not an active message.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mad_am::{CallError, Config, Endpoint};
+use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
+use mad_core::mem::MemDriver;
+use mad_core::{ChannelConfig, Error, RecvMode, Result, Session};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const SPECS: &[&str] = &[
+    "mem",
+    "tcp",
+    "uds",
+    "shm",
+    "sisci:local",
+    "via:soft",
+    "tcp,progress=block",
+];
+
+fn session(b: Box<dyn Bootstrap>) -> Result<Session> {
+    Session::builder()
+        .driver(MemDriver)
+        .driver(mad_tcp::TcpDriver::new())
+        .driver(mad_uds::UdsDriver::new())
+        .driver(mad_shm::ShmDriver::new())
+        .driver(mad_sisci::SisciDriver::new())
+        .driver(mad_via::ViaDriver::new())
+        .bootstrap(b)
+        .build()
+}
+
+fn fail(what: impl Into<String>) -> Error {
+    Error::Io {
+        context: "active-message test".into(),
+        source: std::io::Error::other(what.into()),
+    }
+}
+
+/// Run `body(rank, session)` on `ranks` threads.
+fn run(ranks: usize, body: impl Fn(usize, Session) -> Result<()> + Sync) {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let boots = ThreadBootstrap::group(ranks);
+    let body = &body;
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, b)| s.spawn(move || body(rank, session(Box::new(b))?)))
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .filter_map(|(r, h)| match h.join() {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("rank {r}: {e}")),
+                Err(_) => Some(format!("rank {r} panicked")),
+            })
+            .collect()
+    });
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            ((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8) ^ (i as u8).wrapping_mul(31)
+        })
+        .collect()
+}
+
+const ECHO: u32 = 1;
+const REVERSE: u32 = 2;
+const FAILS: u32 = 3;
+const PANICS: u32 = 4;
+const IGNORES: u32 = 5;
+const COUNT: u32 = 6;
+const CLOSES: u32 = 7;
+
+fn register(ep: &Endpoint, counter: Arc<AtomicUsize>) {
+    ep.register_inline(ECHO, |req| req.recv_vec().map_err(|e| e.to_string()));
+    ep.register_pool(REVERSE, |mut call| {
+        call.args.reverse();
+        Ok(call.args)
+    });
+    ep.register_inline(FAILS, |req| Err(format!("refused {} B", req.len())));
+    ep.register_pool(PANICS, |_| panic!("boom"));
+    ep.register_inline(IGNORES, |_req| Ok(b"ignored".to_vec()));
+    ep.register_inline(COUNT, move |req| {
+        let v = req.recv_vec().map_err(|e| e.to_string())?;
+        counter.fetch_add(v.len(), Ordering::SeqCst);
+        Ok(Vec::new())
+    });
+}
+
+const THREADS: usize = 3;
+const CALLS: usize = 12;
+const ONE_WAY: usize = 10;
+
+fn size_of_call(seed: u64) -> usize {
+    match seed % 6 {
+        0 => 0,
+        1 => 8,
+        2 => 700,
+        3 => 40_000,
+        4 => 300_000,
+        _ => 3 << 20,
+    }
+}
+
+/// Every rank calls every other from `THREADS` threads while nothing but those threads polls
+/// (rank 0 also has a progress thread from the start); then each rank serves until all are
+/// done.
+fn calls_case(rank: usize, s: Session, spec: &str) -> Result<()> {
+    let ch = s.open_channel_with(ChannelConfig::parse(
+        "am",
+        &format!("{spec},timeout_ms=60000"),
+    )?)?;
+    let n = ch.size();
+    let ep = Endpoint::with_config(ch, Config::default().pool(1, 1));
+    let counter = Arc::new(AtomicUsize::new(0));
+    register(&ep, counter.clone());
+    s.bootstrap().barrier("am/registered")?;
+    let mut progress = (rank == 0).then(|| ep.spawn_progress());
+    std::thread::scope(|sc| -> Result<()> {
+        let hs: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let ep = &ep;
+                sc.spawn(move || -> Result<()> {
+                    for i in 0..CALLS {
+                        for peer in (0..n).filter(|&p| p != rank) {
+                            let seed = (rank * 1_000_000 + t * 10_000 + i * 100 + peer) as u64;
+                            let args = pattern(seed, size_of_call(seed));
+                            let id = if i % 2 == 0 { ECHO } else { REVERSE };
+                            let got = ep
+                                .call(peer, id, &args)
+                                .map_err(|e| fail(format!("call {id} to {peer}: {e}")))?;
+                            let mut want = args;
+                            if id == REVERSE {
+                                want.reverse();
+                            }
+                            if got != want {
+                                return Err(fail(format!(
+                                    "reply of handler {id} from {peer} differs ({} B)",
+                                    want.len()
+                                )));
+                            }
+                            if i == 3 && t == 0 {
+                                errors_from(ep, peer)?;
+                            }
+                            if t == 1 && i < ONE_WAY {
+                                ep.send(peer, COUNT, &[7u8; 3])
+                                    .map_err(|e| fail(e.to_string()))?;
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().map_err(|_| fail("caller panicked"))??;
+        }
+        Ok(())
+    })?;
+    if progress.is_none() {
+        progress = Some(ep.spawn_progress());
+    }
+    // Every one-way message of every peer arrives (3 bytes each).
+    let want = (n - 1) * ONE_WAY * 3;
+    let t0 = Instant::now();
+    while counter.load(Ordering::SeqCst) < want {
+        if t0.elapsed() > Duration::from_secs(30) {
+            return Err(fail(format!(
+                "{} of {want} one-way bytes arrived",
+                counter.load(Ordering::SeqCst)
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    s.bootstrap().barrier("am/done")?;
+    if let Some(p) = progress {
+        p.stop()?;
+    }
+    if counter.load(Ordering::SeqCst) != want {
+        return Err(fail("more one-way messages than sent"));
+    }
+    Ok(())
+}
+
+/// Error replies, and the server serves on after each.
+fn errors_from(ep: &Endpoint, peer: usize) -> Result<()> {
+    match ep.call(peer, FAILS, b"abc") {
+        Err(CallError::Handler { rank, id, message })
+            if rank == peer && id == FAILS && message == "refused 3 B" => {}
+        other => return Err(fail(format!("failing handler: {other:?}"))),
+    }
+    match ep.call(peer, PANICS, &[1; 100]) {
+        Err(CallError::Panicked { message, .. }) if message == "boom" => {}
+        other => return Err(fail(format!("panicking handler: {other:?}"))),
+    }
+    match ep.call(peer, 99, &[2; 70_000]) {
+        Err(CallError::UnknownHandler { rank, id: 99 }) if rank == peer => {}
+        other => return Err(fail(format!("unknown handler: {other:?}"))),
+    }
+    match ep.call(peer, IGNORES, &[3; 1 << 20]) {
+        Ok(v) if v == b"ignored" => {}
+        other => {
+            return Err(fail(format!(
+                "handler that ignores its arguments: {other:?}"
+            )))
+        }
+    }
+    let v = ep
+        .call(peer, ECHO, b"still serving")
+        .map_err(|e| fail(e.to_string()))?;
+    if v != b"still serving" {
+        return Err(fail("echo after the errors"));
+    }
+    Ok(())
+}
+
+#[test]
+fn handlers_replies_and_errors_on_every_driver() {
+    for spec in SPECS {
+        let t0 = Instant::now();
+        run(3, |rank, s| calls_case(rank, s, spec));
+        eprintln!("calls over {spec}: {:?}", t0.elapsed());
+    }
+}
+
+/// A peer that closes its channel while a call waits for it fails the call promptly, and a
+/// call to it afterwards fails at once.
+#[test]
+fn a_peer_that_leaves_fails_the_calls_waiting_for_it() {
+    for spec in SPECS {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "left",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::new(ch);
+            let ep2 = ep.clone();
+            ep.register_inline(CLOSES, move |req| {
+                drop(req);
+                ep2.channel().close();
+                Ok(Vec::new())
+            });
+            s.bootstrap().barrier("left/registered")?;
+            if rank == 0 {
+                let t0 = Instant::now();
+                match ep.call(1, CLOSES, b"bye") {
+                    Err(CallError::Transport(_)) => {}
+                    other => {
+                        return Err(fail(format!("{spec}: call to a peer that left: {other:?}")))
+                    }
+                }
+                if t0.elapsed() > Duration::from_secs(5) {
+                    return Err(fail(format!(
+                        "{spec}: the call failed only after {:?}",
+                        t0.elapsed()
+                    )));
+                }
+                match ep.call(1, ECHO, b"again") {
+                    Err(CallError::Transport(_)) => Ok(()),
+                    other => Err(fail(format!("{spec}: second call: {other:?}"))),
+                }
+            } else {
+                // Serves until its handler closed the channel.
+                match ep.serve() {
+                    Err(Error::Closed { .. }) | Ok(()) => Ok(()),
+                    Err(e) => Err(fail(format!("{spec}: serve ended with {e}"))),
+                }
+            }
+        });
+    }
+}
+
+/// A message that is not an active message (sent with the channel's own API) finishes that
+/// peer's connection: its pending call fails, and the endpoint goes on serving the others.
+#[test]
+fn a_stranger_message_finishes_only_that_connection() {
+    for spec in ["tcp", "shm", "mem"] {
+        run(3, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "stranger",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::new(ch.clone());
+            ep.register_inline(ECHO, |req| req.recv_vec().map_err(|e| e.to_string()));
+            s.bootstrap().barrier("stranger/registered")?;
+            match rank {
+                0 => {
+                    let p = ep.spawn_progress();
+                    s.bootstrap().barrier("stranger/sent")?;
+                    s.bootstrap().barrier("stranger/done")?;
+                    p.stop()
+                }
+                1 => {
+                    let mut p = ch.begin_packing(0)?;
+                    p.pack(&[0xAAu8; 32], RecvMode::Express)?;
+                    p.end_packing()?;
+                    s.bootstrap().barrier("stranger/sent")?;
+                    s.bootstrap().barrier("stranger/done")
+                }
+                _ => {
+                    s.bootstrap().barrier("stranger/sent")?;
+                    // Rank 0 still serves rank 2.
+                    let v = ep
+                        .call(0, ECHO, &[5u8; 1000])
+                        .map_err(|e| fail(e.to_string()))?;
+                    s.bootstrap().barrier("stranger/done")?;
+                    if v != [5u8; 1000] {
+                        return Err(fail("echo from rank 0"));
+                    }
+                    Ok(())
+                }
+            }
+        });
+    }
+}
