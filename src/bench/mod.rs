@@ -991,6 +991,16 @@ mod tests {
                 "no latency row for {imp} [{mode}]"
             );
         }
+        // A bench-ucx build runs the UCX baselines by default, in every pattern.
+        #[cfg(feature = "bench-ucx")]
+        for imp in ["raw-ucx-shm", "raw-ucx-tcp"] {
+            for b in ["latency", "bw", "bibw", "latency_mt", "rpc"] {
+                assert!(
+                    rows.iter().any(|r| r.bench == b && r.imp == imp),
+                    "no {b} row for {imp}"
+                );
+            }
+        }
     }
 
     #[test]

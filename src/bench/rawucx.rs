@@ -180,8 +180,7 @@ mod ffi {
             params: *const ucp_ep_params_t,
             ep_p: *mut *mut ucp_ep,
         ) -> ucs_status_t;
-        pub fn ucp_ep_close_nbx(ep: *mut ucp_ep, param: *const ucp_request_param_t)
-            -> *mut c_void;
+        pub fn ucp_ep_close_nbx(ep: *mut ucp_ep, param: *const ucp_request_param_t) -> *mut c_void;
         pub fn ucp_tag_send_nbx(
             ep: *mut ucp_ep,
             buffer: *const c_void,
@@ -604,7 +603,11 @@ impl RawUcx {
         limit: Duration,
         immediate: Option<ucp_tag_recv_info_t>,
     ) -> Result<usize> {
-        let what = if op == Op::Send { "send to" } else { "receive from" };
+        let what = if op == Op::Send {
+            "send to"
+        } else {
+            "receive from"
+        };
         if req.is_null() {
             return Ok(immediate.map_or(0, |i| i.length));
         }
@@ -654,7 +657,10 @@ impl RawUcx {
         if st == UCS_ERR_MESSAGE_TRUNCATED {
             return Error::protocol(
                 peer,
-                format!("{}: {what} rank {peer}: message larger than the buffer", self.name),
+                format!(
+                    "{}: {what} rank {peer}: message larger than the buffer",
+                    self.name
+                ),
             );
         }
         Error::ConnectionLost {
@@ -680,17 +686,21 @@ impl Drop for RawUcx {
             if ep.is_null() {
                 continue;
             }
-            let param = ucp_request_param_t::empty();
-            // SAFETY: live endpoint of the live worker `w`, closed once (flush mode: no
-            // operation of ours is pending, each call waited for its request).
+            // Forced (no flush): no operation of ours is pending, each call waited for its
+            // request, and a flush would wait for a peer that may already be gone (the ranks
+            // drop their endpoints when each is done, not together).
+            let mut param = ucp_request_param_t::empty();
+            param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+            // SAFETY: live endpoint of the live worker `w`, closed once; `param` follows the
+            // 1.13 layout.
             let req = unsafe { ucp_ep_close_nbx(ep, &param) };
             if req.is_null() || ptr_is_err(req) {
                 continue;
             }
             let t0 = Instant::now();
             // SAFETY: `req` is the close request, live until freed below; `w` is live.
-            while unsafe { ucp_request_check_status(req) } == UCS_INPROGRESS
-                && t0.elapsed() < CLOSE
+            while unsafe { ucp_request_check_status(req) } == UCS_INPROGRESS && t0.elapsed() < CLOSE
             {
                 // SAFETY: live worker, this thread only.
                 unsafe { ucp_worker_progress(w.worker) };
