@@ -5,21 +5,24 @@
 #   bench/run.sh --quick    smoke run: tiny iteration counts, every path once; results in
 #                           target-bench/quick-results, BENCHMARKS.md untouched (what CI runs)
 #   NO_MPI=1 bench/run.sh   skip the MPI builds and jobs even when an MPI is installed
+#   NO_UCX=1 bench/run.sh   skip the UCX build and job even when libucx-dev is installed
 #
 # Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), two MPI jobs per
 # installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build with
 # --no-default-features --features shm,bench-mpi in target-bench-<mpi>/): the pair patterns
-# with 2 ranks, the message rate with 4), Figure 4 of the paper
+# with 2 ranks, the message rate with 4), the UCX job (madrun -n 2 of a --features bench-ucx
+# build in target-bench-ucx/, or $UCX_TARGET_DIR: shm, sisci:local and tcp beside raw-ucx-shm,
+# raw-ucx-tcp, the raw ring and raw TCP, interleaved), Figure 4 of the paper
 # on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion
 # engine benches; then `mad-bench report` computes the targets table and the comparisons.
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
-# pair.csv mr.csv mpich.csv openmpi.csv mpich-mr.csv openmpi-mr.csv (mad-bench rows),
+# pair.csv mr.csv mpich.csv openmpi.csv mpich-mr.csv openmpi-mr.csv ucx.csv (mad-bench rows),
 # figure4.csv, rpc_example.txt,
 # engine.txt, the raw stdout of each step (*.txt), status.tsv (what ran, what did not and why),
 # results.md and section.md (the generated section), *.svg.
 #
-# A step that cannot run here (no MPI installed, NO_MPI) is reported "not run" with the reason;
+# A step that cannot run here (no MPI or no libucx-dev installed, NO_MPI, NO_UCX) is reported "not run" with the reason;
 # a step that fails is reported "failed", the others still run and the script exits with 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +95,57 @@ mr() {
         --csv "$OUT/mr.csv" "$@" 2>&1 | tee "$OUT/mr.txt"
 }
 step mr "\`madrun -n 4 mad-bench\`: message rate" mr "$@"
+
+# --- UCX: shm, sisci:local and tcp beside UCX on the same transports (issue 16) -------------
+# Its own build: --features bench-ucx links libucp and libucs (Debian: libucx-dev). Sizes up to
+# 16 MiB (the issue's sweep); quick: up to 4 MiB. The UCX baselines busy-poll (UCX's default).
+if [[ ${#QUICK[@]} -gt 0 ]]; then UCXMAX=4m; else UCXMAX=16m; fi
+UCXARGS=(--channels 'shm;sisci:local;tcp' --modes cheaper --bench latency,bw --max "$UCXMAX"
+         --baselines raw-ucx-shm,raw-ucx-tcp,raw-shm,raw-tcp-poll)
+
+has_libucx() {
+    local d
+    for d in /usr/include /usr/local/include; do
+        [[ -f "$d/ucp/api/ucp.h" ]] && return 0
+    done
+    return 1
+}
+
+ucx_job() {
+    local target="${UCX_TARGET_DIR:-$PWD/target-bench-ucx}" t0 rc
+    if [[ -n "${NO_UCX:-}" ]]; then
+        status ucx not-run 0 "NO_UCX is set"
+        return
+    fi
+    if ! has_libucx; then
+        status ucx not-run 0 "libucx-dev (UCX's headers, libucp and libucs) is not installed"
+        return
+    fi
+    echo
+    echo "== ucx: build with --features tcp,shm,sisci,bench-ucx in $target"
+    t0=$(date +%s)
+    if ! CARGO_TARGET_DIR="$target" cargo build --release --no-default-features \
+            --features tcp,shm,sisci,bench-ucx --bin mad-bench 2>&1 | tee "$OUT/ucx-build.log"; then
+        status ucx failed $(( $(date +%s) - t0 )) "the build with --features bench-ucx failed (see $OUT/ucx-build.log)"
+        FAILED+=(ucx)
+        return
+    fi
+    echo "== ucx: madrun -n 2 mad-bench ${UCXARGS[*]}"
+    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$target/release/mad-bench" "${QUICK[@]}" \
+        "${UCXARGS[@]}" --csv "$OUT/ucx.csv" "$@" 2>&1 | tee "$OUT/ucx.txt"
+    rc=${PIPESTATUS[0]}
+    if [[ $rc -ne 0 ]]; then
+        status ucx failed $(( $(date +%s) - t0 )) "\`madrun -n 2 mad-bench\` (bench-ucx) exited with $rc (see $OUT/ucx.txt)"
+        FAILED+=(ucx)
+        rm -f "$OUT/ucx.csv"
+        return
+    fi
+    # mad-bench goes on without a UCX baseline that could not start: say so in the status.
+    local out
+    out=$(grep -o 'baseline raw-ucx-[a-z]* left out: .*' "$OUT/ucx.txt" | tr '\n' ' ')
+    status ucx ran $(( $(date +%s) - t0 )) "\`madrun -n 2 mad-bench ${UCXARGS[*]}\` (build included)${out:+; $out}"
+}
+ucx_job "$@"
 
 # --- the MPI jobs: shm, the MPI channel, raw MPI (two RPC idioms), the raw ring, memcpy ------
 # Sizes up to 16 MiB (the shm issue's sweep); quick: up to 4 MiB (the targets' sizes).
@@ -199,7 +253,7 @@ step engine "\`cargo bench --bench engine -- ${CRIT[*]}\`" engine
 
 # --- the report ---------------------------------------------------------------------------------
 CSVS=()
-for s in pair mr mpich openmpi mpich-mr openmpi-mr; do [[ -s "$OUT/$s.csv" ]] && CSVS+=("$OUT/$s.csv"); done
+for s in pair mr mpich openmpi mpich-mr openmpi-mr ucx; do [[ -s "$OUT/$s.csv" ]] && CSVS+=("$OUT/$s.csv"); done
 if ! "$BIN/mad-bench" report --out "$OUT" --status "$STATUS" --engine "$OUT/engine.txt" \
         --fig4 "$OUT/figure4.csv" --rpc-example "$OUT/rpc_example.txt" "${CSVS[@]}"; then
     echo "bench/run.sh: mad-bench report failed" >&2

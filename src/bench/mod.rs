@@ -10,6 +10,8 @@ mod net;
 mod patterns;
 #[cfg(feature = "bench-mpi")]
 mod rawmpi;
+#[cfg(feature = "bench-ucx")]
+mod rawucx;
 mod report;
 mod summary;
 mod sys;
@@ -42,9 +44,10 @@ options of run:
   --channels LIST      Madeleine channel specs separated by ';' (default
                        'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft;sisci:local'
                        [+ ';mpi' with --features mpi])
-  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all), and raw-mpi,
+  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all); raw-mpi,
                        raw-mpi-packed (RPC only) when built with --features bench-mpi and
-                       started by mpiexec
+                       started by mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API, busy-polling;
+                       in the default list) when built with --features bench-ucx
   --modes LIST         mode pairs of the tcp and shm channels without progress=:
                        cheaper,safer,16 (default all three); other channels: cheaper only
   --no-pin             do not pin ranks to cores
@@ -75,9 +78,7 @@ fn parse_opts(args: &[String]) -> Result<Opts> {
         time_budget: 0.1,
         benches: Vec::new(),
         channels: default_channels(),
-        baselines: ["raw-tcp-poll", "raw-tcp-block", "raw-shm", "memcpy"]
-            .map(String::from)
-            .to_vec(),
+        baselines: default_baselines(),
         modes: vec![Mode::Cc, Mode::Se, Mode::Multi16],
         pin: true,
         csv: None,
@@ -182,6 +183,16 @@ fn list(s: &str, sep: char) -> Vec<String> {
         .filter(|x| !x.is_empty())
         .map(String::from)
         .collect()
+}
+
+fn default_baselines() -> Vec<String> {
+    #[allow(unused_mut)]
+    let mut v: Vec<String> = ["raw-tcp-poll", "raw-tcp-block", "raw-shm", "memcpy"]
+        .map(String::from)
+        .to_vec();
+    #[cfg(feature = "bench-ucx")]
+    v.extend(["raw-ucx-shm", "raw-ucx-tcp"].map(String::from));
+    v
 }
 
 fn default_channels() -> Vec<String> {
@@ -528,6 +539,35 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                     Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
                     Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
                 )
+            }
+            #[cfg(feature = "bench-ucx")]
+            "raw-ucx-shm" | "raw-ucx-tcp" => {
+                let t = if raw == "raw-ucx-shm" {
+                    rawucx::Transport::Shm
+                } else {
+                    rawucx::Transport::Tcp
+                };
+                // Collective and agreed on every rank: a UCX that cannot start here drops the
+                // baseline, not the run.
+                let opened = rawucx::RawUcx::open(session, &format!("raw{i}a"), t).and_then(|a| {
+                    Ok((a, rawucx::RawUcx::open(session, &format!("raw{i}b"), t)?))
+                });
+                match opened {
+                    Ok((a, b)) => (Some(Box::new(a)), Some(Box::new(b))),
+                    Err(e @ Error::Unavailable { .. }) => {
+                        if session.rank() == 0 {
+                            eprintln!("mad-bench: baseline {raw} left out: {e}");
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            #[cfg(not(feature = "bench-ucx"))]
+            "raw-ucx-shm" | "raw-ucx-tcp" => {
+                return Err(Error::BadConfig(format!(
+                    "mad-bench: baseline `{raw}` needs a build with --features bench-ucx (and libucx-dev)"
+                )))
             }
             other => {
                 return Err(Error::BadConfig(format!(
@@ -950,6 +990,16 @@ mod tests {
                     .any(|r| r.bench == "latency" && r.imp == imp && r.mode == mode),
                 "no latency row for {imp} [{mode}]"
             );
+        }
+        // A bench-ucx build runs the UCX baselines by default, in every pattern.
+        #[cfg(feature = "bench-ucx")]
+        for imp in ["raw-ucx-shm", "raw-ucx-tcp"] {
+            for b in ["latency", "bw", "bibw", "latency_mt", "rpc"] {
+                assert!(
+                    rows.iter().any(|r| r.bench == b && r.imp == imp),
+                    "no {b} row for {imp}"
+                );
+            }
         }
     }
 

@@ -7,7 +7,8 @@
 //! Inputs (all optional but the CSV files):
 //!
 //! * mad-bench CSV files; the file stem names the suite: `pair` (`madrun -n 2`), `mr`
-//!   (`madrun -n 4`), `mpich` and `openmpi` (the MPI jobs);
+//!   (`madrun -n 4`), `mpich` and `openmpi` (the MPI jobs), `ucx` (`madrun -n 2` of a
+//!   `--features bench-ucx` build: shm, sisci:local and tcp beside the raw UCX baselines);
 //! * `--status FILE`: one line per step of the run, `step<TAB>state<TAB>seconds<TAB>detail`,
 //!   `state` being `ran`, `not-run` or `failed` (why a figure is missing);
 //! * `--engine FILE`: criterion's stdout for `benches/engine.rs`;
@@ -25,6 +26,14 @@ use super::report::{self, num, Row};
 pub const MPIS: [(&str, &str); 2] = [("mpich", "MPICH"), ("openmpi", "Open MPI")];
 
 const MIB: usize = 1 << 20;
+
+/// The channels held against UCX on the same transport (issue 16), in the `ucx` suite:
+/// (channel, UCX baseline, the non-UCX raw baseline shown beside them).
+pub const UCX_PAIRS: [(&str, &str, &str); 3] = [
+    ("shm", "raw-ucx-shm", "raw-shm"),
+    ("sisci:local", "raw-ucx-shm", "raw-shm"),
+    ("tcp", "raw-ucx-tcp", "raw-tcp-poll"),
+];
 
 /// The rows of one CSV file.
 pub struct Suite {
@@ -455,6 +464,7 @@ pub fn targets(inp: &Inputs) -> Vec<Target> {
     tcp_targets(inp, &mut t);
     shm_targets(inp, &mut t);
     mpi_targets(inp, &mut t);
+    ucx_targets(inp, &mut t);
     fig4_target(inp, &mut t);
     t
 }
@@ -797,6 +807,73 @@ fn mpi_targets(inp: &Inputs, t: &mut Vec<Target>) {
     }
 }
 
+/// Issue 16: tcp, shm and sisci:local at every size 0 B – 16 MiB, latency and bandwidth, at
+/// most 1.0× UCX on the same transport, from the `ucx` suite (one `madrun -n 2` run).
+fn ucx_targets(inp: &Inputs, t: &mut Vec<Target>) {
+    let rows = inp.suite("ucx");
+    for (chan, base, _) in UCX_PAIRS {
+        for (bench, first, label) in [("latency", 0, "one-way latency"), ("bw", 1, "bandwidth")] {
+            let what = format!(
+                "every size {} – 16 MiB, {label}: `{chan}` vs UCX on the same transport (`{base}`)",
+                bytes(first)
+            );
+            let limit = "≤ 1.00 at every size".to_string();
+            let Some(rows) = rows else {
+                t.push(not_run("ucx", what, limit, inp.why_missing("ucx")));
+                continue;
+            };
+            let all: Vec<(usize, f64)> = sizes_of(rows, bench, chan)
+                .into_iter()
+                .filter_map(|s| Some((s, ratio(rows, bench, chan, base, s)?)))
+                .collect();
+            let Some(&(at, r)) = all.iter().max_by(|a, b| a.1.total_cmp(&b.1)) else {
+                t.push(not_run(
+                    "ucx",
+                    what,
+                    limit,
+                    format!("ucx suite: no {chan} / {base} {bench} figures"),
+                ));
+                continue;
+            };
+            let over = all.iter().filter(|(_, r)| *r > 1.0).count();
+            let at_size = |s: usize| match (get(rows, bench, chan, s), get(rows, bench, base, s)) {
+                (Some(m), Some(b)) => {
+                    format!("{}: {} vs {}", bytes(s), num(m.median), num(b.median))
+                }
+                _ => format!("{}: -", bytes(s)),
+            };
+            let (lo, hi) = (all.first().map(|a| a.0), all.last().map(|a| a.0));
+            let v = Verdict::of(r, 1.0);
+            t.push(Target {
+                issue: "ucx",
+                what,
+                measured: format!(
+                    "{}; {} {}; {} sizes, {over} above 1.00; worst at {}",
+                    at_size(if bench == "latency" { 8 } else { 4 * MIB }),
+                    at_size(if bench == "latency" { 4 * MIB } else { 8 }),
+                    unit_of(bench),
+                    all.len(),
+                    bytes(at)
+                ),
+                ratio: format!("{r:.3}"),
+                limit,
+                verdict: if lo != Some(first) || hi.map_or(true, |h| h < 16 * MIB) {
+                    Verdict::Incomplete(
+                        Some(v == Verdict::Met),
+                        format!(
+                            "the sweep covered {} – {} only",
+                            bytes(lo.unwrap_or(0)),
+                            bytes(hi.unwrap_or(0))
+                        ),
+                    )
+                } else {
+                    v
+                },
+            });
+        }
+    }
+}
+
 /// Figure 4 per size: (size, per-variant (median, min, max), best fixed variant, adaptive / best).
 ///
 /// The best fixed method is the fixed column with the lowest median; the ratio is the median,
@@ -1131,6 +1208,83 @@ fn sisci_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
     }
 }
 
+fn ucx_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
+    let _ = writeln!(
+        md,
+        "\n### shm, sisci:local and tcp against UCX (issue 16)\n\n\
+         The `ucx` step: one `madrun -n 2` run of a `--features bench-ucx` build, the channels \
+         interleaved run by run with UCX's UCP tag API on the same transports (`raw-ucx-shm`: \
+         `UCX_TLS=posix,sysv,cma,self`; `raw-ucx-tcp`: `UCX_TLS=tcp,self` on `lo`) and with the raw \
+         ring and raw TCP. The UCX baselines busy-poll `ucp_worker_progress` (UCX's default), \
+         one blocking tag send or receive at a time, as the other baselines. Ratio (×) = the \
+         channel's cost over UCX's on the same transport, **above 1 = slower than UCX**."
+    );
+    let Some(rows) = inp.suite("ucx") else {
+        let _ = writeln!(md, "\nNot run: {}.", inp.why_missing("ucx"));
+        return;
+    };
+    for bench in ["latency", "bw"] {
+        let _ = writeln!(md, "\n#### `{bench}`: {}\n", report::describe(bench));
+        let mut head = String::from("| size |");
+        let mut sep = String::from("|---:|");
+        for (chan, base, _) in UCX_PAIRS {
+            let _ = write!(head, " `{chan}` | `{base}` | ratio |");
+            sep.push_str("---:|---:|---:|");
+        }
+        head.push_str(" `raw-shm` | `raw-tcp-poll` |");
+        sep.push_str("---:|---:|");
+        let _ = writeln!(md, "{head}\n{sep}");
+        let mut sizes: Vec<usize> = UCX_PAIRS
+            .iter()
+            .flat_map(|(c, b, _)| {
+                let mut v = sizes_of(rows, bench, c);
+                v.extend(sizes_of(rows, bench, b));
+                v
+            })
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for s in sizes {
+            let mut line = format!("| {} |", bytes(s));
+            for (chan, base, _) in UCX_PAIRS {
+                let _ = write!(
+                    line,
+                    " {} | {} | {} |",
+                    fig(get(rows, bench, chan, s)),
+                    fig(get(rows, bench, base, s)),
+                    x(ratio(rows, bench, chan, base, s))
+                );
+            }
+            let _ = writeln!(
+                line,
+                " {} | {} |",
+                fig(get(rows, bench, "raw-shm", s)),
+                fig(get(rows, bench, "raw-tcp-poll", s))
+            );
+            md.push_str(&line);
+        }
+        let mut pr = Vec::new();
+        for (chan, _, _) in UCX_PAIRS {
+            pr.extend(renamed(rows, bench, chan, chan, false));
+        }
+        for base in ["raw-ucx-shm", "raw-ucx-tcp", "raw-shm", "raw-tcp-poll"] {
+            pr.extend(renamed(rows, bench, base, base, true));
+        }
+        md.push('\n');
+        plot(
+            inp,
+            plots,
+            md,
+            &format!("ucx-{bench}.svg"),
+            &format!(
+                "shm, sisci:local, tcp vs UCX (dashed): {}",
+                report::describe(bench)
+            ),
+            &pr,
+        );
+    }
+}
+
 fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
     let _ = writeln!(
         md,
@@ -1305,6 +1459,7 @@ fn suite_title(name: &str) -> String {
         "mr" => "Message rate (`madrun -n 4`)".into(),
         "mpich" => "MPICH job (`mpiexec.mpich -n 2`, `--features bench-mpi`)".into(),
         "openmpi" => "Open MPI job (`mpirun.openmpi -n 2`, `--features bench-mpi`)".into(),
+        "ucx" => "UCX job (`madrun -n 2`, `--features bench-ucx`)".into(),
         "mpich-mr" => "MPICH message rate (`mpiexec.mpich -n 4`, `--features bench-mpi`)".into(),
         "openmpi-mr" => {
             "Open MPI message rate (`mpirun.openmpi -n 4`, `--features bench-mpi`)".into()
@@ -1379,6 +1534,7 @@ pub fn render(inp: &Inputs) -> (String, Vec<Plot>) {
     mpi_section(inp, &mut md);
     fig4_section(inp, &mut md, &mut plots);
     sisci_section(inp, &mut md, &mut plots);
+    ucx_section(inp, &mut md, &mut plots);
     rpc_example_section(inp, &mut md);
     engine_section(inp, &mut md);
     suites_section(inp, &mut md, &mut plots);
@@ -1517,6 +1673,47 @@ mod tests {
         assert_eq!(t.verdict, Verdict::NotMet);
         assert!(t.measured.contains("worst at 16 MiB"), "{}", t.measured);
         assert_eq!(t.ratio, "1.200");
+    }
+
+    #[test]
+    fn ucx_targets_sweep_every_size_against_the_same_transport() {
+        let mut rows = Vec::new();
+        for s in [0usize, 8, 4 * MIB, 16 * MIB] {
+            rows.push(row("latency", "shm", s, if s == 8 { 1.2 } else { 0.9 }));
+            rows.push(row("latency", "raw-ucx-shm", s, 1.0));
+            rows.push(row("latency", "tcp", s, 0.5));
+            rows.push(row("latency", "raw-ucx-tcp", s, 1.0));
+        }
+        for s in [1usize, 8, 4 * MIB] {
+            rows.push(row("bw", "shm", s, 2000.0));
+            rows.push(row("bw", "raw-ucx-shm", s, 1000.0));
+        }
+        let inp = inputs(vec![Suite {
+            name: "ucx".into(),
+            rows,
+        }]);
+        let ts = targets(&inp);
+        let t = find(&ts, "one-way latency: `shm` vs UCX");
+        assert_eq!(t.verdict, Verdict::NotMet);
+        assert_eq!(t.ratio, "1.200");
+        assert!(t.measured.contains("worst at 8 B"), "{}", t.measured);
+        assert_eq!(
+            find(&ts, "one-way latency: `tcp` vs UCX").verdict,
+            Verdict::Met
+        );
+        // Bandwidth is an inverse ratio; the sweep stopped at 4 MiB.
+        match &find(&ts, "bandwidth: `shm` vs UCX").verdict {
+            Verdict::Incomplete(Some(true), why) => assert!(why.contains("4 MiB"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        // No sisci:local rows: not run, with the reason.
+        assert!(matches!(
+            find(&ts, "one-way latency: `sisci:local` vs UCX").verdict,
+            Verdict::Incomplete(None, _)
+        ));
+        let (md, plots) = render(&inp);
+        assert!(md.contains("against UCX"));
+        assert!(plots.iter().any(|(f, _)| f == "ucx-latency.svg"));
     }
 
     #[test]
