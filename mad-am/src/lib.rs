@@ -8,49 +8,57 @@
 //!   the message still open: the handler reads [`Request::len`] and receives the arguments
 //!   into memory it chooses ([`Request::recv_into`]), so a large CHEAPER argument lands there
 //!   with no intermediate copy. No thread hand-off (NCS's bypass path): for short handlers.
-//! * **Pool handlers** ([`Endpoint::register_pool`]) run in a bounded worker pool ("handle in
-//!   a new thread", SCALE): the polling thread receives the arguments into a buffer, queues
-//!   the call and goes on polling; when the queue is full it waits for a free place, which
-//!   holds back the senders (back-pressure through the transport).
+//! * **Pool handlers** ([`Endpoint::register_pool`]) run in a worker pool ("handle in a new
+//!   thread", SCALE): the polling thread receives the arguments into a buffer and queues the
+//!   call. When `workers + queue` calls are waiting, the poller runs the next one itself and
+//!   receives nothing meanwhile (back-pressure on the senders).
 //! * **Replies and errors.** A reply carries the handler's bytes or its error. An unknown
 //!   handler, a handler that returns `Err`, and a handler that panics give the caller
 //!   [`CallError::UnknownHandler`], [`CallError::Handler`] and [`CallError::Panicked`]; the
 //!   server goes on serving.
-//! * **Progress** (pCoR): a thread waiting in [`Endpoint::call`] polls the channel itself
-//!   when no other thread does, and hands every reply to the thread waiting for it (and
-//!   every request to its handler); the others sleep on a condition variable. A server with
-//!   no calling thread runs [`Endpoint::serve`] or [`Endpoint::spawn_progress`]. An idle
-//!   poller sleeps in the driver (the channel's progress policy), so idling costs no CPU.
+//! * **Progress** (pCoR). One thread at a time holds the *poller role*: it receives every
+//!   message (replies go to the threads waiting for them, requests to their handlers) and
+//!   sends the inline handlers' replies. A thread waiting in [`Endpoint::call`] takes the role
+//!   when nobody holds it; the others sleep on a condition variable. A server with no calling
+//!   thread runs [`Endpoint::serve`] or [`Endpoint::spawn_progress`]. Idle, the poller sleeps
+//!   on the channel's readiness descriptor, so idling costs no CPU.
+//! * **Nothing waits in the network.** Every message is sent and received with the engine's
+//!   non-blocking calls (`defer`, `poll_end_packing`, `poll_end_unpacking`), and a thread
+//!   whose message cannot move yet polls for the process (or pauses, if another thread
+//!   does). So two processes sending each other large messages from every thread never
+//!   deadlock waiting for each other to receive, whatever the drivers' buffer sizes.
 //! * **Departed peers.** A peer that dies or closes fails the calls waiting for it: through
-//!   the error the channel reports, and, for a clean close between messages (which the
-//!   channel reports to nobody), through a check of the peers that owe replies after every
-//!   poll slice without traffic ([`Config::slice`]).
+//!   the error the channel reports, and, for a clean close between messages (which an
+//!   any-source receive reports to nobody), through a look at the peers that owe replies
+//!   after every quiet slice ([`Config::slice`]).
 //!
 //! Wire format: every message starts with a 32-byte header packed EXPRESS (kind, flags,
-//! status, handler id, token, body length); a body of that many bytes follows, packed
+//! status, handler id, token, body length, magic); a body of that many bytes follows, packed
 //! CHEAPER (nothing when empty). Both sides of a channel must use this layer for every
-//! message on it.
+//! message on it: anything else finishes that peer's connection.
 //!
-//! Limits (this version): one body per message (several arrays go in one body); inline
-//! handlers send their reply on the polling thread, so a long reply there waits for the
-//! caller to receive it (use a pool handler for large replies to peers that may be busy
-//! sending to this one); no async API yet (a future resolved by the reply).
+//! Limits (this version): one body per message (several arrays go in one body); replies sent
+//! by a poller are copied once (SAFER) so they outlive the handler; a process that receives
+//! requests must keep some thread polling (a caller, [`Endpoint::serve`] or
+//! [`Endpoint::spawn_progress`]); a pool handler that calls another process while the pool
+//! is full waits for a poller that may be running a call itself; no async API yet.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use mad_core::{Channel, Error, RecvMode, SendMode, Unpacker};
+use mad_core::{Channel, Error, Packer, RecvMode, SendMode, Unpacker};
 
 /// What a handler returns: the reply's bytes, or an error text the caller receives as
 /// [`CallError::Handler`].
 pub type Reply = std::result::Result<Vec<u8>, String>;
 
-type InlineFn = dyn Fn(Request<'_>) -> Reply + Send + Sync;
+type InlineFn = dyn Fn(Request<'_, '_>) -> Reply + Send + Sync;
 type PoolFn = dyn Fn(Call) -> Reply + Send + Sync;
 
 #[derive(Clone)]
@@ -114,7 +122,7 @@ pub enum CallError {
 pub struct Config {
     /// Worker threads of the pool (started when the first pool handler is registered).
     pub workers: usize,
-    /// Calls queued for the pool beyond those running; a full queue holds the poller back.
+    /// Calls queued for the pool beyond those running; past it the poller runs calls itself.
     pub queue: usize,
     /// Largest body this endpoint receives into a buffer of its own (pool arguments, replies);
     /// a larger one is a protocol violation and finishes that peer's connection.
@@ -213,14 +221,15 @@ impl Header {
 /// A request being handled inline: the message is still open, and the handler receives the
 /// arguments where it wants them. Dropped without receiving them, the arguments are read and
 /// discarded (the connection stays usable).
-pub struct Request<'c> {
+pub struct Request<'p, 'c> {
     u: Option<Unpacker<'c, 'static>>,
+    poller: &'p mut Poller<'c>,
     from: usize,
     id: u32,
     len: u64,
 }
 
-impl<'c> Request<'c> {
+impl Request<'_, '_> {
     /// The calling rank.
     pub fn from(&self) -> usize {
         self.from
@@ -241,9 +250,20 @@ impl<'c> Request<'c> {
     /// Receive the arguments into `buf` (exactly [`len`](Self::len) bytes; CHEAPER: they land
     /// there straight from the driver) and finish the message.
     pub fn recv_into(mut self, buf: &mut [u8]) -> mad_core::Result<()> {
-        let u = self.u.take().expect("request already received");
-        let from = self.from;
-        finish_into(u, buf, self.len, from)
+        let u = self.u.take().expect("request received twice");
+        if buf.len() as u64 != self.len {
+            // Read what was sent, so the connection stays in step, then report the misuse.
+            self.poller.drain(u, self.len, self.from)?;
+            return Err(Error::Protocol {
+                rank: self.from,
+                what: format!(
+                    "active message: a buffer of {} B for {} B of arguments",
+                    buf.len(),
+                    self.len
+                ),
+            });
+        }
+        self.poller.finish_into(u, buf)
     }
 
     /// Receive the arguments into a new vector.
@@ -258,53 +278,12 @@ impl<'c> Request<'c> {
     }
 }
 
-impl Drop for Request<'_> {
+impl Drop for Request<'_, '_> {
     fn drop(&mut self) {
         if let Some(u) = self.u.take() {
-            let _ = drain(u, self.len, self.from);
+            let _ = self.poller.drain(u, self.len, self.from);
         }
     }
-}
-
-/// Receive a body of `len` bytes into `buf` and finish the message.
-fn finish_into(
-    u: Unpacker<'_, 'static>,
-    buf: &mut [u8],
-    len: u64,
-    from: usize,
-) -> mad_core::Result<()> {
-    if buf.len() as u64 != len {
-        // Read what was sent, so the connection stays in step, then report the misuse.
-        drain(u, len, from)?;
-        return Err(Error::Protocol {
-            rank: from,
-            what: format!(
-                "active message: a buffer of {} B for {len} B of arguments",
-                buf.len()
-            ),
-        });
-    }
-    // The unpacker's destinations may borrow for as little as `buf` lives (it is covariant).
-    let mut u: Unpacker<'_, '_> = u;
-    if len > 0 {
-        u.unpack(buf, SendMode::Cheaper)?;
-    }
-    u.end_unpacking()
-}
-
-/// Receive and discard a body of `len` bytes (in 1 MiB pieces would break the piece
-/// sequence: the body is one piece, so it is received whole, into a scratch buffer).
-fn drain(u: Unpacker<'_, 'static>, len: u64, from: usize) -> mad_core::Result<()> {
-    let n = usize::try_from(len).map_err(|_| Error::Protocol {
-        rank: from,
-        what: format!("active message: {len} B body"),
-    })?;
-    let mut scratch = vec![0u8; n];
-    let mut u: Unpacker<'_, '_> = u;
-    if n > 0 {
-        u.unpack(&mut scratch, SendMode::Cheaper)?;
-    }
-    u.end_unpacking()
 }
 
 /// A request handed to a pool handler, its arguments received.
@@ -326,16 +305,31 @@ enum Slot {
     Done(Result<(u16, Vec<u8>), CallError>),
 }
 
+/// A message to send that waits for its connection (another local thread sends to that peer).
+struct Out {
+    to: usize,
+    hdr: [u8; HDR],
+    body: Vec<u8>,
+}
+
 struct State {
-    /// A thread is polling the channel.
+    /// A thread holds the poller role.
     polling: bool,
     calls: HashMap<u64, Slot>,
+    /// Replies a poller could not start before it gave the role up.
+    outbox: Vec<Out>,
 }
 
 struct Job {
     call: Call,
     token: u64,
     reply: bool,
+}
+
+/// The worker pool: its queue and its threads.
+struct Pool {
+    tx: Sender<Job>,
+    workers: Vec<JoinHandle<()>>,
 }
 
 struct Inner {
@@ -345,7 +339,9 @@ struct Inner {
     state: Mutex<State>,
     cv: Condvar,
     next_token: AtomicU64,
-    pool: Mutex<Option<(SyncSender<Job>, Vec<JoinHandle<()>>)>>,
+    pool: Mutex<Option<Pool>>,
+    /// Jobs handed to the pool and not finished.
+    queued: AtomicUsize,
     stop: AtomicBool,
 }
 
@@ -409,6 +405,374 @@ fn transport(e: &Error) -> CallError {
     })
 }
 
+/// How a thread waits for the network without blocking in it: spin, then yield, then sleep on
+/// the channel's readiness descriptor for at most a millisecond at a time.
+struct Backoff(u32);
+
+impl Backoff {
+    fn pause(&mut self, ch: &Channel) {
+        self.0 = self.0.saturating_add(1);
+        if self.0 < 64 {
+            std::hint::spin_loop();
+        } else if self.0 < 256 {
+            std::thread::yield_now();
+        } else {
+            idle(ch, Duration::from_millis(1));
+        }
+    }
+}
+
+/// Sleep until the channel may have progressed (its descriptor is readable) or `t` passed.
+fn idle(ch: &Channel, t: Duration) {
+    match ch.arm() {
+        Ok(mad_core::Armed::Armed) => match ch.readiness_fd() {
+            Some(fd) => {
+                let _ = mad_core::events::wait_readable(&[fd], Some(t));
+            }
+            None => std::thread::sleep(t.min(Duration::from_micros(200))),
+        },
+        Ok(_) => std::thread::yield_now(),
+        Err(_) => std::thread::sleep(t.min(Duration::from_micros(200))),
+    }
+}
+
+/// The state of the thread that holds the poller role: the replies it is sending (each a
+/// message in progress, driven without blocking) and those waiting for their connection.
+/// Every wait of the poller keeps these moving, so it never blocks a peer that waits for it.
+pub struct Poller<'c> {
+    ep: &'c Endpoint,
+    sending: Vec<Packer<'c, 'static>>,
+    waiting: Vec<Out>,
+}
+
+impl<'c> Poller<'c> {
+    fn ch(&self) -> &'c Channel {
+        &self.ep.inner.ch
+    }
+
+    /// One round over the sends: finished ones are dropped, waiting ones started.
+    fn drive_sends(&mut self) -> bool {
+        let before = self.sending.len() + self.waiting.len();
+        self.sending
+            .retain_mut(|p| p.poll_end_packing().is_pending());
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let to = self.waiting[i].to;
+            match self.ch().try_begin_packing(to) {
+                Ok(Some(mut p)) => {
+                    let o = self.waiting.swap_remove(i);
+                    p.defer();
+                    let r = p.pack_safer(&o.hdr, RecvMode::Express).and_then(|()| {
+                        if o.body.is_empty() {
+                            Ok(())
+                        } else {
+                            p.pack_safer(&o.body, RecvMode::Cheaper)
+                        }
+                    });
+                    if r.is_ok() && p.poll_end_packing().is_pending() {
+                        self.sending.push(p);
+                    }
+                }
+                // Another thread sends to that peer, or this one does (a thread that polls
+                // while its own message to the peer cannot leave): later.
+                Ok(None) | Err(Error::InUse { .. }) => i += 1,
+                // The peer is gone: the reply has nobody to go to.
+                Err(_) => {
+                    self.waiting.swap_remove(i);
+                }
+            }
+        }
+        self.sending.len() + self.waiting.len() != before
+    }
+
+    /// Queue a message (a reply) and try to start it.
+    fn send(&mut self, to: usize, hdr: Header, body: Vec<u8>) {
+        self.waiting.push(Out {
+            to,
+            hdr: hdr.encode(),
+            body,
+        });
+        self.drive_sends();
+    }
+
+    fn reply(&mut self, to: usize, id: u32, token: u64, r: std::thread::Result<Reply>) {
+        let (status, body) = reply_parts(r);
+        self.send(
+            to,
+            Header {
+                kind: KIND_REPLY,
+                flags: 0,
+                status,
+                id,
+                token,
+                len: body.len() as u64,
+            },
+            body,
+        );
+    }
+
+    /// Finish `u` (deferred) after its CHEAPER unpacks, keeping the sends moving.
+    fn end(&mut self, mut u: Unpacker<'c, '_>) -> mad_core::Result<()> {
+        let mut b = Backoff(0);
+        loop {
+            if let Poll::Ready(r) = u.poll_end_unpacking() {
+                return r;
+            }
+            if !self.drive_sends() {
+                b.pause(self.ch());
+            }
+        }
+    }
+
+    /// Receive the body into `buf` (its length checked by the caller) and finish.
+    fn finish_into(&mut self, u: Unpacker<'c, 'static>, buf: &mut [u8]) -> mad_core::Result<()> {
+        // The unpacker's destinations may borrow for as little as `buf` lives (it is covariant).
+        let mut u: Unpacker<'c, '_> = u;
+        if !buf.is_empty() {
+            u.unpack(buf, SendMode::Cheaper)?;
+        }
+        self.end(u)
+    }
+
+    /// Receive and discard a body of `len` bytes.
+    fn drain(&mut self, u: Unpacker<'c, 'static>, len: u64, from: usize) -> mad_core::Result<()> {
+        let n = usize::try_from(len)
+            .ok()
+            .filter(|&n| n as u64 <= self.ep.inner.cfg.max_body)
+            .ok_or_else(|| Error::Protocol {
+                rank: from,
+                what: format!("active message of {len} B, above this endpoint's max_body"),
+            })?;
+        let mut scratch = vec![0u8; n];
+        self.finish_into(u, &mut scratch)
+    }
+
+    /// A body of `len` bytes into a new vector, within [`Config::max_body`]; a larger one
+    /// finishes the connection (dropping the unpacker).
+    fn recv_body(
+        &mut self,
+        u: Unpacker<'c, 'static>,
+        from: usize,
+        len: u64,
+    ) -> mad_core::Result<Vec<u8>> {
+        if len > self.ep.inner.cfg.max_body {
+            return Err(Error::Protocol {
+                rank: from,
+                what: format!(
+                    "active message of {len} B, above this endpoint's max_body ({} B)",
+                    self.ep.inner.cfg.max_body
+                ),
+            });
+        }
+        let mut v = vec![0u8; len as usize];
+        self.finish_into(u, &mut v)?;
+        Ok(v)
+    }
+
+    /// One round: the sends, then at most one message received and handled. Whether
+    /// anything moved. An error about one peer fails the calls waiting for it; an error after
+    /// which the channel can serve nobody (closed, every peer gone) is returned.
+    fn step(&mut self) -> mad_core::Result<bool> {
+        let moved = self.drive_sends();
+        match self.ch().try_begin_unpacking() {
+            Ok(Some(u)) => {
+                self.handle(u);
+                Ok(true)
+            }
+            Ok(None) => Ok(moved),
+            Err(e) => {
+                let rank = error_rank(&e);
+                self.ep.fail_calls(rank, &e);
+                if rank.is_none() || self.all_peers_gone() {
+                    Err(e)
+                } else {
+                    Ok(true)
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, mut u: Unpacker<'c, 'static>) {
+        let from = u.remote();
+        u.defer();
+        let mut hdr = Box::new([0u8; HDR]);
+        let mut b = Backoff(0);
+        let got = loop {
+            match u.poll_unpack_express(&mut hdr[..], SendMode::Safer) {
+                Poll::Ready(r) => break r,
+                Poll::Pending => {
+                    if !self.drive_sends() {
+                        b.pause(self.ch());
+                    }
+                }
+            }
+        };
+        if let Err(e) = got {
+            return self.ep.fail_calls(Some(from), &e);
+        }
+        let Some(h) = Header::decode(&hdr) else {
+            // Not one of ours: the stream cannot be followed. Dropping the unpacker finishes
+            // this peer's connection both ways; its callers fail.
+            drop(u);
+            let e = Error::Protocol {
+                rank: from,
+                what: "active messages: a message without a valid header".into(),
+            };
+            return self.ep.fail_calls(Some(from), &e);
+        };
+        if h.kind == KIND_REPLY {
+            let body = self.recv_body(u, from, h.len);
+            return self.ep.deliver(from, h, body);
+        }
+        let reply = h.flags & FLAG_ONE_WAY == 0;
+        match self.ep.handler(h.id) {
+            None => {
+                if let Err(e) = self.drain(u, h.len, from) {
+                    return self.ep.fail_calls(Some(from), &e);
+                }
+                if reply {
+                    let r = Ok(Err(String::new()));
+                    let (_, body) = reply_parts(r);
+                    let hdr = Header {
+                        kind: KIND_REPLY,
+                        flags: 0,
+                        status: ST_UNKNOWN,
+                        id: h.id,
+                        token: h.token,
+                        len: body.len() as u64,
+                    };
+                    self.send(from, hdr, body);
+                }
+            }
+            Some(Handler::Inline(f)) => {
+                let req = Request {
+                    u: Some(u),
+                    poller: self,
+                    from,
+                    id: h.id,
+                    len: h.len,
+                };
+                // A handler that panics drops its request, which reads the rest.
+                let r = catch_unwind(AssertUnwindSafe(|| f(req)));
+                if reply {
+                    self.reply(from, h.id, h.token, r);
+                }
+            }
+            Some(Handler::Pool(_)) => {
+                let args = match self.recv_body(u, from, h.len) {
+                    Ok(v) => v,
+                    Err(e) => return self.ep.fail_calls(Some(from), &e),
+                };
+                let job = Job {
+                    call: Call {
+                        from,
+                        id: h.id,
+                        args,
+                    },
+                    token: h.token,
+                    reply,
+                };
+                let inner = &self.ep.inner;
+                let full =
+                    inner.queued.load(Ordering::Acquire) >= inner.cfg.queue + inner.cfg.workers;
+                let tx = lock(&inner.pool).as_ref().map(|p| p.tx.clone());
+                match tx {
+                    Some(tx) if !full => {
+                        inner.queued.fetch_add(1, Ordering::AcqRel);
+                        if let Err(back) = tx.send(job) {
+                            inner.queued.fetch_sub(1, Ordering::AcqRel);
+                            self.run_here(back.0);
+                        }
+                    }
+                    // The pool is full: the poller runs the call itself, and receives nothing
+                    // meanwhile (back-pressure), but never waits for the network.
+                    _ => self.run_here(job),
+                }
+            }
+        }
+    }
+
+    fn run_here(&mut self, job: Job) {
+        let (from, id) = (job.call.from, job.call.id);
+        let r = match self.ep.handler(id) {
+            Some(Handler::Pool(f)) => catch_unwind(AssertUnwindSafe(|| f(job.call))),
+            _ => Ok(Err(format!("handler {id} was replaced"))),
+        };
+        if job.reply {
+            self.reply(from, id, job.token, r);
+        }
+    }
+
+    /// After a quiet slice: every peer that owes a reply is asked whether it is still there
+    /// (a clean close between messages is reported to nobody by an any-source receive).
+    fn check_owing_peers(&mut self) {
+        let owing: Vec<usize> = {
+            let st = lock(&self.ep.inner.state);
+            let mut v: Vec<usize> = st
+                .calls
+                .values()
+                .filter_map(|s| match s {
+                    Slot::Waiting { remote } => Some(*remote),
+                    Slot::Done(_) => None,
+                })
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        for r in owing {
+            match self.ch().try_begin_unpacking_from(r) {
+                Ok(Some(u)) => self.handle(u),
+                Ok(None) => {}
+                Err(e) => self.ep.fail_calls(Some(r), &e),
+            }
+        }
+    }
+
+    /// After an error about one peer: whether every peer is gone (an any-source receive then
+    /// fails at once, forever). A message found meanwhile is handled.
+    fn all_peers_gone(&mut self) -> bool {
+        let mut gone = true;
+        for &r in self.ch().peers() {
+            match self.ch().try_begin_unpacking_from(r) {
+                Ok(Some(u)) => {
+                    self.handle(u);
+                    gone = false;
+                }
+                Ok(None) => gone = false,
+                Err(e) => self.ep.fail_calls(Some(r), &e),
+            }
+        }
+        gone
+    }
+
+    /// Give the role up: the messages in progress are finished first (receiving meanwhile, so
+    /// a peer that waits for this process is served), those not started go to the endpoint's
+    /// outbox for the next poller.
+    fn release(mut self) {
+        let mut b = Backoff(0);
+        while !self.sending.is_empty() {
+            let moved = self.drive_sends();
+            let got = matches!(self.step(), Ok(true));
+            if !moved && !got {
+                b.pause(self.ch());
+            }
+        }
+        let mut st = lock(&self.ep.inner.state);
+        st.outbox.append(&mut self.waiting);
+        st.polling = false;
+        self.ep.inner.cv.notify_all();
+    }
+}
+
+fn reply_parts(r: std::thread::Result<Reply>) -> (u16, Vec<u8>) {
+    match r {
+        Ok(Ok(v)) => (ST_OK, v),
+        Ok(Err(m)) => (ST_ERROR, m.into_bytes()),
+        Err(p) => (ST_PANIC, panic_text(&*p).into_bytes()),
+    }
+}
+
 impl Endpoint {
     /// An endpoint over `ch` with the default [`Config`].
     pub fn new(ch: Channel) -> Endpoint {
@@ -425,10 +789,12 @@ impl Endpoint {
                 state: Mutex::new(State {
                     polling: false,
                     calls: HashMap::new(),
+                    outbox: Vec::new(),
                 }),
                 cv: Condvar::new(),
                 next_token: AtomicU64::new(1),
                 pool: Mutex::new(None),
+                queued: AtomicUsize::new(0),
                 stop: AtomicBool::new(false),
             }),
         }
@@ -443,7 +809,7 @@ impl Endpoint {
     pub fn register_inline(
         &self,
         id: u32,
-        f: impl Fn(Request<'_>) -> Reply + Send + Sync + 'static,
+        f: impl Fn(Request<'_, '_>) -> Reply + Send + Sync + 'static,
     ) {
         let mut h = self
             .inner
@@ -469,7 +835,7 @@ impl Endpoint {
         if pool.is_some() {
             return;
         }
-        let (tx, rx) = sync_channel::<Job>(self.inner.cfg.queue);
+        let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..self.inner.cfg.workers.max(1))
             .map(|i| {
@@ -482,23 +848,25 @@ impl Endpoint {
                         let job = lock(&rx).recv();
                         let Ok(job) = job else { return };
                         let Some(inner) = weak.upgrade() else { return };
-                        Endpoint { inner }.run_pool_job(job);
+                        let ep = Endpoint { inner };
+                        ep.run_pool_job(job);
+                        ep.inner.queued.fetch_sub(1, Ordering::AcqRel);
                     })
                     .expect("spawning an active-message worker")
             })
             .collect();
-        *pool = Some((tx, workers));
+        *pool = Some(Pool { tx, workers });
     }
 
     fn run_pool_job(&self, job: Job) {
         let (from, id) = (job.call.from, job.call.id);
-        let f = match self.handler(id) {
-            Some(Handler::Pool(f)) => f,
-            _ => return, // replaced meanwhile by an inline one: the call was queued for this
+        let r = match self.handler(id) {
+            Some(Handler::Pool(f)) => catch_unwind(AssertUnwindSafe(|| f(job.call))),
+            _ => Ok(Err(format!("handler {id} was replaced"))),
         };
-        let r = catch_unwind(AssertUnwindSafe(|| f(job.call)));
         if job.reply {
-            let _ = self.send_reply(from, id, job.token, r);
+            let (status, body) = reply_parts(r);
+            let _ = self.send_helping(from, KIND_REPLY, 0, status, id, job.token, &body);
         }
     }
 
@@ -512,42 +880,50 @@ impl Endpoint {
     }
 
     /// Call handler `id` on `remote` with `args` and wait for its reply. The calling thread
-    /// helps: while it waits, it polls the channel if no other thread does.
+    /// helps: while it waits (for its request to leave, then for the reply) it polls the
+    /// channel if no other thread does.
     pub fn call(&self, remote: usize, id: u32, args: &[u8]) -> Result<Vec<u8>, CallError> {
+        if self.inner.stop.load(Ordering::Acquire) {
+            return Err(CallError::Shutdown);
+        }
         let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
         lock(&self.inner.state)
             .calls
             .insert(token, Slot::Waiting { remote });
-        if let Err(e) = self.send_msg(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
+        if let Err(e) = self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
             lock(&self.inner.state).calls.remove(&token);
             return Err(e.into());
         }
-        let r = self.wait_reply(token, remote);
-        r.and_then(|(st, body)| match st {
+        let (st, body) = self.wait_reply(token, remote)?;
+        let text = || String::from_utf8_lossy(&body).into_owned();
+        match st {
             ST_OK => Ok(body),
             ST_UNKNOWN => Err(CallError::UnknownHandler { rank: remote, id }),
             ST_PANIC => Err(CallError::Panicked {
                 rank: remote,
                 id,
-                message: String::from_utf8_lossy(&body).into_owned(),
+                message: text(),
             }),
             _ => Err(CallError::Handler {
                 rank: remote,
                 id,
-                message: String::from_utf8_lossy(&body).into_owned(),
+                message: text(),
             }),
-        })
+        }
     }
 
     /// Send a one-way active message (no reply; an unknown handler or a failing one on the
     /// peer goes unnoticed).
     pub fn send(&self, remote: usize, id: u32, args: &[u8]) -> Result<(), CallError> {
-        self.send_msg(remote, KIND_REQUEST, FLAG_ONE_WAY, ST_OK, id, 0, args)?;
+        self.send_helping(remote, KIND_REQUEST, FLAG_ONE_WAY, ST_OK, id, 0, args)?;
         Ok(())
     }
 
+    /// Send one message without blocking in the network: while the connection is taken or
+    /// the message cannot leave, this thread polls for the process if nobody else does (a
+    /// peer may be waiting for this process to receive before it can take our message).
     #[allow(clippy::too_many_arguments)]
-    fn send_msg(
+    fn send_helping(
         &self,
         remote: usize,
         kind: u8,
@@ -566,147 +942,144 @@ impl Endpoint {
             len: body.len() as u64,
         }
         .encode();
-        let mut p = self.inner.ch.begin_packing(remote)?;
+        let ch = &self.inner.ch;
+        let mut b = Backoff(0);
+        let mut p = loop {
+            if let Some(p) = ch.try_begin_packing(remote)? {
+                break p;
+            }
+            self.help(&mut b);
+        };
+        p.defer();
         p.pack(&h, RecvMode::Express)?;
         if !body.is_empty() {
             p.pack(body, RecvMode::Cheaper)?;
         }
-        p.end_packing()
+        let mut b = Backoff(0);
+        loop {
+            if let Poll::Ready(r) = p.poll_end_packing() {
+                return r;
+            }
+            self.help(&mut b);
+        }
     }
 
-    fn send_reply(
-        &self,
-        to: usize,
-        id: u32,
-        token: u64,
-        r: std::thread::Result<Reply>,
-    ) -> mad_core::Result<()> {
-        let (status, body) = match r {
-            Ok(Ok(v)) => (ST_OK, v),
-            Ok(Err(m)) => (ST_ERROR, m.into_bytes()),
-            Err(p) => (ST_PANIC, panic_text(&*p).into_bytes()),
-        };
-        self.send_msg(to, KIND_REPLY, 0, status, id, token, &body)
+    /// Make progress for the process once if no thread holds the poller role, else pause.
+    fn help(&self, b: &mut Backoff) {
+        match self.take_role() {
+            Some(mut poller) => {
+                let moved = matches!(poller.step(), Ok(true));
+                poller.release();
+                if moved {
+                    b.0 = 0;
+                } else {
+                    b.pause(&self.inner.ch);
+                }
+            }
+            None => b.pause(&self.inner.ch),
+        }
+    }
+
+    /// The poller role, if free, with the replies the last poller left.
+    fn take_role(&self) -> Option<Poller<'_>> {
+        let mut st = lock(&self.inner.state);
+        if st.polling {
+            return None;
+        }
+        st.polling = true;
+        let waiting = std::mem::take(&mut st.outbox);
+        Some(Poller {
+            ep: self,
+            sending: Vec::new(),
+            waiting,
+        })
     }
 
     /// Wait for the reply `token`, polling when nobody else does.
     fn wait_reply(&self, token: u64, remote: usize) -> Result<(u16, Vec<u8>), CallError> {
         let inner = &*self.inner;
         let deadline = inner.cfg.call_timeout.map(|t| Instant::now() + t);
-        let mut st = lock(&inner.state);
         loop {
-            if let Some(Slot::Done(_)) = st.calls.get(&token) {
-                let Some(Slot::Done(r)) = st.calls.remove(&token) else {
-                    unreachable!("checked above")
-                };
-                return r;
+            {
+                let mut st = lock(&inner.state);
+                if let Some(Slot::Done(_)) = st.calls.get(&token) {
+                    let Some(Slot::Done(r)) = st.calls.remove(&token) else {
+                        unreachable!("checked above")
+                    };
+                    return r;
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    st.calls.remove(&token);
+                    return Err(CallError::Timeout {
+                        rank: remote,
+                        after: inner.cfg.call_timeout.unwrap_or_default(),
+                    });
+                }
+                if inner.stop.load(Ordering::Acquire) {
+                    st.calls.remove(&token);
+                    return Err(CallError::Shutdown);
+                }
+                if st.polling {
+                    let _ = inner
+                        .cv
+                        .wait_timeout(st, inner.cfg.slice)
+                        .unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+            }
+            let Some(mut poller) = self.take_role() else {
+                continue;
+            };
+            let r = self.poll_until(&mut poller, deadline, |ep| ep.is_done(token));
+            poller.release();
+            if let Err(e) = r {
+                lock(&inner.state).calls.remove(&token);
+                return Err(transport(&e));
+            }
+        }
+    }
+
+    fn is_done(&self, token: u64) -> bool {
+        matches!(
+            lock(&self.inner.state).calls.get(&token),
+            Some(Slot::Done(_)) | None
+        )
+    }
+
+    /// Drive `poller` until `done`, `deadline`, shutdown, or an error about no peer in
+    /// particular. Idle, it sleeps on the readiness descriptor; after each quiet slice it
+    /// looks at the peers that owe replies.
+    fn poll_until(
+        &self,
+        poller: &mut Poller<'_>,
+        deadline: Option<Instant>,
+        done: impl Fn(&Endpoint) -> bool,
+    ) -> mad_core::Result<()> {
+        let inner = &*self.inner;
+        let mut b = Backoff(0);
+        let mut quiet_since = Instant::now();
+        loop {
+            if done(self) || inner.stop.load(Ordering::Acquire) {
+                return Ok(());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                st.calls.remove(&token);
-                return Err(CallError::Timeout {
-                    rank: remote,
-                    after: inner.cfg.call_timeout.unwrap_or_default(),
-                });
+                return Ok(());
             }
-            if inner.stop.load(Ordering::Acquire) {
-                st.calls.remove(&token);
-                return Err(CallError::Shutdown);
-            }
-            if !st.polling {
-                st.polling = true;
-                drop(st);
-                let r = self.poll_once(inner.cfg.slice);
-                st = lock(&inner.state);
-                st.polling = false;
-                inner.cv.notify_all();
-                if let Err(e) = r {
-                    if error_rank(&e).is_none() {
-                        // The channel can serve nobody any more.
-                        st.calls.remove(&token);
-                        return Err(transport(&e));
+            match poller.step() {
+                Ok(true) => {
+                    b.0 = 0;
+                    quiet_since = Instant::now();
+                }
+                Ok(false) => {
+                    if quiet_since.elapsed() >= inner.cfg.slice {
+                        poller.check_owing_peers();
+                        quiet_since = Instant::now();
                     }
-                    // About one peer (its callers failed); the others' state is checked.
-                    drop(st);
-                    self.check_owing_peers();
-                    st = lock(&inner.state);
+                    b.pause(&inner.ch);
                 }
-            } else {
-                st = inner
-                    .cv
-                    .wait_timeout(st, inner.cfg.slice)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                Err(e) => return Err(e),
             }
         }
-    }
-
-    /// Poll once: handle at most one message, waiting up to `timeout` for one. Returns
-    /// whether one was handled. An error about one peer also fails the calls waiting for it;
-    /// an error about no peer in particular (the channel closed, no peer left) means the
-    /// channel can serve nobody any more.
-    pub fn progress(&self, timeout: Duration) -> mad_core::Result<bool> {
-        self.poll_once(timeout)
-    }
-
-    fn poll_once(&self, timeout: Duration) -> mad_core::Result<bool> {
-        let inner = &*self.inner;
-        match inner.ch.begin_unpacking_until(Instant::now() + timeout) {
-            Ok(u) => {
-                self.dispatch(u);
-                Ok(true)
-            }
-            Err(Error::Timeout(_)) => {
-                self.check_owing_peers();
-                Ok(false)
-            }
-            Err(e) => {
-                self.fail_calls(error_rank(&e), &e);
-                Err(e)
-            }
-        }
-    }
-
-    /// After a quiet slice: every peer that owes a reply is asked whether it is still there
-    /// (a clean close between messages is reported to nobody by an any-source receive).
-    fn check_owing_peers(&self) {
-        let owing: Vec<usize> = {
-            let st = lock(&self.inner.state);
-            let mut v: Vec<usize> = st
-                .calls
-                .values()
-                .filter_map(|s| match s {
-                    Slot::Waiting { remote } => Some(*remote),
-                    Slot::Done(_) => None,
-                })
-                .collect();
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
-        for r in owing {
-            match self.inner.ch.try_begin_unpacking_from(r) {
-                Ok(Some(u)) => self.dispatch(u),
-                Ok(None) => {}
-                Err(e) => self.fail_calls(Some(r), &e),
-            }
-        }
-    }
-
-    /// After an error about one peer: whether every peer is gone (an any-source receive then
-    /// fails at once, forever). A message found meanwhile is handled.
-    fn all_peers_gone(&self) -> bool {
-        let mut gone = true;
-        for &r in self.inner.ch.peers() {
-            match self.inner.ch.try_begin_unpacking_from(r) {
-                Ok(Some(u)) => {
-                    self.dispatch(u);
-                    gone = false;
-                }
-                Ok(None) => gone = false,
-                Err(e) => self.fail_calls(Some(r), &e),
-            }
-        }
-        gone
     }
 
     /// Fail the calls waiting for `rank` (every call when `None`).
@@ -726,96 +1099,8 @@ impl Endpoint {
         }
     }
 
-    fn dispatch(&self, mut u: Unpacker<'_, 'static>) {
-        let from = u.remote();
-        let h = match u.unpack_value::<[u8; HDR]>() {
-            Ok(b) => b,
-            Err(e) => return self.fail_calls(Some(from), &e),
-        };
-        let Some(h) = Header::decode(&h) else {
-            // Not one of ours: the stream cannot be followed. Dropping the unpacker finishes
-            // this peer's connection both ways; its callers fail.
-            drop(u);
-            let e = Error::Protocol {
-                rank: from,
-                what: "active messages: a message without a valid header".into(),
-            };
-            return self.fail_calls(Some(from), &e);
-        };
-        if h.kind == KIND_REPLY {
-            return self.deliver(u, from, h);
-        }
-        let reply = h.flags & FLAG_ONE_WAY == 0;
-        match self.handler(h.id) {
-            None => {
-                if let Err(e) = drain(u, h.len, from) {
-                    return self.fail_calls(Some(from), &e);
-                }
-                if reply {
-                    let _ = self.send_msg(from, KIND_REPLY, 0, ST_UNKNOWN, h.id, h.token, &[]);
-                }
-            }
-            Some(Handler::Inline(f)) => {
-                let req = Request {
-                    u: Some(u),
-                    from,
-                    id: h.id,
-                    len: h.len,
-                };
-                // A handler that panics drops its request, which reads the rest.
-                let r = catch_unwind(AssertUnwindSafe(|| f(req)));
-                if reply {
-                    let _ = self.send_reply(from, h.id, h.token, r);
-                }
-            }
-            Some(Handler::Pool(_)) => {
-                let args = match self.recv_body(u, from, h.len) {
-                    Ok(v) => v,
-                    Err(e) => return self.fail_calls(Some(from), &e),
-                };
-                let job = Job {
-                    call: Call {
-                        from,
-                        id: h.id,
-                        args,
-                    },
-                    token: h.token,
-                    reply,
-                };
-                let tx = lock(&self.inner.pool).as_ref().map(|(tx, _)| tx.clone());
-                if let Some(tx) = tx {
-                    // Blocks while the queue is full: back-pressure.
-                    let _ = tx.send(job);
-                }
-            }
-        }
-    }
-
-    /// A body of `len` bytes into a new vector, within [`Config::max_body`].
-    fn recv_body(
-        &self,
-        u: Unpacker<'_, 'static>,
-        from: usize,
-        len: u64,
-    ) -> mad_core::Result<Vec<u8>> {
-        if len > self.inner.cfg.max_body {
-            drop(u); // finishes the connection: the stream cannot be followed
-            return Err(Error::Protocol {
-                rank: from,
-                what: format!(
-                    "active message of {len} B, above this endpoint's max_body ({} B)",
-                    self.inner.cfg.max_body
-                ),
-            });
-        }
-        let mut v = vec![0u8; len as usize];
-        finish_into(u, &mut v, len, from)?;
-        Ok(v)
-    }
-
     /// A reply: to the thread waiting for its token.
-    fn deliver(&self, u: Unpacker<'_, 'static>, from: usize, h: Header) {
-        let body = self.recv_body(u, from, h.len);
+    fn deliver(&self, from: usize, h: Header, body: mad_core::Result<Vec<u8>>) {
         let mut st = lock(&self.inner.state);
         let ours =
             matches!(st.calls.get(&h.token), Some(Slot::Waiting { remote }) if *remote == from);
@@ -832,35 +1117,48 @@ impl Endpoint {
         }
     }
 
+    /// Poll once: handle at most one message, waiting up to `timeout` for one if no other
+    /// thread polls. Returns whether anything moved. An error about one peer fails the calls
+    /// waiting for it; an error about no peer in particular (the channel closed, no peer
+    /// left) is returned.
+    pub fn progress(&self, timeout: Duration) -> mad_core::Result<bool> {
+        let Some(mut poller) = self.take_role() else {
+            std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            return Ok(false);
+        };
+        let deadline = Instant::now() + timeout;
+        let mut r = Ok(false);
+        let mut b = Backoff(0);
+        while Instant::now() < deadline {
+            r = poller.step();
+            if !matches!(r, Ok(false)) {
+                break;
+            }
+            b.pause(&self.inner.ch);
+        }
+        poller.release();
+        r
+    }
+
     /// Serve until [`shutdown`](Self::shutdown), or until every peer has left (both `Ok`):
     /// for a process whose threads never call. Fails when the channel can serve nobody any
     /// more for another reason ([`Error::Closed`], ...).
     pub fn serve(&self) -> mad_core::Result<()> {
-        while !self.inner.stop.load(Ordering::Acquire) {
-            let mine = {
-                let mut st = lock(&self.inner.state);
-                if st.polling {
-                    false
-                } else {
-                    st.polling = true;
-                    true
-                }
-            };
-            if !mine {
-                let st = lock(&self.inner.state);
-                let _ = self.inner.cv.wait_timeout(st, self.inner.cfg.slice);
+        let inner = &*self.inner;
+        while !inner.stop.load(Ordering::Acquire) {
+            let Some(mut poller) = self.take_role() else {
+                let st = lock(&inner.state);
+                let _ = inner.cv.wait_timeout(st, inner.cfg.slice);
                 continue;
-            }
-            let r = self.poll_once(self.inner.cfg.slice);
-            lock(&self.inner.state).polling = false;
-            self.inner.cv.notify_all();
-            if let Err(e) = r {
-                if error_rank(&e).is_none() {
-                    return Err(e);
-                }
-                if self.all_peers_gone() {
-                    return Ok(());
-                }
+            };
+            let slice_end = Some(Instant::now() + inner.cfg.slice);
+            let r = self.poll_until(&mut poller, slice_end, |_| false);
+            poller.release();
+            match r {
+                Err(e) if error_rank(&e).is_none() => return Err(e),
+                // Every peer has left.
+                Err(_) => return Ok(()),
+                Ok(()) => {}
             }
         }
         Ok(())
@@ -887,7 +1185,7 @@ impl Endpoint {
         self.inner.stop.store(true, Ordering::Release);
         self.inner.cv.notify_all();
         let pool = lock(&self.inner.pool).take();
-        if let Some((tx, workers)) = pool {
+        if let Some(Pool { tx, workers }) = pool {
             drop(tx);
             for w in workers {
                 if w.thread().id() != std::thread::current().id() {
