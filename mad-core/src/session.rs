@@ -151,6 +151,11 @@ impl Session {
             .iter()
             .filter_map(|w| w.upgrade())
             .collect();
+        tracing::debug!(
+            rank = self.rank(),
+            channels = list.len(),
+            "session closed: closing its channels"
+        );
         for inner in list {
             Channel { inner }.close();
         }
@@ -223,9 +228,33 @@ impl Session {
             attempt,
             *timeout.as_ref().unwrap_or(&DEFAULT_OPEN_TIMEOUT),
         );
+        let span = tracing::info_span!(
+            "channel_open",
+            channel = %config.name,
+            driver = %config.driver,
+            rank = b.rank(),
+            size = b.size(),
+        );
+        let _entered = span.enter();
+        let started = std::time::Instant::now();
         let opened = timeout.and_then(|_| self.open_in(config, &scope));
-        opened.map_err(|e| scope.fail(e))
+        match opened {
+            Ok(ch) => {
+                tracing::debug!(
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    peers = ch.inner.peers.len(),
+                    "channel opened"
+                );
+                Ok(ch)
+            }
+            Err(e) => {
+                let e = scope.fail(e);
+                tracing::warn!(error = %e, "channel open failed");
+                Err(e)
+            }
+        }
     }
+
 
     fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
         if crate::config::env_forces_checked()? {
@@ -312,7 +341,13 @@ impl Session {
             table: &table,
             progress: &progress,
         };
-        let opened = driver.open(&ctx)?;
+        let opened = {
+            let _handshake = tracing::debug_span!("driver_open").entered();
+            driver.open(&ctx)?
+        };
+        for n in &opened.notes {
+            tracing::debug!(note = %n, "driver note");
+        }
         if opened.links.len() != b.size() {
             return Err(Error::protocol(
                 b.rank(),
