@@ -1074,25 +1074,35 @@ impl Channel {
 }
 
 pub(crate) fn selection_table(ch: &ChannelInner) -> String {
-    let t = &ch.table;
+    format_selection_table(&ch.config, &ch.table, &ch.progress, &ch.notes)
+}
+
+/// The text of [`Channel::selection_table`] for a channel of `config` whose switch uses
+/// `table`, waits by `progress` and whose driver said `notes` at open.
+pub(crate) fn format_selection_table(
+    config: &ChannelConfig,
+    t: &TmTable,
+    progress: &ProgressPolicy,
+    notes: &[String],
+) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
         "channel `{}`: driver {}{}, progress {:?}{}, checked mode {}",
-        ch.config.name,
-        ch.config.driver,
-        ch.config
+        config.name,
+        config.driver,
+        config
             .adapter
             .as_deref()
             .map(|a| format!(":{a}"))
             .unwrap_or_default(),
-        ch.progress.mode,
-        if ch.progress.oversubscribed {
+        progress.mode,
+        if progress.oversubscribed {
             " (oversubscribed host: short spin)"
         } else {
             ""
         },
-        if ch.config.checked { "on" } else { "off" }
+        if config.checked { "on" } else { "off" }
     );
     let _ = writeln!(
         s,
@@ -1147,7 +1157,7 @@ pub(crate) fn selection_table(ch: &ChannelInner) -> String {
             let _ = writeln!(s);
         }
     }
-    for n in &ch.notes {
+    for n in notes {
         let _ = writeln!(s, "  note: {n}");
     }
     s

@@ -255,11 +255,36 @@ impl Session {
         }
     }
 
-
-    fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+    /// The selection table a channel of `config` would use (as [`Channel::selection_table`]
+    /// prints it), computed without opening anything: the driver's TM table for `config` with
+    /// its threshold overrides, the spec's progress mode. Not collective. What only an open
+    /// learns (the driver's notes, such as whether CMA is permitted between the ranks, and
+    /// whether the host is oversubscribed) is not in it.
+    pub fn selection_table_for(&self, config: &ChannelConfig) -> Result<String> {
+        let mut config = config.clone();
+        open_timeout(&mut config, self.size())?;
         if crate::config::env_forces_checked()? {
             config.checked = true;
         }
+        let (_, table) = self.driver_table(&config)?;
+        let progress = ProgressPolicy {
+            mode: config.progress,
+            oversubscribed: false,
+            op_timeout: config.op_timeout,
+        };
+        Ok(crate::channel::format_selection_table(
+            &config,
+            &table,
+            &progress,
+            &[],
+        ))
+    }
+
+    /// The driver `config` names, and its TM table with `config`'s threshold overrides.
+    fn driver_table(
+        &self,
+        config: &ChannelConfig,
+    ) -> Result<(&dyn Driver, crate::driver::TmTable)> {
         let inner = &*self.inner;
         let driver = inner
             .drivers
@@ -282,8 +307,8 @@ impl Session {
                     }
                 ))
             })?;
-        config.check_against(&driver.accepted_options(&config))?;
-        let mut table = driver.tm_table(&config)?;
+        config.check_against(&driver.accepted_options(config))?;
+        let mut table = driver.tm_table(config)?;
         for (tm, max) in &config.thresholds {
             table.set_max_len(tm, *max).map_err(|e| {
                 Error::BadConfig(format!(
@@ -292,6 +317,15 @@ impl Session {
                 ))
             })?;
         }
+        Ok((&**driver, table))
+    }
+
+    fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+        if crate::config::env_forces_checked()? {
+            config.checked = true;
+        }
+        let inner = &*self.inner;
+        let (driver, table) = self.driver_table(&config)?;
         let caps = driver.capabilities(&config);
         let b: &dyn Bootstrap = scope;
         // Every rank must agree on the driver and the switch table, or the switch decisions
