@@ -83,6 +83,7 @@ fn parse<T: std::str::FromStr>(s: &str) -> Result<T> {
 }
 
 fn main() {
+    madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("async_rpc: {e}");
         std::process::exit(1);

@@ -7,6 +7,7 @@
 use madeleine::{RecvMode, SendMode};
 
 fn main() {
+    madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("hello: {e}");
         std::process::exit(1);

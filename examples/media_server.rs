@@ -161,6 +161,7 @@ fn now_ns() -> u64 {
 }
 
 fn main() {
+    madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("media_server: {e}");
         std::process::exit(1);

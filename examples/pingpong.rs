@@ -60,6 +60,7 @@ fn opts() -> Result<Opts> {
 }
 
 fn main() {
+    madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("pingpong: {e}");
         std::process::exit(1);

@@ -222,6 +222,7 @@ fn open(session: &Session, what: &str) -> Result<Channel> {
 }
 
 fn main() {
+    madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("rpc: {e}");
         std::process::exit(1);

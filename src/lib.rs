@@ -27,7 +27,9 @@
 
 pub mod affinity;
 mod local;
+pub mod logging;
 pub use local::{in_session, run_local_if_alone};
+pub use logging::init_logging;
 
 pub use mad_core::*;
 #[cfg(feature = "mpi")]

@@ -40,7 +40,7 @@ pub fn run_local_if_alone(n: usize) -> Result<Option<i32>> {
             .map_err(|_| Error::BadConfig("bad bind address".into()))?,
         n,
         secret.clone(),
-        Box::new(|m| eprintln!("{m}")),
+        Box::new(|m| tracing::warn!(target: "madeleine::local", "{m}")),
     )?;
     let mut kids: Vec<Child> = Vec::with_capacity(n);
     for r in 0..n {
@@ -63,7 +63,10 @@ pub fn run_local_if_alone(n: usize) -> Result<Option<i32>> {
                 if let Ok(Some(st)) = k.try_wait() {
                     let code = st.code().unwrap_or(128 + 9);
                     if code != 0 && failed_at.is_none() {
-                        eprintln!("rank {r} exited with status {code}; stopping the others");
+                        tracing::warn!(
+                            target: "madeleine::local",
+                            "rank {r} exited with status {code}; stopping the others"
+                        );
                         failed_at = Some(Instant::now());
                     }
                     codes[r] = Some(code);

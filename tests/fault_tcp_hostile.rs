@@ -6,8 +6,9 @@
 //! first (HTTP request, bad proof, a hello claiming rank 0, a silent connection), then does the
 //! real handshake with the session secret and writes whatever the case wants.
 //!
-//! The stranger test runs in a child process (this test binary re-executed) so that rank 0's
-//! stderr log lines can be checked.
+//! The stranger test runs in a child process (this test binary re-executed, with
+//! `MAD_LOG=mad_tcp=warn` and the tools' subscriber, [`madeleine::init_logging`]) so that rank
+//! 0's `tracing` warnings can be checked on its stderr.
 
 #![cfg(feature = "tcp")]
 
@@ -298,6 +299,10 @@ fn valid_bytes_from_the_fake_rank_are_received() {
 #[test]
 #[ignore = "child process of strangers_are_refused_and_logged"]
 fn stranger_child() {
+    assert!(
+        madeleine::init_logging(),
+        "a subscriber was already installed"
+    );
     let mut bs = ThreadBootstrap::group(2);
     let b1 = bs.pop().unwrap();
     let b0 = bs.pop().unwrap();
@@ -325,6 +330,8 @@ fn strangers_are_refused_and_logged() {
             "--nocapture",
             "--test-threads=1",
         ])
+        .env("MAD_LOG", "mad_tcp=warn")
+        .env_remove("RUST_LOG")
         .output()
         .unwrap();
     let so = String::from_utf8_lossy(&out.stdout);
@@ -333,11 +340,22 @@ fn strangers_are_refused_and_logged() {
         out.status.success() && so.contains("STRANGER-CHILD-OK"),
         "{so}\n{se}"
     );
+    // One `warn` event of target `mad_tcp::setup` per refused stranger, with its fields.
     let refusals = se
         .lines()
-        .filter(|l| l.contains("mad-tcp: refused connection from 127.0.0.1:"))
+        .filter(|l| {
+            l.contains(" WARN ")
+                && l.contains("mad_tcp::setup")
+                && l.contains("refused connection from 127.0.0.1:")
+                && l.contains("on channel s: ")
+        })
         .count();
     assert!(refusals >= 3, "expected 3 logged refusals:\n{se}");
+    // The filter keeps mad_tcp's warnings only (no debug handshake events).
+    assert!(
+        !se.contains("DEBUG"),
+        "MAD_LOG=mad_tcp=warn printed debug events:\n{se}"
+    );
     eprintln!("{se}");
 }
 

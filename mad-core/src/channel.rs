@@ -270,11 +270,40 @@ pub(crate) struct Conn {
 impl Conn {
     /// Record that this connection is finished (the first cause wins). `gone`: the peer
     /// closed, died or reset the connection; otherwise a local or protocol failure broke it.
-    pub(crate) fn fail(&self, gone: bool, cause: impl Into<String>) {
-        let _ = self.failed.set(ConnFailure {
+    ///
+    /// The first cause is logged (target `mad_core::channel`): `info` when the peer is gone
+    /// (it closed, died or reset the connection), `warn` when the connection was poisoned.
+    #[cold]
+    pub(crate) fn fail(
+        &self,
+        ch: &ChannelInner,
+        rank: usize,
+        gone: bool,
+        cause: impl Into<String>,
+    ) {
+        let set = self.failed.set(ConnFailure {
             gone,
             cause: cause.into(),
         });
+        if let (Ok(()), Some(ConnFailure { cause, .. })) = (set, self.failed.get()) {
+            if gone {
+                tracing::info!(
+                    channel = %ch.config.name,
+                    rank = ch.rank,
+                    peer = rank,
+                    %cause,
+                    "connection finished: the peer is gone"
+                );
+            } else {
+                tracing::warn!(
+                    channel = %ch.config.name,
+                    rank = ch.rank,
+                    peer = rank,
+                    %cause,
+                    "connection poisoned"
+                );
+            }
+        }
     }
 
     /// `Ok` while the connection may carry new messages; otherwise the error every new call
@@ -557,7 +586,7 @@ impl ChannelInner {
                 rx.broken = Some(e.to_string());
                 rx.reported = true;
                 rx.link.abort_message();
-                conn.fail(peer_gone(&e), e.to_string());
+                conn.fail(self, remote, peer_gone(&e), e.to_string());
                 self.incoming.forget(remote);
                 // A peer that closed cleanly between two messages simply leaves the any-source
                 // set (clients come and go); anything else is reported once.
@@ -816,7 +845,7 @@ impl Channel {
         match rx.link.poll_message() {
             Ok(Poll::Pending) => Ok(None),
             Ok(Poll::Ready(())) => Unpacker::try_start(inner, remote, rx),
-            Err(e) => Err(Self::rx_failed(conn, &mut rx, e)),
+            Err(e) => Err(Self::rx_failed(inner, remote, conn, &mut rx, e)),
         }
     }
 
@@ -838,10 +867,16 @@ impl Channel {
     }
 
     #[cold]
-    fn rx_failed(conn: &Conn, rx: &mut RxState, e: Error) -> Error {
+    fn rx_failed(
+        inner: &ChannelInner,
+        remote: usize,
+        conn: &Conn,
+        rx: &mut RxState,
+        e: Error,
+    ) -> Error {
         rx.broken = Some(e.to_string());
         rx.link.abort_message();
-        conn.fail(peer_gone(&e), e.to_string());
+        conn.fail(inner, remote, peer_gone(&e), e.to_string());
         e
     }
 
@@ -871,7 +906,7 @@ impl Channel {
             Ok(()) => Unpacker::start(inner, remote, rx, deadline).map_err(|e| inner.closed_or(e)),
             // Nothing of a message was consumed: the connection is intact.
             Err(e @ (Error::Timeout(_) | Error::Closed { .. })) => Err(e),
-            Err(e) => Err(inner.closed_or(Self::rx_failed(conn, &mut rx, e))),
+            Err(e) => Err(inner.closed_or(Self::rx_failed(inner, remote, conn, &mut rx, e))),
         }
     }
 
@@ -886,6 +921,12 @@ impl Channel {
         if inner.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        tracing::debug!(
+            channel = %inner.config.name,
+            driver = %inner.config.driver,
+            rank = inner.rank,
+            "channel closed"
+        );
         inner.incoming.shutdown();
         inner.incoming.wake();
         {
@@ -1033,25 +1074,35 @@ impl Channel {
 }
 
 pub(crate) fn selection_table(ch: &ChannelInner) -> String {
-    let t = &ch.table;
+    format_selection_table(&ch.config, &ch.table, &ch.progress, &ch.notes)
+}
+
+/// The text of [`Channel::selection_table`] for a channel of `config` whose switch uses
+/// `table`, waits by `progress` and whose driver said `notes` at open.
+pub(crate) fn format_selection_table(
+    config: &ChannelConfig,
+    t: &TmTable,
+    progress: &ProgressPolicy,
+    notes: &[String],
+) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
         "channel `{}`: driver {}{}, progress {:?}{}, checked mode {}",
-        ch.config.name,
-        ch.config.driver,
-        ch.config
+        config.name,
+        config.driver,
+        config
             .adapter
             .as_deref()
             .map(|a| format!(":{a}"))
             .unwrap_or_default(),
-        ch.progress.mode,
-        if ch.progress.oversubscribed {
+        progress.mode,
+        if progress.oversubscribed {
             " (oversubscribed host: short spin)"
         } else {
             ""
         },
-        if ch.config.checked { "on" } else { "off" }
+        if config.checked { "on" } else { "off" }
     );
     let _ = writeln!(
         s,
@@ -1106,7 +1157,7 @@ pub(crate) fn selection_table(ch: &ChannelInner) -> String {
             let _ = writeln!(s);
         }
     }
-    for n in &ch.notes {
+    for n in notes {
         let _ = writeln!(s, "  note: {n}");
     }
     s

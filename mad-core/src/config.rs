@@ -39,6 +39,71 @@ pub const CORE_KEYS: &[&str] = &["checked", "progress", "timeout_ms", "tm.<name>
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
 pub const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
 
+/// Every environment variable a crate of this project reads, with its meaning (`mad-info`
+/// prints this table). `<NAME>` stands for a channel name in upper case, `-` and `.` as `_`
+/// ([`env_key`]). The last group is read by benchmarks, test kits and examples only.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    // Channels (mad-core, `config` and `session`).
+    ("MAD_CHANNEL_<NAME>", "spec of channel <NAME> opened by name (`MAD_CHANNEL_DEFAULT=shm`, `tcp:10.0.0.1,tm.small=4096`)"),
+    ("MAD_CONFIG", "path of a file of `name = spec` lines, read when MAD_CHANNEL_<NAME> is not set"),
+    ("MAD_CHECKED", "1: checked mode on every channel (also those configured in code); 0: default of channels opened by name"),
+    ("MAD_PROGRESS", "poll|block|adaptive: progress mode of channels opened by name whose spec says none"),
+    ("MAD_TIMEOUT_MS", "operation timeout (ms, 0 = none) of channels opened by name whose spec says none"),
+    ("MAD_OPEN_TIMEOUT_MS", "bound on a channel open (ms) when the spec has no open_timeout_ms (default 60 s)"),
+    ("MAD_PROTO_INFO", "1: rank 0 prints each channel's selection table on stderr when it opens"),
+    // Sessions started by madrun (set by madrun, read by mad-core's launch module).
+    ("MAD_BOOTSTRAP", "ip:port of madrun's bootstrap server (its presence means: started by madrun)"),
+    ("MAD_RANK", "this process's rank (set by madrun)"),
+    ("MAD_SIZE", "number of processes of the job (set by madrun)"),
+    ("MAD_SECRET", "the job's session secret, hex (set by madrun)"),
+    ("MAD_LOCAL_SIZE", "processes of the job on this host (set by madrun)"),
+    ("MAD_JOB", "job identifier (set by madrun)"),
+    ("MAD_BOOTSTRAP_TIMEOUT_MS", "connect/handshake timeout towards the bootstrap server (ms)"),
+    // MPI launchers, detected so that a build without MPI refuses to run as a rank of one.
+    ("OMPI_COMM_WORLD_RANK", "Open MPI launcher: rank (with OMPI_COMM_WORLD_SIZE)"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI launcher: job size"),
+    ("PMI_RANK", "MPICH Hydra or Slurm PMI: rank (with PMI_SIZE)"),
+    ("PMI_SIZE", "MPICH Hydra or Slurm PMI: job size"),
+    ("HYDI_CONTROL_FD", "MPICH Hydra's marker (tells Hydra from Slurm)"),
+    ("SLURM_PROCID", "Slurm: rank (a launcher only with PMI_*/PMIX_RANK set)"),
+    ("SLURM_STEP_ID", "Slurm: job step (tells Slurm from Hydra)"),
+    ("SLURM_STEP_NUM_TASKS", "Slurm: step size"),
+    ("SLURM_NTASKS", "Slurm: job size when SLURM_STEP_NUM_TASKS is not set"),
+    ("PMIX_RANK", "PMIx: marks srun as an MPI launcher"),
+    ("PMI_FD", "PMI: marks srun as an MPI launcher"),
+    ("PMI_JOBID", "PMI: marks srun as an MPI launcher"),
+    // mad-mpi.
+    ("MAD_MPI_THREAD_LEVEL", "MPI threading level to request: single|funneled|serialized|multiple (default multiple)"),
+    ("MAD_MPI_SERIALISE", "1: every MPI call under one process-wide lock even when MULTIPLE is granted"),
+    // The tools and examples (the madeleine package).
+    ("MAD_LOG", "tracing filter of the tools and examples (env-filter syntax: `mad_core=debug,mad_tcp=info`; default warn)"),
+    ("RUST_LOG", "the same filter, when MAD_LOG is not set"),
+    ("PATH", "madrun: where a program named without a `/` is looked for"),
+    // Benchmarks, test kits, examples.
+    ("MAD_KIT_CASES", "conformance kit: comma-separated cases to run"),
+    ("MAD_KIT_BIG", "conformance kit: 1 adds the 64 MiB pieces"),
+    ("ENGINE_LOOP", "benches/engine.rs: run N one-piece round trips without criterion (for callgrind)"),
+    ("FIG4_ORDER", "mad-via figure4 bench: `rotate` brings back the old rotated fixed order of the variants"),
+    ("FIG4_SHARED_BUFFER", "mad-via figure4 bench: set: one buffer shared by every variant (the old, biased schedule)"),
+    ("FIG4_REPS", "mad-via figure4 bench: repetitions per size"),
+    ("FIG4_BUDGET_MS", "mad-via figure4 bench: time budget per point (ms)"),
+    ("FIG4_EXTRA", "mad-via figure4 bench: options appended to every variant's spec (`,progress=poll`)"),
+    ("FIG4_CSV", "mad-via figure4 bench: CSV output path"),
+    ("MAD_SHM_BENCH_CHILD", "mad-shm shm_pingpong example: set in its child process"),
+    ("MAD_SHM_BENCH_SECRET", "mad-shm shm_pingpong example: the session secret of its child"),
+    ("MPI_BENCH_RUNS", "mad-mpi mpi_bench example: runs per point"),
+    ("MPI_BENCH_SPEC", "mad-mpi mpi_bench example: channel spec (default mpi)"),
+    ("MPI_BENCH_SPECS", "mad-mpi mpi_bench example: `;`-separated channel specs of the cmp comparison"),
+    ("MPI_BENCH_ONLY", "mad-mpi mpi_bench example: raw|drv|chan: one kind of ping-pong only (for perf/valgrind)"),
+    ("MPI_BENCH_ONLY_ITERS", "mad-mpi mpi_bench example: round trips of that ping-pong"),
+    ("MPI_BENCH_CPU_ONLY", "mad-mpi mpi_bench example: 0|1|2: one of the three CPU-time cases only"),
+    ("MPI_BENCH_PIECES", "mad-mpi mpi_bench example: CHEAPER pieces per message in cmp"),
+    ("MPI_BENCH_SIZES", "mad-mpi mpi_bench example: `,`-separated message sizes of cmp (bytes)"),
+    ("MPI_CALLS_RUNS", "mad-mpi mpi_calls example: runs"),
+    ("MPI_CALLS_ITERS", "mad-mpi mpi_calls example: iterations per run"),
+    ("MPI_CALLS_MT", "mad-mpi mpi_calls example: 1 requests MPI_THREAD_MULTIPLE"),
+];
+
 /// The largest `MAD_CONFIG` file read, in bytes.
 pub const MAX_CONFIG_FILE: u64 = 1 << 20;
 

@@ -91,9 +91,15 @@ impl Teardown {
     }
 
     /// Record the teardown; true for the first caller (who then does the driver's part).
+    /// The first teardown is logged (`debug`, target `mad_core::liveness`): the core logs the
+    /// failure that caused it with the channel and the peer.
+    #[cold]
     pub fn tear(&self, cause: &str) -> bool {
         let first = self.cause.set(cause.to_string()).is_ok();
         self.torn.store(true, Ordering::Release);
+        if first {
+            tracing::debug!(%cause, "connection torn down");
+        }
         first
     }
 

@@ -535,7 +535,7 @@ impl PackState<'_> {
             self.tx.broken = Some(why.to_string());
             if !peer {
                 if let Some(Some(c)) = self.ch.conns.get(self.remote) {
-                    c.fail(false, why);
+                    c.fail(self.ch, self.remote, false, why);
                 }
             }
         }

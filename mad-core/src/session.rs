@@ -151,6 +151,11 @@ impl Session {
             .iter()
             .filter_map(|w| w.upgrade())
             .collect();
+        tracing::debug!(
+            rank = self.rank(),
+            channels = list.len(),
+            "session closed: closing its channels"
+        );
         for inner in list {
             Channel { inner }.close();
         }
@@ -223,14 +228,63 @@ impl Session {
             attempt,
             *timeout.as_ref().unwrap_or(&DEFAULT_OPEN_TIMEOUT),
         );
+        let span = tracing::info_span!(
+            "channel_open",
+            channel = %config.name,
+            driver = %config.driver,
+            rank = b.rank(),
+            size = b.size(),
+        );
+        let _entered = span.enter();
+        let started = std::time::Instant::now();
         let opened = timeout.and_then(|_| self.open_in(config, &scope));
-        opened.map_err(|e| scope.fail(e))
+        match opened {
+            Ok(ch) => {
+                tracing::debug!(
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    peers = ch.inner.peers.len(),
+                    "channel opened"
+                );
+                Ok(ch)
+            }
+            Err(e) => {
+                let e = scope.fail(e);
+                tracing::warn!(error = %e, "channel open failed");
+                Err(e)
+            }
+        }
     }
 
-    fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+    /// The selection table a channel of `config` would use (as [`Channel::selection_table`]
+    /// prints it), computed without opening anything: the driver's TM table for `config` with
+    /// its threshold overrides, the spec's progress mode. Not collective. What only an open
+    /// learns (the driver's notes, such as whether CMA is permitted between the ranks, and
+    /// whether the host is oversubscribed) is not in it.
+    pub fn selection_table_for(&self, config: &ChannelConfig) -> Result<String> {
+        let mut config = config.clone();
+        open_timeout(&mut config, self.size())?;
         if crate::config::env_forces_checked()? {
             config.checked = true;
         }
+        let (_, table) = self.driver_table(&config)?;
+        let progress = ProgressPolicy {
+            mode: config.progress,
+            oversubscribed: false,
+            op_timeout: config.op_timeout,
+        };
+        Ok(crate::channel::format_selection_table(
+            &config,
+            &table,
+            &progress,
+            &[],
+        ))
+    }
+
+    /// The driver `config` names, and its TM table with `config`'s threshold overrides.
+    fn driver_table(
+        &self,
+        config: &ChannelConfig,
+    ) -> Result<(&dyn Driver, crate::driver::TmTable)> {
         let inner = &*self.inner;
         let driver = inner
             .drivers
@@ -253,8 +307,8 @@ impl Session {
                     }
                 ))
             })?;
-        config.check_against(&driver.accepted_options(&config))?;
-        let mut table = driver.tm_table(&config)?;
+        config.check_against(&driver.accepted_options(config))?;
+        let mut table = driver.tm_table(config)?;
         for (tm, max) in &config.thresholds {
             table.set_max_len(tm, *max).map_err(|e| {
                 Error::BadConfig(format!(
@@ -263,6 +317,15 @@ impl Session {
                 ))
             })?;
         }
+        Ok((&**driver, table))
+    }
+
+    fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+        if crate::config::env_forces_checked()? {
+            config.checked = true;
+        }
+        let inner = &*self.inner;
+        let (driver, table) = self.driver_table(&config)?;
         let caps = driver.capabilities(&config);
         let b: &dyn Bootstrap = scope;
         // Every rank must agree on the driver and the switch table, or the switch decisions
@@ -312,7 +375,13 @@ impl Session {
             table: &table,
             progress: &progress,
         };
-        let opened = driver.open(&ctx)?;
+        let opened = {
+            let _handshake = tracing::debug_span!("driver_open").entered();
+            driver.open(&ctx)?
+        };
+        for n in &opened.notes {
+            tracing::debug!(note = %n, "driver note");
+        }
         if opened.links.len() != b.size() {
             return Err(Error::protocol(
                 b.rank(),

@@ -375,7 +375,7 @@ impl UnpackState<'_> {
     fn fail(&mut self, why: String, peer: bool) {
         self.done = true;
         if let Some(Some(c)) = self.ch.conns.get(self.remote) {
-            c.fail(peer, why.clone());
+            c.fail(self.ch, self.remote, peer, why.clone());
         }
         if let Some(rx) = self.rx.as_deref_mut() {
             rx.link.abort_message();

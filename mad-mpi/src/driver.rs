@@ -344,7 +344,14 @@ impl Driver for MpiDriver {
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
         let bs = ctx.bootstrap;
         let rt = sys::runtime()?;
-        let p = params(ctx.config)?.with_family(MpiFamily::from_version(rt.version()));
+        let family = MpiFamily::from_version(rt.version());
+        tracing::debug!(
+            channel = %ctx.config.name,
+            ?family,
+            library = rt.version(),
+            "MPI family detected"
+        );
+        let p = params(ctx.config)?.with_family(family);
         // Rank and size were read when MPI was initialised: no MPI call before the checks
         // below, which a thread other than MPI's main one may not make under FUNNELED.
         if rt.world_size() != bs.size() {

@@ -468,6 +468,21 @@ impl Driver for ShmDriver {
                 if why.is_empty() { String::new() } else { format!(" (here: {why})") }
             ),
         });
+        if readiness.is_none() {
+            tracing::info!(
+                channel = %ctx.config.name,
+                "no readiness descriptor (a rank cannot create or reach the abstract sockets): \
+                 event loops poll this channel"
+            );
+        }
+        if let (Some(_), GatherPath::Ring) = (cma_tm, path) {
+            tracing::info!(
+                channel = %ctx.config.name,
+                reason = %why,
+                "CMA not permitted between every pair of ranks: `cma` pieces are streamed \
+                 through the ring"
+            );
+        }
         Ok(OpenedChannel {
             links,
             incoming: Box::new(

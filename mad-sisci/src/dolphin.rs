@@ -343,8 +343,13 @@ impl TxWire for DolphinTx {
                 {
                     return Err(e.to_error(Some(peer)));
                 }
-                DmaOutcome::Failed(_) => {
+                DmaOutcome::Failed(e) => {
                     // Not about the peer (unsupported mode, alignment...): PIO from now on.
+                    tracing::warn!(
+                        peer,
+                        error = %e,
+                        "DMA transfer failed: falling back to PIO on this connection"
+                    );
                     self.dma = None;
                     sent = 0;
                 }
@@ -471,8 +476,15 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
     let size = segment_size(&g, n).ok_or_else(overflow)?;
     let area = g.area_size().ok_or_else(overflow)?;
 
-    let sisci = Sisci::get(&o.lib).map_err(|e| load_error(o, e))?;
+    let sisci = Sisci::get(&o.lib).map_err(|e| {
+        tracing::warn!(library = %o.lib, error = %e, "cannot use the SISCI library");
+        load_error(o, e)
+    })?;
     let (family, has_dma_calls) = (sisci.family(), sisci.has_dma());
+    tracing::debug!(library = %o.lib, family, has_dma_calls, "SISCI library loaded");
+    if !has_dma_calls {
+        tracing::info!(library = %o.lib, "the SISCI library has no DMA calls: PIO only");
+    }
     let desc = Desc::open(sisci).map_err(|e| sci_error(o, e, None))?;
     let node = desc
         .local_node_id(o.adapter_no)
@@ -584,6 +596,12 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
             match DmaQueue::create(&desc, o.adapter_no) {
                 Ok(q) => q,
                 Err(e) => {
+                    tracing::info!(
+                        channel = %ctx.config.name,
+                        peer = r,
+                        error = %e,
+                        "no DMA queue: `dma` chunks to this peer are copied by PIO"
+                    );
                     dma_note = Some(e.to_string());
                     None
                 }

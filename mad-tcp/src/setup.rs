@@ -72,14 +72,27 @@ pub(crate) fn connect_all(
 ) -> Result<Vec<Option<TcpStream>>> {
     let deadline = Instant::now() + p.connect_timeout;
     let stop = AtomicBool::new(false);
+    let span =
+        tracing::debug_span!("tcp_handshakes", channel = %p.channel, rank = p.me, size = p.size);
+    let _entered = span.enter();
+    // The accepting thread logs to the caller's subscriber, inside the same span.
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
     let (accepted, connected) = std::thread::scope(|s| {
-        let acc = s.spawn(|| accept_all(p, &listener, deadline, &stop));
+        let acc = s.spawn(|| {
+            tracing::dispatcher::with_default(&dispatch, || {
+                span.in_scope(|| accept_all(p, &listener, deadline, &stop))
+            })
+        });
         let mut out: Vec<Option<TcpStream>> = Vec::with_capacity(p.me);
         let mut err = None;
         for (r, addr) in addrs.iter().enumerate().take(p.me) {
             match connect_one(p, r, *addr, deadline) {
-                Ok(st) => out.push(Some(st)),
+                Ok(st) => {
+                    tracing::debug!(peer = r, %addr, "connected and authenticated");
+                    out.push(Some(st))
+                }
                 Err(e) => {
+                    tracing::warn!(peer = r, %addr, error = %e, "connecting to a peer failed");
                     err = Some(e);
                     stop.store(true, Ordering::Relaxed);
                     break;
@@ -247,8 +260,12 @@ fn accept_all(
         .map_err(|e| Error::io("tcp: making the listener non-blocking", e))?;
     let (tx, rx) = mpsc::channel::<Accepted>();
     let refuse = |addr: &str, why: &str| {
-        eprintln!(
-            "mad-tcp: refused connection from {addr} on channel {}: {why}",
+        tracing::warn!(
+            channel = %p.channel,
+            rank = p.me,
+            from = addr,
+            reason = why,
+            "refused connection from {addr} on channel {}: {why}",
             p.channel
         );
     };
@@ -260,6 +277,7 @@ fn accept_all(
                         let addr = st.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                         refuse(&addr, &format!("rank {r} is already connected"));
                     } else {
+                        tracing::debug!(peer = r, "accepted and authenticated");
                         got[r] = Some(st);
                         missing -= 1;
                     }

@@ -272,8 +272,12 @@ fn accept_all(
         .map_err(|e| Error::io("via:soft: making the listener non-blocking", e))?;
     let (tx, rx) = mpsc::channel::<Accepted>();
     let refuse = |addr: &str, why: &str| {
-        eprintln!(
-            "mad-via: refused connection from {addr} on channel {}: {why}",
+        tracing::warn!(
+            channel = %p.channel,
+            rank = p.me,
+            from = addr,
+            reason = why,
+            "refused connection from {addr} on channel {}: {why}",
             p.channel
         );
     };
@@ -289,6 +293,7 @@ fn accept_all(
                             &format!("rank {j} queue pair {qp} is already connected"),
                         );
                     } else {
+                        tracing::debug!(peer = j, qp, "accepted and authenticated");
                         *slot = Some(s);
                         missing -= 1;
                     }
@@ -406,16 +411,29 @@ pub(crate) fn open_soft(
     };
     let deadline = Instant::now() + SETUP_TIMEOUT;
     let stop = AtomicBool::new(false);
+    let span =
+        tracing::debug_span!("via_soft_handshakes", channel = %p.channel, rank = me, size = n);
+    let _entered = span.enter();
+    // The accepting thread logs to the caller's subscriber, inside the same span.
+    let dispatch = tracing::dispatcher::get_default(Clone::clone);
     let (accepted, connected) = std::thread::scope(|s| {
-        let acc = s.spawn(|| accept_all(&p, &listener, deadline, &stop));
+        let acc = s.spawn(|| {
+            tracing::dispatcher::with_default(&dispatch, || {
+                span.in_scope(|| accept_all(&p, &listener, deadline, &stop))
+            })
+        });
         let mut out: Pairs = Vec::new();
         let mut err = None;
         'peers: for (j, (target, _)) in peers.iter().enumerate().skip(me + 1) {
             let mut pair = [None, None];
             for qp in 0..2u32 {
                 match connect_one(&p, j, *target, qp, deadline) {
-                    Ok(st) => pair[qp as usize] = Some(st),
+                    Ok(st) => {
+                        tracing::debug!(peer = j, qp, "connected and authenticated");
+                        pair[qp as usize] = Some(st)
+                    }
                     Err(e) => {
+                        tracing::warn!(peer = j, qp, error = %e, "connecting to a peer failed");
                         err = Some(e);
                         stop.store(true, Ordering::Relaxed);
                         break 'peers;

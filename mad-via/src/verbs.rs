@@ -149,7 +149,10 @@ pub(crate) fn open(
     cfg: SlotConfig,
     cache_entries: usize,
 ) -> Result<OpenedChannel> {
-    let dev = probe()?;
+    let dev = probe().inspect_err(|e| {
+        tracing::warn!(channel = %ctx.config.name, error = %e, "via:verbs: no usable RDMA device");
+    })?;
+    tracing::debug!(channel = %ctx.config.name, device = %dev, "via:verbs: RDMA device");
     #[cfg(feature = "verbs")]
     {
         crate::sys::verbs::open(ctx, &dev, pd, cfg, cache_entries)

@@ -5,7 +5,8 @@
 //! to the test and holds rank 0 back for a moment, so three strangers reach rank 1's listener
 //! first: one that stays silent, one speaking HTTP, one sending a well-formed handshake
 //! record with a bad proof, and one that resets the connection at once. The case runs in a child process (this test binary re-executed)
-//! so that rank 1's stderr can be checked.
+//! whose global `tracing` subscriber prints every event on stderr ([`StderrLog`]; the driver
+//! crates do not depend on tracing-subscriber), so that rank 1's warnings can be checked.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -18,6 +19,41 @@ use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
 use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
 use mad_via::wire::{Hello, SoftAddr, HELLO_LEN};
 use mad_via::ViaDriver;
+
+/// A minimal `tracing` subscriber: one line per event on stderr, `LEVEL target: fields`.
+struct StderrLog;
+
+impl tracing::Subscriber for StderrLog {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Line(String);
+        impl tracing::field::Visit for Line {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                use std::fmt::Write as _;
+                let _ = write!(self.0, " {}={v:?}", f.name());
+            }
+        }
+        let mut line = Line(String::new());
+        event.record(&mut line);
+        let m = event.metadata();
+        eprintln!("{} {}:{}", m.level(), m.target(), line.0);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
 
 const LIMIT: Duration = Duration::from_secs(20);
 
@@ -94,6 +130,7 @@ fn knock(addr: SocketAddr) -> Vec<TcpStream> {
 #[test]
 #[ignore = "child process of strangers_are_refused_logged_and_do_not_stall_the_open"]
 fn stranger_child() {
+    tracing::subscriber::set_global_default(StderrLog).expect("no subscriber yet");
     let mut bs = ThreadBootstrap::group(2);
     let b1 = bs.pop().unwrap();
     let b0 = bs.pop().unwrap();
@@ -186,7 +223,10 @@ fn strangers_are_refused_logged_and_do_not_stall_the_open() {
     );
     let refusals: Vec<&str> = se
         .lines()
-        .filter(|l| l.contains("mad-via: refused connection from 127.0.0.1:"))
+        .filter(|l| {
+            l.starts_with("WARN mad_via::setup:")
+                && l.contains("refused connection from 127.0.0.1:")
+        })
         .collect();
     assert!(
         refusals.iter().any(|l| l.contains("MADVIA02")),

@@ -8,5 +8,6 @@
 mod bench;
 
 fn main() {
+    madeleine::init_logging();
     bench::main();
 }

@@ -669,6 +669,7 @@ fn kill_all(pgid: u32, sig: i32) {
 }
 
 fn main() {
+    madeleine::init_logging();
     std::process::exit(run());
 }
 

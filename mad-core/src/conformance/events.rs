@@ -191,7 +191,7 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
                     closed_in_time(body, t0, "end_unpacking in the middle of a message")?,
                 ))
             })?;
-            eprintln!(
+            tracing::info!(
                 "kit close [{}]: blocked calls freed in {:?} (any source), {:?} (from one \
                  peer), {:?} (end_unpacking)",
                 ch.config().driver,
@@ -209,7 +209,7 @@ pub(super) fn case_close(c: &Ctx<'_>) -> Result<()> {
                 let r = h.join().map_err(|_| fail("a receiver panicked"))?;
                 closed_in_time(r, t0, "begin_unpacking_from after Session::close")
             })?;
-            eprintln!("kit close: Session::close freed a blocked receive in {blocked:?}");
+            tracing::info!("kit close: Session::close freed a blocked receive in {blocked:?}");
             for (r, what) in [
                 (ch.begin_packing(1).map(drop), "begin_packing after close"),
                 (

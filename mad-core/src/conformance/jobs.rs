@@ -14,7 +14,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// Run this test binary's ignored test `test` in a private mount namespace whose `/dev/shm` is
 /// a fresh tmpfs of `size` (e.g. `64m`, Docker's default), with `env` set. `None` (after
-/// printing why) when this process may not unshare or mount (not root, no `unshare(1)`): the
+/// logging why, `warn`) when this process may not unshare or mount (not root, no `unshare(1)`): the
 /// caller skips. Otherwise the child's output, whose status says whether `test` passed.
 pub fn in_small_dev_shm(size: &str, test: &str, env: (&str, &str)) -> Option<std::process::Output> {
     use std::process::Command;
@@ -25,14 +25,14 @@ pub fn in_small_dev_shm(size: &str, test: &str, env: (&str, &str)) -> Option<std
     match probe {
         Ok(o) if o.status.success() => {}
         Ok(o) => {
-            eprintln!(
+            tracing::warn!(
                 "SKIPPED: cannot mount a private /dev/shm (unshare -m; needs root): {}",
                 String::from_utf8_lossy(&o.stderr).trim()
             );
             return None;
         }
         Err(e) => {
-            eprintln!("SKIPPED: cannot run unshare(1): {e}");
+            tracing::warn!("SKIPPED: cannot run unshare(1): {e}");
             return None;
         }
     }
@@ -146,7 +146,7 @@ pub fn check_no_space_job(
         })
         .collect();
     let summary = summary.join("\n");
-    eprintln!("{summary}");
+    tracing::info!("dev/shm-full job:\n{summary}");
     assert!(
         ended.iter().all(|e| e.signal != Some(SIGBUS)),
         "a rank died of SIGBUS:\n{summary}"

@@ -349,6 +349,11 @@ impl PidFd {
         Ok(PidFd { fd: Some(fd), pid })
     }
 
+    /// The watched process's id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// Which of `fds` have exited, in one `poll(2)` for all the pidfds (processes watched by
     /// `kill(pid, 0)` are asked one by one): calls `dead(i)` for each index `i` whose process
     /// has exited. An any-source watcher of n peers pays one system call, not n.

@@ -78,9 +78,21 @@ impl PeerWatch {
             Probe::Custom(gone) => gone(),
         };
         if dead {
-            self.dead.store(true, Ordering::Relaxed);
+            self.mark_dead();
         }
         dead
+    }
+
+    /// Record that the peer is gone; the first time, log it (`info`, target
+    /// `mad_core::hostmem::watch`).
+    #[cold]
+    fn mark_dead(&self) {
+        if !self.dead.swap(true, Ordering::Relaxed) {
+            match &self.probe {
+                Probe::Pid(p) => tracing::info!(pid = p.pid(), "peer process exited"),
+                Probe::Custom(_) => tracing::info!("peer gone (driver probe)"),
+            }
+        }
     }
 
     /// The pidfd of the watched process (readable once it has exited), for a readiness
@@ -218,6 +230,6 @@ impl DeathCheck {
             }
         }
         let fds: smallvec::SmallVec<[&PidFd; 32]> = pids.iter().map(|(p, _)| *p).collect();
-        PidFd::exited_among(&fds, &mut |i| pids[i].1.dead.store(true, Ordering::Relaxed));
+        PidFd::exited_among(&fds, &mut |i| pids[i].1.mark_dead());
     }
 }
