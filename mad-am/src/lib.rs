@@ -477,7 +477,8 @@ impl<'c> Poller<'c> {
                 // while its own message to the peer cannot leave): later.
                 Ok(None) | Err(Error::InUse { .. }) => i += 1,
                 // The peer is gone: the reply has nobody to go to.
-                Err(_) => {
+                Err(e) => {
+                    tracing::info!(rank = to, error = %e, "active messages: a reply dropped, its caller is gone");
                     self.waiting.swap_remove(i);
                 }
             }
@@ -614,6 +615,10 @@ impl<'c> Poller<'c> {
             // Not one of ours: the stream cannot be followed. Dropping the unpacker finishes
             // this peer's connection both ways; its callers fail.
             drop(u);
+            tracing::warn!(
+                rank = from,
+                "active messages: a message without a valid header; the connection is finished"
+            );
             let e = Error::Protocol {
                 rank: from,
                 what: "active messages: a message without a valid header".into(),
@@ -769,7 +774,11 @@ fn reply_parts(r: std::thread::Result<Reply>) -> (u16, Vec<u8>) {
     match r {
         Ok(Ok(v)) => (ST_OK, v),
         Ok(Err(m)) => (ST_ERROR, m.into_bytes()),
-        Err(p) => (ST_PANIC, panic_text(&*p).into_bytes()),
+        Err(p) => {
+            let text = panic_text(&*p);
+            tracing::warn!(panic = %text, "active messages: a handler panicked; its caller gets the error");
+            (ST_PANIC, text.into_bytes())
+        }
     }
 }
 
