@@ -463,6 +463,7 @@ pub fn targets(inp: &Inputs) -> Vec<Target> {
     engine_target(inp, &mut t);
     tcp_targets(inp, &mut t);
     shm_targets(inp, &mut t);
+    shm_large_targets(inp, &mut t);
     mpi_targets(inp, &mut t);
     ucx_targets(inp, &mut t);
     fig4_target(inp, &mut t);
@@ -734,6 +735,137 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 Verdict::Incomplete(Some(v == Verdict::Met), missing.join("; "))
             },
         });
+    }
+}
+
+/// The worst ratio (our cost over the baseline's) of `chan` against `base` over the sizes
+/// `lo ..= hi` that both have, and at which size.
+fn worst_in(
+    rows: &[Row],
+    bench: &str,
+    chan: &str,
+    base: &str,
+    lo: usize,
+    hi: usize,
+) -> Option<(f64, usize, usize)> {
+    let mut worst: Option<(f64, usize)> = None;
+    let mut n = 0;
+    for s in sizes_of(rows, bench, chan)
+        .into_iter()
+        .filter(|&s| s >= lo && s <= hi)
+    {
+        if let (Some(m), Some(b)) = (get(rows, bench, chan, s), get(rows, bench, base, s)) {
+            n += 1;
+            let r = cost(m, b);
+            if worst.map_or(true, |(w, _)| r > w) {
+                worst = Some((r, s));
+            }
+        }
+    }
+    worst.map(|(r, s)| (r, s, n))
+}
+
+/// Issue 16's large-message rows: shm at 1–16 MiB against the better MPI (latency ≤ 0.6×,
+/// bandwidth ≥ 1.5×) and against sisci:local in the same run (never more than 10 % slower).
+fn shm_large_targets(inp: &Inputs, t: &mut Vec<Target>) {
+    let gaps = mpi_gaps(inp);
+    for (bench, lim, limit, label) in [
+        (
+            "latency",
+            0.6,
+            "≤ 0.60 at every size".to_string(),
+            "1–16 MiB one-way latency: `shm` vs the better MPI",
+        ),
+        (
+            "bw",
+            bw_limit(1.5).0,
+            format!("{} at every size", bw_limit(1.5).1),
+            "1–16 MiB bandwidth: `shm` vs the better MPI",
+        ),
+    ] {
+        let what = label.to_string();
+        let mut worst: Option<(f64, usize, &str)> = None;
+        let mut n = 0;
+        for s in (0..=4).map(|k| MIB << k) {
+            if let Some((r, who, _)) = shm_vs_mpis(inp, bench, s) {
+                n += 1;
+                if worst.map_or(true, |(w, _, _)| r > w) {
+                    worst = Some((r, s, who));
+                }
+            }
+        }
+        match worst {
+            Some((r, at, who)) => {
+                let v = Verdict::of(r, lim);
+                let mut missing = gaps.clone();
+                if n < 5 {
+                    missing.push(format!("{n} of the 5 sizes 1–16 MiB measured"));
+                }
+                t.push(Target {
+                    issue: "mad-shm",
+                    what,
+                    measured: format!("{n} sizes; worst at {} (vs {who})", bytes(at)),
+                    ratio: format!("{r:.3}"),
+                    limit,
+                    verdict: if missing.is_empty() {
+                        v
+                    } else {
+                        Verdict::Incomplete(Some(v == Verdict::Met), missing.join("; "))
+                    },
+                });
+            }
+            None => t.push(not_run(
+                "mad-shm",
+                what,
+                limit,
+                if gaps.is_empty() {
+                    format!("no shm / raw-mpi {bench} figures at 1–16 MiB")
+                } else {
+                    gaps.join("; ")
+                },
+            )),
+        }
+    }
+    for (bench, label) in [
+        (
+            "latency",
+            "1–16 MiB one-way latency: `shm` vs `sisci:local`",
+        ),
+        ("bw", "1–16 MiB bandwidth: `shm` vs `sisci:local`"),
+    ] {
+        let what = label.to_string();
+        let limit = "≤ 1.10 at every size".to_string();
+        // The UCX step sweeps both up to 16 MiB in one run; the pair suite stops at 4 MiB.
+        let Some(rows) = inp.suite("ucx").or_else(|| inp.suite("pair")) else {
+            t.push(not_run("mad-shm", what, limit, inp.why_missing("ucx")));
+            continue;
+        };
+        match worst_in(rows, bench, "shm", "sisci:local", MIB, 16 * MIB) {
+            Some((r, at, n)) => {
+                let v = Verdict::of(r, 1.10);
+                t.push(Target {
+                    issue: "mad-shm",
+                    what,
+                    measured: format!("{n} sizes; worst at {}", bytes(at)),
+                    ratio: format!("{r:.3}"),
+                    limit,
+                    verdict: if n >= 5 {
+                        v
+                    } else {
+                        Verdict::Incomplete(
+                            Some(v == Verdict::Met),
+                            format!("{n} of the 5 sizes 1–16 MiB measured"),
+                        )
+                    },
+                });
+            }
+            None => t.push(not_run(
+                "mad-shm",
+                what,
+                limit,
+                format!("no shm / sisci:local {bench} figures at 1–16 MiB"),
+            )),
+        }
     }
 }
 
@@ -1673,6 +1805,67 @@ mod tests {
         assert_eq!(t.verdict, Verdict::NotMet);
         assert!(t.measured.contains("worst at 16 MiB"), "{}", t.measured);
         assert_eq!(t.ratio, "1.200");
+    }
+
+    #[test]
+    fn large_shm_rows_take_the_worst_size_against_the_better_mpi_and_sisci() {
+        let mpi = |name: &str, lat: f64| {
+            let mut rows = Vec::new();
+            for k in 0..5 {
+                let s = MIB << k;
+                rows.push(row("latency", "shm", s, 50.0));
+                rows.push(row(
+                    "latency",
+                    "raw-mpi",
+                    s,
+                    if k == 2 { lat } else { 200.0 },
+                ));
+                rows.push(row("bw", "shm", s, 30_000.0));
+                rows.push(row("bw", "raw-mpi", s, 10_000.0));
+            }
+            Suite {
+                name: name.into(),
+                rows,
+            }
+        };
+        let mut ucx = Vec::new();
+        for k in 0..5 {
+            let s = MIB << k;
+            ucx.push(row("latency", "shm", s, 50.0));
+            ucx.push(row(
+                "latency",
+                "sisci:local",
+                s,
+                if k == 4 { 40.0 } else { 60.0 },
+            ));
+            ucx.push(row("bw", "shm", s, 30_000.0));
+            ucx.push(row("bw", "sisci:local", s, 29_000.0));
+        }
+        let mut inp = inputs(vec![
+            mpi("mpich", 200.0),
+            mpi("openmpi", 70.0),
+            Suite {
+                name: "ucx".into(),
+                rows: ucx,
+            },
+        ]);
+        inp.steps.clear();
+        let ts = targets(&inp);
+        // 50 / 70 at 4 MiB against Open MPI: over 0.6.
+        let t = find(&ts, "1–16 MiB one-way latency: `shm` vs the better MPI");
+        assert_eq!(t.verdict, Verdict::NotMet);
+        assert!(t.measured.contains("worst at 4 MiB (vs"), "{}", t.measured);
+        assert_eq!(
+            find(&ts, "1–16 MiB bandwidth: `shm` vs the better MPI").verdict,
+            Verdict::Met
+        );
+        let t = find(&ts, "1–16 MiB one-way latency: `shm` vs `sisci:local`");
+        assert_eq!((t.ratio.as_str(), &t.verdict), ("1.250", &Verdict::NotMet));
+        assert!(t.measured.contains("worst at 16 MiB"), "{}", t.measured);
+        assert_eq!(
+            find(&ts, "1–16 MiB bandwidth: `shm` vs `sisci:local`").verdict,
+            Verdict::Met
+        );
     }
 
     #[test]
