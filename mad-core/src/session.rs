@@ -249,7 +249,8 @@ impl Session {
             }
             Err(e) => {
                 let e = scope.fail(e);
-                tracing::warn!(error = %e, "channel open failed");
+                // Returned to the caller, who reports it: a debug event only, not a second report.
+                tracing::debug!(error = %e, "channel open failed");
                 Err(e)
             }
         }
