@@ -114,6 +114,10 @@ pub enum CallError {
     /// The endpoint was shut down ([`Endpoint::shutdown`]) before the reply came.
     #[error("the endpoint was shut down")]
     Shutdown,
+    /// A call from an inline handler (which runs on the thread that polls, so the reply could
+    /// never be received): register the handler with [`Endpoint::register_pool`] to call.
+    #[error("an inline handler cannot make calls (it blocks the poller); use a pool handler")]
+    Reentrant,
 }
 
 /// Settings of an [`Endpoint`].
@@ -753,7 +757,8 @@ impl<'c> Poller<'c> {
 
     /// Give the role up: the messages in progress are finished first (receiving meanwhile, so
     /// a peer that waits for this process is served), those not started go to the endpoint's
-    /// outbox for the next poller.
+    /// outbox for the next poller (in `Drop`, which also runs if a handler's panic unwinds
+    /// through the poller).
     fn release(mut self) {
         let mut b = Backoff(0);
         while !self.sending.is_empty() {
@@ -763,11 +768,22 @@ impl<'c> Poller<'c> {
                 b.pause(self.ch());
             }
         }
+    }
+}
+
+impl Drop for Poller<'_> {
+    fn drop(&mut self) {
+        ROLE.with(|r| r.set(0));
         let mut st = lock(&self.ep.inner.state);
         st.outbox.append(&mut self.waiting);
         st.polling = false;
         self.ep.inner.cv.notify_all();
     }
+}
+
+thread_local! {
+    /// The endpoint (its address) whose poller role this thread holds, or 0.
+    static ROLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 fn reply_parts(r: std::thread::Result<Reply>) -> (u16, Vec<u8>) {
@@ -895,6 +911,11 @@ impl Endpoint {
         if self.inner.stop.load(Ordering::Acquire) {
             return Err(CallError::Shutdown);
         }
+        if ROLE.with(|r| r.get()) == self.key() {
+            // An inline handler (this thread polls for the endpoint, up the stack): its reply
+            // could only come through the poller it is blocking.
+            return Err(CallError::Reentrant);
+        }
         let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
         lock(&self.inner.state)
             .calls
@@ -989,6 +1010,11 @@ impl Endpoint {
         }
     }
 
+    /// This endpoint's identity for [`ROLE`].
+    fn key(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// The poller role, if free, with the replies the last poller left.
     fn take_role(&self) -> Option<Poller<'_>> {
         let mut st = lock(&self.inner.state);
@@ -996,6 +1022,7 @@ impl Endpoint {
             return None;
         }
         st.polling = true;
+        ROLE.with(|r| r.set(self.key()));
         let waiting = std::mem::take(&mut st.outbox);
         Some(Poller {
             ep: self,

@@ -85,6 +85,7 @@ const PANICS: u32 = 4;
 const IGNORES: u32 = 5;
 const COUNT: u32 = 6;
 const CLOSES: u32 = 7;
+const REENTERS: u32 = 8;
 
 fn register(ep: &Endpoint, counter: Arc<AtomicUsize>) {
     ep.register_inline(ECHO, |req| req.recv_vec().map_err(|e| e.to_string()));
@@ -95,6 +96,15 @@ fn register(ep: &Endpoint, counter: Arc<AtomicUsize>) {
     ep.register_inline(FAILS, |req| Err(format!("refused {} B", req.len())));
     ep.register_pool(PANICS, |_| panic!("boom"));
     ep.register_inline(IGNORES, |_req| Ok(b"ignored".to_vec()));
+    let me = ep.clone();
+    ep.register_inline(REENTERS, move |req| {
+        let from = req.from();
+        drop(req);
+        match me.call(from, ECHO, b"x") {
+            Err(CallError::Reentrant) => Ok(b"refused".to_vec()),
+            other => Err(format!("a call from an inline handler: {other:?}")),
+        }
+    });
     ep.register_inline(COUNT, move |req| {
         let v = req.recv_vec().map_err(|e| e.to_string())?;
         counter.fetch_add(v.len(), Ordering::SeqCst);
