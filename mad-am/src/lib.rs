@@ -37,22 +37,34 @@
 //! CHEAPER (nothing when empty). Both sides of a channel must use this layer for every
 //! message on it: anything else finishes that peer's connection.
 //!
+//! * **Async callers.** [`Endpoint::call_async`] returns a future resolved by the reply: the
+//!   request goes to the poller (woken through an eventfd if it sleeps), which sends it
+//!   without blocking; the future never polls itself, so it never blocks its executor.
+//!
 //! Limits (this version): one body per message (several arrays go in one body); replies sent
-//! by a poller are copied once (SAFER) so they outlive the handler; a process that receives
-//! requests must keep some thread polling (a caller, [`Endpoint::serve`] or
-//! [`Endpoint::spawn_progress`]); a pool handler that calls another process while the pool
-//! is full waits for a poller that may be running a call itself; no async API yet.
+//! by a poller, and async requests, are copied once so they outlive the handler or the
+//! caller's borrow; a process that receives requests (or awaits async calls) must keep some
+//! thread polling (a blocking caller, [`Endpoint::serve`] or [`Endpoint::spawn_progress`]);
+//! inline handlers cannot call ([`CallError::Reentrant`]); a pool handler that calls another
+//! process while the pool is full waits for a poller that may be running a call itself; a
+//! connection still carries one message at a time per direction, so a small call waits
+//! behind a large one to the same peer (head-of-line blocking).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
-use std::task::Poll;
+use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd;
+
 use mad_core::{Channel, Error, Packer, RecvMode, SendMode, Unpacker};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 
 /// What a handler returns: the reply's bytes, or an error text the caller receives as
 /// [`CallError::Handler`].
@@ -302,9 +314,8 @@ pub struct Call {
 }
 
 enum Slot {
-    Waiting {
-        remote: usize,
-    },
+    /// `waker`: an async call ([`Endpoint::call_async`]) to wake with the reply.
+    Waiting { remote: usize, waker: Option<Waker> },
     /// The reply's status and body, or why there is none.
     Done(Result<(u16, Vec<u8>), CallError>),
 }
@@ -346,6 +357,11 @@ struct Inner {
     pool: Mutex<Option<Pool>>,
     /// Jobs handed to the pool and not finished.
     queued: AtomicUsize,
+    /// Async calls put requests in the outbox: the poller takes them at its next step.
+    outbox_new: AtomicBool,
+    /// Written when an async call queues a request, so a poller asleep on the channel's
+    /// descriptor wakes up (`None` if the kernel refused an eventfd: it wakes within 1 ms).
+    wake: Option<EventFd>,
     stop: AtomicBool,
 }
 
@@ -414,26 +430,32 @@ fn transport(e: &Error) -> CallError {
 struct Backoff(u32);
 
 impl Backoff {
-    fn pause(&mut self, ch: &Channel) {
+    fn pause(&mut self, inner: &Inner) {
         self.0 = self.0.saturating_add(1);
         if self.0 < 64 {
             std::hint::spin_loop();
         } else if self.0 < 256 {
             std::thread::yield_now();
         } else {
-            idle(ch, Duration::from_millis(1));
+            idle(inner, Duration::from_millis(1));
         }
     }
 }
 
-/// Sleep until the channel may have progressed (its descriptor is readable) or `t` passed.
-fn idle(ch: &Channel, t: Duration) {
+/// Sleep until the channel may have progressed (its descriptor is readable), an async call
+/// was queued (the endpoint's event descriptor), or `t` passed.
+fn idle(inner: &Inner, t: Duration) {
+    let ch = &inner.ch;
     match ch.arm() {
-        Ok(mad_core::Armed::Armed) => match ch.readiness_fd() {
-            Some(fd) => {
+        Ok(mad_core::Armed::Armed) => match (ch.readiness_fd(), &inner.wake) {
+            (Some(fd), Some(ev)) => {
+                let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+                let _ = ev.read(); // non-blocking: resets it if it was written
+            }
+            (Some(fd), None) => {
                 let _ = mad_core::events::wait_readable(&[fd], Some(t));
             }
-            None => std::thread::sleep(t.min(Duration::from_micros(200))),
+            (None, _) => std::thread::sleep(t.min(Duration::from_micros(200))),
         },
         Ok(_) => std::thread::yield_now(),
         Err(_) => std::thread::sleep(t.min(Duration::from_micros(200))),
@@ -524,7 +546,7 @@ impl<'c> Poller<'c> {
                 return r;
             }
             if !self.drive_sends() {
-                b.pause(self.ch());
+                b.pause(&self.ep.inner);
             }
         }
     }
@@ -578,6 +600,10 @@ impl<'c> Poller<'c> {
     /// anything moved. An error about one peer fails the calls waiting for it; an error after
     /// which the channel can serve nobody (closed, every peer gone) is returned.
     fn step(&mut self) -> mad_core::Result<bool> {
+        if self.ep.inner.outbox_new.swap(false, Ordering::AcqRel) {
+            let mut st = lock(&self.ep.inner.state);
+            self.waiting.append(&mut st.outbox);
+        }
         let moved = self.drive_sends();
         match self.ch().try_begin_unpacking() {
             Ok(Some(u)) => {
@@ -607,7 +633,7 @@ impl<'c> Poller<'c> {
                 Poll::Ready(r) => break r,
                 Poll::Pending => {
                     if !self.drive_sends() {
-                        b.pause(self.ch());
+                        b.pause(&self.ep.inner);
                     }
                 }
             }
@@ -721,7 +747,7 @@ impl<'c> Poller<'c> {
                 .calls
                 .values()
                 .filter_map(|s| match s {
-                    Slot::Waiting { remote } => Some(*remote),
+                    Slot::Waiting { remote, .. } => Some(*remote),
                     Slot::Done(_) => None,
                 })
                 .collect();
@@ -765,7 +791,7 @@ impl<'c> Poller<'c> {
             let moved = self.drive_sends();
             let got = matches!(self.step(), Ok(true));
             if !moved && !got {
-                b.pause(self.ch());
+                b.pause(&self.ep.inner);
             }
         }
     }
@@ -784,6 +810,85 @@ impl Drop for Poller<'_> {
 thread_local! {
     /// The endpoint (its address) whose poller role this thread holds, or 0.
     static ROLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// What a caller gets from a reply's status and body.
+fn outcome(st: u16, body: Vec<u8>, remote: usize, id: u32) -> Result<Vec<u8>, CallError> {
+    let text = || String::from_utf8_lossy(&body).into_owned();
+    match st {
+        ST_OK => Ok(body),
+        ST_UNKNOWN => Err(CallError::UnknownHandler { rank: remote, id }),
+        ST_PANIC => Err(CallError::Panicked {
+            rank: remote,
+            id,
+            message: text(),
+        }),
+        _ => Err(CallError::Handler {
+            rank: remote,
+            id,
+            message: text(),
+        }),
+    }
+}
+
+/// The future of [`Endpoint::call_async`].
+#[must_use = "a call's reply is only received when its future is awaited"]
+pub struct CallFuture {
+    ep: Endpoint,
+    token: u64,
+    remote: usize,
+    id: u32,
+    early: Option<CallError>,
+}
+
+impl std::fmt::Debug for CallFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallFuture")
+            .field("remote", &self.remote)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Future for CallFuture {
+    type Output = Result<Vec<u8>, CallError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some(e) = this.early.take() {
+            return Poll::Ready(Err(e));
+        }
+        let inner = &this.ep.inner;
+        let mut st = lock(&inner.state);
+        match st.calls.get_mut(&this.token) {
+            Some(Slot::Waiting { waker, .. }) => {
+                if inner.stop.load(Ordering::Acquire) {
+                    st.calls.remove(&this.token);
+                    return Poll::Ready(Err(CallError::Shutdown));
+                }
+                match waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => *waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+            Some(Slot::Done(_)) => {
+                let Some(Slot::Done(r)) = st.calls.remove(&this.token) else {
+                    unreachable!("checked above")
+                };
+                drop(st);
+                Poll::Ready(r.and_then(|(s, body)| outcome(s, body, this.remote, this.id)))
+            }
+            // Taken already (polled after it was ready).
+            None => Poll::Ready(Err(CallError::Shutdown)),
+        }
+    }
+}
+
+impl Drop for CallFuture {
+    fn drop(&mut self) {
+        lock(&self.ep.inner.state).calls.remove(&self.token);
+    }
 }
 
 fn reply_parts(r: std::thread::Result<Reply>) -> (u16, Vec<u8>) {
@@ -820,6 +925,12 @@ impl Endpoint {
                 next_token: AtomicU64::new(1),
                 pool: Mutex::new(None),
                 queued: AtomicUsize::new(0),
+                outbox_new: AtomicBool::new(false),
+                wake: EventFd::from_value_and_flags(
+                    0,
+                    EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
+                )
+                .ok(),
                 stop: AtomicBool::new(false),
             }),
         }
@@ -917,28 +1028,72 @@ impl Endpoint {
             return Err(CallError::Reentrant);
         }
         let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.state)
-            .calls
-            .insert(token, Slot::Waiting { remote });
+        lock(&self.inner.state).calls.insert(
+            token,
+            Slot::Waiting {
+                remote,
+                waker: None,
+            },
+        );
         if let Err(e) = self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
             lock(&self.inner.state).calls.remove(&token);
             return Err(e.into());
         }
         let (st, body) = self.wait_reply(token, remote)?;
-        let text = || String::from_utf8_lossy(&body).into_owned();
-        match st {
-            ST_OK => Ok(body),
-            ST_UNKNOWN => Err(CallError::UnknownHandler { rank: remote, id }),
-            ST_PANIC => Err(CallError::Panicked {
+        outcome(st, body, remote, id)
+    }
+
+    /// [`call`](Self::call) as a future, for async code: the request (its arguments copied)
+    /// goes to the thread that polls for the endpoint, which sends it without blocking and
+    /// wakes the future with the reply. Some thread must poll: a progress thread
+    /// ([`spawn_progress`](Self::spawn_progress)) or blocking callers; a future never polls
+    /// itself, so it never blocks its executor. Dropped before the reply, the call is
+    /// forgotten (a late reply is dropped); the request may still reach the peer.
+    pub fn call_async(&self, remote: usize, id: u32, args: &[u8]) -> CallFuture {
+        let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
+        let hdr = Header {
+            kind: KIND_REQUEST,
+            flags: 0,
+            status: ST_OK,
+            id,
+            token,
+            len: args.len() as u64,
+        };
+        let early = if self.inner.stop.load(Ordering::Acquire) {
+            Some(CallError::Shutdown)
+        } else if remote >= self.inner.ch.size() || remote == self.inner.ch.rank() {
+            Some(CallError::Transport(Error::BadRank {
                 rank: remote,
-                id,
-                message: text(),
-            }),
-            _ => Err(CallError::Handler {
-                rank: remote,
-                id,
-                message: text(),
-            }),
+                size: self.inner.ch.size(),
+                me: self.inner.ch.rank(),
+            }))
+        } else {
+            let mut st = lock(&self.inner.state);
+            st.calls.insert(
+                token,
+                Slot::Waiting {
+                    remote,
+                    waker: None,
+                },
+            );
+            st.outbox.push(Out {
+                to: remote,
+                hdr: hdr.encode(),
+                body: args.to_vec(),
+            });
+            drop(st);
+            self.inner.outbox_new.store(true, Ordering::Release);
+            if let Some(ev) = &self.inner.wake {
+                let _ = ev.write(1);
+            }
+            None
+        };
+        CallFuture {
+            ep: self.clone(),
+            token,
+            remote,
+            id,
+            early,
         }
     }
 
@@ -1003,10 +1158,10 @@ impl Endpoint {
                 if moved {
                     b.0 = 0;
                 } else {
-                    b.pause(&self.inner.ch);
+                    b.pause(&self.inner);
                 }
             }
-            None => b.pause(&self.inner.ch),
+            None => b.pause(&self.inner),
         }
     }
 
@@ -1111,7 +1266,7 @@ impl Endpoint {
                         poller.check_owing_peers();
                         quiet_since = Instant::now();
                     }
-                    b.pause(&inner.ch);
+                    b.pause(inner);
                 }
                 Err(e) => return Err(e),
             }
@@ -1123,8 +1278,11 @@ impl Endpoint {
         let mut st = lock(&self.inner.state);
         let mut any = false;
         for s in st.calls.values_mut() {
-            if let Slot::Waiting { remote } = s {
+            if let Slot::Waiting { remote, waker } = s {
                 if rank.map_or(true, |r| r == *remote) {
+                    if let Some(w) = waker.take() {
+                        w.wake();
+                    }
                     *s = Slot::Done(Err(transport(e)));
                     any = true;
                 }
@@ -1139,10 +1297,14 @@ impl Endpoint {
     fn deliver(&self, from: usize, h: Header, body: mad_core::Result<Vec<u8>>) {
         let mut st = lock(&self.inner.state);
         let ours =
-            matches!(st.calls.get(&h.token), Some(Slot::Waiting { remote }) if *remote == from);
+            matches!(st.calls.get(&h.token), Some(Slot::Waiting { remote, .. }) if *remote == from);
         match body {
             Ok(b) if ours => {
-                st.calls.insert(h.token, Slot::Done(Ok((h.status, b))));
+                if let Some(Slot::Waiting { waker: Some(w), .. }) =
+                    st.calls.insert(h.token, Slot::Done(Ok((h.status, b))))
+                {
+                    w.wake();
+                }
                 self.inner.cv.notify_all();
             }
             Ok(_) => {} // a caller that gave up (timeout): dropped
@@ -1170,7 +1332,7 @@ impl Endpoint {
             if !matches!(r, Ok(false)) {
                 break;
             }
-            b.pause(&self.inner.ch);
+            b.pause(&self.inner);
         }
         poller.release();
         r
@@ -1220,6 +1382,16 @@ impl Endpoint {
     pub fn shutdown(&self) {
         self.inner.stop.store(true, Ordering::Release);
         self.inner.cv.notify_all();
+        // Async calls learn it when polled: wake them.
+        let wakers: Vec<Waker> = lock(&self.inner.state)
+            .calls
+            .values_mut()
+            .filter_map(|s| match s {
+                Slot::Waiting { waker, .. } => waker.take(),
+                Slot::Done(_) => None,
+            })
+            .collect();
+        wakers.into_iter().for_each(Waker::wake);
         let pool = lock(&self.inner.pool).take();
         if let Some(Pool { tx, workers }) = pool {
             drop(tx);

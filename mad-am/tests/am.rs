@@ -338,3 +338,76 @@ fn a_stranger_message_finishes_only_that_connection() {
         });
     }
 }
+
+/// Async calls: many futures in flight at once on a tokio runtime, from a client whose only
+/// poller is its progress thread; a future dropped before its reply leaves the endpoint
+/// usable; shutdown resolves pending futures.
+#[test]
+fn async_calls_are_futures_resolved_by_the_reply() {
+    for spec in ["mem", "tcp", "shm", "sisci:local"] {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "async",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::new(ch);
+            ep.register_inline(ECHO, |req| req.recv_vec().map_err(|e| e.to_string()));
+            ep.register_pool(REVERSE, |mut call| {
+                call.args.reverse();
+                Ok(call.args)
+            });
+            let progress = ep.spawn_progress();
+            s.bootstrap().barrier("async/registered")?;
+            if rank == 1 {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(|e| Error::io("tokio", e))?;
+                rt.block_on(async {
+                    let calls: Vec<_> = (0..64u64)
+                        .map(|i| {
+                            let args = pattern(i, size_of_call(i));
+                            let id = if i % 2 == 0 { ECHO } else { REVERSE };
+                            let f = ep.call_async(0, id, &args);
+                            tokio::spawn(async move {
+                                let got = f.await.map_err(|e| fail(e.to_string()))?;
+                                let mut want = args;
+                                if id == REVERSE {
+                                    want.reverse();
+                                }
+                                if got != want {
+                                    return Err(fail(format!("async reply {i} differs")));
+                                }
+                                Ok(())
+                            })
+                        })
+                        .collect();
+                    for c in calls {
+                        c.await.map_err(|e| fail(e.to_string()))??;
+                    }
+                    // Cancelled before its reply: forgotten, and the endpoint goes on.
+                    drop(ep.call_async(0, ECHO, &[1u8; 1 << 20]));
+                    let v = ep
+                        .call_async(0, ECHO, b"after")
+                        .await
+                        .map_err(|e| fail(e.to_string()))?;
+                    if v != b"after" {
+                        return Err(fail("echo after a cancelled call"));
+                    }
+                    match ep.call_async(0, 99, b"").await {
+                        Err(CallError::UnknownHandler { id: 99, .. }) => {}
+                        other => return Err(fail(format!("unknown handler: {other:?}"))),
+                    }
+                    match ep.call_async(5, ECHO, b"").await {
+                        Err(CallError::Transport(Error::BadRank { .. })) => {}
+                        other => return Err(fail(format!("bad rank: {other:?}"))),
+                    }
+                    Ok::<(), Error>(())
+                })?;
+            }
+            s.bootstrap().barrier("async/done")?;
+            progress.stop()
+        });
+    }
+}
