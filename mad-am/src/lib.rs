@@ -37,6 +37,12 @@
 //! CHEAPER (nothing when empty). Both sides of a channel must use this layer for every
 //! message on it: anything else finishes that peer's connection.
 //!
+//! * **No head-of-line blocking.** A body longer than [`Config::fragment`] (128 KiB) travels
+//!   in several messages that the receiver reassembles (straight into the reassembly buffer),
+//!   and between two fragments the sender steps aside for threads waiting for the same
+//!   connection: a small call waits for one fragment, not for a 16 MiB body. A thread that
+//!   polls from inside its own send keeps driving that send at every wait, so two processes
+//!   whose threads all send to each other never wait on each other.
 //! * **Async callers.** [`Endpoint::call_async`] returns a future resolved by the reply: the
 //!   request goes to the poller (woken through an eventfd if it sleeps), which sends it
 //!   without blocking; the future never polls itself, so it never blocks its executor.
@@ -46,9 +52,9 @@
 //! caller's borrow; a process that receives requests (or awaits async calls) must keep some
 //! thread polling (a blocking caller, [`Endpoint::serve`] or [`Endpoint::spawn_progress`]);
 //! inline handlers cannot call ([`CallError::Reentrant`]); a pool handler that calls another
-//! process while the pool is full waits for a poller that may be running a call itself; a
-//! connection still carries one message at a time per direction, so a small call waits
-//! behind a large one to the same peer (head-of-line blocking).
+//! process while the pool is full waits for a poller that may be running a call itself;
+//! fragmented bodies reach inline handlers reassembled (one copy more than a body in one
+//! message).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -148,6 +154,10 @@ pub struct Config {
     /// How long one poll waits for traffic before the poller looks at the peers that owe
     /// replies (a peer that closed cleanly fails its callers within about this long).
     pub slice: Duration,
+    /// Bodies longer than this go in several messages of at most this many bytes, so a
+    /// small call to the same peer waits for one fragment, not for the whole body (no
+    /// head-of-line blocking behind large messages); 0: never split.
+    pub fragment: usize,
 }
 
 impl Default for Config {
@@ -158,6 +168,7 @@ impl Default for Config {
             max_body: 1 << 30,
             call_timeout: None,
             slice: Duration::from_millis(50),
+            fragment: 128 << 10,
         }
     }
 }
@@ -179,12 +190,20 @@ impl Config {
         self.max_body = n;
         self
     }
+    /// [`Config::fragment`] (clamped to 4 GiB − 1; 0: never split).
+    pub fn fragment(mut self, n: usize) -> Self {
+        self.fragment = n.min(u32::MAX as usize);
+        self
+    }
 }
 
-const HDR: usize = 32;
+const HDR: usize = 40;
 const KIND_REQUEST: u8 = 1;
 const KIND_REPLY: u8 = 2;
 const FLAG_ONE_WAY: u8 = 1;
+/// The message carries `[offset, offset + piece)` of a body of `len` bytes sent in several
+/// messages (see [`Config::fragment`]).
+const FLAG_FRAG: u8 = 2;
 const ST_OK: u16 = 0;
 const ST_UNKNOWN: u16 = 1;
 const ST_ERROR: u16 = 2;
@@ -198,7 +217,12 @@ struct Header {
     status: u16,
     id: u32,
     token: u64,
+    /// The whole body's length.
     len: u64,
+    /// Where this message's bytes go in the body (fragments; 0 otherwise).
+    offset: u64,
+    /// How many bytes of the body this message carries (fragments; 0 otherwise).
+    piece: u32,
 }
 
 impl Header {
@@ -210,7 +234,9 @@ impl Header {
         b[4..8].copy_from_slice(&self.id.to_le_bytes());
         b[8..16].copy_from_slice(&self.token.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
-        b[24..28].copy_from_slice(&MAGIC.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..36].copy_from_slice(&self.piece.to_le_bytes());
+        b[36..40].copy_from_slice(&MAGIC.to_le_bytes());
         b
     }
 
@@ -224,25 +250,46 @@ impl Header {
             id: u32_at(4),
             token: u64_at(8),
             len: u64_at(16),
+            offset: u64_at(24),
+            piece: u32_at(32),
         };
+        let frag = h.flags & FLAG_FRAG != 0;
         let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY)
-            && h.flags & !FLAG_ONE_WAY == 0
+            && h.flags & !(FLAG_ONE_WAY | FLAG_FRAG) == 0
             && h.status <= ST_PANIC
-            && u32_at(24) == MAGIC
-            && b[28..].iter().all(|&x| x == 0);
+            && if frag {
+                h.piece > 0
+                    && h.offset
+                        .checked_add(u64::from(h.piece))
+                        .is_some_and(|e| e <= h.len)
+            } else {
+                h.offset == 0 && h.piece == 0
+            }
+            && u32_at(36) == MAGIC;
         known.then_some(h)
     }
 }
 
-/// A request being handled inline: the message is still open, and the handler receives the
-/// arguments where it wants them. Dropped without receiving them, the arguments are read and
-/// discarded (the connection stays usable).
+/// A request being handled inline: the message is still open (or, for arguments sent in
+/// fragments, reassembled), and the handler receives the arguments where it wants them.
+/// Dropped without receiving them, the arguments are read and discarded (the connection stays
+/// usable).
 pub struct Request<'p, 'c> {
-    u: Option<Unpacker<'c, 'static>>,
+    src: Src<'c>,
     poller: &'p mut Poller<'c>,
     from: usize,
     id: u32,
     len: u64,
+}
+
+/// Where a request's arguments are.
+enum Src<'c> {
+    /// Still in the open message.
+    Open(Unpacker<'c, 'static>),
+    /// Reassembled from fragments.
+    Whole(Vec<u8>),
+    /// Received.
+    Taken,
 }
 
 impl Request<'_, '_> {
@@ -264,12 +311,14 @@ impl Request<'_, '_> {
     }
 
     /// Receive the arguments into `buf` (exactly [`len`](Self::len) bytes; CHEAPER: they land
-    /// there straight from the driver) and finish the message.
+    /// there straight from the driver, unless they came in fragments) and finish the message.
     pub fn recv_into(mut self, buf: &mut [u8]) -> mad_core::Result<()> {
-        let u = self.u.take().expect("request received twice");
+        let src = std::mem::replace(&mut self.src, Src::Taken);
         if buf.len() as u64 != self.len {
             // Read what was sent, so the connection stays in step, then report the misuse.
-            self.poller.drain(u, self.len, self.from)?;
+            if let Src::Open(u) = src {
+                self.poller.drain(u, self.len, self.from)?;
+            }
             return Err(Error::Protocol {
                 rank: self.from,
                 what: format!(
@@ -279,11 +328,23 @@ impl Request<'_, '_> {
                 ),
             });
         }
-        self.poller.finish_into(u, buf)
+        match src {
+            Src::Open(u) => self.poller.finish_into(u, buf),
+            Src::Whole(v) => {
+                buf.copy_from_slice(&v);
+                Ok(())
+            }
+            Src::Taken => unreachable!("a request is received once (it is consumed)"),
+        }
     }
 
     /// Receive the arguments into a new vector.
-    pub fn recv_vec(self) -> mad_core::Result<Vec<u8>> {
+    pub fn recv_vec(mut self) -> mad_core::Result<Vec<u8>> {
+        if let Src::Whole(v) = &mut self.src {
+            let v = std::mem::take(v);
+            self.src = Src::Taken;
+            return Ok(v);
+        }
         let len = usize::try_from(self.len).map_err(|_| Error::Protocol {
             rank: self.from,
             what: format!("active message: {} B of arguments", self.len),
@@ -296,7 +357,7 @@ impl Request<'_, '_> {
 
 impl Drop for Request<'_, '_> {
     fn drop(&mut self) {
-        if let Some(u) = self.u.take() {
+        if let Src::Open(u) = std::mem::replace(&mut self.src, Src::Taken) {
             let _ = self.poller.drain(u, self.len, self.from);
         }
     }
@@ -331,8 +392,18 @@ struct State {
     /// A thread holds the poller role.
     polling: bool,
     calls: HashMap<u64, Slot>,
-    /// Replies a poller could not start before it gave the role up.
+    /// Replies a poller could not start before it gave the role up, and async requests.
     outbox: Vec<Out>,
+    /// Bodies arriving in fragments: (sender, kind, token) → what came so far.
+    partial: HashMap<(usize, u8, u64), Partial>,
+}
+
+/// A body being reassembled from fragments.
+struct Partial {
+    /// The header of its first fragment.
+    hdr: Header,
+    buf: Vec<u8>,
+    got: u64,
 }
 
 struct Job {
@@ -357,6 +428,9 @@ struct Inner {
     pool: Mutex<Option<Pool>>,
     /// Jobs handed to the pool and not finished.
     queued: AtomicUsize,
+    /// Per peer, the threads (and the poller) waiting for the connection another thread sends
+    /// on: a sender of fragments steps aside for them between two fragments.
+    contenders: Vec<AtomicUsize>,
     /// Async calls put requests in the outbox: the poller takes them at its next step.
     outbox_new: AtomicBool,
     /// Written when an async call queues a request, so a poller asleep on the channel's
@@ -425,6 +499,22 @@ fn transport(e: &Error) -> CallError {
     })
 }
 
+/// Counts a waiting thread in [`Inner::contenders`] while it lives.
+struct Contender<'a>(&'a AtomicUsize);
+
+impl<'a> Contender<'a> {
+    fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::AcqRel);
+        Contender(c)
+    }
+}
+
+impl Drop for Contender<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// How a thread waits for the network without blocking in it: spin, then yield, then sleep on
 /// the channel's readiness descriptor for at most a millisecond at a time.
 struct Backoff(u32);
@@ -469,6 +559,14 @@ pub struct Poller<'c> {
     ep: &'c Endpoint,
     sending: Vec<Packer<'c, 'static>>,
     waiting: Vec<Out>,
+    /// The peers this poller is counted for in [`Inner::contenders`]: a message of `waiting`
+    /// to them found the connection taken; `counted` of them are.
+    contending: Vec<bool>,
+    counted: usize,
+    scratch: Vec<bool>,
+    /// The message in progress of the thread that polls from inside its own send: driven at
+    /// every wait of the poller (see [`Endpoint::help_with`]).
+    own: Option<&'c mut (dyn FnMut() -> bool + 'c)>,
 }
 
 impl<'c> Poller<'c> {
@@ -478,6 +576,7 @@ impl<'c> Poller<'c> {
 
     /// One round over the sends: finished ones are dropped, waiting ones started.
     fn drive_sends(&mut self) -> bool {
+        let own = self.own.as_mut().is_some_and(|f| f());
         let before = self.sending.len() + self.waiting.len();
         self.sending
             .retain_mut(|p| p.poll_end_packing().is_pending());
@@ -509,16 +608,41 @@ impl<'c> Poller<'c> {
                 }
             }
         }
-        self.sending.len() + self.waiting.len() != before
+        if !self.waiting.is_empty() || self.counted > 0 {
+            self.count_contention();
+        }
+        own || self.sending.len() + self.waiting.len() != before
+    }
+
+    /// Count this poller in [`Inner::contenders`] for exactly the peers its waiting messages
+    /// go to.
+    fn count_contention(&mut self) {
+        let mut now = std::mem::take(&mut self.scratch);
+        now.clear();
+        now.resize(self.contending.len(), false);
+        for o in &self.waiting {
+            now[o.to] = true;
+        }
+        for (r, (n, was)) in now.iter().zip(self.contending.iter_mut()).enumerate() {
+            if *n != *was {
+                let c = &self.ep.inner.contenders[r];
+                if *n {
+                    c.fetch_add(1, Ordering::AcqRel);
+                    self.counted += 1;
+                } else {
+                    c.fetch_sub(1, Ordering::AcqRel);
+                    self.counted -= 1;
+                }
+                *was = *n;
+            }
+        }
+        self.scratch = now;
     }
 
     /// Queue a message (a reply) and try to start it.
     fn send(&mut self, to: usize, hdr: Header, body: Vec<u8>) {
-        self.waiting.push(Out {
-            to,
-            hdr: hdr.encode(),
-            body,
-        });
+        let frag = self.ep.inner.cfg.fragment;
+        self.waiting.extend(split(to, hdr, body, frag));
         self.drive_sends();
     }
 
@@ -533,6 +657,8 @@ impl<'c> Poller<'c> {
                 id,
                 token,
                 len: body.len() as u64,
+                offset: 0,
+                piece: 0,
             },
             body,
         );
@@ -655,15 +781,70 @@ impl<'c> Poller<'c> {
             };
             return self.ep.fail_calls(Some(from), &e);
         };
+        if h.flags & FLAG_FRAG != 0 {
+            return self.fragment(u, from, h);
+        }
+        self.dispatch(Src::Open(u), from, h);
+    }
+
+    /// One fragment of a body sent in several messages: into its reassembly buffer, and the
+    /// message is handled once the last byte is in.
+    fn fragment(&mut self, u: Unpacker<'c, 'static>, from: usize, h: Header) {
+        let inner = &self.ep.inner;
+        let key = (from, h.kind, h.token);
+        let bad = |what: String| Error::Protocol { rank: from, what };
+        if h.len > inner.cfg.max_body {
+            drop(u);
+            let e = bad(format!(
+                "active message of {} B, above this endpoint's max_body ({} B)",
+                h.len, inner.cfg.max_body
+            ));
+            return self.ep.fail_calls(Some(from), &e);
+        }
+        let mut part = lock(&inner.state)
+            .partial
+            .remove(&key)
+            .unwrap_or_else(|| Partial {
+                hdr: h,
+                buf: vec![0u8; h.len as usize],
+                got: 0,
+            });
+        let (a, n) = (h.offset as usize, h.piece as usize);
+        if part.hdr.len != h.len || part.got + n as u64 > h.len {
+            drop(u);
+            let e = bad("active messages: fragments that do not add up".into());
+            return self.ep.fail_calls(Some(from), &e);
+        }
+        if let Err(e) = self.finish_into(u, &mut part.buf[a..a + n]) {
+            return self.ep.fail_calls(Some(from), &e);
+        }
+        part.got += n as u64;
+        if part.got < h.len {
+            lock(&inner.state).partial.insert(key, part);
+            return;
+        }
+        let mut hdr = part.hdr;
+        hdr.flags &= !FLAG_FRAG;
+        self.dispatch(Src::Whole(part.buf), from, hdr);
+    }
+
+    /// A message whose header was read: a reply to its caller, a request to its handler.
+    fn dispatch(&mut self, src: Src<'c>, from: usize, h: Header) {
         if h.kind == KIND_REPLY {
-            let body = self.recv_body(u, from, h.len);
+            let body = match src {
+                Src::Open(u) => self.recv_body(u, from, h.len),
+                Src::Whole(v) => Ok(v),
+                Src::Taken => unreachable!("a message is dispatched with its body"),
+            };
             return self.ep.deliver(from, h, body);
         }
         let reply = h.flags & FLAG_ONE_WAY == 0;
         match self.ep.handler(h.id) {
             None => {
-                if let Err(e) = self.drain(u, h.len, from) {
-                    return self.ep.fail_calls(Some(from), &e);
+                if let Src::Open(u) = src {
+                    if let Err(e) = self.drain(u, h.len, from) {
+                        return self.ep.fail_calls(Some(from), &e);
+                    }
                 }
                 if reply {
                     let r = Ok(Err(String::new()));
@@ -675,13 +856,15 @@ impl<'c> Poller<'c> {
                         id: h.id,
                         token: h.token,
                         len: body.len() as u64,
+                        offset: 0,
+                        piece: 0,
                     };
                     self.send(from, hdr, body);
                 }
             }
             Some(Handler::Inline(f)) => {
                 let req = Request {
-                    u: Some(u),
+                    src,
                     poller: self,
                     from,
                     id: h.id,
@@ -694,9 +877,13 @@ impl<'c> Poller<'c> {
                 }
             }
             Some(Handler::Pool(_)) => {
-                let args = match self.recv_body(u, from, h.len) {
-                    Ok(v) => v,
-                    Err(e) => return self.ep.fail_calls(Some(from), &e),
+                let args = match src {
+                    Src::Open(u) => match self.recv_body(u, from, h.len) {
+                        Ok(v) => v,
+                        Err(e) => return self.ep.fail_calls(Some(from), &e),
+                    },
+                    Src::Whole(v) => v,
+                    Src::Taken => unreachable!("a message is dispatched with its body"),
                 };
                 let job = Job {
                     call: Call {
@@ -800,6 +987,11 @@ impl<'c> Poller<'c> {
 impl Drop for Poller<'_> {
     fn drop(&mut self) {
         ROLE.with(|r| r.set(0));
+        for (r, c) in self.contending.iter().enumerate() {
+            if *c {
+                self.ep.inner.contenders[r].fetch_sub(1, Ordering::AcqRel);
+            }
+        }
         let mut st = lock(&self.ep.inner.state);
         st.outbox.append(&mut self.waiting);
         st.polling = false;
@@ -810,6 +1002,31 @@ impl Drop for Poller<'_> {
 thread_local! {
     /// The endpoint (its address) whose poller role this thread holds, or 0.
     static ROLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The messages that carry `body` under `hdr`: one, or fragments of at most `frag` bytes.
+fn split(to: usize, hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
+    if frag == 0 || body.len() <= frag {
+        return vec![Out {
+            to,
+            hdr: hdr.encode(),
+            body,
+        }];
+    }
+    body.chunks(frag)
+        .enumerate()
+        .map(|(k, c)| Out {
+            to,
+            hdr: Header {
+                flags: hdr.flags | FLAG_FRAG,
+                offset: (k * frag) as u64,
+                piece: c.len() as u32,
+                ..hdr
+            }
+            .encode(),
+            body: c.to_vec(),
+        })
+        .collect()
 }
 
 /// What a caller gets from a reply's status and body.
@@ -911,6 +1128,7 @@ impl Endpoint {
 
     /// An endpoint over `ch`.
     pub fn with_config(ch: Channel, cfg: Config) -> Endpoint {
+        let n = ch.size();
         Endpoint {
             inner: Arc::new(Inner {
                 ch,
@@ -920,11 +1138,13 @@ impl Endpoint {
                     polling: false,
                     calls: HashMap::new(),
                     outbox: Vec::new(),
+                    partial: HashMap::new(),
                 }),
                 cv: Condvar::new(),
                 next_token: AtomicU64::new(1),
                 pool: Mutex::new(None),
                 queued: AtomicUsize::new(0),
+                contenders: (0..n).map(|_| AtomicUsize::new(0)).collect(),
                 outbox_new: AtomicBool::new(false),
                 wake: EventFd::from_value_and_flags(
                     0,
@@ -1058,6 +1278,8 @@ impl Endpoint {
             id,
             token,
             len: args.len() as u64,
+            offset: 0,
+            piece: 0,
         };
         let early = if self.inner.stop.load(Ordering::Acquire) {
             Some(CallError::Shutdown)
@@ -1076,11 +1298,8 @@ impl Endpoint {
                     waker: None,
                 },
             );
-            st.outbox.push(Out {
-                to: remote,
-                hdr: hdr.encode(),
-                body: args.to_vec(),
-            });
+            let frag = self.inner.cfg.fragment;
+            st.outbox.extend(split(remote, hdr, args.to_vec(), frag));
             drop(st);
             self.inner.outbox_new.store(true, Ordering::Release);
             if let Some(ev) = &self.inner.wake {
@@ -1100,7 +1319,9 @@ impl Endpoint {
     /// Send a one-way active message (no reply; an unknown handler or a failing one on the
     /// peer goes unnoticed).
     pub fn send(&self, remote: usize, id: u32, args: &[u8]) -> Result<(), CallError> {
-        self.send_helping(remote, KIND_REQUEST, FLAG_ONE_WAY, ST_OK, id, 0, args)?;
+        // A token of its own: the receiver tells the fragments of one message from another's.
+        let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
+        self.send_helping(remote, KIND_REQUEST, FLAG_ONE_WAY, ST_OK, id, token, args)?;
         Ok(())
     }
 
@@ -1125,33 +1346,93 @@ impl Endpoint {
             id,
             token,
             len: body.len() as u64,
+            offset: 0,
+            piece: 0,
+        };
+        let frag = self.inner.cfg.fragment;
+        if frag == 0 || body.len() <= frag {
+            return self.send_one(remote, &h.encode(), body);
         }
-        .encode();
+        for (k, c) in body.chunks(frag).enumerate() {
+            if k > 0 {
+                // Between two fragments the connection is free: let the threads waiting for
+                // it (a small call behind this large one) take it first.
+                let t0 = Instant::now();
+                while self.inner.contenders[remote].load(Ordering::Acquire) > 0
+                    && t0.elapsed() < Duration::from_millis(1)
+                {
+                    std::thread::yield_now();
+                }
+            }
+            let f = Header {
+                flags: flags | FLAG_FRAG,
+                offset: (k * frag) as u64,
+                piece: c.len() as u32,
+                ..h
+            };
+            self.send_one(remote, &f.encode(), c)?;
+        }
+        Ok(())
+    }
+
+    /// One message: `hdr` EXPRESS, then `body` CHEAPER.
+    fn send_one(&self, remote: usize, hdr: &[u8; HDR], body: &[u8]) -> mad_core::Result<()> {
         let ch = &self.inner.ch;
         let mut b = Backoff(0);
-        let mut p = loop {
-            if let Some(p) = ch.try_begin_packing(remote)? {
-                break p;
+        let mut p = match ch.try_begin_packing(remote)? {
+            Some(p) => p,
+            None => {
+                let _c = Contender::new(&self.inner.contenders[remote]);
+                loop {
+                    if let Some(p) = ch.try_begin_packing(remote)? {
+                        break p;
+                    }
+                    self.help(&mut b);
+                }
             }
-            self.help(&mut b);
         };
         p.defer();
-        p.pack(&h, RecvMode::Express)?;
+        p.pack(hdr, RecvMode::Express)?;
         if !body.is_empty() {
             p.pack(body, RecvMode::Cheaper)?;
         }
         let mut b = Backoff(0);
+        let mut done: Option<mad_core::Result<()>> = None;
         loop {
+            if let Some(r) = done.take() {
+                return r;
+            }
             if let Poll::Ready(r) = p.poll_end_packing() {
                 return r;
             }
-            self.help(&mut b);
+            // While this thread polls for the process, every wait of the poller also drives
+            // this message: a peer may be waiting for it before it sends what the poller
+            // waits for.
+            let mut own = || {
+                if done.is_some() {
+                    return false;
+                }
+                match p.poll_end_packing() {
+                    Poll::Ready(r) => {
+                        done = Some(r);
+                        true
+                    }
+                    Poll::Pending => false,
+                }
+            };
+            self.help_with(&mut b, Some(&mut own));
         }
     }
 
     /// Make progress for the process once if no thread holds the poller role, else pause.
     fn help(&self, b: &mut Backoff) {
-        match self.take_role() {
+        self.help_with(b, None)
+    }
+
+    /// [`help`](Self::help) by a thread whose own message is in progress: `own` drives it
+    /// (whether it moved), and the poller calls it at each of its waits.
+    fn help_with<'h>(&'h self, b: &mut Backoff, own: Option<&'h mut (dyn FnMut() -> bool + 'h)>) {
+        match self.take_role_with(own) {
             Some(mut poller) => {
                 let moved = matches!(poller.step(), Ok(true));
                 poller.release();
@@ -1172,6 +1453,15 @@ impl Endpoint {
 
     /// The poller role, if free, with the replies the last poller left.
     fn take_role(&self) -> Option<Poller<'_>> {
+        self.take_role_with(None)
+    }
+
+    /// [`take_role`](Self::take_role) with the taker's own message in progress (see
+    /// [`help_with`](Self::help_with)).
+    fn take_role_with<'h>(
+        &'h self,
+        own: Option<&'h mut (dyn FnMut() -> bool + 'h)>,
+    ) -> Option<Poller<'h>> {
         let mut st = lock(&self.inner.state);
         if st.polling {
             return None;
@@ -1183,6 +1473,10 @@ impl Endpoint {
             ep: self,
             sending: Vec::new(),
             waiting,
+            contending: vec![false; self.inner.ch.size()],
+            counted: 0,
+            scratch: Vec::new(),
+            own,
         })
     }
 
@@ -1276,6 +1570,8 @@ impl Endpoint {
     /// Fail the calls waiting for `rank` (every call when `None`).
     fn fail_calls(&self, rank: Option<usize>, e: &Error) {
         let mut st = lock(&self.inner.state);
+        // What that peer sent in part will not be completed.
+        st.partial.retain(|k, _| rank.is_some_and(|r| r != k.0));
         let mut any = false;
         for s in st.calls.values_mut() {
             if let Slot::Waiting { remote, waker } = s {
@@ -1449,6 +1745,8 @@ mod tests {
             id: 7,
             token: u64::MAX,
             len: 1 << 40,
+            offset: 0,
+            piece: 0,
         };
         assert_eq!(Header::decode(&h.encode()), Some(h));
         let mut b = h.encode();

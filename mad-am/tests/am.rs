@@ -411,3 +411,55 @@ fn async_calls_are_futures_resolved_by_the_reply() {
         });
     }
 }
+
+/// No head-of-line blocking behind a large message: while one client thread sends a 256 MiB
+/// request (2048 fragments; at least tens of milliseconds on any transport here), another
+/// thread's small calls to the same server are handled before the large request has arrived
+/// whole. The server's probe handler answers whether the large one has arrived yet; a probe
+/// made 5 ms after the large call began must see "not yet" (with the whole body sent as one
+/// message it would queue behind it on the connection and see "arrived").
+#[test]
+fn small_calls_pass_a_large_message_to_the_same_peer() {
+    const BIG: u32 = 20;
+    const PROBE: u32 = 21;
+    for spec in ["mem", "tcp", "shm"] {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "hol",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::new(ch);
+            let arrived = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let a = arrived.clone();
+            ep.register_pool(BIG, move |call| {
+                a.store(true, Ordering::SeqCst);
+                Ok(call.args.len().to_le_bytes().to_vec())
+            });
+            let a = arrived.clone();
+            ep.register_inline(PROBE, move |_req| Ok(vec![a.load(Ordering::SeqCst) as u8]));
+            let progress = ep.spawn_progress();
+            s.bootstrap().barrier("hol/registered")?;
+            if rank == 1 {
+                let big = vec![7u8; 256 << 20];
+                std::thread::scope(|sc| -> Result<()> {
+                    let large = sc.spawn(|| ep.call(0, BIG, &big));
+                    std::thread::sleep(Duration::from_millis(5));
+                    let first = ep.call(0, PROBE, b"").map_err(|e| fail(e.to_string()))?;
+                    let n = large.join().map_err(|_| fail("large call panicked"))?;
+                    let n = n.map_err(|e| fail(e.to_string()))?;
+                    if n != (256usize << 20).to_le_bytes() {
+                        return Err(fail("large call's reply"));
+                    }
+                    if first != [0] {
+                        return Err(fail(format!(
+                            "{spec}: the small call waited for the whole 256 MiB request"
+                        )));
+                    }
+                    Ok(())
+                })?;
+            }
+            s.bootstrap().barrier("hol/done")?;
+            progress.stop()
+        });
+    }
+}
