@@ -204,6 +204,10 @@ const FLAG_ONE_WAY: u8 = 1;
 /// The message carries `[offset, offset + piece)` of a body of `len` bytes sent in several
 /// messages (see [`Config::fragment`]).
 const FLAG_FRAG: u8 = 2;
+/// The body was packed SAFER (messages the poller sends: their bytes are copied so they
+/// outlive the handler), else CHEAPER: the receiver unpacks it in the same mode, which checked
+/// channels verify.
+const FLAG_SAFER: u8 = 4;
 const ST_OK: u16 = 0;
 const ST_UNKNOWN: u16 = 1;
 const ST_ERROR: u16 = 2;
@@ -226,6 +230,15 @@ struct Header {
 }
 
 impl Header {
+    /// The send mode the body was packed with.
+    fn body_mode(&self) -> SendMode {
+        if self.flags & FLAG_SAFER != 0 {
+            SendMode::Safer
+        } else {
+            SendMode::Cheaper
+        }
+    }
+
     fn encode(&self) -> [u8; HDR] {
         let mut b = [0u8; HDR];
         b[0] = self.kind;
@@ -255,7 +268,7 @@ impl Header {
         };
         let frag = h.flags & FLAG_FRAG != 0;
         let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY)
-            && h.flags & !(FLAG_ONE_WAY | FLAG_FRAG) == 0
+            && h.flags & !(FLAG_ONE_WAY | FLAG_FRAG | FLAG_SAFER) == 0
             && h.status <= ST_PANIC
             && if frag {
                 h.piece > 0
@@ -276,6 +289,8 @@ impl Header {
 /// usable).
 pub struct Request<'p, 'c> {
     src: Src<'c>,
+    /// How the arguments were packed.
+    mode: SendMode,
     poller: &'p mut Poller<'c>,
     from: usize,
     id: u32,
@@ -317,7 +332,7 @@ impl Request<'_, '_> {
         if buf.len() as u64 != self.len {
             // Read what was sent, so the connection stays in step, then report the misuse.
             if let Src::Open(u) = src {
-                self.poller.drain(u, self.len, self.from)?;
+                self.poller.drain(u, self.len, self.from, self.mode)?;
             }
             return Err(Error::Protocol {
                 rank: self.from,
@@ -329,7 +344,7 @@ impl Request<'_, '_> {
             });
         }
         match src {
-            Src::Open(u) => self.poller.finish_into(u, buf),
+            Src::Open(u) => self.poller.finish_into(u, buf, self.mode),
             Src::Whole(v) => {
                 buf.copy_from_slice(&v);
                 Ok(())
@@ -358,7 +373,7 @@ impl Request<'_, '_> {
 impl Drop for Request<'_, '_> {
     fn drop(&mut self) {
         if let Src::Open(u) = std::mem::replace(&mut self.src, Src::Taken) {
-            let _ = self.poller.drain(u, self.len, self.from);
+            let _ = self.poller.drain(u, self.len, self.from, self.mode);
         }
     }
 }
@@ -678,17 +693,28 @@ impl<'c> Poller<'c> {
     }
 
     /// Receive the body into `buf` (its length checked by the caller) and finish.
-    fn finish_into(&mut self, u: Unpacker<'c, 'static>, buf: &mut [u8]) -> mad_core::Result<()> {
+    fn finish_into(
+        &mut self,
+        u: Unpacker<'c, 'static>,
+        buf: &mut [u8],
+        mode: SendMode,
+    ) -> mad_core::Result<()> {
         // The unpacker's destinations may borrow for as little as `buf` lives (it is covariant).
         let mut u: Unpacker<'c, '_> = u;
         if !buf.is_empty() {
-            u.unpack(buf, SendMode::Cheaper)?;
+            u.unpack(buf, mode)?;
         }
         self.end(u)
     }
 
     /// Receive and discard a body of `len` bytes.
-    fn drain(&mut self, u: Unpacker<'c, 'static>, len: u64, from: usize) -> mad_core::Result<()> {
+    fn drain(
+        &mut self,
+        u: Unpacker<'c, 'static>,
+        len: u64,
+        from: usize,
+        mode: SendMode,
+    ) -> mad_core::Result<()> {
         let n = usize::try_from(len)
             .ok()
             .filter(|&n| n as u64 <= self.ep.inner.cfg.max_body)
@@ -697,7 +723,7 @@ impl<'c> Poller<'c> {
                 what: format!("active message of {len} B, above this endpoint's max_body"),
             })?;
         let mut scratch = vec![0u8; n];
-        self.finish_into(u, &mut scratch)
+        self.finish_into(u, &mut scratch, mode)
     }
 
     /// A body of `len` bytes into a new vector, within [`Config::max_body`]; a larger one
@@ -707,6 +733,7 @@ impl<'c> Poller<'c> {
         u: Unpacker<'c, 'static>,
         from: usize,
         len: u64,
+        mode: SendMode,
     ) -> mad_core::Result<Vec<u8>> {
         if len > self.ep.inner.cfg.max_body {
             return Err(Error::Protocol {
@@ -718,7 +745,7 @@ impl<'c> Poller<'c> {
             });
         }
         let mut v = vec![0u8; len as usize];
-        self.finish_into(u, &mut v)?;
+        self.finish_into(u, &mut v, mode)?;
         Ok(v)
     }
 
@@ -815,7 +842,7 @@ impl<'c> Poller<'c> {
             let e = bad("active messages: fragments that do not add up".into());
             return self.ep.fail_calls(Some(from), &e);
         }
-        if let Err(e) = self.finish_into(u, &mut part.buf[a..a + n]) {
+        if let Err(e) = self.finish_into(u, &mut part.buf[a..a + n], h.body_mode()) {
             return self.ep.fail_calls(Some(from), &e);
         }
         part.got += n as u64;
@@ -832,7 +859,7 @@ impl<'c> Poller<'c> {
     fn dispatch(&mut self, src: Src<'c>, from: usize, h: Header) {
         if h.kind == KIND_REPLY {
             let body = match src {
-                Src::Open(u) => self.recv_body(u, from, h.len),
+                Src::Open(u) => self.recv_body(u, from, h.len, h.body_mode()),
                 Src::Whole(v) => Ok(v),
                 Src::Taken => unreachable!("a message is dispatched with its body"),
             };
@@ -842,7 +869,7 @@ impl<'c> Poller<'c> {
         match self.ep.handler(h.id) {
             None => {
                 if let Src::Open(u) = src {
-                    if let Err(e) = self.drain(u, h.len, from) {
+                    if let Err(e) = self.drain(u, h.len, from, h.body_mode()) {
                         return self.ep.fail_calls(Some(from), &e);
                     }
                 }
@@ -865,6 +892,7 @@ impl<'c> Poller<'c> {
             Some(Handler::Inline(f)) => {
                 let req = Request {
                     src,
+                    mode: h.body_mode(),
                     poller: self,
                     from,
                     id: h.id,
@@ -878,7 +906,7 @@ impl<'c> Poller<'c> {
             }
             Some(Handler::Pool(_)) => {
                 let args = match src {
-                    Src::Open(u) => match self.recv_body(u, from, h.len) {
+                    Src::Open(u) => match self.recv_body(u, from, h.len, h.body_mode()) {
                         Ok(v) => v,
                         Err(e) => return self.ep.fail_calls(Some(from), &e),
                     },
@@ -1005,7 +1033,9 @@ thread_local! {
 }
 
 /// The messages that carry `body` under `hdr`: one, or fragments of at most `frag` bytes.
-fn split(to: usize, hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
+fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
+    // The poller packs these SAFER (see `Poller::drive_sends`).
+    hdr.flags |= FLAG_SAFER;
     if frag == 0 || body.len() <= frag {
         return vec![Out {
             to,
@@ -1392,7 +1422,7 @@ impl Endpoint {
             }
         };
         p.defer();
-        p.pack(hdr, RecvMode::Express)?;
+        p.pack_safer(hdr, RecvMode::Express)?;
         if !body.is_empty() {
             p.pack(body, RecvMode::Cheaper)?;
         }

@@ -26,6 +26,8 @@ const SPECS: &[&str] = &[
     "sisci:local",
     "via:soft",
     "tcp,progress=block",
+    "shm,checked=true",
+    "mem,checked=true",
 ];
 
 fn session(b: Box<dyn Bootstrap>) -> Result<Session> {
