@@ -23,8 +23,9 @@
 //! `tcp,progress=block`; default `default`), `--clients N`, `--threads N`, `--calls N` (calls
 //! per client thread with 8 B arguments, default 2000; a twentieth of it with 1 MiB ones),
 //! `--quick` (100 calls, for CI), `--hostile` (the last client finally sends a message that is
-//! not an active message: the server finishes that client's connection, the client's call in
-//! flight fails at once, and the other clients are served after it).
+//! not an active message: the server finishes that client's connection, the client's next call
+//! fails at once instead of waiting for a reply that cannot come, and the other clients are
+//! served after it).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,8 +38,9 @@ use madeleine::{Channel, ChannelConfig, Error, RecvMode, Result, Session};
 const SVC_BYE: u32 = 0;
 const SVC_SUM: u32 = 1;
 const SVC_ECHO: u32 = 2;
-/// Most arrays in one call, largest body the server accepts.
+/// Most arrays in one call.
 const MAX_ARGS: usize = 4;
+/// Largest body `sum` accepts (a larger one is refused before any memory is allocated).
 const MAX_BODY: u64 = 64 << 20;
 
 /// One body for several arrays: `n: u32`, `n` lengths (`u64`), the arrays.
@@ -233,7 +235,7 @@ fn server(session: &Session, ch: Channel, o: &Opts) -> Result<()> {
     Ok(())
 }
 
-/// Error replies and the echo service, checked once per client process.
+/// Error replies and the echo service, checked by every client (again after `--hostile`).
 fn check_errors(ep: &Endpoint) -> Result<()> {
     let refused = |r: std::result::Result<Vec<u8>, CallError>, text: &str, what: &str| match r {
         Err(CallError::Handler { message, .. }) if message.contains(text) => Ok(()),
