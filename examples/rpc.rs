@@ -1,5 +1,6 @@
-//! A small RPC runtime: the paper's motivating case (section 2), a remote call whose arguments
-//! are arrays of sizes the server learns from the request itself.
+//! A small RPC service on the active-message layer ([`madeleine::am`]): the paper's
+//! motivating case (section 2), a remote call whose arguments are arrays of sizes the server
+//! learns from the request itself.
 //!
 //! ```text
 //! cargo run --release --example rpc                          # 3 processes: server + 2 clients, tcp
@@ -7,161 +8,81 @@
 //! madrun -n 5 target/release/examples/rpc -- --clients 2 --threads 4
 //! ```
 //!
-//! Rank 0 is the server, every other rank a client process running `--clients` threads (default
-//! 4) that call at once. A request is a [`RequestHeader`] packed EXPRESS (service id, call id,
-//! argument sizes) followed by the arguments packed CHEAPER. The server's dispatcher thread
-//! unpacks the header, lets the runtime pick the service and a worker thread and the service
-//! size-check the arguments and allocate their memory, then unpacks the arguments straight
-//! into that memory; the worker runs the service and packs the reply ([`ReplyHeader`]
-//! EXPRESS, result CHEAPER). A connection carries one message at a time per direction, so the
-//! dispatcher receives whole requests and replies to one client rank serialize on its
-//! connection. Each client process demultiplexes replies to its threads by call id.
+//! Rank 0 is the server: its main thread polls ([`Endpoint::serve`]) until every client has
+//! left. Every other rank is a client process whose `--clients` threads (default 4) call at
+//! once; a thread waiting for its reply polls for the others, so a client needs no
+//! demultiplexer thread. Services: `sum` (inline: it reads the body's length, allocates the
+//! memory and receives the body straight into it), `echo` (in a pool of `--threads` workers,
+//! default 2), `bye`.
 //!
-//! Unknown services, argument lists a service refuses and malformed headers get error replies;
-//! the server keeps serving. Options: `--channel NAME|SPEC` (a channel name, or a spec such as
-//! `shm` or `tcp,progress=block`; default `default`), `--clients N` (threads per client
-//! process), `--threads N` (server worker threads, default 2), `--calls N` (calls per client
-//! thread with 8 B arguments, default 2000; a twentieth of it with 1 MiB ones), `--quick`
-//! (100 calls, for CI), `--hostile` (the last client finally sends a request whose header lies
-//! about its arguments: the server finds at that very message that it holds more pieces than
-//! it unpacked, so that client's connection is finished in both directions, its pending call
-//! fails at once, and the server keeps serving the others).
+//! An active message carries one body, so several arrays travel as one: a count and the
+//! lengths (a little-endian prefix, [`encode`]), then the arrays back to back.
+//!
+//! Unknown services and argument lists a service refuses get error replies; the server keeps
+//! serving. Options: `--channel NAME|SPEC` (a channel name, or a spec such as `shm` or
+//! `tcp,progress=block`; default `default`), `--clients N`, `--threads N`, `--calls N` (calls
+//! per client thread with 8 B arguments, default 2000; a twentieth of it with 1 MiB ones),
+//! `--quick` (100 calls, for CI), `--hostile` (the last client finally sends a message that is
+//! not an active message: the server finishes that client's connection, the client's next call
+//! fails at once instead of waiting for a reply that cannot come, and the other clients are
+//! served after it).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Barrier, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use madeleine::bytemuck::{Pod, Zeroable};
-use madeleine::{Channel, ChannelConfig, Error, RecvMode, Result, SendMode, Session};
+use madeleine::am::{CallError, Config, Endpoint, Reply};
+use madeleine::{Channel, ChannelConfig, Error, RecvMode, Result, Session};
 
-/// Most arguments in one request.
-const MAX_ARGS: usize = 4;
-/// Largest total argument size the server accepts (the runtime's own limit).
-const MAX_TOTAL: u64 = 64 << 20;
-/// Header magic ("RPC1").
-const MAGIC: u32 = 0x3143_5052;
-/// How long a client waits for a reply.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Service ids.
 const SVC_BYE: u32 = 0;
 const SVC_SUM: u32 = 1;
 const SVC_ECHO: u32 = 2;
+/// Most arrays in one call.
+const MAX_ARGS: usize = 4;
+/// Largest body `sum` accepts (a larger one is refused before any memory is allocated).
+const MAX_BODY: u64 = 64 << 20;
 
-/// The request header, unpacked EXPRESS by the server.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-#[bytemuck(crate = "madeleine::bytemuck")]
-struct RequestHeader {
-    magic: u32,
-    service: u32,
-    call: u64,
-    nargs: u32,
-    _pad: u32,
-    arg_len: [u64; MAX_ARGS],
+/// One body for several arrays: `n: u32`, `n` lengths (`u64`), the arrays.
+fn encode(args: &[&[u8]]) -> Vec<u8> {
+    let mut b = (args.len() as u32).to_le_bytes().to_vec();
+    args.iter()
+        .for_each(|a| b.extend_from_slice(&(a.len() as u64).to_le_bytes()));
+    args.iter().for_each(|a| b.extend_from_slice(a));
+    b
 }
 
-/// Reply status.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-enum Status {
-    Ok = 0,
-    UnknownService = 1,
-    BadArguments = 2,
-    Malformed = 3,
-    Failed = 4,
-}
-
-impl Status {
-    fn from_u32(v: u32) -> Option<Self> {
-        [
-            Status::Ok,
-            Status::UnknownService,
-            Status::BadArguments,
-            Status::Malformed,
-            Status::Failed,
-        ]
-        .into_iter()
-        .find(|s| *s as u32 == v)
+/// The arrays of a body, borrowed from it (no copy).
+fn decode(body: &[u8]) -> std::result::Result<Vec<&[u8]>, String> {
+    let bad = || "malformed argument list".to_string();
+    let n = u32::from_le_bytes(body.get(..4).ok_or_else(bad)?.try_into().unwrap()) as usize;
+    if n > MAX_ARGS {
+        return Err(bad());
     }
-}
-
-/// The reply header, unpacked EXPRESS by the client (the payload length sizes its buffer).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-#[bytemuck(crate = "madeleine::bytemuck")]
-struct ReplyHeader {
-    call: u64,
-    status: u32,
-    _pad: u32,
-    len: u64,
-}
-
-/// A service's body: the arguments in, the result (or why it failed) out.
-type ServiceFn = fn(&[Vec<u8>]) -> std::result::Result<Vec<u8>, String>;
-
-/// A registered service: how it checks its arguments and what it computes.
-struct Service {
-    name: &'static str,
-    /// Accepted argument counts and largest single argument.
-    args: std::ops::RangeInclusive<usize>,
-    max_arg: u64,
-    run: ServiceFn,
-}
-
-impl Service {
-    /// The service's look at the header: refuse, or allocate the argument memory.
-    fn allocate(&self, h: &RequestHeader) -> std::result::Result<Vec<Vec<u8>>, String> {
-        let n = h.nargs as usize;
-        if !self.args.contains(&n) {
-            return Err(format!(
-                "{} takes {:?} arguments, got {n}",
-                self.name, self.args
-            ));
-        }
-        let lens = &h.arg_len[..n];
-        if let Some(l) = lens.iter().find(|&&l| l > self.max_arg) {
-            return Err(format!(
-                "{}: argument of {l} B over its {} B limit",
-                self.name, self.max_arg
-            ));
-        }
-        Ok(lens.iter().map(|&l| vec![0u8; l as usize]).collect())
+    let (mut args, mut at) = (Vec::new(), 4 + 8 * n);
+    for i in 0..n {
+        let l = body.get(4 + 8 * i..12 + 8 * i).ok_or_else(bad)?;
+        let l = usize::try_from(u64::from_le_bytes(l.try_into().unwrap())).map_err(|_| bad())?;
+        args.push(
+            body.get(at..at.checked_add(l).ok_or_else(bad)?)
+                .ok_or_else(bad)?,
+        );
+        at += l;
     }
+    if at != body.len() {
+        return Err(bad());
+    }
+    Ok(args)
 }
 
-fn services() -> HashMap<u32, Service> {
-    let mut m = HashMap::new();
-    m.insert(
-        SVC_SUM,
-        Service {
-            name: "sum",
-            args: 1..=MAX_ARGS,
-            max_arg: 16 << 20,
-            run: |args| {
-                let mut s = 0u64;
-                let mut n = 0u64;
-                for a in args {
-                    s = a.iter().fold(s, |s, &b| s.wrapping_add(b as u64));
-                    n += a.len() as u64;
-                }
-                let mut out = s.to_le_bytes().to_vec();
-                out.extend_from_slice(&n.to_le_bytes());
-                Ok(out)
-            },
-        },
-    );
-    m.insert(
-        SVC_ECHO,
-        Service {
-            name: "echo",
-            args: 1..=1,
-            max_arg: 16 << 20,
-            run: |args| Ok(args[0].clone()),
-        },
-    );
-    m
+fn sum(args: &[&[u8]]) -> Vec<u8> {
+    let s = args
+        .iter()
+        .flat_map(|a| a.iter())
+        .map(|&b| b as u64)
+        .sum::<u64>();
+    let n = args.iter().map(|a| a.len() as u64).sum::<u64>();
+    [s.to_le_bytes(), n.to_le_bytes()].concat()
 }
 
 struct Opts {
@@ -240,472 +161,185 @@ fn run() -> Result<()> {
     }
     let ch = open(&session, &o.channel)?;
     if session.rank() == 0 {
-        server(&ch, &o)
+        server(&session, ch, &o)
     } else {
-        client(&ch, &o)
+        client(&session, ch, &o)
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Server
-
-/// A request fully received by the dispatcher, handed to a worker.
-struct Job {
-    client: usize,
-    call: u64,
-    service: u32,
-    args: Vec<Vec<u8>>,
-}
-
-fn reply(ch: &Channel, to: usize, call: u64, status: Status, payload: &[u8]) -> Result<()> {
-    let h = ReplyHeader {
-        call,
-        status: status as u32,
-        _pad: 0,
-        len: payload.len() as u64,
-    };
-    let mut p = ch.begin_packing(to)?;
-    p.pack_value(&h, RecvMode::Express)?;
-    if !payload.is_empty() {
-        p.pack(payload, RecvMode::Cheaper)?;
+fn fail(what: impl Into<String>) -> Error {
+    Error::Io {
+        context: "rpc example".into(),
+        source: std::io::Error::other(what.into()),
     }
-    p.end_packing()
 }
 
-/// What the dispatcher made of one incoming message.
-enum Received {
-    Job(Job),
-    Bye { client: usize, call: u64 },
-    Refused,
+/// Count a handler's outcome; its error text goes back to the caller.
+fn count(served: &AtomicU64, refused: &AtomicU64, r: Reply) -> Reply {
+    let c = if r.is_ok() { served } else { refused };
+    c.fetch_add(1, Ordering::Relaxed);
+    r
 }
 
-/// Receive one request: header EXPRESS, checks, allocation by the service, arguments CHEAPER.
-fn receive(ch: &Channel, services: &HashMap<u32, Service>) -> Result<Received> {
-    let mut u = ch.begin_unpacking()?;
-    let client = u.remote();
-    let h: RequestHeader = u.unpack_value()?;
-    let refuse = |u: madeleine::Unpacker<'_, '_>, status: Status, why: String| {
-        // The arguments the header announces cannot be trusted or are not wanted: the message
-        // must end here. A well-formed sender sent nothing more (see `Client::call_raw`); if it
-        // did, end_unpacking reports it, that client's connection is finished (both ways: the
-        // error reply cannot reach it), and the dispatcher drops it.
-        let r = u.end_unpacking();
-        eprintln!("rpc server: call {} from rank {client}: {why}", h.call);
-        if let Err(e) = reply(ch, client, h.call, status, why.as_bytes()) {
-            eprintln!("rpc server: error reply to rank {client}: {e}");
+fn server(session: &Session, ch: Channel, o: &Opts) -> Result<()> {
+    let ep = Endpoint::with_config(ch, Config::default().pool(o.threads, 64));
+    let (served, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let bye = Arc::new(Mutex::new(HashSet::new()));
+    let (s, f) = (served.clone(), refused.clone());
+    ep.register_inline(SVC_SUM, move |req| {
+        if req.len() > MAX_BODY {
+            return count(&s, &f, Err(format!("sum: {} B of arguments", req.len())));
         }
-        r.map(|()| Received::Refused)
-    };
-    if h.magic != MAGIC || h.nargs as usize > MAX_ARGS {
-        return refuse(u, Status::Malformed, "malformed request header".into());
-    }
-    let lens = &h.arg_len[..h.nargs as usize];
-    if lens
-        .iter()
-        .try_fold(0u64, |s, &l| s.checked_add(l))
-        .map_or(true, |t| t > MAX_TOTAL)
-    {
-        return refuse(
-            u,
-            Status::Malformed,
-            format!("arguments over {MAX_TOTAL} B"),
-        );
-    }
-    if h.service == SVC_BYE {
-        u.end_unpacking()?;
-        return Ok(Received::Bye {
-            client,
-            call: h.call,
+        // The service's memory, sized from the header; the arrays land there (CHEAPER).
+        let mut body = vec![0u8; req.len() as usize];
+        req.recv_into(&mut body).map_err(|e| e.to_string())?;
+        count(&s, &f, decode(&body).map(|a| sum(&a)))
+    });
+    let (s, f) = (served.clone(), refused.clone());
+    ep.register_pool(SVC_ECHO, move |call| {
+        let r = decode(&call.args).and_then(|a| match a[..] {
+            [one] => Ok(one.to_vec()),
+            _ => Err(format!("echo takes 1 argument, got {}", a.len())),
         });
-    }
-    // The header was well-formed: the arguments are in the message. A service that refuses
-    // them still has them unpacked (into scratch memory) so the connection stays in step.
-    let (mut args, refusal) = match services.get(&h.service) {
-        None => (
-            None,
-            Some((Status::UnknownService, format!("no service {}", h.service))),
-        ),
-        Some(s) => match s.allocate(&h) {
-            Ok(a) => (Some(a), None),
-            Err(why) => (None, Some((Status::BadArguments, why))),
-        },
-    };
-    let mut scratch: Vec<Vec<u8>>;
-    let dst = match &mut args {
-        Some(a) => a,
-        None => {
-            scratch = lens.iter().map(|&l| vec![0u8; l as usize]).collect();
-            &mut scratch
-        }
-    };
-    for a in dst.iter_mut() {
-        u.unpack(a, SendMode::Cheaper)?; // straight into the service's memory
-    }
-    u.end_unpacking()?;
-    match (args, refusal) {
-        (Some(args), None) => Ok(Received::Job(Job {
-            client,
-            call: h.call,
-            service: h.service,
-            args,
-        })),
-        (_, Some((status, why))) => {
-            eprintln!("rpc server: call {} from rank {client}: {why}", h.call);
-            reply(ch, client, h.call, status, why.as_bytes())?;
-            Ok(Received::Refused)
-        }
-        (None, None) => Ok(Received::Refused),
-    }
-}
-
-/// The client an error is about, if it is about one.
-fn failed_rank(e: &Error) -> Option<usize> {
-    match e {
-        Error::PeerClosed { rank }
-        | Error::ConnectionLost { rank, .. }
-        | Error::Protocol { rank, .. }
-        | Error::UnpackMismatch { rank, .. } => Some(*rank),
-        _ => None,
-    }
-}
-
-fn server(ch: &Channel, o: &Opts) -> Result<()> {
-    let services = Arc::new(services());
-    let clients = ch.size() - 1;
-    let served = AtomicU64::new(0);
-    let mut refused = 0u64;
+        count(&s, &f, r)
+    });
+    let b = bye.clone();
+    ep.register_inline(SVC_BYE, move |req| {
+        b.lock().unwrap().insert(req.from());
+        Ok(Vec::new())
+    });
     let start = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let mut workers = Vec::new();
-        let mut queues = Vec::new();
-        for _ in 0..o.threads {
-            let (tx, rx) = mpsc::channel::<Job>();
-            queues.push(tx);
-            let services = services.clone();
-            let served = &served;
-            workers.push(s.spawn(move || -> Result<()> {
-                for job in rx {
-                    let svc = &services[&job.service];
-                    let (status, out) = match (svc.run)(&job.args) {
-                        Ok(out) => (Status::Ok, out),
-                        Err(why) => (Status::Failed, why.into_bytes()),
-                    };
-                    // A client that went away must not stop the server.
-                    match reply(ch, job.client, job.call, status, &out) {
-                        Ok(()) => {
-                            served.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(e) => eprintln!("rpc server: reply to rank {}: {e}", job.client),
-                    }
-                }
-                Ok(())
-            }));
-        }
-        // Clients that said goodbye or whose connection failed.
-        let mut done = std::collections::HashSet::new();
-        let mut next = 0usize;
-        while done.len() < clients {
-            match receive(ch, &services) {
-                Ok(Received::Job(job)) => {
-                    // Round-robin over the workers; a client's calls may run in parallel.
-                    next = (next + 1) % queues.len();
-                    queues[next]
-                        .send(job)
-                        .map_err(|_| Error::BadConfig("a worker thread stopped".into()))?;
-                }
-                Ok(Received::Bye { client, call }) => {
-                    done.insert(client);
-                    if let Err(e) = reply(ch, client, call, Status::Ok, &[]) {
-                        eprintln!("rpc server: goodbye to rank {client}: {e}");
-                    }
-                }
-                Ok(Received::Refused) => refused += 1,
-                // From an any-source receive: no client is left.
-                Err(Error::Poisoned { .. }) => break,
-                // One client's failure (it died, or sent bytes that do not follow the
-                // protocol): its connection is closed, the others keep being served.
-                Err(e) => match failed_rank(&e) {
-                    Some(r) => {
-                        eprintln!("rpc server: dropping rank {r}: {e}");
-                        done.insert(r);
-                    }
-                    None => return Err(e),
-                },
-            }
-        }
-        drop(queues);
-        for w in workers {
-            w.join()
-                .map_err(|_| Error::BadConfig("a worker thread panicked".into()))??;
-        }
-        Ok(())
+    std::thread::scope(|sc| -> Result<()> {
+        // With --hostile, meet the clients once the hostile one was dropped (see `client`).
+        let meet = o
+            .hostile
+            .then(|| sc.spawn(|| session.bootstrap().barrier("rpc/hostile")));
+        ep.serve()?; // until every client has left
+        meet.map_or(Ok(()), |h| {
+            h.join().map_err(|_| fail("barrier thread panicked"))?
+        })
     })?;
-    let t = start.elapsed().as_secs_f64();
+    let (n, bye) = (ep.channel().size(), bye.lock().unwrap().clone());
+    let want: HashSet<usize> = (1..n).filter(|&r| !(o.hostile && r == n - 1)).collect();
+    if bye != want {
+        return Err(fail(format!("goodbyes from {bye:?}, expected {want:?}")));
+    }
     println!(
         "rank 0 (server, {} workers, `{}`): {} calls served, {} refused, {:.1} s",
         o.threads,
-        ch.config().driver,
+        ep.channel().config().driver,
         served.load(Ordering::Relaxed),
-        refused,
-        t
+        refused.load(Ordering::Relaxed),
+        start.elapsed().as_secs_f64()
     );
     Ok(())
 }
 
-// ---------------------------------------------------------------------------------------------
-// Client
-
-/// A reply delivered to the calling thread.
-struct Reply {
-    status: Status,
-    data: Vec<u8>,
-}
-
-/// The client side of the runtime: call ids, and a thread that hands replies to their callers.
-struct Client<'c> {
-    ch: &'c Channel,
-    next: AtomicU64,
-    pending: Mutex<HashMap<u64, mpsc::Sender<Reply>>>,
-}
-
-impl Client<'_> {
-    fn call(&self, service: u32, args: &[&[u8]]) -> Result<Reply> {
-        let mut h = RequestHeader::zeroed();
-        h.magic = MAGIC;
-        h.service = service;
-        h.nargs = args.len() as u32;
-        for (l, a) in h.arg_len.iter_mut().zip(args) {
-            *l = a.len() as u64;
-        }
-        self.call_raw(h, args)
+/// Error replies and the echo service, checked by every client (again after `--hostile`).
+fn check_errors(ep: &Endpoint) -> Result<()> {
+    let refused = |r: std::result::Result<Vec<u8>, CallError>, text: &str, what: &str| match r {
+        Err(CallError::Handler { message, .. }) if message.contains(text) => Ok(()),
+        r => Err(fail(format!("{what}: {r:?}"))),
+    };
+    match ep.call(0, 99, &encode(&[b"x"])) {
+        Err(CallError::UnknownHandler { id: 99, .. }) => {}
+        r => return Err(fail(format!("unknown service: {r:?}"))),
     }
-
-    /// Send `h` followed by `args` as given (the header is not checked: tests malformed ones).
-    fn call_raw(&self, mut h: RequestHeader, args: &[&[u8]]) -> Result<Reply> {
-        h.call = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
-        self.pending
-            .lock()
-            .map_err(|_| Error::BadConfig("client state poisoned".into()))?
-            .insert(h.call, tx);
-        let mut p = self.ch.begin_packing(0)?;
-        p.pack_value(&h, RecvMode::Express)?; // the server needs it to size what follows
-        for a in args.iter().take(MAX_ARGS) {
-            p.pack(a, RecvMode::Cheaper)?; // lands in the service's memory
-        }
-        p.end_packing()?;
-        rx.recv_timeout(REPLY_TIMEOUT).map_err(|e| match e {
-            // The demultiplexer stopped (the connection to the server failed): fail now.
-            mpsc::RecvTimeoutError::Disconnected => Error::PeerClosed { rank: 0 },
-            mpsc::RecvTimeoutError::Timeout => Error::Timeout(REPLY_TIMEOUT),
-        })
-    }
-
-    /// Receive replies until the answer to `bye` arrives; hand each to its caller. If the
-    /// connection fails, every pending call fails at once (its reply can no longer come).
-    fn demultiplex(&self, bye: u64) -> Result<()> {
-        let r = self.receive_replies(bye);
-        if r.is_err() {
-            if let Ok(mut p) = self.pending.lock() {
-                p.clear();
-            }
-        }
-        r
-    }
-
-    fn receive_replies(&self, bye: u64) -> Result<()> {
-        loop {
-            let mut u = self.ch.begin_unpacking_from(0)?;
-            let h: ReplyHeader = u.unpack_value()?;
-            if h.len > MAX_TOTAL {
-                return Err(Error::protocol(0, format!("reply of {} B", h.len)));
-            }
-            let mut data = vec![0u8; h.len as usize];
-            if h.len > 0 {
-                u.unpack(&mut data, SendMode::Cheaper)?;
-            }
-            u.end_unpacking()?;
-            if h.call == bye {
-                return Ok(());
-            }
-            let status = Status::from_u32(h.status)
-                .ok_or_else(|| Error::protocol(0, format!("reply status {}", h.status)))?;
-            let waiter = self
-                .pending
-                .lock()
-                .map_err(|_| Error::BadConfig("client state poisoned".into()))?
-                .remove(&h.call)
-                .ok_or_else(|| Error::protocol(0, format!("reply to unknown call {}", h.call)))?;
-            let _ = waiter.send(Reply { status, data });
-        }
-    }
-}
-
-fn expect(r: &Reply, status: Status, what: &str) -> Result<()> {
-    if r.status == status {
-        Ok(())
-    } else {
-        Err(Error::protocol(
-            0,
-            format!(
-                "{what}: expected {status:?}, got {:?} ({})",
-                r.status,
-                String::from_utf8_lossy(&r.data)
-            ),
-        ))
-    }
-}
-
-/// Error replies and the echo service, checked once per client process.
-fn check_errors(c: &Client<'_>) -> Result<()> {
-    expect(
-        &c.call(99, &[b"x"])?,
-        Status::UnknownService,
-        "unknown service",
-    )?;
-    expect(
-        &c.call(SVC_ECHO, &[b"a", b"b"])?,
-        Status::BadArguments,
-        "echo with two arguments",
-    )?;
-    let mut h = RequestHeader::zeroed();
-    h.magic = MAGIC;
-    h.service = SVC_SUM;
-    h.nargs = 1000; // malformed: more than MAX_ARGS
-    expect(&c.call_raw(h, &[])?, Status::Malformed, "1000 arguments")?;
-    h.nargs = 1;
-    h.arg_len[0] = u64::MAX; // malformed: over the runtime's limit
-    expect(&c.call_raw(h, &[])?, Status::Malformed, "huge argument")?;
+    let two = ep.call(0, SVC_ECHO, &encode(&[b"a", b"b"]));
+    refused(two, "takes 1 argument", "echo with two arguments")?;
+    let mut lying = encode(&[b"abc"]);
+    lying[..4].copy_from_slice(&1000u32.to_le_bytes());
+    refused(ep.call(0, SVC_SUM, &lying), "malformed", "1000 arguments")?;
+    lying[..4].copy_from_slice(&1u32.to_le_bytes());
+    lying[4..12].copy_from_slice(&u64::MAX.to_le_bytes());
+    refused(ep.call(0, SVC_SUM, &lying), "malformed", "huge argument")?;
     let msg: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
-    let r = c.call(SVC_ECHO, &[&msg])?;
-    expect(&r, Status::Ok, "echo")?;
-    if r.data != msg {
-        return Err(Error::protocol(0, "echo returned different bytes"));
+    match ep.call(0, SVC_ECHO, &encode(&[&msg])) {
+        Ok(v) if v == msg => Ok(()),
+        r => Err(fail(format!("echo: {r:?}"))),
     }
-    Ok(())
 }
 
 /// One client thread's run of `calls` calls of `sum` with a `size`-byte argument.
-fn bench_thread(c: &Client<'_>, t: usize, size: usize, calls: usize) -> Result<Vec<Duration>> {
+fn bench_thread(ep: &Endpoint, t: usize, size: usize, calls: usize) -> Result<Vec<Duration>> {
     let arg: Vec<u8> = (0..size).map(|i| (i * 7 + t) as u8).collect();
-    let want: u64 = arg.iter().map(|&b| b as u64).sum();
+    let body = encode(&[&arg]);
+    let want = sum(&[&arg]);
     let mut lat = Vec::with_capacity(calls);
     for _ in 0..calls {
         let t0 = Instant::now();
-        let r = c.call(SVC_SUM, &[&arg])?;
+        let r = ep
+            .call(0, SVC_SUM, &body)
+            .map_err(|e| fail(e.to_string()))?;
         lat.push(t0.elapsed());
-        expect(&r, Status::Ok, "sum")?;
-        let got = r.data.get(..8).map(|b| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(b);
-            u64::from_le_bytes(a)
-        });
-        if got != Some(want) {
-            return Err(Error::protocol(0, format!("sum: {got:?}, expected {want}")));
+        if r != want {
+            return Err(fail(format!("sum: {r:?}, expected {want:?}")));
         }
     }
     Ok(lat)
 }
 
-fn client(ch: &Channel, o: &Opts) -> Result<()> {
-    let c = Client {
-        ch,
-        next: AtomicU64::new(1),
-        pending: Mutex::new(HashMap::new()),
-    };
-    let bye_call = u64::MAX;
-    let hostile = o.hostile && ch.rank() == ch.size() - 1;
-    // Set when the server closed this client's connection after its lying request.
-    let mut dropped = false;
-    let phases = [(8usize, o.calls), (1 << 20, (o.calls / 20).max(5))];
+fn client(session: &Session, ch: Channel, o: &Opts) -> Result<()> {
+    let cfg = Config::default().call_timeout(Some(Duration::from_secs(60)));
+    let ep = Endpoint::with_config(ch, cfg);
+    let (rank, driver) = (ep.channel().rank(), ep.channel().config().driver.clone());
+    check_errors(&ep)?;
     let mut lines = Vec::new();
-    std::thread::scope(|s| -> Result<()> {
-        let demux = s.spawn(|| c.demultiplex(bye_call));
-        let work = (|| -> Result<()> {
-            check_errors(&c)?;
-            for &(size, calls) in &phases {
-                let barrier = Barrier::new(o.clients);
-                let t0 = Instant::now();
-                let mut lat = Vec::new();
-                std::thread::scope(|s| -> Result<()> {
-                    let hs: Vec<_> = (0..o.clients)
-                        .map(|t| {
-                            let (c, barrier) = (&c, &barrier);
-                            s.spawn(move || {
-                                barrier.wait();
-                                bench_thread(c, t, size, calls)
-                            })
-                        })
-                        .collect();
-                    for h in hs {
-                        lat.extend(
-                            h.join().map_err(|_| {
-                                Error::BadConfig("a client thread panicked".into())
-                            })??,
-                        );
-                    }
-                    Ok(())
-                })?;
-                let wall = t0.elapsed().as_secs_f64();
-                lat.sort();
-                let pct = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+    for (size, calls) in [(8usize, o.calls), (1 << 20, (o.calls / 20).max(5))] {
+        let barrier = Barrier::new(o.clients);
+        let t0 = Instant::now();
+        let mut lat = std::thread::scope(|s| -> Result<Vec<Duration>> {
+            let hs: Vec<_> = (0..o.clients)
+                .map(|t| {
+                    let (ep, barrier) = (&ep, &barrier);
+                    s.spawn(move || {
+                        barrier.wait();
+                        bench_thread(ep, t, size, calls)
+                    })
+                })
+                .collect();
+            let mut lat = Vec::new();
+            for h in hs {
+                lat.extend(h.join().map_err(|_| fail("a client thread panicked"))??);
+            }
+            Ok(lat)
+        })?;
+        let wall = t0.elapsed().as_secs_f64();
+        lat.sort();
+        let pct = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+        lines.push(format!(
+            "rank {rank} ({} threads, `{driver}`): {size:>7} B args: {:>8.0} calls/s, latency median {:>8.1} µs, p99 {:>8.1} µs ({} calls)",
+            o.clients,
+            lat.len() as f64 / wall,
+            pct(0.5),
+            pct(0.99),
+            lat.len()
+        ));
+    }
+    if o.hostile && rank == ep.channel().size() - 1 {
+        // Not an active message (no valid header): the server finishes this connection.
+        let mut p = ep.channel().begin_packing(0)?;
+        p.pack(&[0xAAu8; 32], RecvMode::Express)?;
+        p.end_packing()?;
+        // A call after it can never be answered: it fails at once, not after 60 s.
+        let t0 = Instant::now();
+        match ep.call(0, SVC_ECHO, &encode(&[b"after"])) {
+            Err(e @ CallError::Transport(_)) if t0.elapsed() < Duration::from_secs(10) => {
                 lines.push(format!(
-                    "rank {} ({} threads, `{}`): {:>7} B args: {:>8.0} calls/s, latency median {:>8.1} µs, p99 {:>8.1} µs ({} calls)",
-                    ch.rank(),
-                    o.clients,
-                    ch.config().driver,
-                    size,
-                    lat.len() as f64 / wall,
-                    pct(0.5),
-                    pct(0.99),
-                    lat.len()
+                    "rank {rank}: hostile request refused, connection closed by the server ({e})"
                 ));
             }
-            if hostile {
-                let mut h = RequestHeader::zeroed();
-                h.magic = MAGIC;
-                h.service = SVC_SUM;
-                h.nargs = 1000; // a lie: one argument follows
-                match c.call_raw(h, &[&[1u8; 100]]) {
-                    // The server finished this connection at that message: expected.
-                    Err(e) if e.is_peer_failure() || matches!(e, Error::Poisoned { .. }) => {
-                        lines.push(format!(
-                            "rank {}: hostile request refused, connection closed by the server ({e})",
-                            ch.rank()
-                        ));
-                        dropped = true;
-                    }
-                    r => expect(&r?, Status::Malformed, "lying header")?,
-                }
-            }
-            Ok(())
-        })();
-        // Always say goodbye so the server and the demultiplexer stop, even after a failure.
-        let mut h = RequestHeader::zeroed();
-        h.magic = MAGIC;
-        h.service = SVC_BYE;
-        h.call = bye_call;
-        let bye = (|| {
-            let mut p = ch.begin_packing(0)?;
-            p.pack_value(&h, RecvMode::Express)?;
-            p.end_packing()
-        })();
-        let d = demux
-            .join()
-            .map_err(|_| Error::BadConfig("the demultiplexer panicked".into()))?;
-        // The server dropped this client after its lying request: the goodbye and the
-        // demultiplexer fail, as expected.
-        let gone = |e: &Error| e.is_peer_failure() || matches!(e, Error::Poisoned { .. });
-        let (bye, d) = if dropped {
-            (
-                bye.or_else(|e| if gone(&e) { Ok(()) } else { Err(e) }),
-                d.or_else(|e| if gone(&e) { Ok(()) } else { Err(e) }),
-            )
-        } else {
-            (bye, d)
-        };
-        work.and(bye).and(d)
-    })?;
+            r => return Err(fail(format!("call after the hostile message: {r:?}"))),
+        }
+        session.bootstrap().barrier("rpc/hostile")?;
+    } else {
+        if o.hostile {
+            // The hostile client has been dropped: the server still serves this one.
+            session.bootstrap().barrier("rpc/hostile")?;
+            check_errors(&ep)?;
+        }
+        ep.call(0, SVC_BYE, &[]).map_err(|e| fail(e.to_string()))?;
+    }
     for l in lines {
         println!("{l}");
     }

@@ -2,8 +2,8 @@
 //!
 //! This crate re-exports the core ([`mad_core`]: sessions, channels, `pack`/`unpack`, the
 //! driver contract) and every driver enabled by a cargo feature (`tcp`, `shm`, `via`,
-//! `sisci` by default; `mpi` and `verbs` on request), and builds sessions with all of them
-//! registered:
+//! `sisci` by default; `mpi` and `verbs` on request), with the active-message layer as [`am`],
+//! and builds sessions with all of them registered:
 //!
 //! ```no_run
 //! # fn main() -> madeleine::Result<()> {
@@ -31,6 +31,8 @@ pub mod logging;
 pub use local::{in_session, run_local_if_alone};
 pub use logging::init_logging;
 
+/// Active messages and RPC over a channel: the [`mad_am`] crate.
+pub use mad_am as am;
 pub use mad_core::*;
 #[cfg(feature = "mpi")]
 pub use mad_mpi;

@@ -1505,8 +1505,8 @@ fn rpc_example_section(inp: &Inputs, md: &mut String) {
     let _ = writeln!(
         md,
         "\n### The RPC example (issue examples)\n\n\
-         `examples/rpc.rs` under `madrun -n 2`: a server process (dispatcher + 2 worker threads) \
-         and one client process whose 4 threads call at once, `sum` of one 8 B argument \
+         `examples/rpc.rs` under `madrun -n 2`: a server process (a `mad-am` endpoint polled by \
+         its main thread; `sum` runs inline, `echo` in a pool of 2 workers) and one client process whose 4 threads call at once, `sum` of one 8 B argument \
          (2000 calls per thread) then of one 1 MiB argument (100 calls per thread). Median over \
          the runs (min–max)."
     );
