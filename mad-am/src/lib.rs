@@ -391,7 +391,13 @@ pub struct Call {
 
 enum Slot {
     /// `waker`: an async call ([`Endpoint::call_async`]) to wake with the reply.
-    Waiting { remote: usize, waker: Option<Waker> },
+    Waiting {
+        remote: usize,
+        waker: Option<Waker>,
+        /// The waker unparks a thread blocked in [`Endpoint::call`] (which can take the
+        /// poller role), not an async task.
+        blocking: bool,
+    },
     /// The reply's status and body, or why there is none.
     Done(Result<(u16, Vec<u8>), CallError>),
 }
@@ -1023,7 +1029,32 @@ impl Drop for Poller<'_> {
         let mut st = lock(&self.ep.inner.state);
         st.outbox.append(&mut self.waiting);
         st.polling = false;
+        // Hand the role on: wake one blocked caller (it takes it), and `serve` threads.
+        let next = st.calls.values().find_map(|s| match s {
+            Slot::Waiting {
+                waker: Some(w),
+                blocking: true,
+                ..
+            } => Some(w.clone()),
+            _ => None,
+        });
+        drop(st);
+        if let Some(w) = next {
+            w.wake();
+        }
         self.ep.inner.cv.notify_all();
+    }
+}
+
+/// Wakes a thread blocked in [`Endpoint::call`].
+struct ThreadWaker(std::thread::Thread);
+
+impl std::task::Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
     }
 }
 
@@ -1283,6 +1314,7 @@ impl Endpoint {
             Slot::Waiting {
                 remote,
                 waker: None,
+                blocking: false,
             },
         );
         if let Err(e) = self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
@@ -1326,6 +1358,7 @@ impl Endpoint {
                 Slot::Waiting {
                     remote,
                     waker: None,
+                    blocking: false,
                 },
             );
             let frag = self.inner.cfg.fragment;
@@ -1535,10 +1568,20 @@ impl Endpoint {
                     return Err(CallError::Shutdown);
                 }
                 if st.polling {
-                    let _ = inner
-                        .cv
-                        .wait_timeout(st, inner.cfg.slice)
-                        .unwrap_or_else(|e| e.into_inner());
+                    // Sleep until this call's reply (or the role) comes: only this thread is
+                    // woken for it, not every waiting caller.
+                    if let Some(Slot::Waiting {
+                        waker, blocking, ..
+                    }) = st.calls.get_mut(&token)
+                    {
+                        if waker.is_none() {
+                            *waker =
+                                Some(Waker::from(Arc::new(ThreadWaker(std::thread::current()))));
+                            *blocking = true;
+                        }
+                    }
+                    drop(st);
+                    std::thread::park_timeout(inner.cfg.slice);
                     continue;
                 }
             }
@@ -1604,7 +1647,7 @@ impl Endpoint {
         st.partial.retain(|k, _| rank.is_some_and(|r| r != k.0));
         let mut any = false;
         for s in st.calls.values_mut() {
-            if let Slot::Waiting { remote, waker } = s {
+            if let Slot::Waiting { remote, waker, .. } = s {
                 if rank.map_or(true, |r| r == *remote) {
                     if let Some(w) = waker.take() {
                         w.wake();
@@ -1631,7 +1674,6 @@ impl Endpoint {
                 {
                     w.wake();
                 }
-                self.inner.cv.notify_all();
             }
             Ok(_) => {} // a caller that gave up (timeout): dropped
             Err(e) => {
