@@ -43,10 +43,24 @@ OPTIONS:
     --no-hol            skip the head-of-line measurement
     --shm SPEC          channel spec of the shm runs (default shm)
     --tcp SPEC          channel spec of the tcp runs (default tcp)
+    --impls LIST        run only these (default all): shm-inline,shm-pool,tcp-inline,
+                        tcp-pool,tonic-tcp,tonic-uds
+    --client-progress   the client's endpoints get a progress thread too (by default its
+                        calling threads poll for each other)
     --csv FILE          write every row to FILE
                         (case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us)
     -h, --help          this text
 ";
+
+/// What `--impls` selects from.
+const IMPLS: [&str; 6] = [
+    "shm-inline",
+    "shm-pool",
+    "tcp-inline",
+    "tcp-pool",
+    "tonic-tcp",
+    "tonic-uds",
+];
 
 #[derive(Clone, Debug)]
 struct Opts {
@@ -60,6 +74,8 @@ struct Opts {
     shm: String,
     tcp: String,
     csv: Option<PathBuf>,
+    impls: Vec<String>,
+    client_progress: bool,
 }
 
 fn secs(flag: &str, v: &str) -> Result<Duration, String> {
@@ -111,6 +127,8 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         shm: "shm".into(),
         tcp: "tcp".into(),
         csv: None,
+        impls: IMPLS.iter().map(|s| s.to_string()).collect(),
+        client_progress: false,
     };
     let (mut duration, mut warmup) = (None, None);
     let mut it = args.iter();
@@ -129,6 +147,7 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "-h" | "--help" => return Ok(None),
             "--quick" => o.quick = true,
             "--no-hol" => o.hol = false,
+            "--client-progress" => o.client_progress = true,
             "--duration" => duration = Some(secs(flag, &value()?)?),
             "--warmup" => warmup = Some(secs(flag, &value()?)?),
             "--sizes" => o.sizes = list(flag, &value()?, |x| size(flag, x))?,
@@ -142,6 +161,16 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
             "--shm" => o.shm = value()?,
             "--tcp" => o.tcp = value()?,
             "--csv" => o.csv = Some(PathBuf::from(value()?)),
+            "--impls" => {
+                let v = value()?;
+                o.impls = v.split(',').map(|x| x.trim().to_string()).collect();
+                if let Some(bad) = o.impls.iter().find(|x| !IMPLS.contains(&x.as_str())) {
+                    return Err(format!(
+                        "--impls: unknown `{bad}` (known: {})",
+                        IMPLS.join(",")
+                    ));
+                }
+            }
             _ => return Err(format!("unknown argument `{a}`")),
         }
     }
@@ -300,12 +329,18 @@ fn run(o: &Opts) -> Result<(), String> {
         return Ok(());
     }
 
+    let progress: Vec<_> = if o.client_progress {
+        eps.iter().map(Endpoint::spawn_progress).collect()
+    } else {
+        Vec::new()
+    };
     let r = client(o, &eps, tcp_addr, &uds_path);
     // Stop the server whatever happened (over shm, else tcp).
     let stopped = eps.iter().any(|ep| ep.send(SERVER, STOP, &[]).is_ok());
     if stopped {
         let _ = s.bootstrap().barrier("rpc-bench/done");
     }
+    drop(progress);
     r
 }
 
@@ -317,6 +352,8 @@ enum Target {
 }
 
 struct Impl {
+    /// The `--impls` name.
+    id: &'static str,
     transport: &'static str,
     name: &'static str,
     target: Target,
@@ -352,36 +389,46 @@ fn client(
     let am = |ep: &Endpoint, id| Target::Am { ep: ep.clone(), id };
     let impls = [
         Impl {
+            id: "shm-inline",
             transport: "shm",
             name: "mad-am inline",
             target: am(&eps[0], ECHO_INLINE),
         },
         Impl {
+            id: "shm-pool",
             transport: "shm",
             name: "mad-am pool",
             target: am(&eps[0], ECHO_POOL),
         },
         Impl {
+            id: "tcp-inline",
             transport: "tcp",
             name: "mad-am inline",
             target: am(&eps[1], ECHO_INLINE),
         },
         Impl {
+            id: "tcp-pool",
             transport: "tcp",
             name: "mad-am pool",
             target: am(&eps[1], ECHO_POOL),
         },
         Impl {
+            id: "tonic-tcp",
             transport: "tcp",
             name: "tonic",
             target: Target::Grpc { c: gtcp },
         },
         Impl {
+            id: "tonic-uds",
             transport: "uds",
             name: "tonic",
             target: Target::Grpc { c: guds },
         },
     ];
+    let impls: Vec<Impl> = impls
+        .into_iter()
+        .filter(|i| o.impls.iter().any(|x| x == i.id))
+        .collect();
     let t0 = Instant::now();
     let mut rows = Vec::new();
     for &args in &o.sizes {
@@ -736,11 +783,16 @@ fn report(
     writeln!(
         out,
         "Window {:?} per point after {:?} of warm-up{}; {} s in all. mad-am: N in flight = N client \
-         threads calling in a loop (blocking calls); tonic: N tasks on one connection.",
+         threads calling in a loop (blocking calls; {}); tonic: N tasks on one connection.",
         o.timing.window,
         o.timing.warmup,
         if o.quick { " (--quick: smoke figures, do not quote)" } else { "" },
-        took.as_secs()
+        took.as_secs(),
+        if o.client_progress {
+            "the client has a progress thread per endpoint"
+        } else {
+            "they poll for each other, no progress thread on the client"
+        }
     )?;
     writeln!(out)?;
     write!(out, "| args | in flight |")?;
@@ -905,6 +957,7 @@ mod tests {
             &["--frobnicate"],
             &["--shm", ""],
             &["--hol-size", "2g"],
+            &["--impls", "shm,tcp"],
         ] {
             assert!(parse_args(&args(bad)).is_err(), "{bad:?}");
         }
