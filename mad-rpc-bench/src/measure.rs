@@ -52,6 +52,8 @@ pub struct Stats {
     pub p50: f64,
     /// 99th percentile latency (µs).
     pub p99: f64,
+    /// The window measured (start, end).
+    pub window: Option<(Instant, Instant)>,
 }
 
 /// How long a point lasts.
@@ -126,6 +128,7 @@ where
         rate: lat.len() as f64 / span.as_secs_f64().max(1e-9),
         p50: percentile(&lat, 0.50),
         p99: percentile(&lat, 0.99),
+        window: Some((w.from, end)),
     })
 }
 
