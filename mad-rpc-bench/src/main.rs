@@ -48,7 +48,8 @@ OPTIONS:
     --client-progress   the client's endpoints get a progress thread too (by default its
                         calling threads poll for each other)
     --csv FILE          write every row to FILE
-                        (case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us)
+                        (case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,
+                        fairness: a caller's fewest calls over the mean)
     -h, --help          this text
 ";
 
@@ -441,8 +442,9 @@ fn client(
                     )
                 })?;
                 eprintln!(
-                    "rpc-bench: {:>3} {:<13} {:>8} B x{:<3}: {:>9.0} calls/s, p50 {:>9.1} us, p99 {:>9.1} us ({} calls)",
-                    i.transport, i.name, args, inflight, st.rate, st.p50, st.p99, st.calls
+                    "rpc-bench: {:>3} {:<13} {:>8} B x{:<3}: {:>9.0} calls/s, p50 {:>9.1} us, p99 {:>9.1} us ({} calls, fairness {:.2})",
+                    i.transport, i.name, args, inflight, st.rate, st.p50, st.p99, st.calls,
+                    st.fairness
                 );
                 rows.push(Row {
                     case: "sweep",
@@ -617,6 +619,7 @@ fn stream_stats(recs: &[(Instant, u64)], from: Instant, to: Instant) -> Stats {
         p50: measure::percentile(&lat, 0.5),
         p99: measure::percentile(&lat, 0.99),
         window: Some((from, to)),
+        fairness: 1.0,
     }
 }
 
@@ -719,12 +722,12 @@ fn write_csv(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(
         f,
-        "case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us"
+        "case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,fairness"
     )?;
     for r in rows {
         writeln!(
             f,
-            "{},{},{},{},{},{},{:.1},{:.2},{:.2}",
+            "{},{},{},{},{},{},{:.1},{:.2},{:.2},{:.3}",
             r.case,
             r.transport,
             r.name,
@@ -733,7 +736,8 @@ fn write_csv(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
             r.st.calls,
             r.st.rate,
             r.st.p50,
-            r.st.p99
+            r.st.p99,
+            r.st.fairness
         )?;
     }
     f.flush()

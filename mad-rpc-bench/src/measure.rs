@@ -54,6 +54,9 @@ pub struct Stats {
     pub p99: f64,
     /// The window measured (start, end).
     pub window: Option<(Instant, Instant)>,
+    /// Fairness between the callers: the fewest calls one caller completed in the window over
+    /// the mean (1 = every caller got its share; 0 = one was starved).
+    pub fairness: f64,
 }
 
 /// How long a point lasts.
@@ -116,19 +119,31 @@ where
     let recs = join()?;
     let span = end.saturating_duration_since(w.from);
     let end_ns = span.as_nanos() as u64;
-    let mut lat: Vec<u64> = recs
-        .into_iter()
-        .flatten()
-        .filter(|&(at, _)| at <= end_ns)
-        .map(|(_, l)| l)
-        .collect();
+    let callers = recs.len().max(1);
+    let mut fewest = usize::MAX;
+    let mut lat: Vec<u64> = Vec::new();
+    for r in recs {
+        let before = lat.len();
+        lat.extend(
+            r.into_iter()
+                .filter(|&(at, _)| at <= end_ns)
+                .map(|(_, l)| l),
+        );
+        fewest = fewest.min(lat.len() - before);
+    }
     lat.sort_unstable();
+    let mean = lat.len() as f64 / callers as f64;
     Ok(Stats {
         calls: lat.len(),
         rate: lat.len() as f64 / span.as_secs_f64().max(1e-9),
         p50: percentile(&lat, 0.50),
         p99: percentile(&lat, 0.99),
         window: Some((w.from, end)),
+        fairness: if mean > 0.0 {
+            fewest as f64 / mean
+        } else {
+            0.0
+        },
     })
 }
 
