@@ -49,7 +49,7 @@ OPTIONS:
                         calling threads poll for each other)
     --csv FILE          write every row to FILE
                         (case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,
-                        fairness: a caller's fewest calls over the mean)
+                        max_us,fairness: a caller's fewest calls over the mean)
     -h, --help          this text
 ";
 
@@ -442,8 +442,8 @@ fn client(
                     )
                 })?;
                 eprintln!(
-                    "rpc-bench: {:>3} {:<13} {:>8} B x{:<3}: {:>9.0} calls/s, p50 {:>9.1} us, p99 {:>9.1} us ({} calls, fairness {:.2})",
-                    i.transport, i.name, args, inflight, st.rate, st.p50, st.p99, st.calls,
+                    "rpc-bench: {:>3} {:<13} {:>8} B x{:<3}: {:>9.0} calls/s, p50 {:>9.1} us, p99 {:>9.1} us, max {:>9.0} us ({} calls, fairness {:.2})",
+                    i.transport, i.name, args, inflight, st.rate, st.p50, st.p99, st.max, st.calls,
                     st.fairness
                 );
                 rows.push(Row {
@@ -618,6 +618,7 @@ fn stream_stats(recs: &[(Instant, u64)], from: Instant, to: Instant) -> Stats {
         rate: lat.len() as f64 / to.saturating_duration_since(from).as_secs_f64().max(1e-9),
         p50: measure::percentile(&lat, 0.5),
         p99: measure::percentile(&lat, 0.99),
+        max: measure::percentile(&lat, 1.0),
         window: Some((from, to)),
         fairness: 1.0,
     }
@@ -722,12 +723,12 @@ fn write_csv(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(
         f,
-        "case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,fairness"
+        "case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,max_us,fairness"
     )?;
     for r in rows {
         writeln!(
             f,
-            "{},{},{},{},{},{},{:.1},{:.2},{:.2},{:.3}",
+            "{},{},{},{},{},{},{:.1},{:.2},{:.2},{:.0},{:.3}",
             r.case,
             r.transport,
             r.name,
@@ -737,6 +738,7 @@ fn write_csv(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
             r.st.rate,
             r.st.p50,
             r.st.p99,
+            r.st.max,
             r.st.fairness
         )?;
     }

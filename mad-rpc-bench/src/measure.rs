@@ -52,6 +52,8 @@ pub struct Stats {
     pub p50: f64,
     /// 99th percentile latency (µs).
     pub p99: f64,
+    /// Slowest call (µs).
+    pub max: f64,
     /// The window measured (start, end).
     pub window: Option<(Instant, Instant)>,
     /// Fairness between the callers: the fewest calls one caller completed in the window over
@@ -138,6 +140,7 @@ where
         rate: lat.len() as f64 / span.as_secs_f64().max(1e-9),
         p50: percentile(&lat, 0.50),
         p99: percentile(&lat, 0.99),
+        max: percentile(&lat, 1.0),
         window: Some((w.from, end)),
         fairness: if mean > 0.0 {
             fewest as f64 / mean
