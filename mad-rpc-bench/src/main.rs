@@ -90,9 +90,10 @@ fn secs(flag: &str, v: &str) -> Result<Duration, String> {
 
 fn size(flag: &str, v: &str) -> Result<usize, String> {
     match madeleine::config::parse_size(v) {
-        Some(n) if n <= 1 << 30 => Ok(n),
+        // tonic's message limit here (grpc::MAX_MESSAGE) less room for the framing.
+        Some(n) if n <= grpc::MAX_MESSAGE - 4096 => Ok(n),
         _ => Err(format!(
-            "{flag}: `{v}` is not a size up to 1g (4096, 64k, 1m)"
+            "{flag}: `{v}` is not a size below 64m (4096, 64k, 1m)"
         )),
     }
 }
@@ -1011,6 +1012,7 @@ mod tests {
             &["--frobnicate"],
             &["--shm", ""],
             &["--hol-size", "2g"],
+            &["--sizes", "64m"],
             &["--impls", "shm,tcp"],
         ] {
             assert!(parse_args(&args(bad)).is_err(), "{bad:?}");
