@@ -31,7 +31,9 @@ Rank 0 serves, rank 1 calls. Every point runs mad-am over shm and tcp (inline an
 handlers; N in flight = N client threads each calling in a loop: the call is blocking) and
 tonic over loopback TCP and a Unix socket (N in flight = N tokio tasks on one connection),
 interleaved. Then head-of-line: the p99 of 8 B calls from one thread while another thread of
-the same process streams 16 MiB requests to the same server, against the idle p99.
+the same process streams 16 MiB requests to the same server, against the idle p99; the calls
+back to back (the verdict), then paced (one due every 200 us, latency counted from the time it
+was due; calls that fall due while one is held up count as waiting for it).
 
 OPTIONS:
     --quick             short points (0.1 s, 0.05 s warm-up; head-of-line 0.3 s)
@@ -478,6 +480,8 @@ fn client(
             for (case, args, st) in [
                 ("hol-idle", 8, h.idle),
                 ("hol-loaded", 8, h.loaded),
+                ("hol-paced-idle", 8, h.paced_idle),
+                ("hol-paced-loaded", 8, h.paced_loaded),
                 ("hol-stream-alone", o.hol_size, h.alone),
                 ("hol-stream-during", o.hol_size, h.during),
             ] {
@@ -554,6 +558,90 @@ fn point(
     }
 }
 
+/// The head-of-line probe's period: one 8 B call due every 200 µs.
+const PROBE_EVERY: Duration = Duration::from_micros(200);
+
+/// The head-of-line probe: one thread makes an 8 B call every [`PROBE_EVERY`], and each
+/// call's latency counts from the time it was due. A call that fell due while the previous one
+/// was held up is not made late (no backlog): it counts as waiting until that call completed.
+/// So every sample stands for one period of time, and a call held up behind a large message
+/// counts for every period it lasted (no coordinated omission).
+fn probe(rt: &tokio::runtime::Runtime, t: &Target, timing: Timing) -> Result<Stats, String> {
+    run_point(timing, 20, |w| {
+        let h = match t {
+            Target::Am { ep, id } => {
+                let (ep, id) = (ep.clone(), *id);
+                std::thread::spawn(move || {
+                    probe_loop(&w, || {
+                        ep.call(SERVER, id, &[0x5a; 8])
+                            .map(|r| r.len())
+                            .map_err(call_error)
+                    })
+                })
+            }
+            Target::Grpc { c } => {
+                let (c, h) = (c.clone(), rt.handle().clone());
+                std::thread::spawn(move || {
+                    probe_loop(&w, || {
+                        let mut c = c.clone();
+                        h.block_on(c.echo(Bytes::from_static(&[0x5a; 8])))
+                            .map(|()| 8)
+                    })
+                })
+            }
+        };
+        move || {
+            Ok(vec![h
+                .join()
+                .map_err(|_| "the probe panicked".to_string())??])
+        }
+    })
+}
+
+fn probe_loop(
+    w: &Window,
+    mut call: impl FnMut() -> Result<usize, String>,
+) -> Result<Vec<Rec>, String> {
+    let mut rec = Vec::new();
+    let mut next = Instant::now();
+    while !w.stopped() {
+        // Sleep until just before the call is due, then yield until it is.
+        loop {
+            let now = Instant::now();
+            if now >= next {
+                break;
+            }
+            let left = next - now;
+            if left > Duration::from_micros(150) {
+                std::thread::sleep(left - Duration::from_micros(100));
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let due = next;
+        match call() {
+            Ok(8) => {}
+            Ok(n) => {
+                w.fail();
+                return Err(format!("echo: {n} B back for 8 B"));
+            }
+            Err(e) => {
+                w.fail();
+                return Err(e);
+            }
+        }
+        let done = Instant::now();
+        w.record(due, done, &mut rec);
+        // The calls that fell due meanwhile would have waited until now.
+        next = due + PROBE_EVERY;
+        while next < done {
+            w.record(next, done, &mut rec);
+            next += PROBE_EVERY;
+        }
+    }
+    Ok(rec)
+}
+
 fn am_caller(ep: &Endpoint, id: u32, args: usize, w: &Window) -> Result<Vec<Rec>, String> {
     let a = vec![0x5au8; args];
     let mut rec = Vec::new();
@@ -590,8 +678,12 @@ fn join_threads<T>(hs: Vec<std::thread::JoinHandle<Result<T, String>>>) -> Resul
 }
 
 struct Hol {
+    /// Back-to-back 8 B calls (closed loop), alone and with the stream.
     idle: Stats,
     loaded: Stats,
+    /// Paced 8 B calls ([`probe`]), alone and with the stream.
+    paced_idle: Stats,
+    paced_loaded: Stats,
     /// The stream's calls alone (before the probe), in a window as long as the probe's.
     alone: Stats,
     /// The stream's calls inside the loaded probe's window.
@@ -636,6 +728,7 @@ fn head_of_line(rt: &tokio::runtime::Runtime, t: &Target, o: &Opts) -> Result<Ho
         window: o.hol_window,
     };
     let idle = point(rt, t, 8, 1, timing)?;
+    let paced_idle = probe(rt, t, timing)?;
     let big = o.hol_size;
     let started = Arc::new(std::sync::Barrier::new(2));
     let stop = Arc::new(AtomicBool::new(false));
@@ -705,16 +798,19 @@ fn head_of_line(rt: &tokio::runtime::Runtime, t: &Target, o: &Opts) -> Result<Ho
     let alone_from = Instant::now();
     std::thread::sleep(o.hol_window);
     let alone_to = Instant::now();
-    let loaded = point(rt, t, 8, 1, timing);
+    let loaded = point(rt, t, 8, 1, timing).and_then(|l| Ok((l, probe(rt, t, timing)?)));
     stop.store(true, Relaxed);
     let recs = streamer()?;
-    let loaded = loaded?;
+    let (loaded, paced_loaded) = loaded?;
     let alone = stream_stats(&recs, alone_from, alone_to);
-    let (from, to) = loaded.window.unwrap_or((alone_to, Instant::now()));
+    let from = loaded.window.map_or(alone_to, |w| w.0);
+    let to = paced_loaded.window.map_or_else(Instant::now, |w| w.1);
     let during = stream_stats(&recs, from, to);
     Ok(Hol {
         idle,
         loaded,
+        paced_idle,
+        paced_loaded,
         alone,
         during,
     })
@@ -938,11 +1034,12 @@ fn report(
         writeln!(out)?;
         writeln!(
             out,
-            "| transport | impl | idle p50 / p99 µs | with the stream p50 / p99 µs | p99 ratio | stream MB/s alone / meanwhile | verdict (≤ 3×) |"
+            "| transport | impl | back-to-back: idle p50 / p99 µs | with the stream p50 / p99 µs | p99 ratio | paced: idle p99 µs | with the stream p99 µs | p99 ratio | stream MB/s alone / meanwhile | verdict (≤ 3×) |"
         )?;
-        writeln!(out, "|---|---|---:|---:|---:|---:|---|")?;
+        writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
         for (t, n, h) in hol {
             let ratio = h.loaded.p99 / h.idle.p99;
+            let paced = h.paced_loaded.p99 / h.paced_idle.p99;
             let verdict = if !h.stream_flowed() {
                 "no verdict: the stream was starved"
             } else if n.starts_with("tonic") {
@@ -959,11 +1056,13 @@ fn report(
             let mb = |st: &Stats| st.rate * o.hol_size as f64 / 1e6;
             writeln!(
                 out,
-                "| {t} | {n} | {} / {} | {} / {} | {ratio:.1}× | {:.0} / {:.0} | {verdict} |",
+                "| {t} | {n} | {} / {} | {} / {} | {ratio:.1}× | {} | {} | {paced:.1}× | {:.0} / {:.0} | {verdict} |",
                 us(h.idle.p50),
                 us(h.idle.p99),
                 us(h.loaded.p50),
                 us(h.loaded.p99),
+                us(h.paced_idle.p99),
+                us(h.paced_loaded.p99),
                 mb(&h.alone),
                 mb(&h.during),
             )?;
