@@ -13,12 +13,13 @@
 # with 2 ranks, the message rate with 4), the UCX job (madrun -n 2 of a --features bench-ucx
 # build in target-bench-ucx/, or $UCX_TARGET_DIR: shm, sisci:local and tcp beside raw-ucx-shm,
 # raw-ucx-tcp, the raw ring and raw TCP, interleaved), Figure 4 of the paper
-# on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, the criterion
-# engine benches; then `mad-bench report` computes the targets table and the comparisons.
+# on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, rpc-bench (mad-am
+# against gRPC, head-of-line; its own crate mad-rpc-bench), the criterion engine benches; then
+# `mad-bench report` computes the targets table and the comparisons.
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
 # pair.csv mr.csv mpich.csv openmpi.csv mpich-mr.csv openmpi-mr.csv ucx.csv (mad-bench rows),
-# figure4.csv, rpc_example.txt,
+# figure4.csv, rpc_example.txt, rpc.csv rpc.md (rpc-bench's rows and tables),
 # engine.txt, the raw stdout of each step (*.txt), status.tsv (what ran, what did not and why),
 # results.md and section.md (the generated section), *.svg.
 #
@@ -247,6 +248,37 @@ rpc_example() {
 }
 step rpc-example "\`madrun -n 2 examples/rpc --channel tcp|shm ${RPCARGS[*]}\`, $RPCRUNS run(s) each" rpc_example
 
+# --- RPC: mad-am against gRPC (tonic), and head-of-line (issue 17) ---------------------------
+# Its own crate (tonic, prost and their tokio stay out of the library crates), built here; a
+# build that fails (no crates.io, ...) skips the step with a status line. Quick: 0.1 s points,
+# ~20 s; full: 1 s points, ~2 min.
+rpc_bench() {
+    local t0 rc
+    t0=$(date +%s)
+    echo
+    echo "== rpc-bench: build (release) -p mad-rpc-bench"
+    if ! cargo build --release -p mad-rpc-bench > "$OUT/rpc-bench-build.log" 2>&1; then
+        tail -20 "$OUT/rpc-bench-build.log"
+        status rpc-bench not-run $(( $(date +%s) - t0 )) "the build of mad-rpc-bench (tonic) failed (see $OUT/rpc-bench-build.log)"
+        echo "== rpc-bench not run: the build failed"
+        return
+    fi
+    echo "== rpc-bench: madrun -n 2 rpc-bench ${QUICK[*]}"
+    # The tables on stdout (rpc.md); one line per point, and any error, on stderr (rpc.txt).
+    timeout 900 "$BIN/madrun" -n 2 --no-prefix -- "$BIN/rpc-bench" "${QUICK[@]}" \
+        --csv "$OUT/rpc.csv" > "$OUT/rpc.md" 2> "$OUT/rpc.txt"
+    rc=$?
+    cat "$OUT/rpc.txt" "$OUT/rpc.md"
+    if [[ $rc -eq 0 ]]; then
+        status rpc-bench ran $(( $(date +%s) - t0 )) "\`madrun -n 2 rpc-bench ${QUICK[*]}\`: mad-am over shm and tcp against tonic over TCP and UDS, head-of-line (build included)"
+    else
+        status rpc-bench failed $(( $(date +%s) - t0 )) "\`madrun -n 2 rpc-bench\` exited with $rc (see $OUT/rpc.txt)"
+        FAILED+=(rpc-bench)
+        rm -f "$OUT/rpc.md" "$OUT/rpc.csv"
+    fi
+}
+rpc_bench
+
 # --- criterion --------------------------------------------------------------------------------
 engine() { cargo bench --bench engine -- "${CRIT[@]}" 2>&1 | tee "$OUT/engine.txt"; }
 step engine "\`cargo bench --bench engine -- ${CRIT[*]}\`" engine
@@ -276,6 +308,12 @@ CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
         echo "everything runs; do not quote them, and do not read the verdicts.**"
     fi
     cat "$OUT/results.md"
+    if [[ -s "$OUT/rpc.md" ]]; then
+        echo
+        echo "### RPC: mad-am against gRPC (\`rpc-bench\`, issue 17)"
+        echo
+        sed 's/^### /#### /' "$OUT/rpc.md"
+    fi
     echo
     echo "<!-- results:end -->"
 } > "$OUT/section.md"
