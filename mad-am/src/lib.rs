@@ -230,6 +230,30 @@ struct Header {
 }
 
 impl Header {
+    /// The header of a message that carries its whole body of `len` bytes.
+    fn whole(kind: u8, flags: u8, status: u16, id: u32, token: u64, len: usize) -> Header {
+        Header {
+            kind,
+            flags,
+            status,
+            id,
+            token,
+            len: len as u64,
+            offset: 0,
+            piece: 0,
+        }
+    }
+
+    /// The header of fragment `k` (of `piece` bytes) when the body goes in `frag`-byte ones.
+    fn fragment(&self, k: usize, frag: usize, piece: usize) -> Header {
+        Header {
+            flags: self.flags | FLAG_FRAG,
+            offset: (k * frag) as u64,
+            piece: piece as u32,
+            ..*self
+        }
+    }
+
     /// The send mode the body was packed with.
     fn body_mode(&self) -> SendMode {
         if self.flags & FLAG_SAFER != 0 {
@@ -667,22 +691,9 @@ impl<'c> Poller<'c> {
         self.drive_sends();
     }
 
-    fn reply(&mut self, to: usize, id: u32, token: u64, r: std::thread::Result<Reply>) {
-        let (status, body) = reply_parts(r);
-        self.send(
-            to,
-            Header {
-                kind: KIND_REPLY,
-                flags: 0,
-                status,
-                id,
-                token,
-                len: body.len() as u64,
-                offset: 0,
-                piece: 0,
-            },
-            body,
-        );
+    fn reply(&mut self, to: usize, id: u32, token: u64, (status, body): (u16, Vec<u8>)) {
+        let hdr = Header::whole(KIND_REPLY, 0, status, id, token, body.len());
+        self.send(to, hdr, body);
     }
 
     /// Finish `u` (deferred) after its CHEAPER unpacks, keeping the sends moving.
@@ -880,19 +891,7 @@ impl<'c> Poller<'c> {
                     }
                 }
                 if reply {
-                    let r = Ok(Err(String::new()));
-                    let (_, body) = reply_parts(r);
-                    let hdr = Header {
-                        kind: KIND_REPLY,
-                        flags: 0,
-                        status: ST_UNKNOWN,
-                        id: h.id,
-                        token: h.token,
-                        len: body.len() as u64,
-                        offset: 0,
-                        piece: 0,
-                    };
-                    self.send(from, hdr, body);
+                    self.reply(from, h.id, h.token, (ST_UNKNOWN, Vec::new()));
                 }
             }
             Some(Handler::Inline(f)) => {
@@ -907,7 +906,7 @@ impl<'c> Poller<'c> {
                 // A handler that panics drops its request, which reads the rest.
                 let r = catch_unwind(AssertUnwindSafe(|| f(req)));
                 if reply {
-                    self.reply(from, h.id, h.token, r);
+                    self.reply(from, h.id, h.token, reply_parts(r));
                 }
             }
             Some(Handler::Pool(_)) => {
@@ -949,13 +948,10 @@ impl<'c> Poller<'c> {
     }
 
     fn run_here(&mut self, job: Job) {
-        let (from, id) = (job.call.from, job.call.id);
-        let r = match self.ep.handler(id) {
-            Some(Handler::Pool(f)) => catch_unwind(AssertUnwindSafe(|| f(job.call))),
-            _ => Ok(Err(format!("handler {id} was replaced"))),
-        };
-        if job.reply {
-            self.reply(from, id, job.token, r);
+        let (from, id, token, reply) = (job.call.from, job.call.id, job.token, job.reply);
+        let r = self.ep.run_pool(job.call);
+        if reply {
+            self.reply(from, id, token, reply_parts(r));
         }
     }
 
@@ -1078,13 +1074,7 @@ fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
         .enumerate()
         .map(|(k, c)| Out {
             to,
-            hdr: Header {
-                flags: hdr.flags | FLAG_FRAG,
-                offset: (k * frag) as u64,
-                piece: c.len() as u32,
-                ..hdr
-            }
-            .encode(),
+            hdr: hdr.fragment(k, frag, c.len()).encode(),
             body: c.to_vec(),
         })
         .collect()
@@ -1275,12 +1265,18 @@ impl Endpoint {
         *pool = Some(Pool { tx, workers });
     }
 
+    /// Run a pool handler's call (on a worker, or on the poller when the pool is full).
+    fn run_pool(&self, call: Call) -> std::thread::Result<Reply> {
+        let id = call.id;
+        match self.handler(id) {
+            Some(Handler::Pool(f)) => catch_unwind(AssertUnwindSafe(|| f(call))),
+            _ => Ok(Err(format!("handler {id} was replaced"))),
+        }
+    }
+
     fn run_pool_job(&self, job: Job) {
         let (from, id) = (job.call.from, job.call.id);
-        let r = match self.handler(id) {
-            Some(Handler::Pool(f)) => catch_unwind(AssertUnwindSafe(|| f(job.call))),
-            _ => Ok(Err(format!("handler {id} was replaced"))),
-        };
+        let r = self.run_pool(job.call);
         if job.reply {
             let (status, body) = reply_parts(r);
             let _ = self.send_helping(from, KIND_REPLY, 0, status, id, job.token, &body);
@@ -1333,16 +1329,7 @@ impl Endpoint {
     /// forgotten (a late reply is dropped); the request may still reach the peer.
     pub fn call_async(&self, remote: usize, id: u32, args: &[u8]) -> CallFuture {
         let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
-        let hdr = Header {
-            kind: KIND_REQUEST,
-            flags: 0,
-            status: ST_OK,
-            id,
-            token,
-            len: args.len() as u64,
-            offset: 0,
-            piece: 0,
-        };
+        let hdr = Header::whole(KIND_REQUEST, 0, ST_OK, id, token, args.len());
         let early = if self.inner.stop.load(Ordering::Acquire) {
             Some(CallError::Shutdown)
         } else if remote >= self.inner.ch.size() || remote == self.inner.ch.rank() {
@@ -1402,16 +1389,7 @@ impl Endpoint {
         token: u64,
         body: &[u8],
     ) -> mad_core::Result<()> {
-        let h = Header {
-            kind,
-            flags,
-            status,
-            id,
-            token,
-            len: body.len() as u64,
-            offset: 0,
-            piece: 0,
-        };
+        let h = Header::whole(kind, flags, status, id, token, body.len());
         let frag = self.inner.cfg.fragment;
         if frag == 0 || body.len() <= frag {
             return self.send_one(remote, &h.encode(), body);
@@ -1427,13 +1405,7 @@ impl Endpoint {
                     std::thread::yield_now();
                 }
             }
-            let f = Header {
-                flags: flags | FLAG_FRAG,
-                offset: (k * frag) as u64,
-                piece: c.len() as u32,
-                ..h
-            };
-            self.send_one(remote, &f.encode(), c)?;
+            self.send_one(remote, &h.fragment(k, frag, c.len()).encode(), c)?;
         }
         Ok(())
     }
