@@ -26,7 +26,9 @@ def costs(files):
             if r["impl"].startswith("raw-") or r["impl"] == "memcpy":
                 continue
             key = (r["bench"], r["impl"], int(r["size"]))
-            out[key].append(med / base if base == base and base > 0 else med)
+            cost = med / base if base == base and base > 0 else med
+            # A bandwidth is better when higher: its cost is the inverse.
+            out[key].append(1.0 / cost if r["unit"] == "MB/s" and cost > 0 else cost)
     return out
 
 
