@@ -599,7 +599,7 @@ impl ChannelInner {
         }
     }
 
-    fn all_broken(&self) -> bool {
+    pub(crate) fn all_broken(&self) -> bool {
         self.peers.iter().all(|&p| match &self.conns[p] {
             Some(c) => match c.rx.try_lock() {
                 Ok(g) => (g.broken.is_some() && g.reported) || c.failed.get().is_some(),

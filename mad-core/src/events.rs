@@ -45,9 +45,13 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
 /// The first message on any of several channels: the blocking counterpart of a
 /// `tokio::select!` over the async adapter's `begin_unpacking` futures. Returns the index of
 /// the channel in `channels` and the message's [`Unpacker`]; fails with
-/// [`Error::Timeout`] at `deadline` (nothing consumed). An error of one channel
-/// (a failed connection, a channel whose peers are all gone, a closed one) is returned as
-/// `begin_unpacking` on that channel would return it.
+/// [`Error::Timeout`] at `deadline` (nothing consumed).
+///
+/// An error of one connection (it failed, its peer died) or of one channel (it was closed) is
+/// returned as `begin_unpacking` on that channel would return it. A channel none of whose
+/// peers can send any more is different: it is left out while another channel may still
+/// deliver (peers often close a channel right after their last message on another one), and
+/// its error is returned once every channel is in that state.
 ///
 /// It polls every channel for the channels' spin budget, then arms their readiness
 /// descriptors (looking again while one says `Busy`) and sleeps on all of them at once
@@ -70,19 +74,15 @@ pub fn begin_unpacking_any<'c, 'b>(
         })
         .min()
         .unwrap_or_default();
-    let all_fds = channels.iter().all(|c| c.readiness_fd().is_some());
-    let try_all = || -> Result<Option<(usize, Unpacker<'c, 'b>)>> {
-        for (i, c) in channels.iter().enumerate() {
-            if let Some(u) = c.try_begin_unpacking()? {
-                return Ok(Some((i, u)));
-            }
-        }
-        Ok(None)
+    let mut any = Any {
+        channels,
+        gone: vec![false; channels.len()],
+        first_gone: None,
     };
     let t0 = Instant::now();
     let mut backoff = Duration::from_micros(20);
     loop {
-        if let Some(r) = try_all()? {
+        if let Some(r) = any.try_all()? {
             return Ok(r);
         }
         let now = Instant::now();
@@ -103,13 +103,14 @@ pub fn begin_unpacking_any<'c, 'b>(
         }
         // Arm every descriptor after a look that found nothing; `Busy` anywhere: look again.
         let mut busy = false;
-        for c in channels {
+        for c in any.live() {
             busy |= c.arm()? == crate::driver::Armed::Busy;
         }
         if busy {
             continue;
         }
-        let fds: Vec<BorrowedFd<'_>> = channels.iter().filter_map(|c| c.readiness_fd()).collect();
+        let all_fds = any.live().all(|c| c.readiness_fd().is_some());
+        let fds: Vec<BorrowedFd<'_>> = any.live().filter_map(|c| c.readiness_fd()).collect();
         let mut timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if !all_fds {
             timeout = Some(timeout.map_or(backoff, |t| t.min(backoff)));
@@ -120,5 +121,49 @@ pub fn begin_unpacking_any<'c, 'b>(
         } else {
             wait_readable(&fds, timeout)?;
         }
+    }
+}
+
+/// The state of one [`begin_unpacking_any`]: which channels can no longer deliver.
+struct Any<'a, 'c> {
+    channels: &'a [&'c Channel],
+    /// Every peer of this channel is gone (closed or failed, and every error reported).
+    gone: Vec<bool>,
+    /// The error of the first channel found in that state.
+    first_gone: Option<Error>,
+}
+
+impl<'c> Any<'_, 'c> {
+    /// The channels that may still deliver a message.
+    fn live(&self) -> impl Iterator<Item = &'c Channel> + '_ {
+        self.channels
+            .iter()
+            .zip(&self.gone)
+            .filter(|(_, &g)| !g)
+            .map(|(c, _)| *c)
+    }
+
+    /// One non-blocking look at every channel that may still deliver.
+    fn try_all<'b>(&mut self) -> Result<Option<(usize, Unpacker<'c, 'b>)>> {
+        for (i, c) in self.channels.iter().enumerate() {
+            if self.gone[i] {
+                continue;
+            }
+            match c.try_begin_unpacking() {
+                Ok(Some(u)) => return Ok(Some((i, u))),
+                Ok(None) => {}
+                Err(e) if !c.is_closed() && c.inner.all_broken() => {
+                    self.gone[i] = true;
+                    self.first_gone.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if self.gone.iter().all(|&g| g) {
+            if let Some(e) = self.first_gone.take() {
+                return Err(e);
+            }
+        }
+        Ok(None)
     }
 }

@@ -692,48 +692,91 @@ pub(super) fn case_abandoned_end(c: &Ctx<'_>) -> Result<()> {
     Ok(())
 }
 
-/// `events::begin_unpacking_any` over two channels: the message on the second is found while
-/// the first stays quiet, then one on the first; a deadline with nothing sent is a timeout.
+/// `events::begin_unpacking_any` over two channels: a deadline with nothing sent is a
+/// timeout; a message on the second is found while the first stays quiet, then one on the
+/// first. Then every peer drops the second channel: it is left out, not an error, while the
+/// first may still deliver (a timeout, then a message); once the first is gone too, the call
+/// fails instead of waiting.
 pub(super) fn case_select(c: &Ctx<'_>) -> Result<()> {
+    use crate::events::begin_unpacking_any;
     if c.size() < 2 {
         return Ok(());
     }
     let a = c.open("-a", "")?;
-    let b = c.open("-b", "")?;
+    let b = Some(c.open("-b", "")?);
     c.barrier("open")?;
-    match c.rank() {
-        0 => {
-            let t0 = Instant::now();
-            match crate::events::begin_unpacking_any(
-                &[&a, &b],
-                Some(t0 + Duration::from_millis(50)),
-            ) {
-                Err(crate::Error::Timeout(_)) => {}
-                Ok((i, _)) => return Err(fail(format!("a message on channel {i} with none sent"))),
-                Err(e) => return Err(e),
-            }
-            c.barrier("quiet")?;
-            for (want, v) in [(1usize, 7u64), (0, 8)] {
-                let (i, mut u) = crate::events::begin_unpacking_any(&[&a, &b], None)?;
-                let got: u64 = u.unpack_value()?;
-                u.end_unpacking()?;
-                if (i, got) != (want, v) {
-                    return Err(fail(format!(
-                        "begin_unpacking_any: channel {i} value {got}, expected channel {want} value {v}"
-                    )));
-                }
-            }
+    let gone = super::tears_down(&a);
+    let expect = |(i, mut u): (usize, crate::Unpacker<'_, '_>), want: usize, v: u64| {
+        let got: u64 = u.unpack_value()?;
+        u.end_unpacking()?;
+        if (i, got) != (want, v) {
+            return Err(fail(format!(
+                "begin_unpacking_any: channel {i} value {got}, expected channel {want} value {v}"
+            )));
         }
-        1 => {
-            c.barrier("quiet")?;
-            for (ch, v) in [(&b, 7u64), (&a, 8)] {
-                std::thread::sleep(Duration::from_millis(20));
-                let mut p = ch.begin_packing(0)?;
-                p.pack_value(&v, RecvMode::Express)?;
-                p.end_packing()?;
-            }
+        Ok(())
+    };
+    let timeout = |r: Result<(usize, crate::Unpacker<'_, '_>)>, what: &str| match r {
+        Err(crate::Error::Timeout(_)) => Ok(()),
+        Ok((i, _)) => Err(fail(format!(
+            "{what}: a message on channel {i} with none sent"
+        ))),
+        Err(e) => Err(fail(format!("{what}: {e}, expected a timeout"))),
+    };
+    let send = |ch: &crate::Channel, v: u64| -> Result<()> {
+        std::thread::sleep(Duration::from_millis(20));
+        let mut p = ch.begin_packing(0)?;
+        p.pack_value(&v, RecvMode::Express)?;
+        p.end_packing()
+    };
+    let soon = || Some(Instant::now() + Duration::from_millis(50));
+    if c.rank() == 0 {
+        let b = b.as_ref().expect("opened above");
+        timeout(begin_unpacking_any(&[&a, b], soon()), "nothing sent")?;
+        c.barrier("quiet")?;
+        expect(begin_unpacking_any(&[&a, b], None)?, 1, 7)?;
+        c.barrier("got-b")?;
+        expect(begin_unpacking_any(&[&a, b], None)?, 0, 8)?;
+        if !gone {
+            return Ok(());
         }
-        _ => c.barrier("quiet")?,
+        c.barrier("b-gone")?;
+        timeout(
+            begin_unpacking_any(&[&a, b], soon()),
+            "every peer gone from the second channel only",
+        )?;
+        c.barrier("wait-a")?;
+        expect(begin_unpacking_any(&[&a, b], None)?, 0, 9)?;
+        c.barrier("a-gone")?;
+        let t0 = Instant::now();
+        match begin_unpacking_any(&[&a, b], Some(t0 + Duration::from_secs(20))) {
+            Err(crate::Error::Timeout(_)) => Err(fail(
+                "every peer gone from both channels: begin_unpacking_any waited until its deadline",
+            )),
+            Err(_) => Ok(()),
+            Ok((i, _)) => Err(fail(format!(
+                "a message on channel {i} with every peer gone"
+            ))),
+        }
+    } else {
+        c.barrier("quiet")?;
+        if c.rank() == 1 {
+            send(b.as_ref().expect("opened above"), 7)?;
+        }
+        c.barrier("got-b")?;
+        if c.rank() == 1 {
+            send(&a, 8)?;
+        }
+        if !gone {
+            return Ok(());
+        }
+        drop(b);
+        c.barrier("b-gone")?;
+        c.barrier("wait-a")?;
+        if c.rank() == 1 {
+            send(&a, 9)?;
+        }
+        drop(a);
+        c.barrier("a-gone")
     }
-    Ok(())
 }
