@@ -15,7 +15,9 @@
 //!   (one byte queue per direction, no locks taken twice, nothing waits): the engine's
 //!   per-message cost on both sides. `ENGINE_LOOP=N cargo bench --bench engine` runs N such
 //!   one-piece round trips without criterion and prints ns per message (for
-//!   `valgrind --tool=callgrind`, whose instruction counts do not depend on the machine's load).
+//!   `valgrind --tool=callgrind`, whose instruction counts do not depend on the machine's load);
+//!   `ENGINE_LOOP_CALLS=polled` runs them through the event-driven calls, `=async` through the
+//!   tokio adapter (`mad-tokio`, a current-thread runtime).
 //!
 //! `cargo bench --bench engine -- --quick` (a short run); target: under 30 ns of engine
 //! overhead per small CHEAPER piece (`pack_null/16` time / 16).
@@ -550,6 +552,33 @@ fn polled_roundtrip(c: &mut Criterion) {
     g.finish();
 }
 
+/// `n` one-piece messages from `a` to `b` through the tokio adapter, in one entry of a
+/// current-thread runtime (each future ready at its first poll here): the adapter's own cost.
+fn async_loop(a: Channel, b: Channel, n: u64) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let (a, b) = (
+            mad_tokio::AsyncChannel::new(a).expect("adapter"),
+            mad_tokio::AsyncChannel::new(b).expect("adapter"),
+        );
+        let data = [5u8; 8];
+        let mut out = [0u8; 8];
+        for _ in 0..n {
+            let mut p = a.begin_packing(1).await.expect("begin");
+            p.pack(&data, RecvMode::Express).expect("pack");
+            p.end_packing().await.expect("end");
+            let mut u = b.begin_unpacking_from(0).await.expect("begin unpack");
+            u.unpack_express(&mut out, SendMode::Cheaper)
+                .await
+                .expect("unpack");
+            u.end_unpacking().await.expect("end unpack");
+        }
+    });
+}
+
 criterion_group!(
     benches,
     select,
@@ -569,12 +598,19 @@ fn main() {
         let (a, b) = pair("loop");
         let data = [5u8; 8 * 16];
         let mut out = [0u8; 8 * 16];
+        let how = std::env::var("ENGINE_LOOP_CALLS").unwrap_or_else(|_| "blocking".into());
         let t = std::time::Instant::now();
-        for _ in 0..n {
-            loop_once(&a, &b, &data, &mut out, 1);
+        match how.as_str() {
+            "blocking" => (0..n).for_each(|_| loop_once(&a, &b, &data, &mut out, 1)),
+            "polled" => (0..n).for_each(|_| polled_once(&a, &b, &data, &mut out, 1)),
+            "async" => async_loop(a, b, n),
+            other => panic!("ENGINE_LOOP_CALLS={other}: expected blocking, polled or async"),
         }
         let ns = t.elapsed().as_nanos() as f64 / n as f64;
-        println!("engine loop: {n} one-piece messages, {ns:.1} ns per message (send + receive)");
+        println!(
+            "engine loop ({how} calls): {n} one-piece messages, {ns:.1} ns per message \
+             (send + receive)"
+        );
         return;
     }
     benches();

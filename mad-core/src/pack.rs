@@ -290,6 +290,10 @@ struct PackState<'c> {
     /// `end_packing`'s code is recording its steps into the connection's plan instead of
     /// running them ([`Packer::poll_end_packing`]).
     recording: bool,
+    /// A polled end is running its steps directly, each driver call made once: the first
+    /// that is pending switches to `recording` (it and the rest of the end become the plan),
+    /// so an end that never waits costs what a blocking one does.
+    trying: bool,
     /// The plan of this message's end was recorded.
     planned: bool,
 }
@@ -344,8 +348,31 @@ impl PackState<'_> {
         )
     }
 
+    /// While `trying`: make one driver call; `false` when it is pending, and the end is now
+    /// recording (the caller records that call, the first step of the plan).
+    #[inline]
+    fn try_once(&mut self, attempt: impl FnOnce(&mut TxState) -> Result<Poll<()>>) -> Result<bool> {
+        match attempt(&mut self.tx)? {
+            Poll::Ready(()) => Ok(true),
+            Poll::Pending => {
+                self.start_recording();
+                Ok(false)
+            }
+        }
+    }
+
+    #[cold]
+    fn start_recording(&mut self) {
+        debug_assert!(self.tx.spare.plan.ops.is_empty());
+        self.trying = false;
+        self.recording = true;
+    }
+
     fn commit(&mut self) -> Result<()> {
         let cur = self.cur;
+        if self.trying && self.try_once(|tx| tx.link.commit(cur))? {
+            return Ok(());
+        }
         if self.recording {
             self.tx.spare.plan.ops.push(TxOp::Commit(cur));
             return Ok(());
@@ -392,6 +419,9 @@ impl PackState<'_> {
             self.copy_in_local(0, &buf[..k * wire::FRAME_LEN])?;
         }
         self.ensure(tm)?;
+        if self.trying && self.try_once(|tx| tx.link.send_refs(tm, group))? {
+            return Ok(());
+        }
         if self.recording {
             let plan = &mut self.tx.spare.plan;
             let a = plan.slices.len();
@@ -417,7 +447,7 @@ impl PackState<'_> {
         if self.recording {
             return self.record_copy(tm, None, data, true);
         }
-        self.copy_in_framed(tm, None, data)
+        self.copy_direct(tm, None, data, true)
     }
 
     /// Recording mode: the copy becomes a step of the plan. `local`: `data` dies with the
@@ -431,15 +461,17 @@ impl PackState<'_> {
         data: &[u8],
         local: bool,
     ) -> Result<()> {
-        let header = if tm == 0 { self.header.take() } else { None };
+        let (pre, k) = self.head_bytes(tm, frame);
+        self.push_copy(tm, &pre[..k], data, local);
+        Ok(())
+    }
+
+    /// A plan step copying `head ‖ data` (`head` staged; `data` too when `local`).
+    #[cold]
+    fn push_copy(&mut self, tm: TmId, head: &[u8], data: &[u8], local: bool) {
         let plan = &mut self.tx.spare.plan;
         let h0 = plan.stage.len();
-        if let Some(h) = header {
-            plan.stage.extend_from_slice(&h);
-        }
-        if let Some(f) = frame {
-            plan.stage.extend_from_slice(f);
-        }
+        plan.stage.extend_from_slice(head);
         let mut piece = Raw::EMPTY;
         if local {
             plan.stage.extend_from_slice(data);
@@ -450,7 +482,29 @@ impl PackState<'_> {
         if head.1 + piece.1 > 0 {
             plan.ops.push(TxOp::Copy { tm, head, piece });
         }
-        Ok(())
+    }
+
+    /// What goes before a copy's data: on TM 0, the message header if still pending and the
+    /// unchecked-mode frame.
+    #[inline]
+    fn head_bytes(
+        &mut self,
+        tm: TmId,
+        frame: Option<&[u8; wire::FRAME_LEN]>,
+    ) -> ([u8; wire::HEADER_LEN + wire::FRAME_LEN], usize) {
+        let mut pre = [0u8; wire::HEADER_LEN + wire::FRAME_LEN];
+        let mut k = 0;
+        if tm == 0 {
+            if let Some(h) = self.header.take() {
+                pre[..wire::HEADER_LEN].copy_from_slice(&h);
+                k = wire::HEADER_LEN;
+            }
+            if let Some(f) = frame {
+                pre[k..k + wire::FRAME_LEN].copy_from_slice(f);
+                k += wire::FRAME_LEN;
+            }
+        }
+        (pre, k)
     }
 
     /// [`copy_in`](Self::copy_in) with an unchecked-mode frame before `data` (TM 0 only), so
@@ -465,23 +519,25 @@ impl PackState<'_> {
         if self.recording {
             return self.record_copy(tm, frame, data, false);
         }
-        let mut pre = [0u8; wire::HEADER_LEN + wire::FRAME_LEN];
-        let mut k = 0;
-        if tm == 0 {
-            if let Some(h) = self.header.take() {
-                pre[..wire::HEADER_LEN].copy_from_slice(&h);
-                k = wire::HEADER_LEN;
-            }
-            if let Some(f) = frame {
-                pre[k..k + wire::FRAME_LEN].copy_from_slice(f);
-                k += wire::FRAME_LEN;
-            }
-        }
+        self.copy_direct(tm, frame, data, false)
+    }
+
+    /// The copy of [`copy_in_framed`](Self::copy_in_framed), made now. `local`: `data` dies
+    /// with the call (staged if a trying end records the rest).
+    #[inline]
+    fn copy_direct(
+        &mut self,
+        tm: TmId,
+        frame: Option<&[u8; wire::FRAME_LEN]>,
+        data: &[u8],
+        local: bool,
+    ) -> Result<()> {
+        let (pre, k) = self.head_bytes(tm, frame);
         let head: &[u8] = &pre[..k];
         let total = head.len() + data.len();
         let mut off = 0;
         while off < total {
-            let n = self.drive(|tx| {
+            let lend = |tx: &mut TxState| -> Result<Poll<usize>> {
                 let mut wrote = 0usize;
                 let r = tx
                     .link
@@ -490,7 +546,21 @@ impl PackState<'_> {
                         wrote
                     })?;
                 Ok(r.map(|()| wrote))
-            })?;
+            };
+            let n = if self.trying {
+                match lend(&mut self.tx)? {
+                    Poll::Ready(n) => n,
+                    Poll::Pending => {
+                        // The rest of this copy is the plan's first step, resumed at `off`.
+                        self.start_recording();
+                        self.push_copy(tm, head, data, local);
+                        self.tx.spare.plan.off = off;
+                        return Ok(());
+                    }
+                }
+            } else {
+                self.drive(lend)?
+            };
             if n == 0 {
                 return Err(Error::protocol(
                     self.ch.rank,
@@ -621,6 +691,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             header: Some(header),
             deadline,
             recording: false,
+            trying: false,
             planned: false,
         };
         let spare = &mut st.tx.spare;
@@ -937,6 +1008,9 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.st.flush_header()?;
         self.st.commit()?;
         let st = &mut self.st;
+        if st.trying && st.try_once(|tx| tx.link.end_message())? {
+            return Ok(());
+        }
         if st.recording {
             st.tx.spare.plan.ops.push(TxOp::End);
             return Ok(());
@@ -1128,11 +1202,29 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
         if !self.st.planned {
             self.st.tx.spare.plan.clear();
-            self.st.recording = true;
+            // Steps run directly until one is pending; LATER cells (which user code may write
+            // between two polls) are read into the plan from the start.
+            let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
+                || self
+                    .held
+                    .iter()
+                    .any(|h| matches!(h, Held::Later(Later::Cells(_), _)));
+            if cells {
+                self.st.recording = true;
+            } else {
+                self.st.trying = true;
+            }
             let r = self.finish_inner();
+            let recorded = self.st.recording;
             self.st.recording = false;
+            self.st.trying = false;
             if let Err(e) = r {
                 return Poll::Ready(Err(self.end_failed(e)));
+            }
+            if !recorded {
+                // Every step was made: the message is out.
+                self.completed();
+                return Poll::Ready(Ok(()));
             }
             self.st.planned = true;
         }
