@@ -48,7 +48,7 @@ pub fn pin_current_thread(cpu: Option<usize>) -> Result<()> {
     // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for (i, &c) in cpus.iter().enumerate() {
-        if cpu.map_or(true, |want| want % cpus.len() == i) {
+        if cpu.is_none_or(|want| want % cpus.len() == i) {
             // SAFETY: `c` came from CPU_ISSET over 0..CPU_SETSIZE, so it is in range.
             unsafe { libc::CPU_SET(c, &mut set) };
         }

@@ -92,7 +92,7 @@ fn sender(ch: &Channel, which: u64, me: usize, thread: usize, n: u64) -> Result<
     let peers: Vec<usize> = (0..RANKS).filter(|&r| r != me).collect();
     let mut order: Vec<usize> = peers
         .iter()
-        .flat_map(|&p| std::iter::repeat(p).take(n as usize))
+        .flat_map(|&p| std::iter::repeat_n(p, n as usize))
         .collect();
     for i in (1..order.len()).rev() {
         order.swap(i, rng.below(i as u64 + 1) as usize);

@@ -1620,7 +1620,7 @@ impl Endpoint {
         let mut any = false;
         for s in st.calls.values_mut() {
             if let Slot::Waiting { remote, waker, .. } = s {
-                if rank.map_or(true, |r| r == *remote) {
+                if rank.is_none_or(|r| r == *remote) {
                     if let Some(w) = waker.take() {
                         w.wake();
                     }

@@ -130,9 +130,8 @@ fn specs() -> Vec<&'static str> {
         .iter()
         .copied()
         .filter(|s| {
-            only.as_deref().map_or(true, |o| {
-                o.split(',').any(|d| s.split(',').next() == Some(d.trim()))
-            })
+            only.as_deref()
+                .is_none_or(|o| o.split(',').any(|d| s.split(',').next() == Some(d.trim())))
         })
         .collect()
 }

@@ -812,7 +812,7 @@ fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
     let b = session.bootstrap();
     let mut imps = open_imps(session, o)?;
     imps.retain(|i| {
-        i.a.is_some() && i.mode.map_or(true, |m| m == Mode::Cc) && pattern_wants("bw", i)
+        i.a.is_some() && i.mode.is_none_or(|m| m == Mode::Cc) && pattern_wants("bw", i)
     });
     let max = o.max.min(1 << 20);
     let sbuf: Vec<u8> = (0..max.max(1)).map(|i| i as u8).collect();

@@ -549,7 +549,7 @@ fn shm_vs_mpis(inp: &Inputs, bench: &str, size: usize) -> Option<(f64, &'static 
                 num(m.median),
                 unit_of(bench)
             ));
-            if worst.map_or(true, |(w, _)| r > w) {
+            if worst.is_none_or(|(w, _)| r > w) {
                 worst = Some((r, label));
             }
         }
@@ -687,7 +687,7 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
         let mut worst: Option<(f64, usize, &str)> = None;
         for &s in &all {
             if let Some((r, who, _)) = shm_vs_mpis(inp, bench, s) {
-                if worst.map_or(true, |(w, _, _)| r > w) {
+                if worst.is_none_or(|(w, _, _)| r > w) {
                     worst = Some((r, s, who));
                 }
             }
@@ -711,7 +711,7 @@ fn shm_targets(inp: &Inputs, t: &mut Vec<Target>) {
             .count();
         let mut missing = gaps.clone();
         let (lo, hi) = (all.first().copied(), all.last().copied());
-        if lo != Some(first) || hi.map_or(true, |h| h < 16 * MIB) {
+        if lo != Some(first) || hi.is_none_or(|h| h < 16 * MIB) {
             missing.push(format!(
                 "the sweep covered {} – {} only",
                 bytes(lo.unwrap_or(0)),
@@ -757,7 +757,7 @@ fn worst_in(
         if let (Some(m), Some(b)) = (get(rows, bench, chan, s), get(rows, bench, base, s)) {
             n += 1;
             let r = cost(m, b);
-            if worst.map_or(true, |(w, _)| r > w) {
+            if worst.is_none_or(|(w, _)| r > w) {
                 worst = Some((r, s));
             }
         }
@@ -789,7 +789,7 @@ fn shm_large_targets(inp: &Inputs, t: &mut Vec<Target>) {
         for s in (0..=4).map(|k| MIB << k) {
             if let Some((r, who, _)) = shm_vs_mpis(inp, bench, s) {
                 n += 1;
-                if worst.map_or(true, |(w, _, _)| r > w) {
+                if worst.is_none_or(|(w, _, _)| r > w) {
                     worst = Some((r, s, who));
                 }
             }
@@ -989,7 +989,7 @@ fn ucx_targets(inp: &Inputs, t: &mut Vec<Target>) {
                 ),
                 ratio: format!("{r:.3}"),
                 limit,
-                verdict: if lo != Some(first) || hi.map_or(true, |h| h < 16 * MIB) {
+                verdict: if lo != Some(first) || hi.is_none_or(|h| h < 16 * MIB) {
                     Verdict::Incomplete(
                         Some(v == Verdict::Met),
                         format!(

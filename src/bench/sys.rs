@@ -95,7 +95,7 @@ impl Shared {
             || !cap.is_power_of_two()
             || offset
                 .checked_add(RING_HEADER + cap)
-                .map_or(true, |end| end > self.len)
+                .is_none_or(|end| end > self.len)
         {
             return Err(Error::BadConfig(format!(
                 "ring at {offset} with {cap} bytes does not fit a {}-byte mapping",

@@ -881,7 +881,7 @@ fn run() -> i32 {
             None => std::thread::sleep(Duration::from_millis(wait_ms as u64)),
         }
         let scan =
-            child_ended || last_scan.map_or(true, |t| t.elapsed() >= Duration::from_millis(500));
+            child_ended || last_scan.is_none_or(|t| t.elapsed() >= Duration::from_millis(500));
         if scan {
             last_scan = Some(Instant::now());
             for (r, rk) in ranks.iter().enumerate() {
