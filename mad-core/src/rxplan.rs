@@ -211,6 +211,14 @@ impl RxPlan {
         self.step_done();
     }
 
+    /// The first step (a copy) starts from a copy begun directly: `framed` read so far of its
+    /// frame, `off` bytes of its data.
+    pub(crate) fn resume_at(&mut self, framed: Framed, off: usize) {
+        debug_assert!(self.pos == 0 && self.ops.len() == 1);
+        self.framed = framed;
+        self.off = off;
+    }
+
     /// Every recorded step ran: forget them (the cursor state of the message stays).
     pub(crate) fn drained(&mut self) {
         self.ops.clear();

@@ -96,6 +96,10 @@ struct UnpackState<'c> {
     /// Deferred mode: the unpack code records steps into the connection's plan
     /// ([`Unpacker::defer`]).
     recording: bool,
+    /// Deferred mode, before anything was recorded: copies run directly, each driver call
+    /// made once, and the first that is pending (or any other step) starts `recording`, so a
+    /// deferred message whose data is there costs what a blocking one does.
+    trying: bool,
     /// Deferred mode: the EXPRESS buffer of a pending `poll_unpack_express` (the steps
     /// recorded for it write there), as (address, length).
     express: Option<(usize, usize)>,
@@ -175,7 +179,7 @@ impl UnpackState<'_> {
     /// its frames checked. `at_end`: this is the message's last group (`end_unpacking`); the
     /// sender's last group carries the end frame. Returns whether the end frame was read.
     fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>], at_end: bool) -> Result<bool> {
-        if self.recording {
+        if self.recording_now() {
             let (checked, index) = (self.checked, self.index);
             let plan = &mut self.rx().spare.plan;
             let a = plan.slices.len();
@@ -272,6 +276,21 @@ impl UnpackState<'_> {
         piece: bool,
     ) -> Result<()> {
         if self.recording {
+            return self.record_copy_out(tm, want, buf, piece);
+        }
+        self.copy_out_direct(tm, want, buf, piece)
+    }
+
+    /// Recording mode: the copy becomes a step of the plan.
+    #[cold]
+    fn record_copy_out(
+        &mut self,
+        tm: TmId,
+        want: Option<wire::Frame>,
+        buf: &mut [u8],
+        piece: bool,
+    ) -> Result<()> {
+        {
             let index = self.index;
             self.rx().spare.plan.ops.push(RxOp::Copy {
                 tm,
@@ -281,8 +300,21 @@ impl UnpackState<'_> {
                 index,
             });
             self.cur = tm;
-            return Ok(());
         }
+        Ok(())
+    }
+
+    /// The copy of [`copy_out_framed`](Self::copy_out_framed), made now (waiting as the
+    /// progress policy says), or while `trying`, until a driver call is pending: the rest of
+    /// the copy is then the first step of the plan, resumed where it stopped.
+    #[inline]
+    fn copy_out_direct(
+        &mut self,
+        tm: TmId,
+        want: Option<wire::Frame>,
+        buf: &mut [u8],
+        piece: bool,
+    ) -> Result<()> {
         let want_b = want.map(wire::encode_frame);
         let end = piece.then(|| {
             wire::encode_frame(wire::Frame::End {
@@ -296,14 +328,15 @@ impl UnpackState<'_> {
             fb: [0; wire::FRAME_LEN],
         };
         let mut bad = false;
-        let (ch, deadline) = (self.ch, self.deadline);
+        let (ch, deadline, trying) = (self.ch, self.deadline, self.trying);
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
+        let mut pending = false;
         while framed.fk < wire::FRAME_LEN || off < buf.len() {
             let rest = &mut buf[off..];
             let want_len = wire::FRAME_LEN - framed.fk + rest.len();
-            let (n, d) = drive(ch, deadline, &mut *rx, |rx| {
+            let mut attempt = |rx: &mut RxState| -> Result<Poll<(usize, usize)>> {
                 let (mut took, mut data) = (0usize, 0usize);
                 let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
                     let t = framed.take(src, want_b.as_ref(), rest, end.as_ref());
@@ -314,7 +347,18 @@ impl UnpackState<'_> {
                     t.used
                 })?;
                 Ok(r.map(|()| (took, data)))
-            })?;
+            };
+            let (n, d) = if trying {
+                match attempt(&mut *rx)? {
+                    Poll::Ready(x) => x,
+                    Poll::Pending => {
+                        pending = true;
+                        break;
+                    }
+                }
+            } else {
+                drive(ch, deadline, &mut *rx, attempt)?
+            };
             if bad {
                 let w = want.expect("a frame was expected");
                 return Err(self.frame_mismatch(&framed.fb, w));
@@ -327,8 +371,35 @@ impl UnpackState<'_> {
             }
             off += d;
         }
+        if pending {
+            // The rest of this copy is the plan's first step, resumed where it stopped.
+            self.start_recording();
+            self.record_copy_out(tm, want, buf, piece)?;
+            self.rx().spare.plan.resume_at(framed, off);
+            return Ok(());
+        }
         self.ended |= ended;
         Ok(())
+    }
+
+    /// Deferred mode: from now on the unpack code records its steps (the plan starts from the
+    /// current TM and end-frame state).
+    #[cold]
+    fn start_recording(&mut self) {
+        let (cur, ended) = (self.cur, self.ended);
+        self.rx().spare.plan.reset(cur, ended);
+        self.trying = false;
+        self.recording = true;
+    }
+
+    /// Deferred mode: the steps of any kind but a copy are recorded (a trying unpacker
+    /// starts recording first).
+    #[inline]
+    fn recording_now(&mut self) -> bool {
+        if self.trying {
+            self.start_recording();
+        }
+        self.recording
     }
 
     /// The message header, after what a non-blocking start left in the connection. `block`:
@@ -449,6 +520,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             counts: [0; MAX_TMS],
             bytes: 0,
             recording: false,
+            trying: false,
             express: None,
             ending: false,
         };
@@ -574,7 +646,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Checked mode: the sender's next descriptor must be `expected`.
     fn check_desc(&mut self, expected: PieceOrEnd) -> Result<()> {
-        if self.st.recording {
+        if self.st.recording_now() {
             self.flush_group()?;
             self.st.ensure(0)?;
             self.st.rx().spare.plan.ops.push(RxOp::Desc { expected });
@@ -841,7 +913,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     }
 
     /// Event-driven use: from now on no unpack waits for the network. CHEAPER unpacks are
-    /// recorded and received later (they are only due at the end anyway); EXPRESS pieces are
+    /// received at once when their data is there, else recorded and received later (they are
+    /// only due at the end anyway), as is everything after them; EXPRESS pieces are
     /// received by [`poll_unpack_express`](Self::poll_unpack_express) and the end by
     /// [`poll_end_unpacking`](Self::poll_end_unpacking), which return `Pending` instead of
     /// waiting (the blocking `unpack_express` and `end_unpacking` still work, and wait). The
@@ -849,10 +922,21 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// its steps (module `rxplan`).
     pub fn defer(&mut self) {
         if !self.st.recording {
-            let (cur, ended) = (self.st.cur, self.st.ended);
-            self.st.rx().spare.plan.reset(cur, ended);
-            self.st.recording = true;
+            self.st.trying = true;
         }
+    }
+
+    /// Every recorded step ran: the unpacker tries its next steps directly again, from the
+    /// TM and end-frame state the steps left.
+    fn plan_drained(&mut self) {
+        let plan = &mut self.st.rx().spare.plan;
+        plan.drained();
+        let (cur, ended) = (plan.cur, plan.ended);
+        let st = &mut self.st;
+        st.cur = cur;
+        st.ended = ended;
+        st.recording = false;
+        st.trying = true;
     }
 
     /// Run the recorded steps, waiting as the progress policy says.
@@ -863,18 +947,22 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             let RxState { link, spare, .. } = rx;
             spare.plan.run(&mut **link, remote)
         })?;
-        rx.spare.plan.drained();
+        self.plan_drained();
         Ok(())
     }
 
     /// Run the recorded steps until one is pending; fail at the deadline or on a closed channel.
     fn run_polled(&mut self) -> Result<Poll<()>> {
+        if !self.st.recording {
+            // Every step so far was made directly.
+            return Ok(Poll::Ready(()));
+        }
         let remote = self.st.remote;
         let rx = self.st.rx();
         let RxState { link, spare, .. } = rx;
         match spare.plan.run(&mut **link, remote)? {
             Poll::Ready(()) => {
-                spare.plan.drained();
+                self.plan_drained();
                 Ok(Poll::Ready(()))
             }
             Poll::Pending => {
