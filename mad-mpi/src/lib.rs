@@ -23,10 +23,10 @@
 //! ```
 //!
 //! All foreign calls are in the private `sys` module; the rest of the crate is safe Rust.
-//! MPI is initialised once per process with `MPI_THREAD_MULTIPLE` requested (by the bootstrap
-//! or lazily by the driver; `MAD_MPI_THREAD_LEVEL` asks for less) and finalised when the last
-//! bootstrap, driver channel or communicator is dropped; it cannot be initialised again in the
-//! same process afterwards. Under `MPI_THREAD_SERIALIZED` every MPI call takes one lock; under
+//! Unless the application did, MPI is initialised once per process with `MPI_THREAD_MULTIPLE`
+//! requested (by the bootstrap or lazily by the driver; `MAD_MPI_THREAD_LEVEL` asks for less)
+//! and finalised when the last bootstrap, driver channel or communicator is dropped; it cannot
+//! be initialised again in the same process afterwards. Under `MPI_THREAD_SERIALIZED` every MPI call takes one lock; under
 //! `FUNNELED` or `SINGLE` MPI channels are refused (`Error::Unavailable`) and the bootstrap
 //! works from the thread that initialised MPI only.
 //!

@@ -130,7 +130,10 @@ fn before_init() -> Result<()> {
         is_unavailable(&MpiDriver::from_communicator(&w)),
         "MpiDriver::from_communicator before MPI_Init: Unavailable",
     )?;
-    check(!mpi_initialized(), "the constructors did not initialise MPI")
+    check(
+        !mpi_initialized(),
+        "the constructors did not initialise MPI",
+    )
 }
 
 /// Session rank `r` sends to `r ^ 1`: EXPRESS (its world rank, the CHEAPER length), then
@@ -198,7 +201,10 @@ fn run() -> Result<()> {
     mpi_ok(rc, "MPI_Init_thread")?;
     let (wrank, wsize) = rank_size(world())?;
     check(wsize >= 2, "at least 2 ranks")?;
-    check(errors_are_fatal(world())?, "world: ERRORS_ARE_FATAL at start")?;
+    check(
+        errors_are_fatal(world())?,
+        "world: ERRORS_ARE_FATAL at start",
+    )?;
     // Own MPI traffic before: world and a split of our own (reversed ranks; two halves from
     // 4 ranks on, each half at least 2 ranks).
     let sum = allreduce_sum(world(), wrank as i32)?;
@@ -300,7 +306,10 @@ fn run() -> Result<()> {
     // After: our communicators and error handlers are as the application left them.
     check(!mpi_finalized(), "mad-mpi did not finalise MPI")?;
     check(errors_are_fatal(world())?, "world: still ERRORS_ARE_FATAL")?;
-    check(errors_are_fatal(sub)?, "own communicator: still ERRORS_ARE_FATAL")?;
+    check(
+        errors_are_fatal(sub)?,
+        "own communicator: still ERRORS_ARE_FATAL",
+    )?;
     check(
         allreduce_sum(sub, wrank as i32 + 1)? == sub_sum,
         "own communicator still works",
