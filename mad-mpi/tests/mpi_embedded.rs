@@ -86,17 +86,13 @@ fn errors_are_fatal(c: ffi::MPI_Comm) -> Result<bool> {
     // MPI_Comm_get_errhandler overwrites).
     let mut h = unsafe { ffi::RSMPI_ERRORS_RETURN };
     // SAFETY: valid communicator and out-pointer.
-    mpi_ok(
-        unsafe { ffi::MPI_Comm_get_errhandler(c, &mut h) },
-        "MPI_Comm_get_errhandler",
-    )?;
+    let rc = unsafe { ffi::MPI_Comm_get_errhandler(c, &mut h) };
+    mpi_ok(rc, "MPI_Comm_get_errhandler")?;
     // SAFETY: reading a link-time constant exported by the rsmpi shim.
     let fatal = h == unsafe { ffi::RSMPI_ERRORS_ARE_FATAL };
     // SAFETY: `h` was returned by MPI_Comm_get_errhandler, which the caller must free.
-    mpi_ok(
-        unsafe { ffi::MPI_Errhandler_free(&mut h) },
-        "MPI_Errhandler_free",
-    )?;
+    let rc = unsafe { ffi::MPI_Errhandler_free(&mut h) };
+    mpi_ok(rc, "MPI_Errhandler_free")?;
     Ok(fatal)
 }
 
