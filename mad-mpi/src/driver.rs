@@ -3,8 +3,9 @@
 //! Each channel owns a communicator (`MPI_Comm_dup` of the world, or of the application's
 //! communicator given to [`MpiDriver::from_communicator`], or an `MPI_Comm_split` renumbering
 //! when the session's ranks differ from that communicator's), so channels never match each
-//! other's messages nor the application's; only these duplicates get `MPI_ERRORS_RETURN`; all data travels with one tag, so MPI's non-overtaking rule keeps the
-//! per-peer order the core relies on.
+//! other's messages nor the application's (only these duplicates get `MPI_ERRORS_RETURN`);
+//! all data travels with one tag, so MPI's non-overtaking rule keeps the per-peer order the
+//! core relies on.
 //!
 //! Transmission modules:
 //!
