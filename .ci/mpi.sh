@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # MPI checks for mad-mpi: install MPICH and Open MPI (Debian 12, idempotent), then build and run
 # the MPI job test (own checks + the core conformance kit over an MPI channel) under both MPIs
-# with 2 and 4 ranks, the kit through the datatype, blocking-progress and serialised paths, the
+# with 2 and 4 ranks, the embedded test (a program that owns MPI runs a session over its own
+# communicator, and keeps its error handlers), the kit through the datatype, blocking-progress and serialised paths, the
 # thread levels below MULTIPLE, a mixed job (TCP + shm + MPI channels over the MPI bootstrap),
 # the wrong-launcher checks, and a build without the `mpi` feature under a launcher (must
 # refuse) and in a Slurm batch script (must start its own ranks). Every run's output is checked for the number of kit cases that
@@ -109,6 +110,17 @@ for lvl in funneled single; do
 done
 run "Open MPI, 4 ranks, THREAD_FUNNELED" env MAD_MPI_THREAD_LEVEL=funneled "${OMPI_RUN[@]}" -n 4 "$OMPI_BIN"
 need "Open MPI, THREAD_FUNNELED" "mpi_job: MPI channel refused as expected on every rank: MPI granted MPI_THREAD_FUNNELED"
+
+# An application that owns MPI (MPI_Init_thread, MPI_Finalize, its own split communicator)
+# embeds a session over that communicator: MPI_COMM_WORLD keeps MPI_ERRORS_ARE_FATAL.
+for mpi in mpich openmpi; do
+    EMB_BIN=$(ls -t "${CI_PREFIX}$mpi"/debug/deps/mpi_embedded-* | grep -v '\.d$' | head -1)
+    for n in 2 4; do
+        if [ $mpi = mpich ]; then launch=("${MPICH_RUN[@]}" -n $n); else launch=("${OMPI_RUN[@]}" -n $n); fi
+        run "$mpi, $n ranks, embedded in an MPI application" "${launch[@]}" "$EMB_BIN"
+        need "$mpi embedded, $n ranks" "mpi_embedded: all checks passed on $n ranks"
+    done
+done
 
 # One MPI job, three drivers: TCP, shm and MPI channels over the MPI bootstrap (the kit each).
 for mpi in mpich openmpi; do

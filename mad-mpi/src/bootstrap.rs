@@ -1,8 +1,10 @@
 //! The MPI bootstrap: a session whose processes were started by `mpiexec`/`mpirun`/`srun`.
 //!
-//! Rank and size come from `MPI_COMM_WORLD`; [`allgather`](Bootstrap::allgather) is an
-//! `MPI_Allgather` of the lengths followed by an `MPI_Allgatherv` of the bytes on a private
-//! duplicate of the world communicator; the secret is drawn by rank 0 and broadcast;
+//! Rank and size come from `MPI_COMM_WORLD`, or from the communicator an application that
+//! initialised MPI itself hands to [`MpiBootstrap::from_communicator`];
+//! [`allgather`](Bootstrap::allgather) is an `MPI_Allgather` of the lengths followed by an
+//! `MPI_Allgatherv` of the bytes on a private duplicate of that communicator (which alone gets
+//! `MPI_ERRORS_RETURN`); the secret is drawn by rank 0 and broadcast;
 //! [`local_ranks`](Bootstrap::local_ranks) comes from
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Every channel of the session (TCP, shm, MPI,
 //! ...) can use it, so one `mpiexec` job can mix drivers.
@@ -76,6 +78,31 @@ impl MpiBootstrap {
         Self::init(launcher::detect_from_env()?)
     }
 
+    /// The bootstrap of an application that initialised MPI itself (`MPI_Init` or
+    /// `MPI_Init_thread`), over its communicator `comm` (any intracommunicator: a split, a
+    /// renumbering, `MPI_COMM_WORLD`): session rank and size are `comm`'s.
+    ///
+    /// Collective over `comm`: every process of `comm` calls it. The bootstrap works on its own
+    /// duplicates of `comm` (`MPI_Comm_dup`, freed when it drops) and sets `MPI_ERRORS_RETURN`
+    /// on them only; `comm` and `MPI_COMM_WORLD` are left as they are. MPI is never finalised
+    /// by this crate here: drop the bootstrap and every session or channel built on it before
+    /// the application's `MPI_Finalize`.
+    ///
+    /// `comm` is anything that gives a raw `MPI_Comm` through rsmpi's (`unsafe`) `AsRaw`
+    /// trait, such as an rsmpi `SimpleCommunicator` (the crate is re-exported as
+    /// [`crate::mpi`]). Fails with [`Error::Unavailable`] when MPI is not initialised or
+    /// already finalised, and with [`Error::BadConfig`] for `MPI_COMM_NULL` or an
+    /// intercommunicator.
+    pub fn from_communicator<C>(comm: &C) -> Result<Self>
+    where
+        C: mpi::raw::AsRaw<Raw = mpi::ffi::MPI_Comm> + ?Sized,
+    {
+        let rt = sys::application_runtime()?;
+        rt.check_thread("the MPI bootstrap was created")?;
+        let comm = Comm::dup_of_application(&rt, comm.as_raw())?;
+        Self::build(rt, comm, None)
+    }
+
     fn init(launcher: Option<Launcher>) -> Result<Self> {
         let rt = sys::runtime()?;
         rt.check_thread("the MPI bootstrap was created")?;
@@ -96,6 +123,12 @@ impl MpiBootstrap {
             }
         }
         let comm = world.dup()?;
+        Self::build(rt, comm, launcher)
+    }
+
+    /// The bootstrap over `comm` (a duplicate this bootstrap owns).
+    fn build(rt: Arc<Runtime>, comm: Comm, launcher: Option<Launcher>) -> Result<Self> {
+        let (rank, size) = (comm.rank(), comm.size());
         let mut sec = [0u8; SECRET_LEN];
         if rank == 0 {
             mad_core::auth::fill_random(&mut sec)?;

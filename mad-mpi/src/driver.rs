@@ -1,9 +1,11 @@
 //! The `mpi` driver: Madeleine channels over MPI point-to-point messages.
 //!
-//! Each channel owns a communicator (`MPI_Comm_dup` of the world, or an `MPI_Comm_split`
-//! renumbering when the session's ranks differ from MPI's), so channels never match each
-//! other's messages; all data travels with one tag, so MPI's non-overtaking rule keeps the
-//! per-peer order the core relies on.
+//! Each channel owns a communicator (`MPI_Comm_dup` of the world, or of the application's
+//! communicator given to [`MpiDriver::from_communicator`], or an `MPI_Comm_split` renumbering
+//! when the session's ranks differ from that communicator's), so channels never match each
+//! other's messages nor the application's (only these duplicates get `MPI_ERRORS_RETURN`);
+//! all data travels with one tag, so MPI's non-overtaking rule keeps the per-peer order the
+//! core relies on.
 //!
 //! Transmission modules:
 //!
@@ -220,14 +222,56 @@ fn thread_note(granted: Threading, requested: Option<Threading>, serialised: boo
 /// The MPI driver.
 #[derive(Debug, Default)]
 pub struct MpiDriver {
-    _priv: (),
+    /// The application's communicator (our duplicate of it), or `None` for `MPI_COMM_WORLD`.
+    base: Option<Base>,
+}
+
+/// The duplicate of the communicator given to [`MpiDriver::from_communicator`], with its rank
+/// and size (read at construction: `open` may make no MPI call before its thread checks).
+struct Base {
+    comm: Comm,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for Base {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Base(rank {} of {})", self.rank, self.size)
+    }
 }
 
 impl MpiDriver {
-    /// A new driver (MPI is initialised lazily, at the first channel, if the bootstrap has not
-    /// done it).
+    /// A new driver over `MPI_COMM_WORLD` (MPI is initialised lazily, at the first channel, if
+    /// the bootstrap has not done it).
     pub fn new() -> Self {
-        MpiDriver { _priv: () }
+        MpiDriver { base: None }
+    }
+
+    /// A driver over the communicator `comm` of an application that initialised MPI itself:
+    /// its channels are duplicates (or renumberings) of `comm`, whose processes must be the
+    /// session's (build the session with [`MpiBootstrap::from_communicator`](crate::MpiBootstrap::from_communicator)
+    /// on the same communicator).
+    ///
+    /// Collective over `comm`: every process of `comm` calls it (the driver keeps one
+    /// `MPI_Comm_dup` of `comm`, freed when the driver drops; each channel's communicator is
+    /// freed when the channel drops). `MPI_ERRORS_RETURN` is set on these duplicates only;
+    /// `comm` and `MPI_COMM_WORLD` keep their error handlers, and MPI is not finalised by this
+    /// crate: drop sessions and channels before the application's `MPI_Finalize`.
+    ///
+    /// Fails with [`Error::Unavailable`] when MPI is not initialised, already finalised, or
+    /// initialised below `MPI_THREAD_SERIALIZED` and called off MPI's main thread, and with
+    /// [`Error::BadConfig`] for `MPI_COMM_NULL` or an intercommunicator.
+    pub fn from_communicator<C>(comm: &C) -> Result<Self>
+    where
+        C: mpi::raw::AsRaw<Raw = mpi::ffi::MPI_Comm> + ?Sized,
+    {
+        let rt = sys::application_runtime()?;
+        rt.check_thread("the MPI driver was created")?;
+        let comm = Comm::dup_of_application(&rt, comm.as_raw())?;
+        let (rank, size) = (comm.rank(), comm.size());
+        Ok(MpiDriver {
+            base: Some(Base { comm, rank, size }),
+        })
     }
 }
 
@@ -311,7 +355,7 @@ impl Driver for MpiDriver {
     }
 
     fn describe(&self) -> String {
-        "mpi: MPI point-to-point over the job's MPI_COMM_WORLD (start the job with mpiexec/mpirun/srun); \
+        "mpi: MPI point-to-point over the job's MPI_COMM_WORLD (start the job with mpiexec/mpirun/srun) or an application's communicator; \
          options gather=auto|datatype|separate, eager_buf=<bytes>, inline=<bytes>, post=lazy|early"
             .into()
     }
@@ -343,7 +387,18 @@ impl Driver for MpiDriver {
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
         let bs = ctx.bootstrap;
-        let rt = sys::runtime()?;
+        let rt = match &self.base {
+            Some(b) => b.comm.runtime().clone(),
+            None => sys::runtime()?,
+        };
+        let (base_rank, base_size, base_name) = match &self.base {
+            Some(b) => (
+                b.rank,
+                b.size,
+                "the communicator given to MpiDriver::from_communicator",
+            ),
+            None => (rt.world_rank(), rt.world_size(), "MPI_COMM_WORLD"),
+        };
         let family = MpiFamily::from_version(rt.version());
         tracing::debug!(
             channel = %ctx.config.name,
@@ -354,24 +409,25 @@ impl Driver for MpiDriver {
         let p = params(ctx.config)?.with_family(family);
         // Rank and size were read when MPI was initialised: no MPI call before the checks
         // below, which a thread other than MPI's main one may not make under FUNNELED.
-        if rt.world_size() != bs.size() {
+        if base_size != bs.size() {
             return Err(Error::Unavailable {
                 driver: "mpi".into(),
                 reason: format!(
-                    "the session has {} processes but MPI_COMM_WORLD has {}: start the job with \
-                     the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built for",
+                    "the session has {} processes but {base_name} has {base_size}: start the job \
+                     with the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built \
+                     for, or, inside an MPI application, build the driver and the bootstrap from \
+                     the same communicator (from_communicator)",
                     bs.size(),
-                    rt.world_size()
                 ),
             });
         }
         let me = bs.rank();
-        // Descriptor: MPI world rank, granted threading level, then what must be equal on
+        // Descriptor: rank in the driver's communicator (world or the application's), granted threading level, then what must be equal on
         // every rank (TM table, eager buffer, gather policy). The level is exchanged so that
         // every rank refuses the channel when one cannot run it (instead of that rank failing
         // alone while the others wait in the next collective).
         let mut mine = Vec::with_capacity(26);
-        mine.extend_from_slice(&(rt.world_rank() as u64).to_le_bytes());
+        mine.extend_from_slice(&(base_rank as u64).to_le_bytes());
         mine.push(level_code(rt.threading()));
         mine.extend_from_slice(&ctx.table.fingerprint().to_le_bytes());
         mine.extend_from_slice(&(p.eager_buf as u64).to_le_bytes());
@@ -406,11 +462,19 @@ impl Driver for MpiDriver {
                 )));
             }
         }
-        let world = Comm::world(&rt);
+        // Only duplicated: nothing travels on the world or the application's communicator.
+        let world;
+        let parent = match &self.base {
+            Some(b) => &b.comm,
+            None => {
+                world = Comm::world(&rt);
+                &world
+            }
+        };
         let comm = if identity {
-            world.dup()?
+            parent.dup()?
         } else {
-            world.reorder(me)?
+            parent.reorder(me)?
         };
         let ch = Arc::new(ChanShared {
             pre: Preposted::new(&comm, bs.size(), DATA_TAG),
@@ -432,7 +496,12 @@ impl Driver for MpiDriver {
             thread_note(rt.threading(), rt.requested(), rt.serialised()),
             format!(
                 "communicator: {}; eager buffer {} B, blocking MPI_Send up to {} B; gather policy {:?} ({})",
-                if identity { "MPI_Comm_dup of MPI_COMM_WORLD" } else { "MPI_Comm_split renumbered to session ranks" },
+                match (identity, self.base.is_some()) {
+                    (true, false) => "MPI_Comm_dup of MPI_COMM_WORLD",
+                    (true, true) => "MPI_Comm_dup of the application's communicator",
+                    (false, false) => "MPI_Comm_split of MPI_COMM_WORLD renumbered to session ranks",
+                    (false, true) => "MPI_Comm_split of the application's communicator renumbered to session ranks",
+                },
                 p.eager_buf,
                 p.inline_max(),
                 p.policy,

@@ -23,12 +23,21 @@
 //! ```
 //!
 //! All foreign calls are in the private `sys` module; the rest of the crate is safe Rust.
-//! MPI is initialised once per process with `MPI_THREAD_MULTIPLE` requested (by the bootstrap
-//! or lazily by the driver; `MAD_MPI_THREAD_LEVEL` asks for less) and finalised when the last
-//! bootstrap, driver channel or communicator is dropped; it cannot be initialised again in the
-//! same process afterwards. Under `MPI_THREAD_SERIALIZED` every MPI call takes one lock; under
+//! Unless the application did, MPI is initialised once per process with `MPI_THREAD_MULTIPLE`
+//! requested (by the bootstrap or lazily by the driver; `MAD_MPI_THREAD_LEVEL` asks for less)
+//! and finalised when the last bootstrap, driver channel or communicator is dropped; it cannot
+//! be initialised again in the same process afterwards. Under `MPI_THREAD_SERIALIZED` every MPI call takes one lock; under
 //! `FUNNELED` or `SINGLE` MPI channels are refused (`Error::Unavailable`) and the bootstrap
 //! works from the thread that initialised MPI only.
+//!
+//! Inside an MPI application (it called `MPI_Init`/`MPI_Init_thread` itself),
+//! [`MpiBootstrap::from_communicator`] and [`MpiDriver::from_communicator`] build a session
+//! and its MPI channels over a communicator the application gives: they work on duplicates of
+//! it (`MPI_Comm_dup`) and set `MPI_ERRORS_RETURN` on those duplicates only, never on
+//! `MPI_COMM_WORLD` or the application's communicators; this crate never finalises MPI it did
+//! not initialise, so drop every session, channel, bootstrap and driver before the
+//! application's `MPI_Finalize`. Errors of MPI calls tied to no communicator (datatype
+//! creation) go to the handler the application set on `MPI_COMM_WORLD`/`MPI_COMM_SELF`.
 
 #![deny(unsafe_code)]
 
@@ -40,6 +49,9 @@ mod sys;
 pub use bootstrap::MpiBootstrap;
 pub use driver::{GatherPolicy, MpiDriver, MpiFamily};
 pub use launcher::{Launcher, LauncherKind};
+/// The rsmpi crate this one is built on: its `raw::AsRaw` gives the raw communicator that
+/// [`MpiBootstrap::from_communicator`] and [`MpiDriver::from_communicator`] take.
+pub use mpi;
 /// MPI threading levels (rsmpi's), as granted by `MPI_Init_thread`.
 pub use mpi::environment::Threading;
 pub use sys::{level_name, Runtime};

@@ -8,8 +8,12 @@
 //!   lock ([`guard`]); that is enough under `SERIALIZED` only: under `FUNNELED` and `SINGLE`
 //!   only the thread that initialised MPI may call it ([`Runtime::check_thread`]), so the
 //!   driver refuses to open channels there and the bootstrap works from that thread alone.
+//!   When the application initialised MPI, this crate never finalises it.
 //! * [`Comm`]: a communicator (world, or a duplicate/split that is freed on drop), with the
-//!   collectives the bootstrap needs and the point-to-point calls of the driver.
+//!   collectives the bootstrap needs and the point-to-point calls of the driver. Only the
+//!   communicators this crate creates (duplicates and splits, [`Comm::dup_of_application`])
+//!   carry `MPI_ERRORS_RETURN`; `MPI_COMM_WORLD` and the application's communicators are
+//!   only ever duplicated, their error handlers left as the application set them.
 //! * [`OwnedSend`]: a non-blocking send of a buffer the request owns; dropping one that MPI
 //!   still uses leaks the buffer instead of freeing memory MPI may touch.
 //! * [`Preposted`]: the eager receive of every peer of a channel (parked at the end of a
@@ -127,9 +131,15 @@ impl Drop for Runtime {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        // Dropping the universe calls MPI_Finalize.
-        drop(uni);
-        *st = RtState::Finalized;
+        *st = if uni.is_some() {
+            // Dropping the universe calls MPI_Finalize.
+            drop(uni);
+            RtState::Finalized
+        } else {
+            // The application owns MPI: nothing to finalise, and a later bootstrap or channel
+            // may use it again (`runtime` checks it is still initialised).
+            RtState::Never
+        };
     }
 }
 
@@ -206,6 +216,12 @@ pub fn runtime() -> Result<Arc<Runtime>> {
         }
         RtState::Never => {}
     }
+    if mpi::environment::is_finalized() {
+        return Err(unavailable(
+            "MPI was already finalised in this process (by the application?) and cannot be \
+             initialised again",
+        ));
+    }
     let (universe, requested, threading) = if mpi::environment::is_initialized() {
         // Someone else (the application, through rsmpi) initialised MPI: use it, never
         // finalise it.
@@ -239,10 +255,10 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     let (mut rank, mut size): (c_int, c_int) = (0, 0);
     {
         let _g = guard();
-        // SAFETY: MPI is initialised; COMM_WORLD and ERRORS_RETURN are predefined handles;
-        // valid out-pointers.
+        // SAFETY: MPI is initialised; COMM_WORLD is a predefined handle; valid out-pointers.
+        // Its error handler is left alone: the communicators this crate communicates on are
+        // duplicates, which get MPI_ERRORS_RETURN (`Comm::wrap`).
         unsafe {
-            ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN);
             ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank);
             ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size);
         }
@@ -258,6 +274,30 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     });
     *st = RtState::Live(Arc::downgrade(&rt));
     Ok(rt)
+}
+
+/// The process's MPI runtime when the application initialised MPI itself (see
+/// [`Comm::dup_of_application`]): `Err(Unavailable)` when MPI is not initialised (this
+/// function never initialises it) or already finalised; the handle of this crate when it
+/// initialised MPI itself.
+pub fn application_runtime() -> Result<Arc<Runtime>> {
+    if !mpi::environment::is_initialized() {
+        return Err(unavailable(
+            "MPI is not initialised: an application that hands its communicator to mad-mpi \
+             must call MPI_Init or MPI_Init_thread first (or let mad-mpi initialise MPI: \
+             MpiBootstrap::new, MpiDriver::new)",
+        ));
+    }
+    runtime()
+}
+
+/// Whether `MPI_Finalize` has been called (`MPI_Finalized` may be called at any time).
+fn finalized() -> bool {
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_Finalized may be called before MPI_Init and after MPI_Finalize; valid
+    // out-pointer.
+    let rc = unsafe { ffi::MPI_Finalized(&mut flag) };
+    rc == 0 && flag != 0
 }
 
 fn threading_raw(t: Threading) -> c_int {
@@ -371,7 +411,9 @@ impl std::fmt::Debug for Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if self.owned {
+        // After an application's MPI_Finalize (it dropped us too late) freeing is erroneous:
+        // the handle is leaked instead.
+        if self.owned && !finalized() {
             let _g = guard();
             // SAFETY: `raw` is a communicator this value created and nobody else frees.
             unsafe { ffi::MPI_Comm_free(&mut self.raw) };
@@ -380,7 +422,9 @@ impl Drop for Comm {
 }
 
 impl Comm {
-    /// `MPI_COMM_WORLD` (not freed on drop).
+    /// `MPI_COMM_WORLD` (not freed on drop). Only its rank and size are read and it is
+    /// duplicated ([`dup`](Self::dup), [`reorder`](Self::reorder)); nothing is sent on it and
+    /// its error handler is not changed.
     pub fn world(rt: &Arc<Runtime>) -> Comm {
         Comm {
             // SAFETY: reading a link-time constant exported by the rsmpi shim.
@@ -388,6 +432,11 @@ impl Comm {
             owned: false,
             _rt: rt.clone(),
         }
+    }
+
+    /// The MPI runtime this communicator belongs to.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self._rt
     }
 
     /// This process's rank.
@@ -408,25 +457,70 @@ impl Comm {
         r.max(0) as usize
     }
 
-    fn wrap(&self, raw: ffi::MPI_Comm) -> Comm {
-        Comm {
+    /// A duplicate of an application's communicator `raw` (collective over it: every process
+    /// of `raw` must call this), with `MPI_ERRORS_RETURN`; `raw` itself is not changed.
+    ///
+    /// `Err(BadConfig)` for `MPI_COMM_NULL` and for an intercommunicator. MPI gives no way to
+    /// check that any other value is a communicator: the caller's type vouches for it
+    /// (`AsRaw` is an `unsafe` trait).
+    pub fn dup_of_application(rt: &Arc<Runtime>, raw: ffi::MPI_Comm) -> Result<Comm> {
+        // SAFETY: reading a link-time constant exported by the rsmpi shim.
+        if raw == unsafe { ffi::RSMPI_COMM_NULL } {
+            return Err(Error::BadConfig(
+                "mad-mpi was given MPI_COMM_NULL: pass a communicator this process belongs to"
+                    .into(),
+            ));
+        }
+        let mut inter: c_int = 0;
+        {
+            let _g = guard();
+            // SAFETY: `raw` is a communicator handle (the caller's `AsRaw` vouches for it);
+            // valid out-pointer.
+            let rc = unsafe { ffi::MPI_Comm_test_inter(raw, &mut inter) };
+            check(rc, "MPI_Comm_test_inter")?;
+        }
+        if inter != 0 {
+            return Err(Error::BadConfig(
+                "mad-mpi was given an intercommunicator: pass an intracommunicator".into(),
+            ));
+        }
+        let app = Comm {
+            raw,
+            owned: false,
+            _rt: rt.clone(),
+        };
+        app.dup()
+    }
+
+    /// A communicator this crate created: freed on drop, and its errors returned as codes
+    /// (`MPI_ERRORS_RETURN`) instead of the handler it inherited from its parent.
+    fn wrap(&self, raw: ffi::MPI_Comm) -> Result<Comm> {
+        let c = Comm {
             raw,
             owned: true,
             _rt: self._rt.clone(),
-        }
+        };
+        let rc = {
+            let _g = guard();
+            // SAFETY: `raw` is a communicator MPI just created for us; ERRORS_RETURN is a
+            // predefined handle.
+            unsafe { ffi::MPI_Comm_set_errhandler(c.raw, ffi::RSMPI_ERRORS_RETURN) }
+        };
+        check(rc, "MPI_Comm_set_errhandler")?;
+        Ok(c)
     }
 
     /// Collective: `MPI_Comm_dup` (same ranks, separate matching context).
     pub fn dup(&self) -> Result<Comm> {
         // SAFETY: reading a link-time constant exported by the rsmpi shim.
         let mut out = unsafe { ffi::RSMPI_COMM_NULL };
-        let _g = guard();
-        check(
+        let rc = {
+            let _g = guard();
             // SAFETY: valid communicator and out-pointer.
-            unsafe { ffi::MPI_Comm_dup(self.raw, &mut out) },
-            "MPI_Comm_dup",
-        )?;
-        Ok(self.wrap(out))
+            unsafe { ffi::MPI_Comm_dup(self.raw, &mut out) }
+        };
+        check(rc, "MPI_Comm_dup")?;
+        self.wrap(out)
     }
 
     /// Collective: `MPI_Comm_split(color 0, key)`: a new context whose ranks follow `key`.
@@ -434,13 +528,13 @@ impl Comm {
         // SAFETY: reading a link-time constant exported by the rsmpi shim.
         let mut out = unsafe { ffi::RSMPI_COMM_NULL };
         let key = to_int(key, "rank")?;
-        let _g = guard();
-        check(
+        let rc = {
+            let _g = guard();
             // SAFETY: valid communicator and out-pointer.
-            unsafe { ffi::MPI_Comm_split(self.raw, 0, key, &mut out) },
-            "MPI_Comm_split",
-        )?;
-        Ok(self.wrap(out))
+            unsafe { ffi::MPI_Comm_split(self.raw, 0, key, &mut out) }
+        };
+        check(rc, "MPI_Comm_split")?;
+        self.wrap(out)
     }
 
     /// Collective: `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`: the processes on this host.
@@ -454,13 +548,13 @@ impl Comm {
             )
         };
         let key = to_int(self.rank(), "rank")?;
-        let _g = guard();
-        check(
+        let rc = {
+            let _g = guard();
             // SAFETY: valid communicator, constants and out-pointer.
-            unsafe { ffi::MPI_Comm_split_type(self.raw, ty, key, info, &mut out) },
-            "MPI_Comm_split_type",
-        )?;
-        Ok(self.wrap(out))
+            unsafe { ffi::MPI_Comm_split_type(self.raw, ty, key, info, &mut out) }
+        };
+        check(rc, "MPI_Comm_split_type")?;
+        self.wrap(out)
     }
 
     /// Collective: `MPI_Barrier`.
@@ -892,7 +986,7 @@ fn test_until(
 
 /// Cancel and wait: afterwards MPI no longer touches the request's memory.
 fn cancel_and_wait(req: &mut ffi::MPI_Request) {
-    if *req == request_null() {
+    if *req == request_null() || finalized() {
         return;
     }
     let _g = guard();
