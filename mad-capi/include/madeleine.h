@@ -162,8 +162,10 @@ int mad_channel_open_spec(struct MadSession *s,
 // `ch` is a valid channel.
 void mad_channel_close(const struct MadChannel *ch);
 
-// Free the handle (the connections close once no packer or unpacker uses them). NULL is
-// ignored.
+// Close the channel (as `mad_channel_close`: messages still open on it fail with
+// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. Its memory may outlive
+// the call until the threads that used it send or receive on another channel, or exit.
+// NULL is ignored.
 //
 // # Safety
 // `ch` is NULL or a channel from `mad_channel_open*`, not used afterwards.

@@ -26,6 +26,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use madeleine::{Channel, Error, Packer, RecvMode, SendMode, Session, Unpacker};
@@ -42,16 +43,86 @@ pub struct MadChannel {
 
 /// A message being built.
 pub struct MadPacker {
-    // Declared first: dropped before the channel handle that keeps its connections alive.
-    p: Packer<'static, 'static>,
-    _ch: Channel,
+    /// The message (initialised while the handle is live; see [`Slot`]).
+    msg: MaybeUninit<Packer<'static, 'static>>,
+    /// A handle of its channel, which keeps the state the message uses alive.
+    ch: Channel,
 }
 
 /// A message being taken apart.
 pub struct MadUnpacker {
-    // Declared first, as in `MadPacker`.
-    u: Unpacker<'static, 'static>,
-    _ch: Channel,
+    /// As in [`MadPacker`].
+    msg: MaybeUninit<Unpacker<'static, 'static>>,
+    ch: Channel,
+}
+
+/// The memory of a message handle. A thread keeps the memory of its last ended packer and
+/// unpacker, with their channel handle, for its next message: once a thread has sent (or
+/// received) one message on a channel, the next costs neither an allocation nor a touch of
+/// the channel's reference count. A cached slot's message is uninitialised.
+trait Slot: Sized + 'static {
+    type Msg;
+    fn new(ch: Channel) -> Self;
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel);
+}
+
+impl Slot for MadPacker {
+    type Msg = Packer<'static, 'static>;
+    fn new(ch: Channel) -> Self {
+        MadPacker {
+            msg: MaybeUninit::uninit(),
+            ch,
+        }
+    }
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel) {
+        (&mut self.msg, &mut self.ch)
+    }
+}
+
+impl Slot for MadUnpacker {
+    type Msg = Unpacker<'static, 'static>;
+    fn new(ch: Channel) -> Self {
+        MadUnpacker {
+            msg: MaybeUninit::uninit(),
+            ch,
+        }
+    }
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel) {
+        (&mut self.msg, &mut self.ch)
+    }
+}
+
+type Spare<S> = std::thread::LocalKey<Cell<Option<Box<S>>>>;
+
+/// A slot for a message of `ch`: this thread's spare one (re-pointed at `ch` if it held
+/// another channel) or a new one.
+fn slot<S: Slot>(spare: &'static Spare<S>, ch: &Channel) -> Box<S> {
+    match spare.try_with(Cell::take).ok().flatten() {
+        Some(mut b) => {
+            let c = b.parts().1;
+            if !Channel::ptr_eq(c, ch) {
+                *c = ch.clone();
+            }
+            b
+        }
+        None => Box::new(S::new(ch.clone())),
+    }
+}
+
+/// Take the message out of a live handle; its memory becomes this thread's spare slot.
+///
+/// # Safety
+/// `p` is a live handle (from `Box::into_raw` of a slot whose message was written), given
+/// back once.
+unsafe fn release<S: Slot>(spare: &'static Spare<S>, p: *mut S) -> S::Msg {
+    // SAFETY: the caller's contract: `p` is a boxed slot, not used afterwards.
+    let mut b = unsafe { Box::from_raw(p) };
+    // SAFETY: a live handle's message is initialised; it is read once and the slot is only
+    // reused (or dropped, which does not drop `MaybeUninit`) afterwards.
+    let m = unsafe { b.parts().0.assume_init_read() };
+    // After the thread's destructors ran, the slot is simply freed.
+    let _ = spare.try_with(move |s| s.set(Some(b)));
+    m
 }
 
 /// Success.
@@ -119,6 +190,9 @@ pub struct MadStats {
 
 thread_local! {
     static LAST: RefCell<CString> = RefCell::new(CString::default());
+    /// This thread's spare message slots (see [`Slot`]).
+    static SPARE_PACKER: Cell<Option<Box<MadPacker>>> = const { Cell::new(None) };
+    static SPARE_UNPACKER: Cell<Option<Box<MadUnpacker>>> = const { Cell::new(None) };
 }
 
 fn set_last(msg: String) {
@@ -373,16 +447,21 @@ pub unsafe extern "C" fn mad_channel_close(ch: *const MadChannel) {
     }
 }
 
-/// Free the handle (the connections close once no packer or unpacker uses them). NULL is
-/// ignored.
+/// Close the channel (as `mad_channel_close`: messages still open on it fail with
+/// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. Its memory may outlive
+/// the call until the threads that used it send or receive on another channel, or exit.
+/// NULL is ignored.
 ///
 /// # Safety
 /// `ch` is NULL or a channel from `mad_channel_open*`, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn mad_channel_free(ch: *mut MadChannel) {
     if !ch.is_null() {
-        // SAFETY: a pointer from `Box::into_raw`, given back once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(ch) })));
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: a pointer from `Box::into_raw`, given back once.
+            let c = unsafe { Box::from_raw(ch) };
+            c.ch.close();
+        }));
     }
 }
 
@@ -494,15 +573,18 @@ pub unsafe extern "C" fn mad_begin_packing(
         let (Some(c), false) = (unsafe { ch.as_ref() }, out.is_null()) else {
             return bad("channel or out is NULL");
         };
-        let keep = c.ch.clone();
         match c.ch.begin_packing(remote) {
             Ok(p) => {
-                // SAFETY: the packer borrows the channel's shared state, which `keep` (a
-                // handle of the same channel, dropped after the packer: field order) keeps
-                // alive; the borrowed user memory is the C caller's duty (module docs).
+                // SAFETY: the packer borrows the channel's shared state, which the slot's
+                // handle of the same channel keeps alive for as long as the message is (the
+                // slot is reused or dropped only once the message is out of it); the
+                // borrowed user memory is the C caller's duty (module docs).
                 let p: Packer<'static, 'static> = unsafe { std::mem::transmute(p) };
+                let mut b = slot(&SPARE_PACKER, &c.ch);
+                b.msg.write(p);
                 // SAFETY: `out` checked above.
-                unsafe { put(out, MadPacker { p, _ch: keep }) }
+                unsafe { *out = Box::into_raw(b) };
+                MAD_OK
             }
             Err(e) => fail(e),
         }
@@ -542,15 +624,17 @@ pub unsafe extern "C" fn mad_pack(
             // (caller's duty, module docs).
             unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
         };
+        // SAFETY: a live handle's message is initialised (the caller passes a live packer).
+        let p = unsafe { p.msg.assume_init_mut() };
         let r = match s {
-            SendMode::Safer => p.p.pack_safer(bytes, r),
-            SendMode::Cheaper => p.p.pack(bytes, r),
+            SendMode::Safer => p.pack_safer(bytes, r),
+            SendMode::Cheaper => p.pack(bytes, r),
             SendMode::Later => {
                 // SAFETY: `Cell<u8>` has the layout of `u8`; the bytes are read at the end
                 // (the caller keeps them valid, and may write them until then).
                 let cells: &'static [Cell<u8>] =
                     unsafe { &*(bytes as *const [u8] as *const [Cell<u8>]) };
-                p.p.pack_later(cells, r)
+                p.pack_later(cells, r)
             }
         };
         match r {
@@ -570,10 +654,9 @@ pub unsafe extern "C" fn mad_end_packing(p: *mut MadPacker) -> c_int {
         if p.is_null() {
             return bad("packer is NULL");
         }
-        // SAFETY: a pointer from `Box::into_raw`, given back once.
-        let MadPacker { p, _ch } = *unsafe { Box::from_raw(p) };
+        // SAFETY: a handle from `mad_begin_packing`, given back once.
+        let p = unsafe { release(&SPARE_PACKER, p) };
         let r = p.end_packing();
-        drop(_ch);
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
@@ -589,8 +672,10 @@ pub unsafe extern "C" fn mad_end_packing(p: *mut MadPacker) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn mad_packer_abandon(p: *mut MadPacker) {
     if !p.is_null() {
-        // SAFETY: a pointer from `Box::into_raw`, given back once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p) })));
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: a handle from `mad_begin_packing`, given back once.
+            drop(unsafe { release(&SPARE_PACKER, p) })
+        }));
     }
 }
 
@@ -608,13 +693,16 @@ unsafe fn begin_recv(
         let (Some(c), false) = (unsafe { ch.as_ref() }, out.is_null()) else {
             return bad("channel or out is NULL");
         };
-        let keep = c.ch.clone();
         match begin(&c.ch) {
             Ok(Some(u)) => {
-                // SAFETY: as in `mad_begin_packing`: `keep` outlives the unpacker.
+                // SAFETY: as in `mad_begin_packing`: the slot's channel handle outlives the
+                // unpacker.
                 let u: Unpacker<'static, 'static> = unsafe { std::mem::transmute(u) };
+                let mut b = slot(&SPARE_UNPACKER, &c.ch);
+                b.msg.write(u);
                 // SAFETY: `out` checked above.
-                unsafe { put(out, MadUnpacker { u, _ch: keep }) }
+                unsafe { *out = Box::into_raw(b) };
+                MAD_OK
             }
             Ok(None) => MAD_AGAIN,
             Err(e) => fail(e),
@@ -684,7 +772,8 @@ pub unsafe extern "C" fn mad_try_begin_unpacking_from(
 #[no_mangle]
 pub unsafe extern "C" fn mad_unpacker_remote(u: *const MadUnpacker) -> usize {
     // SAFETY: the caller passes a valid unpacker or NULL (answered with `SIZE_MAX`).
-    unsafe { u.as_ref() }.map_or(usize::MAX, |u| u.u.remote())
+    // and a live handle's message is initialised.
+    unsafe { u.as_ref() }.map_or(usize::MAX, |u| unsafe { u.msg.assume_init_ref() }.remote())
 }
 
 /// Unpack the next piece, `len` bytes, into `buf`: `recv` must be the receive mode it was
@@ -719,9 +808,11 @@ pub unsafe extern "C" fn mad_unpack(
             // (caller's duty, module docs).
             unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) }
         };
+        // SAFETY: a live handle's message is initialised (the caller passes a live unpacker).
+        let u = unsafe { u.msg.assume_init_mut() };
         let res = match r {
-            RecvMode::Express => u.u.unpack_express(dst, s),
-            RecvMode::Cheaper => u.u.unpack(dst, s),
+            RecvMode::Express => u.unpack_express(dst, s),
+            RecvMode::Cheaper => u.unpack(dst, s),
         };
         match res {
             Ok(()) => MAD_OK,
@@ -741,10 +832,9 @@ pub unsafe extern "C" fn mad_end_unpacking(u: *mut MadUnpacker) -> c_int {
         if u.is_null() {
             return bad("unpacker is NULL");
         }
-        // SAFETY: a pointer from `Box::into_raw`, given back once.
-        let MadUnpacker { u, _ch } = *unsafe { Box::from_raw(u) };
+        // SAFETY: a handle from `mad_begin_unpacking*`, given back once.
+        let u = unsafe { release(&SPARE_UNPACKER, u) };
         let r = u.end_unpacking();
-        drop(_ch);
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
@@ -760,7 +850,9 @@ pub unsafe extern "C" fn mad_end_unpacking(u: *mut MadUnpacker) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn mad_unpacker_abandon(u: *mut MadUnpacker) {
     if !u.is_null() {
-        // SAFETY: a pointer from `Box::into_raw`, given back once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(u) })));
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: a handle from `mad_begin_unpacking*`, given back once.
+            drop(unsafe { release(&SPARE_UNPACKER, u) })
+        }));
     }
 }

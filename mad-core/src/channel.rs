@@ -939,6 +939,11 @@ impl Channel {
         }
     }
 
+    /// Whether `a` and `b` are handles of the same channel.
+    pub fn ptr_eq(a: &Channel, b: &Channel) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+
     /// Whether [`close`](Self::close) was called.
     pub fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::Acquire)
