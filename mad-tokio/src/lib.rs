@@ -1,7 +1,9 @@
 //! Madeleine on tokio: the blocking calls of a channel as futures.
 //!
 //! [`AsyncChannel`] wraps a [`Channel`] and registers its readiness descriptor
-//! ([`Channel::readiness_fd`]) with tokio's reactor. Every future follows the arming protocol of
+//! ([`Channel::readiness_fd`]) with tokio's reactor while a task sleeps on it (a registered
+//! descriptor is woken by the kernel at every event: for tcp, every segment that arrives,
+//! which busy traffic must not pay for). Every future follows the arming protocol of
 //! the descriptor: try the non-blocking call, arm, try again while arming says `Busy`, and
 //! await the descriptor only then, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
 //! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
@@ -78,11 +80,79 @@ impl AsRawFd for ReadyFd {
 struct Inner {
     // Declared first: deregistered from the reactor before the channel (which owns the
     // descriptor) can go.
-    fd: Option<AsyncFd<ReadyFd>>,
+    reg: std::sync::Mutex<Registration>,
+    /// The channel's readiness descriptor (`None`: the driver has none).
+    fd: Option<RawFd>,
     ch: Channel,
     spin: Option<Duration>,
     /// Rung by a task whose arm said `Busy`: the tasks asleep on this channel try again.
     busy: tokio::sync::Notify,
+}
+
+/// The descriptor's registration with the reactor, held only while a task sleeps on it: a
+/// registered descriptor is woken by the kernel at every event (for tcp, every segment that
+/// arrives), which busy traffic, whose futures never sleep, must not pay for.
+#[derive(Default)]
+struct Registration {
+    afd: Option<Arc<AsyncFd<ReadyFd>>>,
+    sleepers: usize,
+}
+
+/// A task asleep on the descriptor; the last one to leave deregisters it.
+struct Sleeper<'a> {
+    inner: &'a Inner,
+    afd: Option<Arc<AsyncFd<ReadyFd>>>,
+}
+
+impl Drop for Sleeper<'_> {
+    fn drop(&mut self) {
+        let mut r = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
+        // Under the lock: a registration is gone before another can be made.
+        drop(self.afd.take());
+        r.sleepers -= 1;
+        if r.sleepers == 0 {
+            r.afd = None;
+        }
+    }
+}
+
+/// Register `fd` (the channel's readiness descriptor) with the current runtime's reactor.
+///
+/// # Safety
+/// `fd` stays open and unchanged while the registration lives.
+unsafe fn register(fd: RawFd) -> Result<AsyncFd<ReadyFd>> {
+    // SAFETY: the caller's contract.
+    unsafe { AsyncFd::register_with_interest(ReadyFd(fd), tokio::io::Interest::READABLE) }.map_err(
+        |e| {
+            Error::io(
+                "registering the channel's readiness descriptor with tokio",
+                e.into_parts().1,
+            )
+        },
+    )
+}
+
+impl Inner {
+    /// Join the tasks asleep on the descriptor, registering it if this is the first.
+    fn sleeper(&self, fd: RawFd) -> Result<Sleeper<'_>> {
+        let mut r = self.reg.lock().unwrap_or_else(|p| p.into_inner());
+        let afd = match &r.afd {
+            Some(a) => a.clone(),
+            None => {
+                // SAFETY: the descriptor belongs to the channel, which `Inner` holds; every
+                // registration is dropped by a `Sleeper` (borrowing `Inner`) or with `Inner`
+                // (its `reg` field goes before its `ch`).
+                let a = Arc::new(unsafe { register(fd) }?);
+                r.afd = Some(a.clone());
+                a
+            }
+        };
+        r.sleepers += 1;
+        Ok(Sleeper {
+            inner: self,
+            afd: Some(afd),
+        })
+    }
 }
 
 /// A [`Channel`] whose waits are futures. Cheap to clone; `Send + Sync`.
@@ -111,18 +181,13 @@ impl AsyncChannel {
     pub fn new(ch: Channel) -> Result<AsyncChannel> {
         let fd = match ch.readiness_fd() {
             Some(fd) => {
-                let fd = ReadyFd(fd.as_raw_fd());
-                // SAFETY: the descriptor belongs to the channel, which `Inner` holds: it stays
-                // open and unchanged while registered, and `Inner` drops the registration
-                // (its first field) before its handle of the channel.
-                let afd =
-                    unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
-                Some(afd.map_err(|e| {
-                    Error::io(
-                        "registering the channel's readiness descriptor with tokio",
-                        e.into_parts().1,
-                    )
-                })?)
+                let fd = fd.as_raw_fd();
+                // Registered only while a task sleeps; once now, so that a runtime without
+                // I/O is refused here rather than at the first wait.
+                // SAFETY: the channel (owned by the caller, then by `Inner`) keeps the
+                // descriptor open; the registration is dropped at once.
+                drop(unsafe { register(fd) }?);
+                Some(fd)
             }
             None => {
                 // Without a descriptor, waits are timed back-offs: the runtime needs timers.
@@ -144,6 +209,7 @@ impl AsyncChannel {
         };
         Ok(AsyncChannel {
             inner: Arc::new(Inner {
+                reg: Default::default(),
                 fd,
                 ch,
                 spin,
@@ -215,8 +281,10 @@ impl AsyncChannel {
                 }
                 continue;
             }
-            match &inner.fd {
-                Some(afd) => {
+            match inner.fd {
+                Some(fd) => {
+                    let sleeper = inner.sleeper(fd)?;
+                    let afd = sleeper.afd.as_deref().expect("set until dropped");
                     tokio::select! {
                         ready = afd.readable() => {
                             let mut ready = ready.map_err(|e| {
