@@ -83,6 +83,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MAD_KIT_CASES", "conformance kit: comma-separated cases to run"),
     ("MAD_KIT_BIG", "conformance kit: 1 adds the 64 MiB pieces"),
     ("ENGINE_LOOP", "benches/engine.rs: run N one-piece round trips without criterion (for callgrind)"),
+    ("ENGINE_LOOP_CALLS", "benches/engine.rs with ENGINE_LOOP: which calls the round trips use (blocking, polled or async)"),
     ("FIG4_ORDER", "mad-via figure4 bench: `rotate` brings back the old rotated fixed order of the variants"),
     ("FIG4_SHARED_BUFFER", "mad-via figure4 bench: set: one buffer shared by every variant (the old, biased schedule)"),
     ("FIG4_REPS", "mad-via figure4 bench: repetitions per size"),
