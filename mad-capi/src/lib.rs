@@ -630,10 +630,14 @@ pub unsafe extern "C" fn mad_pack(
             SendMode::Safer => p.pack_safer(bytes, r),
             SendMode::Cheaper => p.pack(bytes, r),
             SendMode::Later => {
-                // SAFETY: `Cell<u8>` has the layout of `u8`; the bytes are read at the end
-                // (the caller keeps them valid, and may write them until then).
-                let cells: &'static [Cell<u8>] =
-                    unsafe { &*(bytes as *const [u8] as *const [Cell<u8>]) };
+                // Cells, not bytes: the caller may write them until `mad_end_packing`.
+                let cells: &'static [Cell<u8>] = if len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: `Cell<u8>` has the layout of `u8`; `data` has `len` bytes that
+                    // stay valid until the end (caller's duty, module docs).
+                    unsafe { std::slice::from_raw_parts(data.cast::<Cell<u8>>(), len) }
+                };
                 p.pack_later(cells, r)
             }
         };

@@ -290,17 +290,15 @@ impl UnpackState<'_> {
         buf: &mut [u8],
         piece: bool,
     ) -> Result<()> {
-        {
-            let index = self.index;
-            self.rx().spare.plan.ops.push(RxOp::Copy {
-                tm,
-                want,
-                dst: RawMut::of(buf),
-                end: piece.then_some(index),
-                index,
-            });
-            self.cur = tm;
-        }
+        let index = self.index;
+        self.rx().spare.plan.ops.push(RxOp::Copy {
+            tm,
+            want,
+            dst: RawMut::of(buf),
+            end: piece.then_some(index),
+            index,
+        });
+        self.cur = tm;
         Ok(())
     }
 
