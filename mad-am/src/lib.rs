@@ -321,6 +321,17 @@ pub struct Request<'p, 'c> {
     len: u64,
 }
 
+impl std::fmt::Debug for Request<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request")
+            .field("from", &self.from)
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Where a request's arguments are.
 enum Src<'c> {
     /// Still in the open message.
@@ -612,6 +623,18 @@ pub struct Poller<'c> {
     /// The message in progress of the thread that polls from inside its own send: driven at
     /// every wait of the poller (see [`Endpoint::help_with`]).
     own: Option<&'c mut (dyn FnMut() -> bool + 'c)>,
+}
+
+/// The endpoint and how many messages it is moving; never their bytes.
+impl std::fmt::Debug for Poller<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Poller")
+            .field("endpoint", self.ep)
+            .field("sending", &self.sending.len())
+            .field("waiting", &self.waiting.len())
+            .field("contending", &self.counted)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'c> Poller<'c> {

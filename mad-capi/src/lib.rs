@@ -32,11 +32,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use madeleine::{Channel, Error, Packer, RecvMode, SendMode, Session, Unpacker};
 
 /// A session: this process's rank among the processes of the job, and its channels' drivers.
+#[derive(Debug)]
 pub struct MadSession {
     s: Session,
 }
 
 /// An open channel (one protocol, one adapter, a connection to every peer).
+#[derive(Debug)]
 pub struct MadChannel {
     ch: Channel,
 }
@@ -54,6 +56,24 @@ pub struct MadUnpacker {
     /// As in [`MadPacker`].
     msg: MaybeUninit<Unpacker<'static, 'static>>,
     ch: Channel,
+}
+
+/// The channel only: the message may be uninitialised (a cached slot).
+impl std::fmt::Debug for MadPacker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MadPacker")
+            .field("channel", &self.ch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The channel only: the message may be uninitialised (a cached slot).
+impl std::fmt::Debug for MadUnpacker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MadUnpacker")
+            .field("channel", &self.ch)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The memory of a message handle. A thread keeps the memory of its last ended packer and
@@ -177,6 +197,7 @@ pub const MAD_RECV_CHEAPER: c_int = 1;
 
 /// A channel's counters (`mad_channel_stats`).
 #[repr(C)]
+#[derive(Debug)]
 pub struct MadStats {
     /// Messages sent (completed `mad_end_packing`).
     pub messages_sent: u64,

@@ -547,6 +547,12 @@ pub struct LinkPair {
     pub rx: Box<dyn RxLink>,
 }
 
+impl std::fmt::Debug for LinkPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkPair").finish_non_exhaustive()
+    }
+}
+
 /// What a driver returns when a channel opens.
 pub struct OpenedChannel {
     /// One entry per rank; `None` for this process's own rank (and for ranks the driver cannot
@@ -556,6 +562,19 @@ pub struct OpenedChannel {
     pub incoming: Box<dyn Incoming>,
     /// Lines for the selection table about the active paths (e.g. "CMA permitted: yes").
     pub notes: Vec<String>,
+}
+
+impl std::fmt::Debug for OpenedChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedChannel")
+            .field("ranks", &self.links.len())
+            .field(
+                "connected",
+                &self.links.iter().filter(|l| l.is_some()).count(),
+            )
+            .field("notes", &self.notes)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Everything a driver needs to open a channel.
@@ -569,6 +588,18 @@ pub struct OpenContext<'a> {
     pub table: &'a TmTable,
     /// The channel's progress policy (drivers use it for their own internal waits).
     pub progress: &'a ProgressPolicy,
+}
+
+impl std::fmt::Debug for OpenContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenContext")
+            .field("config", self.config)
+            .field("rank", &self.bootstrap.rank())
+            .field("size", &self.bootstrap.size())
+            .field("table", self.table)
+            .field("progress", self.progress)
+            .finish()
+    }
 }
 
 impl OpenContext<'_> {

@@ -100,6 +100,22 @@ pub struct Packer<'c, 'b> {
     held: Vec<Held<'b>>,
 }
 
+/// The channel, the peer and the counts; never the bytes.
+impl std::fmt::Debug for Packer<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packer")
+            .field("channel", &self.st.ch.config.name)
+            .field("to", &self.st.remote)
+            .field("pieces", &self.st.index)
+            .field("bytes", &self.st.bytes)
+            .field("gathered", &self.group.len())
+            .field("later", &self.tail.len())
+            .field("checked", &self.st.checked)
+            .field("finished", &self.st.done)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The lists a connection's sending direction lends to each message (see `lists.rs`).
 #[derive(Default)]
 pub(crate) struct TxSpare {
@@ -1275,6 +1291,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 /// std::thread::scope(|s| s.spawn(move || p.end_packing()).join().unwrap())
 /// # }
 /// ```
+#[derive(Debug)]
 pub struct SendPacker<'c, 'b>(Packer<'c, 'b>);
 
 // SAFETY: the one `!Send` thing a `Packer` may hold is a LATER piece over cells

@@ -57,6 +57,22 @@ pub struct SessionBuilder {
     bootstrap: Option<Box<dyn Bootstrap>>,
 }
 
+impl std::fmt::Debug for SessionBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let drivers: Vec<&str> = self.drivers.iter().map(|d| d.name()).collect();
+        f.debug_struct("SessionBuilder")
+            .field("drivers", &drivers)
+            .field(
+                "bootstrap",
+                &self
+                    .bootstrap
+                    .as_ref()
+                    .map(|b| format!("rank {} of {}", b.rank(), b.size())),
+            )
+            .finish()
+    }
+}
+
 impl SessionBuilder {
     /// Register a driver; channels whose configuration names it open through it.
     pub fn driver(mut self, d: impl Driver + 'static) -> Self {

@@ -58,6 +58,23 @@ pub struct Unpacker<'c, 'b> {
     tail: Vec<IoSliceMut<'b>>,
 }
 
+/// The channel, the peer and the counts; never the bytes.
+impl std::fmt::Debug for Unpacker<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unpacker")
+            .field("channel", &self.st.ch.config.name)
+            .field("from", &self.st.remote)
+            .field("pieces", &self.st.index)
+            .field("bytes", &self.st.bytes)
+            .field("gathered", &self.group.len())
+            .field("later", &self.tail.len())
+            .field("checked", &self.st.checked)
+            .field("deferred", &self.st.recording)
+            .field("finished", &self.st.done)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The lists a connection's receiving direction lends to each message (see `lists.rs`).
 #[derive(Default)]
 pub(crate) struct RxSpare {

@@ -88,6 +88,16 @@ pub struct Conn {
     sigs: Option<PeerSignals>,
 }
 
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("out", &self.out)
+            .field("in", &self.inr)
+            .field("torn", &self.torn.is_torn())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Conn {
     /// Tear the connection down for both ends: the peer's receive sees our writer closed, its
     /// sends our reader closed (both woken now), and our two halves fail from now on.
@@ -190,6 +200,19 @@ pub struct ShmTx {
     gate: ProbeGate,
     /// The peer's readiness sockets (`None` when the channel has no readiness descriptor).
     sigs: Option<PeerSignals>,
+}
+
+/// The peer and the counts; never the bytes.
+impl std::fmt::Debug for ShmTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTx")
+            .field("peer", &self.peer)
+            .field("ring", &self.prod)
+            .field("cma_tm", &self.cma_tm)
+            .field("cma_posted", &self.cma_posted)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShmTx {
@@ -587,6 +610,19 @@ pub struct ShmRx {
     sigs: Option<PeerSignals>,
 }
 
+/// The peer and the counts; never the bytes.
+impl std::fmt::Debug for ShmRx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmRx")
+            .field("peer", &self.peer)
+            .field("peer_pid", &self.peer_pid)
+            .field("ring", &self.cons)
+            .field("cma_tm", &self.cma_tm)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ShmRx {
     /// The receiving half from `peer` (process `peer_pid`), reading `ring` inside `own`.
     pub fn new(
@@ -927,6 +963,18 @@ pub struct ShmIncoming {
     ready: Option<Readiness>,
     conns: Vec<Arc<Conn>>,
     shut: AtomicBool,
+}
+
+impl std::fmt::Debug for ShmIncoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<usize> = self.peers.iter().map(|p| p.0).collect();
+        f.debug_struct("ShmIncoming")
+            .field("segment", &self.own)
+            .field("peers", &peers)
+            .field("readiness", &self.ready)
+            .field("shut", &self.shut)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShmIncoming {

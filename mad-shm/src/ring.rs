@@ -61,7 +61,7 @@ pub struct Corrupt {
 }
 
 /// One ring inside a region: its header block and data area.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct RingView {
     region: Region,
     base: usize,
@@ -162,6 +162,7 @@ impl RingView {
 }
 
 /// The writing end of a ring.
+#[derive(Debug)]
 pub struct Producer {
     v: RingView,
     head: u64,
@@ -282,6 +283,7 @@ impl Producer {
 }
 
 /// The reading end of a ring.
+#[derive(Debug)]
 pub struct Consumer {
     v: RingView,
     tail: u64,

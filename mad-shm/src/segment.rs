@@ -47,6 +47,7 @@ fn ring_base(i: usize, cap: usize) -> usize {
 }
 
 /// One mapped segment.
+#[derive(Debug)]
 pub struct Segment {
     file: SegmentFile,
     n: usize,

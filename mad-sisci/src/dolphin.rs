@@ -249,6 +249,16 @@ pub struct DolphinTx {
     area_off: usize,
 }
 
+impl std::fmt::Debug for DolphinTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DolphinTx")
+            .field("peer", &self.peer)
+            .field("own", &self.own)
+            .field("dma", &self.dma.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 enum DmaOutcome {
     Done,
     PeerGone,
@@ -366,6 +376,7 @@ impl TxWire for DolphinTx {
 }
 
 /// Receiving half on `dolphin`.
+#[derive(Debug)]
 pub struct DolphinRx {
     peer: Arc<RemoteSegment>,
 }

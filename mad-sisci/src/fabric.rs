@@ -120,6 +120,7 @@ impl Fabric for Local {
 }
 
 /// Sending half on `local`: the peer's segment (its doorbell) and its readiness sockets.
+#[derive(Debug)]
 pub struct LocalTx {
     peer: Arc<Segment>,
     sigs: Option<PeerSignals>,
@@ -198,6 +199,7 @@ impl TxWire for LocalTx {
 
 /// Receiving half on `local`: this process's segment (its doorbell), and the peer's readiness
 /// sockets (for its armed sends).
+#[derive(Debug)]
 pub struct LocalRx {
     own: Arc<Segment>,
     sigs: Option<PeerSignals>,
@@ -244,6 +246,7 @@ impl RxWire for LocalRx {
 
 /// The any-source watcher on `local`: this process's segment (its doorbell) and the channel's
 /// readiness descriptor, if it has one.
+#[derive(Debug)]
 pub struct LocalOwn {
     seg: Arc<Segment>,
     ready: Option<Readiness>,
@@ -282,6 +285,7 @@ impl OwnWire for LocalOwn {
 /// What the channel's shutdown does to one connection on `local`
 /// ([`Incoming::shutdown`](mad_core::driver::Incoming::shutdown)): plain stores into the
 /// peer's area, its bells in shared memory.
+#[derive(Debug)]
 pub struct LocalShut {
     torn: Arc<Teardown>,
     /// The area of the peer's segment this side writes.

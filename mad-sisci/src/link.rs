@@ -35,7 +35,7 @@ pub const TM_DMA: TmId = 2;
 
 /// The two areas of one connection: `local` (in this process's segment, written by the peer)
 /// and `remote` (in the peer's segment, written by this process).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Ends {
     /// Area of this process's segment that the peer writes.
     pub local: Region,
@@ -145,6 +145,20 @@ pub struct SciTx<F: Fabric> {
     torn: Option<Arc<Teardown>>,
     /// Rate limit of the peer-gone probe of `begin_message`.
     gate: ProbeGate,
+}
+
+/// The peer and the positions; never the bytes.
+impl<F: Fabric> std::fmt::Debug for SciTx<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SciTx")
+            .field("peer", &self.peer)
+            .field("geometry", &self.e.geom)
+            .field("slot_pos", &self.slot_pos)
+            .field("head", &self.head)
+            .field("chunk_pos", &self.chunk_pos)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<F: Fabric> SciTx<F> {
@@ -533,6 +547,20 @@ pub struct SciRx<F: Fabric> {
     torn: Option<Arc<Teardown>>,
 }
 
+/// The peer and the positions; never the bytes.
+impl<F: Fabric> std::fmt::Debug for SciRx<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SciRx")
+            .field("peer", &self.peer)
+            .field("geometry", &self.e.geom)
+            .field("slot_pos", &self.slot_pos)
+            .field("tail", &self.tail)
+            .field("chunk_pos", &self.chunk_pos)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<F: Fabric> SciRx<F> {
     /// The receiving half from `peer`.
     pub fn new(
@@ -810,6 +838,7 @@ impl<F: Fabric> Drop for SciRx<F> {
 }
 
 /// One watched peer of [`SciIncoming`].
+#[derive(Debug)]
 pub struct Watched {
     /// Its rank.
     pub rank: usize,
@@ -839,6 +868,17 @@ pub struct SciIncoming<F: Fabric> {
     peers: Vec<Watched>,
     deaths: DeathCheck,
     shut: AtomicBool,
+}
+
+impl<F: Fabric> std::fmt::Debug for SciIncoming<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<usize> = self.peers.iter().map(|w| w.rank).collect();
+        f.debug_struct("SciIncoming")
+            .field("geometry", &self.geom)
+            .field("peers", &peers)
+            .field("shut", &self.shut)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<F: Fabric> SciIncoming<F> {

@@ -19,6 +19,7 @@ pub const PREFIX: &str = "mad-sisci-";
 pub const PROOF_LEN: usize = 32;
 
 /// One mapped segment (this process's, or a peer's).
+#[derive(Debug)]
 pub struct Segment {
     file: SegmentFile,
     geom: Geometry,

@@ -1226,6 +1226,9 @@ impl Drop for DmaQueue {
     }
 }
 
+/// The `Debug` impls of this module's handles: names, numbers and sizes, never the memory.
+mod debug;
+
 #[cfg(test)]
 mod tests {
     use super::*;

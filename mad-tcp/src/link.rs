@@ -304,6 +304,19 @@ pub struct TcpTx {
     send_fd: Option<(TcpStream, bool)>,
 }
 
+/// The peer, the descriptor and the counts; never the bytes.
+impl std::fmt::Debug for TcpTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTx")
+            .field("peer", &self.peer)
+            .field("fd", &self.fd)
+            .field("queued", &(self.tail - self.head))
+            .field("moved", &self.moved)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TcpTx {
     pub(crate) fn new(
         sock: Arc<TcpStream>,
@@ -570,6 +583,19 @@ pub(crate) struct Watch {
     events: Arc<Events>,
 }
 
+/// The peer, the descriptor and the counts; never the bytes.
+impl std::fmt::Debug for TcpRx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpRx")
+            .field("peer", &self.peer)
+            .field("fd", &self.fd)
+            .field("buffered", &(self.tail - self.head))
+            .field("moved", &self.moved)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
 impl TcpRx {
     pub(crate) fn new(
         sock: Arc<TcpStream>,
@@ -824,6 +850,16 @@ pub struct TcpIncoming {
     /// Every watched connection (polled directly with few peers; for liveness in any case).
     list: Vec<Watched>,
     events: Arc<Events>,
+}
+
+impl std::fmt::Debug for TcpIncoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<usize> = self.list.iter().map(|w| w.peer).collect();
+        f.debug_struct("TcpIncoming")
+            .field("epoll", &self.epoll)
+            .field("peers", &peers)
+            .finish_non_exhaustive()
+    }
 }
 
 struct Watched {

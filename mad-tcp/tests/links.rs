@@ -449,13 +449,9 @@ fn wrong_secret_fails_with_auth_and_the_acceptor_times_out_naming_the_rank() {
     let res = common::open_with(boxed(boots), c, tables);
     let e1 = res[1]
         .as_ref()
-        .err()
-        .expect("rank 1 opened with a wrong secret");
+        .expect_err("rank 1 opened with a wrong secret");
     assert!(matches!(e1, Error::Auth(_)), "{e1}");
-    let e0 = res[0]
-        .as_ref()
-        .err()
-        .expect("rank 0 opened without its peer");
+    let e0 = res[0].as_ref().expect_err("rank 0 opened without its peer");
     assert!(e0.to_string().contains("[1]"), "{e0}");
 }
 
@@ -471,7 +467,7 @@ fn different_tables_are_bad_config_on_both_sides() {
     ];
     let c = ChannelConfig::parse("fp", "tcp,connect_timeout_ms=3000").unwrap();
     for r in common::open_with(boots, c, tables) {
-        let e = r.err().expect("mismatched tables opened");
+        let e = r.expect_err("mismatched tables opened");
         assert!(matches!(e, Error::BadConfig(_)), "{e}");
     }
 }

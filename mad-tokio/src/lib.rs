@@ -352,6 +352,12 @@ pub struct AsyncPacker<'c, 'b> {
     ch: &'c AsyncChannel,
 }
 
+impl std::fmt::Debug for AsyncPacker<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AsyncPacker").field(&self.p).finish()
+    }
+}
+
 impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// CHEAPER: `data` stays borrowed, untouched, until `end_packing`.
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
@@ -402,6 +408,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
 pub struct AsyncUnpacker<'c, 'b> {
     u: Unpacker<'c, 'b>,
     ch: &'c AsyncChannel,
+}
+
+impl std::fmt::Debug for AsyncUnpacker<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AsyncUnpacker").field(&self.u).finish()
+    }
 }
 
 impl<'c, 'b> AsyncUnpacker<'c, 'b> {

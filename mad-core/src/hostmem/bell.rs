@@ -20,7 +20,7 @@ use super::ready::{Signal, ARMED};
 use super::sys;
 
 /// A futex word and its sleeper count (both in shared memory).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct Bell<'a> {
     word: &'a AtomicU32,
     sleepers: &'a AtomicU32,

@@ -197,6 +197,17 @@ pub struct Readiness {
     registration: Once,
 }
 
+impl std::fmt::Debug for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<usize> = self.peers.iter().map(|w| w.rank).collect();
+        f.debug_struct("Readiness")
+            .field("endpoint", &self.ep)
+            .field("peers", &peers)
+            .field("woken", &self.woken)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Readiness {
     /// Readiness through `ep` (this process's endpoint, bound as `name`), watching the
     /// processes of `peers` (rank, watch): their pidfds join the epoll set at the first arm.

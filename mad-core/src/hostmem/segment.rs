@@ -105,6 +105,7 @@ fn no_space(driver: &str, size: usize, host_ranks: usize, advice: &str) -> Error
 }
 
 /// A local peer as [`map_peers`] returns it.
+#[derive(Debug)]
 pub struct MappedPeer<I, S> {
     /// What it announced, decoded.
     pub info: I,
@@ -159,6 +160,7 @@ pub fn map_peers<I, S>(
 
 /// A mapped segment file: this process's own (created, removed on drop until
 /// [`unlink`](Self::unlink)ed) or a peer's (opened).
+#[derive(Debug)]
 pub struct SegmentFile {
     region: Region,
     path: PathBuf,

@@ -54,6 +54,7 @@ pub fn fs_space(path: &std::path::Path) -> Option<(u64, u64)> {
 }
 
 /// A shared, writable mapping of a whole file (unmapped on drop).
+#[derive(Debug)]
 pub struct Mapping {
     raw: memmap2::MmapRaw,
 }
@@ -106,6 +107,16 @@ pub struct Region {
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
+
+/// The address and the length; never the bytes.
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Region {
     /// The whole of a shared mapping.

@@ -124,6 +124,7 @@ impl PeerWatch {
 }
 
 /// Rate-limited liveness checks of a peer process, for one link half.
+#[derive(Debug)]
 pub struct Liveness {
     watch: Arc<PeerWatch>,
     polls: u32,
