@@ -175,22 +175,26 @@ impl Default for Config {
 
 impl Config {
     /// Pool size and queue length.
+    #[must_use]
     pub fn pool(mut self, workers: usize, queue: usize) -> Self {
         self.workers = workers.max(1);
         self.queue = queue;
         self
     }
     /// [`Config::call_timeout`].
+    #[must_use]
     pub fn call_timeout(mut self, t: Option<Duration>) -> Self {
         self.call_timeout = t;
         self
     }
     /// [`Config::max_body`].
+    #[must_use]
     pub fn max_body(mut self, n: u64) -> Self {
         self.max_body = n;
         self
     }
     /// [`Config::fragment`] (clamped to 4 GiB − 1; 0: never split).
+    #[must_use]
     pub fn fragment(mut self, n: usize) -> Self {
         self.fragment = n.min(u32::MAX as usize);
         self

@@ -176,36 +176,42 @@ impl ChannelConfig {
     }
 
     /// Set the adapter.
+    #[must_use]
     pub fn adapter(mut self, adapter: impl Into<String>) -> Self {
         self.adapter = Some(adapter.into());
         self
     }
 
     /// Turn checked mode on or off.
+    #[must_use]
     pub fn checked(mut self, on: bool) -> Self {
         self.checked = on;
         self
     }
 
     /// Set the progress mode.
+    #[must_use]
     pub fn progress(mut self, mode: ProgressMode) -> Self {
         self.progress = mode;
         self
     }
 
     /// Set the operation timeout.
+    #[must_use]
     pub fn op_timeout(mut self, t: Duration) -> Self {
         self.op_timeout = Some(t);
         self
     }
 
     /// Override the `max_len` threshold of the TM named `tm`.
+    #[must_use]
     pub fn threshold(mut self, tm: impl Into<String>, max_len: usize) -> Self {
         self.thresholds.insert(tm.into(), max_len);
         self
     }
 
     /// Set a driver-specific option.
+    #[must_use]
     pub fn option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.options.insert(key.into(), value.into());
         self

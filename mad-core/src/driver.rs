@@ -110,6 +110,7 @@ impl TmSpec {
         }
     }
     /// Restrict the modes this TM accepts.
+    #[must_use]
     pub const fn with_modes(mut self, modes: ModeSet) -> Self {
         self.modes = modes;
         self

@@ -93,6 +93,7 @@ use crate::wire;
 /// p.end_packing()?;
 /// # Ok(()) }
 /// ```
+#[must_use = "dropping a Packer abandons its message (call `end_packing`); if part of it had left, the connection is closed"]
 pub struct Packer<'c, 'b> {
     st: PackState<'c>,
     group: Vec<IoSlice<'b>>,
@@ -1292,6 +1293,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 /// # }
 /// ```
 #[derive(Debug)]
+#[must_use = "dropping a SendPacker abandons its message (call `end_packing`); if part of it had left, the connection is closed"]
 pub struct SendPacker<'c, 'b>(Packer<'c, 'b>);
 
 // SAFETY: the one `!Send` thing a `Packer` may hold is a LATER piece over cells

@@ -52,6 +52,7 @@ impl std::fmt::Debug for Session {
 
 /// Builds a [`Session`]: register drivers, optionally choose the bootstrap.
 #[derive(Default)]
+#[must_use = "a SessionBuilder does nothing until `build` is called"]
 pub struct SessionBuilder {
     drivers: Vec<Arc<dyn Driver>>,
     bootstrap: Option<Box<dyn Bootstrap>>,

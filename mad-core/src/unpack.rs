@@ -52,6 +52,7 @@ use crate::wire;
 /// Dropping an unpacker before `end_unpacking`, or an error while unpacking, leaves the rest
 /// of the message in the stream: the connection's receiving side is closed and later receives
 /// from that peer on this channel return [`Error::Poisoned`].
+#[must_use = "dropping an Unpacker before `end_unpacking` leaves the rest of its message unread and closes the connection from that peer"]
 pub struct Unpacker<'c, 'b> {
     st: UnpackState<'c>,
     group: Vec<IoSliceMut<'b>>,

@@ -249,6 +249,7 @@ impl ShmTx {
 
     /// Signal the peer's readiness sockets `sigs` when it armed its descriptor (the channel
     /// has one). Call before [`connection`].
+    #[must_use]
     pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
         self.sigs = sigs;
         self
@@ -652,6 +653,7 @@ impl ShmRx {
 
     /// Signal the peer's readiness sockets `sigs` when it armed a send on this ring (the
     /// channel has a readiness descriptor). Call before [`connection`].
+    #[must_use]
     pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
         self.sigs = sigs;
         self
@@ -991,12 +993,14 @@ impl ShmIncoming {
     }
 
     /// The channel's readiness descriptor (`None`: the channel has none).
+    #[must_use]
     pub fn with_readiness(mut self, ready: Option<Readiness>) -> Self {
         self.ready = ready;
         self
     }
 
     /// The connections [`shutdown`](Incoming::shutdown) closes.
+    #[must_use]
     pub fn with_connections(mut self, conns: Vec<Arc<Conn>>) -> Self {
         self.conns = conns;
         self

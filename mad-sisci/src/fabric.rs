@@ -133,6 +133,7 @@ impl LocalTx {
     }
 
     /// Signal the peer's readiness sockets `sigs` when it armed its descriptor.
+    #[must_use]
     pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
         self.sigs = sigs;
         self
@@ -212,6 +213,7 @@ impl LocalRx {
     }
 
     /// Signal the peer's readiness sockets `sigs` when it armed a send.
+    #[must_use]
     pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
         self.sigs = sigs;
         self

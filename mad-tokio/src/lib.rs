@@ -347,6 +347,7 @@ fn ready_some<T>(r: Result<Option<T>>) -> Poll<Result<T>> {
 
 /// A message being built; `pack*` never wait, [`end_packing`](Self::end_packing) is a future.
 /// `Send`: it may cross `.await`s on a multi-threaded runtime.
+#[must_use = "dropping an AsyncPacker abandons its message (await `end_packing`); if part of it had left, the connection is closed"]
 pub struct AsyncPacker<'c, 'b> {
     p: SendPacker<'c, 'b>,
     ch: &'c AsyncChannel,
@@ -405,6 +406,7 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
 
 /// A message being taken apart; CHEAPER `unpack` never waits, EXPRESS unpacks and the end
 /// are futures. `Send`.
+#[must_use = "dropping an AsyncUnpacker before `end_unpacking` leaves the rest of its message unread and closes the connection from that peer"]
 pub struct AsyncUnpacker<'c, 'b> {
     u: Unpacker<'c, 'b>,
     ch: &'c AsyncChannel,
