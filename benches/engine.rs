@@ -129,10 +129,7 @@ impl Driver for NullDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::None,
-            keys: &["copy_max", "buf"],
-        }
+        DriverOptions::new(Adapters::None, &["copy_max", "buf"])
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -150,8 +147,8 @@ impl Driver for NullDriver {
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
         let buf = ctx.config.option_parsed::<usize>("buf")?.unwrap_or(4096);
         let (rank, size) = (ctx.bootstrap.rank(), ctx.bootstrap.size());
-        Ok(OpenedChannel {
-            links: (0..size)
+        Ok(OpenedChannel::new(
+            (0..size)
                 .map(|p| {
                     (p != rank).then(|| LinkPair {
                         tx: Box::new(NullTx {
@@ -162,9 +159,9 @@ impl Driver for NullDriver {
                     })
                 })
                 .collect(),
-            incoming: Box::new(NullIncoming),
-            notes: Vec::new(),
-        })
+            Box::new(NullIncoming),
+        )
+        .with_notes(Vec::new()))
     }
 }
 
@@ -330,8 +327,8 @@ impl Driver for LoopDriver {
                 .expect("rank 0 published the queues"),
         };
         // Queue d carries rank d's messages to the other rank.
-        Ok(OpenedChannel {
-            links: (0..size)
+        Ok(OpenedChannel::new(
+            (0..size)
                 .map(|p| {
                     (p != rank).then(|| LinkPair {
                         tx: Box::new(LoopTx {
@@ -345,9 +342,9 @@ impl Driver for LoopDriver {
                     })
                 })
                 .collect(),
-            incoming: Box::new(NullIncoming),
-            notes: Vec::new(),
-        })
+            Box::new(NullIncoming),
+        )
+        .with_notes(Vec::new()))
     }
 }
 

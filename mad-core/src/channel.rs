@@ -353,6 +353,7 @@ impl LinkCounters {
 
 /// A snapshot of a channel's counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChannelStats {
     /// Messages sent (completed `end_packing`).
     pub messages_sent: u64,

@@ -110,6 +110,7 @@ pub const MAX_CONFIG_FILE: u64 = 1 << 20;
 
 /// Which adapters (the part after `driver:`) a driver accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Adapters {
     /// None: `driver:anything` is refused.
     None,
@@ -124,6 +125,7 @@ pub enum Adapters {
 /// keys of its options. Checked by the session ([`ChannelConfig::check_against`]) before the
 /// driver sees the configuration, so an unknown or misspelt key never goes unnoticed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DriverOptions {
     /// The adapters accepted.
     pub adapters: Adapters,
@@ -132,6 +134,11 @@ pub struct DriverOptions {
 }
 
 impl DriverOptions {
+    /// These adapters and these option keys.
+    pub const fn new(adapters: Adapters, keys: &'static [&'static str]) -> Self {
+        DriverOptions { adapters, keys }
+    }
+
     /// No adapter and no option of its own.
     pub const NONE: DriverOptions = DriverOptions {
         adapters: Adapters::None,
@@ -141,6 +148,7 @@ impl DriverOptions {
 
 /// The configuration of one channel.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChannelConfig {
     /// The channel's name (what `open_channel` was called with).
     pub name: String,

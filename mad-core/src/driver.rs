@@ -57,6 +57,7 @@ pub const MAX_TMS: usize = 8;
 
 /// The generic buffer-management module a TM uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Bmm {
     /// Copy pieces into driver-lent buffers, aggregating small pieces and splitting big ones.
     Copy,
@@ -66,6 +67,7 @@ pub enum Bmm {
 
 /// Static description of one transmission module.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TmSpec {
     /// Short name, unique in the table (used in the selection table and in overrides).
     pub name: &'static str,
@@ -264,7 +266,19 @@ impl TmTable {
 }
 
 /// What a driver can do, as a struct of limits and flags (smoltcp's `DeviceCapabilities`).
+///
+/// `non_exhaustive`: a driver of another crate starts from [`Capabilities::default`] and
+/// changes what differs with the `with_*` methods (or by assigning fields):
+///
+/// ```
+/// use mad_core::driver::Capabilities;
+/// let caps = Capabilities::default()
+///     .with_direct_poll_limit(64)
+///     .with_intra_node_only(true);
+/// assert!(caps.detects_peer_death && caps.max_message.is_none());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Capabilities {
     /// With this many peers or fewer, any-source reception polls each connection directly
     /// ([`RxLink::poll_message`]) instead of asking [`Incoming::poll`] first. Drivers whose
@@ -287,6 +301,33 @@ impl Default for Capabilities {
             intra_node_only: false,
             max_message: None,
         }
+    }
+}
+
+impl Capabilities {
+    /// [`Capabilities::direct_poll_limit`].
+    #[must_use]
+    pub const fn with_direct_poll_limit(mut self, peers: usize) -> Self {
+        self.direct_poll_limit = peers;
+        self
+    }
+    /// [`Capabilities::detects_peer_death`].
+    #[must_use]
+    pub const fn with_detects_peer_death(mut self, on: bool) -> Self {
+        self.detects_peer_death = on;
+        self
+    }
+    /// [`Capabilities::intra_node_only`].
+    #[must_use]
+    pub const fn with_intra_node_only(mut self, on: bool) -> Self {
+        self.intra_node_only = on;
+        self
+    }
+    /// [`Capabilities::max_message`].
+    #[must_use]
+    pub const fn with_max_message(mut self, max: Option<u64>) -> Self {
+        self.max_message = max;
+        self
     }
 }
 
@@ -554,7 +595,9 @@ impl std::fmt::Debug for LinkPair {
     }
 }
 
-/// What a driver returns when a channel opens.
+/// What a driver returns when a channel opens ([`OpenedChannel::new`], then
+/// [`with_notes`](OpenedChannel::with_notes)).
+#[non_exhaustive]
 pub struct OpenedChannel {
     /// One entry per rank; `None` for this process's own rank (and for ranks the driver cannot
     /// reach, e.g. remote hosts for an intra-node driver).
@@ -563,6 +606,24 @@ pub struct OpenedChannel {
     pub incoming: Box<dyn Incoming>,
     /// Lines for the selection table about the active paths (e.g. "CMA permitted: yes").
     pub notes: Vec<String>,
+}
+
+impl OpenedChannel {
+    /// The links (one entry per rank, `None` for this rank and unreachable ones) and the
+    /// any-source readiness of a channel, without notes.
+    pub fn new(links: Vec<Option<LinkPair>>, incoming: Box<dyn Incoming>) -> Self {
+        OpenedChannel {
+            links,
+            incoming,
+            notes: Vec::new(),
+        }
+    }
+    /// [`OpenedChannel::notes`].
+    #[must_use]
+    pub fn with_notes(mut self, notes: Vec<String>) -> Self {
+        self.notes = notes;
+        self
+    }
 }
 
 impl std::fmt::Debug for OpenedChannel {
@@ -578,7 +639,9 @@ impl std::fmt::Debug for OpenedChannel {
     }
 }
 
-/// Everything a driver needs to open a channel.
+/// Everything a driver needs to open a channel ([`OpenContext::new`] outside the session, e.g.
+/// to open a driver's links directly in a test).
+#[non_exhaustive]
 pub struct OpenContext<'a> {
     /// The channel configuration (name, driver, adapter, options).
     pub config: &'a ChannelConfig,
@@ -603,7 +666,23 @@ impl std::fmt::Debug for OpenContext<'_> {
     }
 }
 
-impl OpenContext<'_> {
+impl<'a> OpenContext<'a> {
+    /// The context of opening `config` with `table` and `progress` among the processes of
+    /// `bootstrap`.
+    pub fn new(
+        config: &'a ChannelConfig,
+        bootstrap: &'a dyn Bootstrap,
+        table: &'a TmTable,
+        progress: &'a ProgressPolicy,
+    ) -> Self {
+        OpenContext {
+            config,
+            bootstrap,
+            table,
+            progress,
+        }
+    }
+
     /// A tag for bootstrap collectives that is unique to this channel.
     pub fn tag(&self, what: &str) -> String {
         format!("chan/{}/{}/{}", self.config.name, self.config.driver, what)

@@ -198,10 +198,7 @@ impl Driver for MemDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::None,
-            keys: &["buf", "frames", "copy_max"],
-        }
+        DriverOptions::new(Adapters::None, &["buf", "frames", "copy_max"])
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -218,12 +215,11 @@ impl Driver for MemDriver {
     }
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
-        Capabilities {
-            direct_poll_limit: 64,
-            detects_peer_death: true,
-            intra_node_only: true,
-            max_message: None,
-        }
+        Capabilities::default()
+            .with_direct_poll_limit(64)
+            .with_detects_peer_death(true)
+            .with_intra_node_only(true)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
@@ -312,19 +308,19 @@ impl Driver for MemDriver {
             .filter(|&d| d != rank)
             .map(|d| fabric.pipes[rank * size + d].clone())
             .collect();
-        Ok(OpenedChannel {
+        Ok(OpenedChannel::new(
             links,
-            incoming: Box::new(MemIncoming {
+            Box::new(MemIncoming {
                 inbound,
                 outbound,
                 forgotten: (0..size).map(|_| AtomicBool::new(false)).collect(),
                 bell: fabric.bells[rank].clone(),
             }),
-            notes: vec![format!(
-                "mem: {} B frames, at most {} frames per direction",
-                p.buf, p.frames
-            )],
-        })
+        )
+        .with_notes(vec![format!(
+            "mem: {} B frames, at most {} frames per direction",
+            p.buf, p.frames
+        )]))
     }
 }
 
@@ -820,12 +816,7 @@ mod tests {
                         .option("frames", "2");
                     let table = MemDriver.tm_table(&cfg).expect("table");
                     let progress = ProgressPolicy::default();
-                    let ctx = OpenContext {
-                        config: &cfg,
-                        bootstrap: &b,
-                        table: &table,
-                        progress: &progress,
-                    };
+                    let ctx = OpenContext::new(&cfg, &b, &table, &progress);
                     let ch = MemDriver.open(&ctx).expect("open");
                     body(b.rank(), ch)
                 })

@@ -48,6 +48,7 @@ impl Drop for Waiting {
 
 /// How a channel waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProgressMode {
     /// Busy-poll: never block in the kernel (lowest latency, burns a core).
     Poll,
@@ -71,8 +72,10 @@ const BLOCK_SLICE: Duration = Duration::from_millis(100);
 /// shares its core with other pollers lets them run instead of burning its time slice.
 pub const POLL_YIELD_AFTER: Duration = Duration::from_micros(20);
 
-/// A channel's progress policy.
+/// A channel's progress policy (`non_exhaustive`: start from [`ProgressPolicy::default`] and
+/// assign the fields that differ).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ProgressPolicy {
     /// The waiting mode.
     pub mode: ProgressMode,

@@ -387,12 +387,7 @@ impl Session {
             oversubscribed: inner.oversubscribed.load(Ordering::Relaxed),
             op_timeout: config.op_timeout,
         };
-        let ctx = OpenContext {
-            config: &config,
-            bootstrap: b,
-            table: &table,
-            progress: &progress,
-        };
+        let ctx = OpenContext::new(&config, b, &table, &progress);
         let opened = {
             let _handshake = tracing::debug_span!("driver_open").entered();
             driver.open(&ctx)?

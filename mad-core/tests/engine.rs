@@ -150,11 +150,7 @@ impl Driver for RecDriver {
                 })
             })
             .collect();
-        Ok(OpenedChannel {
-            links,
-            incoming: Box::new(NoIncoming),
-            notes: vec![],
-        })
+        Ok(OpenedChannel::new(links, Box::new(NoIncoming)).with_notes(vec![]))
     }
 }
 

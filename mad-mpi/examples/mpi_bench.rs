@@ -292,12 +292,12 @@ impl Bench<'_> {
         let config = ChannelConfig::parse("drv", &spec)?;
         let table = d.tm_table(&config)?;
         let progress = mad_core::progress::ProgressPolicy::default();
-        let mut ch = d.open(&OpenContext {
-            config: &config,
-            bootstrap: self.session.bootstrap(),
-            table: &table,
-            progress: &progress,
-        })?;
+        let mut ch = d.open(&OpenContext::new(
+            &config,
+            self.session.bootstrap(),
+            &table,
+            &progress,
+        ))?;
         let link = ch.links[self.peer]
             .as_mut()
             .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
@@ -431,12 +431,12 @@ impl Bench<'_> {
         let config = ChannelConfig::parse("phases", "mpi")?;
         let table = d.tm_table(&config)?;
         let progress = mad_core::progress::ProgressPolicy::default();
-        let mut opened = d.open(&OpenContext {
-            config: &config,
-            bootstrap: self.session.bootstrap(),
-            table: &table,
-            progress: &progress,
-        })?;
+        let mut opened = d.open(&OpenContext::new(
+            &config,
+            self.session.bootstrap(),
+            &table,
+            &progress,
+        ))?;
         let link = opened.links[self.peer]
             .as_mut()
             .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
@@ -548,12 +548,12 @@ impl Bench<'_> {
         let config = ChannelConfig::parse("cpu", "mpi")?;
         let table = d.tm_table(&config)?;
         let progress = mad_core::progress::ProgressPolicy::default();
-        let mut opened = d.open(&OpenContext {
-            config: &config,
-            bootstrap: self.session.bootstrap(),
-            table: &table,
-            progress: &progress,
-        })?;
+        let mut opened = d.open(&OpenContext::new(
+            &config,
+            self.session.bootstrap(),
+            &table,
+            &progress,
+        ))?;
         let link = opened.links[self.peer]
             .as_mut()
             .ok_or_else(|| mad_core::Error::protocol(self.peer, "no link"))?;
@@ -645,12 +645,12 @@ impl Bench<'_> {
         let config = ChannelConfig::parse("costs", "mpi")?;
         let table = d.tm_table(&config)?;
         let progress = mad_core::progress::ProgressPolicy::default();
-        let mut ch = d.open(&OpenContext {
-            config: &config,
-            bootstrap: self.session.bootstrap(),
-            table: &table,
-            progress: &progress,
-        })?;
+        let mut ch = d.open(&OpenContext::new(
+            &config,
+            self.session.bootstrap(),
+            &table,
+            &progress,
+        ))?;
         let n = 1_000_000;
         if self.me == 0 {
             let link = ch.links[self.peer]
@@ -773,12 +773,12 @@ impl Bench<'_> {
             let config = ChannelConfig::parse("cmp-drv", sp)?;
             let table = d.tm_table(&config)?;
             let progress = mad_core::progress::ProgressPolicy::default();
-            let opened = d.open(&OpenContext {
-                config: &config,
-                bootstrap: self.session.bootstrap(),
-                table: &table,
-                progress: &progress,
-            })?;
+            let opened = d.open(&OpenContext::new(
+                &config,
+                self.session.bootstrap(),
+                &table,
+                &progress,
+            ))?;
             drvs.push((
                 format!("{}:{sp}", if group { "drvg" } else { "drv" }),
                 opened,

@@ -80,6 +80,7 @@ const MAX_INFLIGHT: usize = 4;
 
 /// How a gather group travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GatherPolicy {
     /// Measured choice: [`use_datatype`].
     Auto,
@@ -108,6 +109,7 @@ impl GatherPolicy {
 /// The MPI implementation family, from `MPI_Get_library_version` (the same on every rank of a
 /// job, so both ends of a connection agree on decisions that depend on it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MpiFamily {
     /// MPICH and derivatives.
     Mpich,
@@ -361,10 +363,7 @@ impl Driver for MpiDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::None,
-            keys: &["gather", "eager_buf", "inline", "post"],
-        }
+        DriverOptions::new(Adapters::None, &["gather", "eager_buf", "inline", "post"])
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -373,16 +372,15 @@ impl Driver for MpiDriver {
     }
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
-        Capabilities {
+        Capabilities::default()
             // Up to 2 peers, any-source reception polls each link (one compare-and-swap and one
             // MPI_Test of its posted eager receive); beyond, one MPI_Testsome over every slot
             // (`Preposted::poll_any`). Kept from the probe-based first version, not re-measured.
-            direct_poll_limit: 2,
+            .with_direct_poll_limit(2)
             // MPI aborts the job (or hangs) on a dead peer; it does not report it.
-            detects_peer_death: false,
-            intra_node_only: false,
-            max_message: None,
-        }
+            .with_detects_peer_death(false)
+            .with_intra_node_only(false)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
@@ -513,14 +511,14 @@ impl Driver for MpiDriver {
                 }
             ),
         ];
-        Ok(OpenedChannel {
+        Ok(OpenedChannel::new(
             links,
-            incoming: Box::new(MpiIncoming {
+            Box::new(MpiIncoming {
                 ch,
                 woken: AtomicBool::new(false),
             }),
-            notes,
-        })
+        )
+        .with_notes(notes))
     }
 }
 

@@ -29,12 +29,7 @@ fn open(d: &MpiDriver, bs: &dyn Bootstrap, name: &str, spec: &str) -> Result<Ope
     let config = ChannelConfig::parse(name, spec)?;
     let table = d.tm_table(&config)?;
     let progress = ProgressPolicy::default();
-    d.open(&OpenContext {
-        config: &config,
-        bootstrap: bs,
-        table: &table,
-        progress: &progress,
-    })
+    d.open(&OpenContext::new(&config, bs, &table, &progress))
 }
 
 fn check(cond: bool, what: &str) -> Result<()> {

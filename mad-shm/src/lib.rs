@@ -205,10 +205,7 @@ impl Driver for ShmDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::None,
-            keys: &["ring", "cma"],
-        }
+        DriverOptions::new(Adapters::None, &["ring", "cma"])
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -253,12 +250,11 @@ impl Driver for ShmDriver {
     }
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
-        Capabilities {
-            direct_poll_limit: 1024,
-            detects_peer_death: true,
-            intra_node_only: true,
-            max_message: None,
-        }
+        Capabilities::default()
+            .with_direct_poll_limit(1024)
+            .with_detects_peer_death(true)
+            .with_intra_node_only(true)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
@@ -483,14 +479,14 @@ impl Driver for ShmDriver {
                  through the ring"
             );
         }
-        Ok(OpenedChannel {
+        Ok(OpenedChannel::new(
             links,
-            incoming: Box::new(
+            Box::new(
                 ShmIncoming::new(own, watched)
                     .with_readiness(readiness)
                     .with_connections(conns),
             ),
-            notes,
-        })
+        )
+        .with_notes(notes))
     }
 }

@@ -666,11 +666,11 @@ pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
         NAP.as_micros(),
         watched.len()
     )];
-    Ok(OpenedChannel {
+    Ok(OpenedChannel::new(
         links,
-        incoming: Box::new(SciIncoming::<Dolphin>::new(Nap, g, watched)),
-        notes,
-    })
+        Box::new(SciIncoming::<Dolphin>::new(Nap, g, watched)),
+    )
+    .with_notes(notes))
 }
 
 #[cfg(test)]

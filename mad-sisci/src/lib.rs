@@ -82,6 +82,7 @@ pub const DEFAULT_LIB: &str = "libsisci.so";
 
 /// Which backend a configuration selects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Backend {
     /// Shared memory between processes of this host.
     Local,
@@ -91,6 +92,7 @@ pub enum Backend {
 
 /// Parsed options of a `sisci` channel.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Options {
     /// Backend.
     pub backend: Backend,
@@ -251,9 +253,9 @@ impl Driver for SisciDriver {
     }
 
     fn accepted_options(&self, config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::OneOf(&["local", "dolphin"]),
-            keys: match config.adapter.as_deref() {
+        DriverOptions::new(
+            Adapters::OneOf(&["local", "dolphin"]),
+            match config.adapter.as_deref() {
                 Some("dolphin") => &[
                     "slots",
                     "ring",
@@ -265,7 +267,7 @@ impl Driver for SisciDriver {
                 ],
                 _ => &["slots", "ring", "chunk", "chunks", "dma"],
             },
-        }
+        )
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -308,12 +310,11 @@ impl Driver for SisciDriver {
         let dolphin = options(config)
             .map(|o| o.backend == Backend::Dolphin)
             .unwrap_or(false);
-        Capabilities {
-            direct_poll_limit: 1024,
-            detects_peer_death: true,
-            intra_node_only: !dolphin,
-            max_message: None,
-        }
+        Capabilities::default()
+            .with_direct_poll_limit(1024)
+            .with_detects_peer_death(true)
+            .with_intra_node_only(!dolphin)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
@@ -476,15 +477,15 @@ impl Driver for SisciDriver {
                 "sisci:local: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
             },
         ];
-        Ok(OpenedChannel {
+        Ok(OpenedChannel::new(
             links,
-            incoming: Box::new(SciIncoming::<Local>::new(
+            Box::new(SciIncoming::<Local>::new(
                 LocalOwn::new(own, readiness),
                 o.geom,
                 watched,
             )),
-            notes,
-        })
+        )
+        .with_notes(notes))
     }
 }
 

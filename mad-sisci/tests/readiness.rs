@@ -44,12 +44,7 @@ where
                 let d = SisciDriver::new();
                 let table = d.tm_table(&cfg).expect("table");
                 let progress = ProgressPolicy::default();
-                let ctx = OpenContext {
-                    config: &cfg,
-                    bootstrap: &b,
-                    table: &table,
-                    progress: &progress,
-                };
+                let ctx = OpenContext::new(&cfg, &b, &table, &progress);
                 let ch = d.open(&ctx).expect("open");
                 body(b.rank(), ch)
             })

@@ -317,12 +317,7 @@ fn driver_pingpong(iters: usize) -> f64 {
         let config = ChannelConfig::parse("drv", "tcp").unwrap();
         let table = mad_tcp::tm_table(mad_tcp::DEFAULT_SMALL_MAX).unwrap();
         let progress = ProgressPolicy::default();
-        let ctx = OpenContext {
-            config: &config,
-            bootstrap: &b as &dyn Bootstrap,
-            table: &table,
-            progress: &progress,
-        };
+        let ctx = OpenContext::new(&config, &b as &dyn Bootstrap, &table, &progress);
         let mut ch = TcpDriver::new().open(&ctx).unwrap();
         ch.links[1 - b.rank()].take().unwrap()
     };

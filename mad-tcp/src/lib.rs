@@ -103,6 +103,7 @@ impl TcpDriver {
 
 /// The options of a tcp channel, parsed from its configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TcpOptions {
     /// Local address to listen on.
     pub ip: IpAddr,
@@ -193,10 +194,10 @@ impl Driver for TcpDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::Free("a local IP address or an interface name"),
-            keys: OPTION_KEYS,
-        }
+        DriverOptions::new(
+            Adapters::Free("a local IP address or an interface name"),
+            OPTION_KEYS,
+        )
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -206,12 +207,11 @@ impl Driver for TcpDriver {
     }
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
-        Capabilities {
-            direct_poll_limit: 4,
-            detects_peer_death: true,
-            intra_node_only: false,
-            max_message: None,
-        }
+        Capabilities::default()
+            .with_direct_poll_limit(4)
+            .with_detects_peer_death(true)
+            .with_intra_node_only(false)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
@@ -301,10 +301,6 @@ impl Driver for TcpDriver {
             opts.buffer / 1024,
             opts.liveness.as_millis()
         )];
-        Ok(OpenedChannel {
-            links,
-            incoming: Box::new(incoming),
-            notes,
-        })
+        Ok(OpenedChannel::new(links, Box::new(incoming)).with_notes(notes))
     }
 }

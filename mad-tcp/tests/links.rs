@@ -525,11 +525,9 @@ fn block_mode_gather_receive_is_bounded_by_the_operation_timeout() {
     let tables = (0..2)
         .map(|_| mad_tcp::tm_table(mad_tcp::DEFAULT_SMALL_MAX).unwrap())
         .collect();
-    let policy = ProgressPolicy {
-        mode: ProgressMode::Block,
-        oversubscribed: false,
-        op_timeout: Some(Duration::from_millis(300)),
-    };
+    let mut policy = ProgressPolicy::default();
+    policy.mode = ProgressMode::Block;
+    policy.op_timeout = Some(Duration::from_millis(300));
     let mut res = common::open_with_policy(boots, cfg("blocktimeout"), tables, policy);
     let mut c1 = res.pop().unwrap().unwrap();
     let mut c0 = res.pop().unwrap().unwrap();

@@ -226,11 +226,8 @@ fn shutdown_wakes_a_blocking_gather_receive() {
     let tables = (0..2)
         .map(|_| mad_tcp::tm_table(mad_tcp::DEFAULT_SMALL_MAX).unwrap())
         .collect();
-    let policy = ProgressPolicy {
-        mode: ProgressMode::Block,
-        oversubscribed: false,
-        op_timeout: None,
-    };
+    let mut policy = ProgressPolicy::default();
+    policy.mode = ProgressMode::Block;
     let mut res = open_with_policy(boots, cfg("blockclose"), tables, policy);
     let mut c1 = res.pop().unwrap().unwrap();
     let mut c0 = res.pop().unwrap().unwrap();

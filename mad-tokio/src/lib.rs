@@ -206,6 +206,8 @@ impl AsyncChannel {
             ProgressMode::Poll => None,
             ProgressMode::Block => Some(Duration::ZERO),
             ProgressMode::Adaptive { spin } => Some(spin),
+            // A mode of a later core: no spin, as for `Block`.
+            _ => Some(Duration::ZERO),
         };
         Ok(AsyncChannel {
             inner: Arc::new(Inner {

@@ -64,10 +64,7 @@ impl Driver for UdsDriver {
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
         // No adapter: the session refuses `uds:anything`.
-        DriverOptions {
-            adapters: Adapters::None,
-            keys: &["buf"],
-        }
+        DriverOptions::new(Adapters::None, &["buf"])
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -79,12 +76,11 @@ impl Driver for UdsDriver {
     }
 
     fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
-        Capabilities {
-            direct_poll_limit: 4,
-            detects_peer_death: true,
-            intra_node_only: true,
-            max_message: None,
-        }
+        Capabilities::default()
+            .with_direct_poll_limit(4)
+            .with_detects_peer_death(true)
+            .with_intra_node_only(true)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {

@@ -84,11 +84,8 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
             rx: Box::new(rx),
         }));
     }
-    Ok(OpenedChannel {
-        links,
-        incoming: Box::new(Incomings(watch)),
-        notes: vec![format!("uds: {buf} B copy buffers, poll(2) progress")],
-    })
+    Ok(OpenedChannel::new(links, Box::new(Incomings(watch)))
+        .with_notes(vec![format!("uds: {buf} B copy buffers, poll(2) progress")]))
 }
 
 fn lost(peer: usize, e: std::io::Error) -> Error {

@@ -29,12 +29,7 @@ fn open_group(n: usize) -> Vec<OpenedChannel> {
             thread::spawn(move || {
                 let table = UdsDriver.tm_table(&config).unwrap();
                 let progress = ProgressPolicy::default();
-                let ctx = OpenContext {
-                    config: &config,
-                    bootstrap: &b,
-                    table: &table,
-                    progress: &progress,
-                };
+                let ctx = OpenContext::new(&config, &b, &table, &progress);
                 UdsDriver.open(&ctx).unwrap()
             })
         })

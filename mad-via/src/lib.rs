@@ -88,6 +88,7 @@ pub const VERBS_MEDIUM_MAX: usize = 4 << 20;
 
 /// Which provider a channel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Backend {
     /// The software NIC over TCP.
     Soft,
@@ -244,14 +245,14 @@ impl Driver for ViaDriver {
     }
 
     fn accepted_options(&self, config: &ChannelConfig) -> DriverOptions {
-        DriverOptions {
-            adapters: Adapters::OneOf(&["soft", "verbs"]),
-            keys: match Backend::of(config) {
+        DriverOptions::new(
+            Adapters::OneOf(&["soft", "verbs"]),
+            match Backend::of(config) {
                 // `host`: the address the soft NIC listens on.
                 Ok(Backend::Soft) => &["slots", "slot_size", "regcache", "host"],
                 _ => &["slots", "slot_size", "regcache"],
             },
-        }
+        )
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -265,15 +266,14 @@ impl Driver for ViaDriver {
     }
 
     fn capabilities(&self, config: &ChannelConfig) -> Capabilities {
-        Capabilities {
-            direct_poll_limit: 4,
+        Capabilities::default()
+            .with_direct_poll_limit(4)
             // Soft: end of stream or reset on the sockets. Verbs has no orderly close: a dead
             // peer shows only when a send exhausts its retries, so a waiting receiver may not
             // notice.
-            detects_peer_death: !matches!(Backend::of(config), Ok(Backend::Verbs)),
-            intra_node_only: false,
-            max_message: None,
-        }
+            .with_detects_peer_death(!matches!(Backend::of(config), Ok(Backend::Verbs)))
+            .with_intra_node_only(false)
+            .with_max_message(None)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {

@@ -95,6 +95,7 @@ impl Default for SlotConfig {
 
 /// Counters of one connection end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ConnStats {
     /// Small-TM sends (static buffers).
     pub small_frames: u64,
@@ -1620,11 +1621,7 @@ pub(crate) fn open_channel<D: Device, N: Nic>(
             None => None,
         });
     }
-    Ok(OpenedChannel {
-        links,
-        incoming: Box::new(ViaIncoming::new(all, events)?),
-        notes,
-    })
+    Ok(OpenedChannel::new(links, Box::new(ViaIncoming::new(all, events)?)).with_notes(notes))
 }
 
 #[cfg(test)]

@@ -46,6 +46,7 @@ const POOL_KEEP: usize = 16;
 /// Counters of the registration layer (for tests and benchmarks), summed over the channels of
 /// one driver.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RegStats {
     /// Registrations performed (user memory, library-owned buffers, static buffers).
     pub registrations: u64,

@@ -32,12 +32,7 @@ fn open_group(n: usize) -> Vec<OpenedChannel> {
                 let via = ViaDriver::new();
                 let table = via.tm_table(&config).unwrap();
                 let progress = ProgressPolicy::default();
-                let ctx = OpenContext {
-                    config: &config,
-                    bootstrap: &b,
-                    table: &table,
-                    progress: &progress,
-                };
+                let ctx = OpenContext::new(&config, &b, &table, &progress);
                 via.open(&ctx).unwrap()
             })
         })

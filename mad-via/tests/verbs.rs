@@ -37,12 +37,7 @@ fn driver_open_reports_unavailable() {
     let table = d.tm_table(&config).unwrap();
     let b = ThreadBootstrap::group(1).pop().unwrap();
     let progress = ProgressPolicy::default();
-    let ctx = OpenContext {
-        config: &config,
-        bootstrap: &b,
-        table: &table,
-        progress: &progress,
-    };
+    let ctx = OpenContext::new(&config, &b, &table, &progress);
     match d.open(&ctx) {
         Err(e) => check(&e),
         Ok(_) => panic!("via:verbs opened on a host without RDMA"),

@@ -50,12 +50,7 @@ pub fn open_with(b: &dyn Bootstrap, cfg: &ChannelConfig) -> Result<OpenedChannel
     let d = ShmDriver::new();
     let table = d.tm_table(cfg)?;
     let progress = ProgressPolicy::default();
-    let ctx = OpenContext {
-        config: cfg,
-        bootstrap: b,
-        table: &table,
-        progress: &progress,
-    };
+    let ctx = OpenContext::new(cfg, b, &table, &progress);
     d.open(&ctx)
 }
 

@@ -71,12 +71,7 @@ pub fn open_with_policy(
         .map(|(b, table)| {
             let config = config.clone();
             thread::spawn(move || {
-                let ctx = OpenContext {
-                    config: &config,
-                    bootstrap: &*b,
-                    table: &table,
-                    progress: &progress,
-                };
+                let ctx = OpenContext::new(&config, &*b, &table, &progress);
                 TcpDriver::new().open(&ctx)
             })
         })
