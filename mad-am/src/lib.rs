@@ -549,7 +549,7 @@ fn transport(e: &Error) -> CallError {
         other => match error_rank(other) {
             Some(rank) => Error::Poisoned {
                 rank,
-                cause: other.to_string(),
+                cause: other.to_string().into(),
             },
             None => Error::Io {
                 context: "active messages".into(),

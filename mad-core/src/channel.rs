@@ -315,7 +315,7 @@ impl Conn {
             Some(f) if f.gone => Err(Error::PeerClosed { rank }),
             Some(f) => Err(Error::Poisoned {
                 rank,
-                cause: f.cause.clone(),
+                cause: f.cause.clone().into(),
             }),
         }
     }
@@ -577,7 +577,7 @@ impl ChannelInner {
             self.incoming.forget(remote);
             return Err(Error::Poisoned {
                 rank: remote,
-                cause,
+                cause: cause.into(),
             });
         }
         match rx.link.poll_message() {
@@ -856,7 +856,7 @@ impl Channel {
         if let Some(cause) = &rx.broken {
             return Err(Error::Poisoned {
                 rank: remote,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             });
         }
         if let Err(e) = conn.usable(remote) {

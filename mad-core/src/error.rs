@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::io;
+use std::sync::Arc;
 
 /// Result type of every fallible Madeleine call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -85,13 +86,18 @@ pub enum Error {
         /// What the receiver asked for at this position.
         expected: PieceOrEnd,
     },
-    /// A driver, a library or a device is not available on this host.
+    /// A driver, a library or a device is not available on this host
+    /// ([`Error::unavailable`], [`Error::unavailable_because`]).
     #[error("driver `{driver}` unavailable: {reason}")]
     Unavailable {
         /// Driver name (`via:verbs`, `sisci:dolphin`, ...).
         driver: String,
         /// Why, and what to use instead.
         reason: String,
+        /// The failure behind it, when there is one (a library's error code, a failed load):
+        /// [`std::error::Error::source`] of this error.
+        #[source]
+        source: Option<Cause>,
     },
     /// A configuration value (channel spec, threshold, environment variable) is wrong.
     #[error("bad configuration: {0}")]
@@ -109,8 +115,10 @@ pub enum Error {
     Poisoned {
         /// The peer's rank.
         rank: usize,
-        /// Why the connection was poisoned.
-        cause: String,
+        /// Why the connection was poisoned (the earlier failure, as recorded):
+        /// [`std::error::Error::source`] of this error.
+        #[source]
+        cause: Cause,
     },
     /// A rank outside the session, or this process's own rank.
     #[error("bad rank {rank}: session has {size} processes and this is rank {me}")]
@@ -183,6 +191,144 @@ pub enum Error {
     },
 }
 
+/// The cause of an [`Error::Poisoned`] or an [`Error::Unavailable`]: an earlier failure,
+/// shared (cheap to clone) because one cause may poison many later calls.
+///
+/// Its `Display` is the failure's; [`std::error::Error::source`] goes on down the failure's own
+/// chain; [`Cause::get_ref`] gives the failure itself (to downcast, e.g. to
+/// [`std::io::Error`]). A cause that was only recorded as text is a message.
+///
+/// ```
+/// use mad_core::error::Cause;
+/// let c = Cause::from("the peer closed the connection");
+/// assert_eq!(c.to_string(), "the peer closed the connection");
+/// let io = Cause::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+/// let e = io.get_ref().downcast_ref::<std::io::Error>().unwrap();
+/// assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset);
+/// ```
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl Cause {
+    /// The cause `e`.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Cause(Arc::new(e))
+    }
+
+    /// A cause known only as a message.
+    pub fn msg(text: impl Into<String>) -> Self {
+        let e: Box<dyn std::error::Error + Send + Sync> = text.into().into();
+        Cause(Arc::from(e))
+    }
+
+    /// The failure itself.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl From<String> for Cause {
+    fn from(text: String) -> Self {
+        Cause::msg(text)
+    }
+}
+
+impl From<&str> for Cause {
+    fn from(text: &str) -> Self {
+        Cause::msg(text)
+    }
+}
+
+impl From<Error> for Cause {
+    fn from(e: Error) -> Self {
+        Cause::new(e)
+    }
+}
+
+impl From<io::Error> for Cause {
+    fn from(e: io::Error) -> Self {
+        Cause::new(e)
+    }
+}
+
+/// A stable classification of an [`Error`] ([`Error::kind`]): what a caller decides on (retry,
+/// give up on a peer, fix the configuration), without matching variants' fields or messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The peer is gone: it closed its end or the connection broke
+    /// ([`Error::PeerClosed`], [`Error::ConnectionLost`]).
+    PeerGone,
+    /// An earlier failure left the connection unusable ([`Error::Poisoned`]).
+    Poisoned,
+    /// A call or a collective did not complete in time ([`Error::Timeout`],
+    /// [`Error::CollectiveTimeout`]).
+    Timeout,
+    /// Another rank's part of a collective failed ([`Error::RemoteFailure`]).
+    RemoteFailure,
+    /// The channel was closed by this process ([`Error::Closed`]).
+    Closed,
+    /// A driver, a library or a device is missing here ([`Error::Unavailable`]).
+    Unavailable,
+    /// A configuration value is wrong ([`Error::BadConfig`]).
+    Config,
+    /// A peer broke the protocol ([`Error::Protocol`]).
+    Protocol,
+    /// Checked mode: the unpack sequence differs from the pack sequence
+    /// ([`Error::UnpackMismatch`]).
+    Mismatch,
+    /// A rank outside the session, or this process's own ([`Error::BadRank`]).
+    BadRank,
+    /// This thread already has a message open with that peer in that direction
+    /// ([`Error::InUse`]).
+    InUse,
+    /// Authentication failed ([`Error::Auth`]).
+    Auth,
+    /// A local resource limit was hit ([`Error::Resource`]).
+    Resource,
+    /// Another I/O failure ([`Error::Io`]).
+    Io,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ErrorKind::PeerGone => "peer gone",
+            ErrorKind::Poisoned => "connection poisoned",
+            ErrorKind::Timeout => "timed out",
+            ErrorKind::RemoteFailure => "failed on another rank",
+            ErrorKind::Closed => "channel closed",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Config => "bad configuration",
+            ErrorKind::Protocol => "protocol violation",
+            ErrorKind::Mismatch => "unpack mismatch",
+            ErrorKind::BadRank => "bad rank",
+            ErrorKind::InUse => "in use",
+            ErrorKind::Auth => "authentication failed",
+            ErrorKind::Resource => "resource exhausted",
+            ErrorKind::Io => "I/O error",
+        })
+    }
+}
+
 fn waiting_for(missing: &[usize]) -> String {
     match missing {
         [] => String::new(),
@@ -214,6 +360,101 @@ impl Error {
             rank,
             what: what.into(),
         }
+    }
+
+    /// A driver unavailable here, for `reason` (why, and what to use instead).
+    pub fn unavailable(driver: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Unavailable {
+            driver: driver.into(),
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A driver unavailable here, for `reason`, because of `cause` (its
+    /// [`source`](std::error::Error::source)).
+    pub fn unavailable_because(
+        driver: impl Into<String>,
+        reason: impl Into<String>,
+        cause: impl Into<Cause>,
+    ) -> Self {
+        Error::Unavailable {
+            driver: driver.into(),
+            reason: reason.into(),
+            source: Some(cause.into()),
+        }
+    }
+
+    /// A connection to `rank` unusable because of the earlier failure `cause`.
+    pub fn poisoned(rank: usize, cause: impl Into<Cause>) -> Self {
+        Error::Poisoned {
+            rank,
+            cause: cause.into(),
+        }
+    }
+
+    /// The stable classification of this error.
+    ///
+    /// ```
+    /// use mad_core::{Error, ErrorKind};
+    /// let e = Error::PeerClosed { rank: 1 };
+    /// assert_eq!(e.kind(), ErrorKind::PeerGone);
+    /// assert_eq!(Error::BadConfig("x".into()).kind(), ErrorKind::Config);
+    /// ```
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::PeerClosed { .. } | Error::ConnectionLost { .. } => ErrorKind::PeerGone,
+            Error::UnpackMismatch { .. } => ErrorKind::Mismatch,
+            Error::Unavailable { .. } => ErrorKind::Unavailable,
+            Error::BadConfig(_) => ErrorKind::Config,
+            Error::Protocol { .. } => ErrorKind::Protocol,
+            Error::Poisoned { .. } => ErrorKind::Poisoned,
+            Error::BadRank { .. } => ErrorKind::BadRank,
+            Error::InUse { .. } => ErrorKind::InUse,
+            Error::Timeout(_) | Error::CollectiveTimeout { .. } => ErrorKind::Timeout,
+            Error::Closed { .. } => ErrorKind::Closed,
+            Error::Auth(_) => ErrorKind::Auth,
+            Error::Resource(_) => ErrorKind::Resource,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::RemoteFailure { .. } => ErrorKind::RemoteFailure,
+        }
+    }
+
+    /// For an [`Error::RemoteFailure`]: the kind of the error that ended the other rank's part
+    /// (`None` for any other error, or a kind this version does not know).
+    ///
+    /// ```
+    /// use mad_core::{Error, ErrorKind};
+    /// let e = Error::RemoteFailure {
+    ///     what: "channel `x`: open".into(),
+    ///     rank: 2,
+    ///     kind: "Unavailable".into(),
+    ///     message: "driver `mpi` unavailable: ...".into(),
+    /// };
+    /// assert_eq!(e.kind(), ErrorKind::RemoteFailure);
+    /// assert_eq!(e.remote_kind(), Some(ErrorKind::Unavailable));
+    /// ```
+    pub fn remote_kind(&self) -> Option<ErrorKind> {
+        let Error::RemoteFailure { kind, .. } = self else {
+            return None;
+        };
+        Some(match kind.as_str() {
+            "PeerClosed" | "ConnectionLost" => ErrorKind::PeerGone,
+            "UnpackMismatch" => ErrorKind::Mismatch,
+            "Unavailable" => ErrorKind::Unavailable,
+            "BadConfig" => ErrorKind::Config,
+            "Protocol" => ErrorKind::Protocol,
+            "Poisoned" => ErrorKind::Poisoned,
+            "BadRank" => ErrorKind::BadRank,
+            "InUse" => ErrorKind::InUse,
+            "Timeout" | "CollectiveTimeout" => ErrorKind::Timeout,
+            "Closed" => ErrorKind::Closed,
+            "Auth" => ErrorKind::Auth,
+            "Resource" => ErrorKind::Resource,
+            "Io" => ErrorKind::Io,
+            "RemoteFailure" => ErrorKind::RemoteFailure,
+            _ => return None,
+        })
     }
 
     /// Whether this error means the connection to the peer is gone (as opposed to misuse).

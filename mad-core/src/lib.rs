@@ -73,7 +73,7 @@ pub use bytemuck;
 pub use channel::{Channel, ChannelStats};
 pub use config::ChannelConfig;
 pub use driver::Armed;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use modes::{RecvMode, SendMode};
 pub use pack::{Packer, SendPacker};
 pub use session::{Session, SessionBuilder, DEFAULT_OPEN_TIMEOUT};

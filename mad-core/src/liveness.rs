@@ -123,11 +123,10 @@ impl Teardown {
     pub fn error(&self, rank: usize) -> Error {
         Error::Poisoned {
             rank,
-            cause: self
-                .cause
-                .get()
-                .cloned()
-                .unwrap_or_else(|| "the connection was torn down".into()),
+            cause: self.cause.get().map_or_else(
+                || "the connection was torn down".into(),
+                |c| c.as_str().into(),
+            ),
         }
     }
 }
@@ -158,7 +157,7 @@ mod tests {
         assert!(t.tear("why"));
         assert!(!t.tear("again"));
         match t.check(3) {
-            Err(Error::Poisoned { rank: 3, cause }) => assert_eq!(cause, "why"),
+            Err(Error::Poisoned { rank: 3, cause }) => assert_eq!(cause.to_string(), "why"),
             r => panic!("{r:?}"),
         }
     }

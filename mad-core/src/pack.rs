@@ -681,7 +681,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         if let Some(cause) = &tx.broken {
             return Err(Error::Poisoned {
                 rank: remote,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             });
         }
         conn.usable(remote)?;

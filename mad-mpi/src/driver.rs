@@ -408,16 +408,16 @@ impl Driver for MpiDriver {
         // Rank and size were read when MPI was initialised: no MPI call before the checks
         // below, which a thread other than MPI's main one may not make under FUNNELED.
         if base_size != bs.size() {
-            return Err(Error::Unavailable {
-                driver: "mpi".into(),
-                reason: format!(
+            return Err(Error::unavailable(
+                "mpi",
+                format!(
                     "the session has {} processes but {base_name} has {base_size}: start the job \
                      with the MPI launcher (mpiexec/mpirun/srun) of the MPI this binary was built \
                      for, or, inside an MPI application, build the driver and the bootstrap from \
                      the same communicator (from_communicator)",
                     bs.size(),
                 ),
-            });
+            ));
         }
         let me = bs.rank();
         // Descriptor: rank in the driver's communicator (world or the application's), granted threading level, then what must be equal on
@@ -432,10 +432,7 @@ impl Driver for MpiDriver {
         mine.push(p.policy.code());
         let all = bs.allgather(&ctx.tag("mpi-open"), &mine)?;
         if let Some(reason) = thread_level_refusal(all.iter().map(|v| v.get(8).copied())) {
-            return Err(Error::Unavailable {
-                driver: "mpi".into(),
-                reason,
-            });
+            return Err(Error::unavailable("mpi", reason));
         }
         let mut seen = vec![false; all.len()];
         let mut identity = true;
@@ -657,7 +654,7 @@ impl MpiTx {
             None => Ok(()),
             Some(c) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             }),
         }
     }
@@ -895,7 +892,7 @@ impl MpiRx {
             None => Ok(()),
             Some(c) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             }),
         }
     }

@@ -336,10 +336,7 @@ fn library_version() -> String {
 }
 
 fn unavailable(reason: &str) -> Error {
-    Error::Unavailable {
-        driver: "mpi".into(),
-        reason: reason.into(),
-    }
+    Error::unavailable("mpi", reason.into())
 }
 
 /// Convert an MPI return code into an error (the one place native MPI codes are converted).

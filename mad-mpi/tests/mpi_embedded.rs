@@ -19,7 +19,7 @@
 
 use std::ffi::c_int;
 
-use mad_core::{Error, RecvMode, Result, SendMode, Session};
+use mad_core::{Error, ErrorKind, RecvMode, Result, SendMode, Session};
 use mad_mpi::mpi::ffi;
 use mad_mpi::mpi::raw::AsRaw;
 use mad_mpi::{MpiBootstrap, MpiDriver};
@@ -282,9 +282,11 @@ fn run() -> Result<()> {
             let r = s2.open_channel_with(mad_core::ChannelConfig::parse("w", "mpi")?);
             check(
                 match r {
-                    Err(Error::Unavailable { .. }) => true,
-                    Err(Error::RemoteFailure { kind, .. }) => kind == "Unavailable",
-                    _ => false,
+                    Err(e) => {
+                        e.kind() == ErrorKind::Unavailable
+                            || e.remote_kind() == Some(ErrorKind::Unavailable)
+                    }
+                    Ok(_) => false,
                 },
                 "a world driver under a sub-communicator session is Unavailable",
             )?;

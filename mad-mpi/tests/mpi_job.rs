@@ -22,7 +22,7 @@ use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
 use mad_core::config::ChannelConfig;
 use mad_core::driver::{Driver, OpenContext, OpenedChannel};
 use mad_core::progress::ProgressPolicy;
-use mad_core::{Error, Result};
+use mad_core::{Error, ErrorKind, Result};
 use mad_mpi::{MpiBootstrap, MpiDriver};
 
 fn open(d: &MpiDriver, bs: &dyn Bootstrap, name: &str, spec: &str) -> Result<OpenedChannel> {
@@ -410,9 +410,11 @@ fn thread_level_too_low(bs: MpiBootstrap) -> Result<()> {
         // Every rank refuses; a rank may learn it first from another's abandoned open (the
         // kind is carried).
         match session.open_channel_with(ChannelConfig::parse("s", "mpi")?) {
-            Err(Error::Unavailable { .. }) => true,
-            Err(Error::RemoteFailure { kind, .. }) => kind == "Unavailable",
-            _ => false,
+            Err(e) => {
+                e.kind() == ErrorKind::Unavailable
+                    || e.remote_kind() == Some(ErrorKind::Unavailable)
+            }
+            Ok(_) => false,
         },
         "session: MPI channel refused",
     )?;

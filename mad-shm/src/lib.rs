@@ -220,12 +220,10 @@ impl Driver for ShmDriver {
             CmaWish::Ring => true,
             CmaWish::On => {
                 if !cma_supported() {
-                    return Err(Error::Unavailable {
-                        driver: "shm".into(),
-                        reason:
-                            "cma=on but process_vm_readv is not permitted here; use cma=off or auto"
-                                .into(),
-                    });
+                    return Err(Error::unavailable(
+                        "shm",
+                        "cma=on but process_vm_readv is not permitted here; use cma=off or auto",
+                    ));
                 }
                 true
             }

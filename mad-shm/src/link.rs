@@ -269,7 +269,7 @@ impl ShmTx {
         if let Some(c) = &self.broken {
             return Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             });
         }
         match &self.conn {
@@ -663,7 +663,7 @@ impl ShmRx {
         if let Some(c) = &self.broken {
             return Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             });
         }
         match &self.conn {

@@ -418,25 +418,36 @@ impl OwnWire for Nap {
 // Open.
 // ---------------------------------------------------------------------------------------------
 
+impl std::error::Error for LoadError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LoadError::Init(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 fn load_error(o: &Options, e: LoadError) -> Error {
-    let reason = match e {
+    let reason = match &e {
         LoadError::Load(t) => {
             format!("cannot load the SISCI library ({t}); use sisci:local on one host")
         }
         e => format!("{}: {e}; use sisci:local on one host", o.lib),
     };
-    Error::Unavailable {
-        driver: "sisci:dolphin".into(),
-        reason,
-    }
+    Error::unavailable_because("sisci:dolphin", reason, mad_core::error::Cause::new(e))
 }
 
 /// `e.to_error(peer)`, with the library named in an `Unavailable` reason.
 fn sci_error(o: &Options, e: SciError, peer: Option<usize>) -> Error {
     match e.to_error(peer) {
-        Error::Unavailable { driver, reason } => Error::Unavailable {
+        Error::Unavailable {
+            driver,
+            reason,
+            source,
+        } => Error::Unavailable {
             driver,
             reason: format!("{}: {reason}", o.lib),
+            source,
         },
         other => other,
     }

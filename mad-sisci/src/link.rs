@@ -190,7 +190,7 @@ impl<F: Fabric> SciTx<F> {
         match (&self.broken, &self.torn) {
             (Some(c), _) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             }),
             (None, Some(t)) => t.check(self.peer),
             (None, None) => Ok(()),
@@ -590,7 +590,7 @@ impl<F: Fabric> SciRx<F> {
         match (&self.broken, &self.torn) {
             (Some(c), _) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: c.clone(),
+                cause: c.as_str().into(),
             }),
             (None, Some(t)) if t.is_torn() => {
                 // Reported once: the any-source wait stops counting this peer.

@@ -335,9 +335,12 @@ impl SciError {
     /// Every `Unavailable` reason suggests `sisci:local`.
     pub fn to_error(&self, peer: Option<usize>) -> Error {
         let text = self.to_string();
-        let unavailable = |text: String| Error::Unavailable {
-            driver: "sisci:dolphin".into(),
-            reason: format!("{text}; use sisci:local on one host"),
+        let unavailable = |text: String| {
+            Error::unavailable_because(
+                "sisci:dolphin",
+                format!("{text}; use sisci:local on one host"),
+                mad_core::error::Cause::new(*self),
+            )
         };
         match (self.class(), peer) {
             (SciClass::Peer | SciClass::Unknown, Some(rank)) => Error::ConnectionLost {
@@ -1276,7 +1279,7 @@ mod tests {
             (0x920, None),
         ] {
             match e(code, peer) {
-                Error::Unavailable { driver, reason } => {
+                Error::Unavailable { driver, reason, .. } => {
                     assert_eq!(driver, "sisci:dolphin");
                     assert!(reason.contains("sisci:local"), "{reason}");
                     assert!(reason.contains("SCIConnectSegment"), "{reason}");

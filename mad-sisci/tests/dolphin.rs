@@ -32,7 +32,7 @@ fn open_err(spec: &str) -> Error {
 
 fn unavailable_reason(e: Error) -> String {
     match e {
-        Error::Unavailable { driver, reason } => {
+        Error::Unavailable { driver, reason, .. } => {
             assert_eq!(driver, "sisci:dolphin");
             assert!(reason.contains("sisci:local"), "no suggestion: {reason}");
             reason

@@ -246,7 +246,7 @@ fn wrong_adapter_is_unavailable_and_releases_everything() {
         let sess = session(b).unwrap();
         let spec = format!("sisci:dolphin,lib={},adapter_no=1", lib.display());
         match sess.open_channel_with(ChannelConfig::parse("a", &spec).unwrap()) {
-            Err(Error::Unavailable { driver, reason }) => {
+            Err(Error::Unavailable { driver, reason, .. }) => {
                 assert_eq!(driver, "sisci:dolphin");
                 assert!(reason.contains("SCIGetLocalNodeId"), "{reason}");
                 assert!(reason.contains("SCI_ERR_NO_SUCH_ADAPTERNO"), "{reason}");

@@ -351,7 +351,7 @@ impl TcpTx {
             None => self.live.torn.check(self.peer),
             Some(cause) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             }),
         }
     }
@@ -635,7 +635,7 @@ impl TcpRx {
             None => Ok(()),
             Some(cause) => Err(Error::Poisoned {
                 rank: self.peer,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             }),
         }
     }

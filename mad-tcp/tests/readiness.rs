@@ -172,7 +172,9 @@ fn shutdown_wakes_and_closes_cleanly(ranks: usize) {
     }
     // Later calls fail, naming the close.
     match from1.rx.poll_message() {
-        Err(Error::Poisoned { cause, .. }) => assert!(cause.contains("closed"), "{cause}"),
+        Err(Error::Poisoned { cause, .. }) => {
+            assert!(cause.to_string().contains("closed"), "{cause}")
+        }
         other => panic!("receive after shutdown: {other:?}"),
     }
     assert!(to2.tx.end_message().is_err());
@@ -258,7 +260,7 @@ fn shutdown_wakes_a_blocking_gather_receive() {
     eprintln!("tcp (block mode): shutdown ended a blocking gather receive in {took:?}");
     assert!(took < Duration::from_secs(1), "{took:?}");
     match e {
-        Error::Poisoned { cause, .. } => assert!(cause.contains("closed"), "{cause}"),
+        Error::Poisoned { cause, .. } => assert!(cause.to_string().contains("closed"), "{cause}"),
         other => panic!("after shutdown: {other}"),
     }
     drop(a);

@@ -3,7 +3,7 @@
 
 use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
 use mad_core::conformance::{run_threads, KitOptions};
-use mad_core::{ChannelConfig, Error, Result, Session};
+use mad_core::{ChannelConfig, Error, ErrorKind, Result, Session};
 use mad_uds::UdsDriver;
 
 fn build(b: Box<dyn Bootstrap>) -> Result<Session> {
@@ -60,8 +60,9 @@ fn different_thresholds_are_refused() {
     assert!(
         // The rank that finds the mismatch refuses with BadConfig; the others learn it from
         // the open's vote, with the kind carried.
-        r.iter().all(|r| matches!(r, Err(Error::BadConfig(_)))
-            || matches!(r, Err(Error::RemoteFailure { kind, .. }) if *kind == "BadConfig")),
+        r.iter()
+            .all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::Config
+            || e.remote_kind() == Some(ErrorKind::Config))),
         "{r:?}"
     );
 }

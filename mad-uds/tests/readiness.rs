@@ -192,7 +192,9 @@ fn shutdown_wakes_and_closes_cleanly() {
     }
     // Later calls fail, naming the close.
     match from1.rx.poll_message() {
-        Err(Error::Poisoned { cause, .. }) => assert!(cause.contains("closed"), "{cause}"),
+        Err(Error::Poisoned { cause, .. }) => {
+            assert!(cause.to_string().contains("closed"), "{cause}")
+        }
         other => panic!("receive after shutdown: {other:?}"),
     }
     assert!(to2.tx.end_message().is_err());

@@ -323,7 +323,7 @@ impl<N: Nic> Conn<N> {
         match &self.failed {
             Some(cause) => Err(Error::Poisoned {
                 rank: self.rank,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             }),
             None => Ok(()),
         }

@@ -559,7 +559,7 @@ impl SoftNic {
         match &self.failed {
             Some(cause) => Err(Error::Poisoned {
                 rank: self.rank,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             }),
             None => Ok(()),
         }

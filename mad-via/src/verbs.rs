@@ -111,13 +111,13 @@ impl ConnInfo {
 
 /// The `Unavailable` error of this backend.
 pub fn unavailable(reason: impl Into<String>) -> Error {
-    Error::Unavailable {
-        driver: "via:verbs".into(),
-        reason: format!(
+    Error::unavailable(
+        "via:verbs",
+        format!(
             "{}; use via:soft (the software provider) instead",
             reason.into()
         ),
-    }
+    )
 }
 
 /// Check that an RDMA device can be used; `Ok(name)` of the first device.

@@ -216,7 +216,9 @@ fn shutdown_ends_waits_and_closes_cleanly() {
     }
     for e in [e_rx, e_tx] {
         match e {
-            Error::Poisoned { cause, .. } => assert!(cause.contains("closed"), "{cause}"),
+            Error::Poisoned { cause, .. } => {
+                assert!(cause.to_string().contains("closed"), "{cause}")
+            }
             other => panic!("after shutdown: {other}"),
         }
     }

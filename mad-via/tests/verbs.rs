@@ -10,7 +10,7 @@ use mad_via::ViaDriver;
 
 fn check(e: &Error) {
     match e {
-        Error::Unavailable { driver, reason } => {
+        Error::Unavailable { driver, reason, .. } => {
             assert_eq!(driver, "via:verbs");
             assert!(reason.contains("via:soft"), "{reason}");
             let named = if cfg!(feature = "verbs") {

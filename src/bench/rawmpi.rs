@@ -51,10 +51,10 @@ impl RawMpi {
     /// Needs MPI initialised (the session was built under `mpiexec` with the MPI bootstrap).
     pub fn open(idiom: RpcIdiom) -> Result<RawMpi> {
         if !mpi::environment::is_initialized() {
-            return Err(Error::Unavailable {
-                driver: "raw-mpi".into(),
-                reason: "MPI is not initialised: start mad-bench with mpiexec".into(),
-            });
+            return Err(Error::unavailable(
+                "raw-mpi",
+                "MPI is not initialised: start mad-bench with mpiexec",
+            ));
         }
         Ok(RawMpi {
             tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),

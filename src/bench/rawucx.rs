@@ -419,18 +419,15 @@ impl RawUcx {
         };
         let all = b.allgather(&format!("bench/{tag}/ucx-addr"), &mine)?;
         if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v.first() != Some(&1)) {
-            return Err(Error::Unavailable {
-                driver: t.name().into(),
-                reason: format!(
+            return Err(Error::unavailable(
+                t.name(),
+                format!(
                     "rank {r}: {}",
                     String::from_utf8_lossy(v.get(1..).unwrap_or_default())
                 ),
-            });
+            ));
         }
-        let (w, _) = local.map_err(|why| Error::Unavailable {
-            driver: t.name().into(),
-            reason: why,
-        })?;
+        let (w, _) = local.map_err(|why| Error::unavailable(t.name(), why))?;
         let mut u = RawUcx {
             name: t.name(),
             me,
@@ -445,13 +442,13 @@ impl RawUcx {
         };
         let all = b.allgather(&format!("bench/{tag}/ucx-up"), &verdict)?;
         if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v.first() != Some(&1)) {
-            return Err(Error::Unavailable {
-                driver: t.name().into(),
-                reason: format!(
+            return Err(Error::unavailable(
+                t.name(),
+                format!(
                     "rank {r}: {}",
                     String::from_utf8_lossy(v.get(1..).unwrap_or_default())
                 ),
-            });
+            ));
         }
         Ok(u)
     }
@@ -496,10 +493,10 @@ impl RawUcx {
             // during the call; out-pointer.
             let st = unsafe { ucp_ep_create(worker, &params, &mut ep) };
             if st != UCS_OK || ep.is_null() {
-                return Err(Error::Unavailable {
-                    driver: self.name.into(),
-                    reason: format!("ucp_ep_create to rank {r}: {}", status_text(st)),
-                });
+                return Err(Error::unavailable(
+                    self.name,
+                    format!("ucp_ep_create to rank {r}: {}", status_text(st)),
+                ));
             }
             self.eps[r] = ep;
         }

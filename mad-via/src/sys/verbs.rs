@@ -833,7 +833,7 @@ impl VerbsNic {
         match &self.failed {
             Some(cause) => Err(Error::Poisoned {
                 rank: self.rank,
-                cause: cause.clone(),
+                cause: cause.as_str().into(),
             }),
             None => Ok(()),
         }
