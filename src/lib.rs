@@ -33,7 +33,24 @@ pub use logging::init_logging;
 
 /// Active messages and RPC over a channel: the [`mad_am`] crate.
 pub use mad_am as am;
-pub use mad_core::*;
+
+// What a program uses: a deliberate list, not `mad_core::*`. The engine's internals (the wire
+// format, the madrun launcher, the intra-host shared-memory machinery, peer liveness) are not
+// re-exported; the tools of this package and drivers of other crates use `mad_core` itself.
+/// `Pod` / `Zeroable` for [`Packer::pack_value`] and [`Unpacker::unpack_value`] of your own
+/// types (the version the engine uses).
+pub use mad_core::bytemuck;
+pub use mad_core::error::{Cause, ErrorKind};
+/// The modules of the engine a program may name: the session secret ([`auth`]), bootstraps
+/// ([`bootstrap`]: one-process, threads, madrun's), channel configuration ([`config`]), the
+/// driver contract ([`driver`]: capabilities, or a driver of your own), errors ([`error`]),
+/// event-loop support ([`events`]), the in-process driver ([`mem`]), modes ([`modes`]),
+/// progress policies ([`progress`]).
+pub use mad_core::{auth, bootstrap, config, driver, error, events, mem, modes, progress};
+pub use mad_core::{
+    Armed, Channel, ChannelConfig, ChannelStats, Error, Packer, RecvMode, Result, SendMode,
+    SendPacker, Session, SessionBuilder, Unpacker, DEFAULT_OPEN_TIMEOUT,
+};
 #[cfg(feature = "mpi")]
 pub use mad_mpi;
 #[cfg(feature = "shm")]
