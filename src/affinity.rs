@@ -13,6 +13,10 @@ use std::sync::OnceLock;
 use mad_core::{Error, Result};
 
 /// The CPUs this process could run on when first asked (system numbers, before any pinning).
+///
+/// # Errors
+///
+/// [`Error::Io`](mad_core::Error::Io) when `sched_getaffinity` fails.
 pub fn allowed_cpus() -> Result<&'static [usize]> {
     static CPUS: OnceLock<Vec<usize>> = OnceLock::new();
     if let Some(v) = CPUS.get() {
@@ -43,6 +47,11 @@ pub fn cpu_count() -> usize {
 
 /// Pin the calling thread (and the threads it creates afterwards) to the `cpu`-th allowed CPU
 /// (modulo their number), or back to every allowed CPU with `None`.
+///
+/// # Errors
+///
+/// [`Error::Io`](mad_core::Error::Io) when the allowed CPUs cannot be read or `sched_setaffinity`
+/// fails.
 pub fn pin_current_thread(cpu: Option<usize>) -> Result<()> {
     let cpus = allowed_cpus()?;
     // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.

@@ -97,6 +97,12 @@ pub fn builder() -> SessionBuilder {
 /// A build without the `mpi` feature started by an MPI launcher with more than one process
 /// fails with [`Error::BadConfig`] naming the launcher (each process would otherwise run its
 /// own one-process session).
+///
+/// # Errors
+///
+/// [`Error::BadConfig`](mad_core::Error::BadConfig) when the environment is wrong, including a
+/// build without the `mpi` feature started by an MPI launcher with more than one process; the
+/// bootstrap's errors when it cannot reach the other ranks (see [`SessionBuilder::build`]).
 pub fn session() -> Result<Session> {
     #[cfg(feature = "mpi")]
     {

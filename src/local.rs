@@ -26,6 +26,11 @@ fn in_session_env(env: &dyn Fn(&str) -> Option<String>) -> bool {
 /// ranks'. Returns `None` when already inside a session: the caller then does its work.
 ///
 /// When one rank fails, the others are killed after a grace period of 2 s.
+///
+/// # Errors
+///
+/// [`Error::Io`](mad_core::Error::Io) when the executable cannot be located, a rank cannot be
+/// started, the launcher's server cannot listen or the random generator fails.
 pub fn run_local_if_alone(n: usize) -> Result<Option<i32>> {
     if in_session() {
         return Ok(None);

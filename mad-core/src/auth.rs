@@ -29,6 +29,10 @@ impl std::fmt::Debug for Secret {
 
 impl Secret {
     /// A fresh random secret (from the operating system's generator).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
     pub fn random() -> Result<Self> {
         let mut b = [0u8; SECRET_LEN];
         fill_random(&mut b)?;
@@ -41,6 +45,11 @@ impl Secret {
     }
 
     /// Parse the hexadecimal form used in the `MAD_SECRET` environment variable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when `s` is not the hexadecimal form of a
+    /// secret of the right length.
     pub fn from_hex(s: &str) -> Result<Self> {
         let s = s.trim();
         if s.len() != SECRET_LEN * 2 {
@@ -103,6 +112,10 @@ impl Secret {
 }
 
 /// A fresh random nonce.
+///
+/// # Errors
+///
+/// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
 pub fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut b = [0u8; NONCE_LEN];
     fill_random(&mut b)?;
@@ -110,6 +123,10 @@ pub fn nonce() -> Result<[u8; NONCE_LEN]> {
 }
 
 /// Fill `buf` from the operating system's random generator.
+///
+/// # Errors
+///
+/// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
 pub fn fill_random(buf: &mut [u8]) -> Result<()> {
     use std::io::Read;
     let mut f =

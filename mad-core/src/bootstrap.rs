@@ -133,8 +133,20 @@ pub trait Bootstrap: Send + Sync {
     /// indexed by rank. Calls with different tags may not be interleaved differently on
     /// different ranks (they are matched by tag, but each rank must issue them in the same
     /// order).
+    ///
+    /// # Errors
+    ///
+    /// The bootstrap's failure to exchange: [`Error::Io`](crate::Error::Io) or
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed) when a rank or the launcher is gone,
+    /// [`Error::Timeout`](crate::Error::Timeout) or
+    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) when a rank does not arrive,
+    /// [`Error::Protocol`](crate::Error::Protocol) for a malformed exchange.
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>>;
     /// Collective: returns when every rank has entered it.
+    ///
+    /// # Errors
+    ///
+    /// As [`allgather`](Self::allgather).
     fn barrier(&self, tag: &str) -> Result<()> {
         self.allgather(tag, &[]).map(|_| ())
     }
@@ -149,6 +161,12 @@ pub trait Bootstrap: Send + Sync {
     /// scope: the failure is already known to every rank that can learn it (the MPI bootstrap,
     /// whose collectives are matched by position, relies on it). The default ignores the
     /// scope: unbounded, like `allgather`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) at the scope's deadline;
+    /// [`Error::RemoteFailure`](crate::Error::RemoteFailure) once another rank abandoned the scope;
+    /// otherwise as [`allgather`](Self::allgather).
     fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let _ = scope;
         self.allgather(tag, value)
@@ -158,6 +176,10 @@ pub trait Bootstrap: Send + Sync {
     /// with `failure`. Returns the failure the scope is known by, which is another rank's when
     /// that one abandoned it first. Called at most once per scope, and never after one of its
     /// collectives failed. The default (a bootstrap that cannot tell the others) does nothing.
+    ///
+    /// # Errors
+    ///
+    /// The bootstrap's failure to tell the other ranks, as [`allgather`](Self::allgather).
     fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
         let _ = scope;
         Ok(failure.clone())
@@ -177,6 +199,10 @@ pub struct SingleBootstrap {
 
 impl SingleBootstrap {
     /// A one-process session with a fresh random secret.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
     pub fn new() -> Result<Self> {
         Ok(SingleBootstrap {
             secret: Secret::random()?,

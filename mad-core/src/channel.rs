@@ -691,6 +691,17 @@ impl ChannelInner {
 impl Channel {
     /// Start a message to `remote`. Blocks while another thread sends to the same peer on this
     /// channel (a connection carries one message at a time in each direction).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank of the session;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already has a message open to
+    /// `remote` on this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed; [`Error::Timeout`](crate::Error::Timeout) when the channel's operation timeout
+    /// passes while the connection is busy.
     #[inline]
     pub fn begin_packing<'b>(&self, remote: usize) -> Result<Packer<'_, 'b>> {
         Packer::start(&self.inner, remote, None)
@@ -699,6 +710,16 @@ impl Channel {
     /// [`begin_packing`](Self::begin_packing) with a deadline: waiting for the connection
     /// gives up at `deadline` with [`Error::Timeout`], and the deadline stays on the message
     /// ([`Packer::set_deadline`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank of the session;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already has a message open to
+    /// `remote` on this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed; [`Error::Timeout`](crate::Error::Timeout) at `deadline`.
     pub fn begin_packing_until<'b>(
         &self,
         remote: usize,
@@ -709,6 +730,16 @@ impl Channel {
 
     /// Non-blocking [`begin_packing`](Self::begin_packing): `None` while another thread (or
     /// task) sends a message to `remote` on this channel.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank of the session;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already has a message open to
+    /// `remote` on this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed.
     pub fn try_begin_packing<'b>(&self, remote: usize) -> Result<Option<Packer<'_, 'b>>> {
         let inner = &*self.inner;
         let conn = inner.conn(remote)?;
@@ -758,6 +789,14 @@ impl Channel {
     /// [`Error::Protocol`], ...), and later calls keep serving the other peers. When no peer
     /// is left, the call fails with [`Error::Poisoned`]; when the channel is closed, with
     /// [`Error::Closed`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Poisoned`](crate::Error::Poisoned) once every peer of the channel is gone; the
+    /// failure of one connection ([`Error::ConnectionLost`](crate::Error::ConnectionLost),
+    /// [`Error::Protocol`](crate::Error::Protocol), ...) is reported by one call;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed;
+    /// [`Error::Timeout`](crate::Error::Timeout) when the operation timeout passes.
     pub fn begin_unpacking<'b>(&self) -> Result<Unpacker<'_, 'b>> {
         self.begin_any(None)
     }
@@ -765,6 +804,14 @@ impl Channel {
     /// [`begin_unpacking`](Self::begin_unpacking) that gives up at `deadline` with
     /// [`Error::Timeout`] (nothing is consumed then); the deadline stays on the message
     /// ([`Unpacker::set_deadline`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Poisoned`](crate::Error::Poisoned) once every peer of the channel is gone; the
+    /// failure of one connection ([`Error::ConnectionLost`](crate::Error::ConnectionLost),
+    /// [`Error::Protocol`](crate::Error::Protocol), ...) is reported by one call;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed;
+    /// [`Error::Timeout`](crate::Error::Timeout) at `deadline`.
     pub fn begin_unpacking_until<'b>(&self, deadline: Instant) -> Result<Unpacker<'_, 'b>> {
         self.begin_any(Some(deadline))
     }
@@ -788,6 +835,13 @@ impl Channel {
 
     /// Non-blocking: start receiving a message if one is ready (Madeleine's `message_ready`).
     /// `None` also when a message has begun to arrive but its header is not whole yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Poisoned`](crate::Error::Poisoned) once every peer of the channel is gone; the
+    /// failure of one connection ([`Error::ConnectionLost`](crate::Error::ConnectionLost),
+    /// [`Error::Protocol`](crate::Error::Protocol), ...) is reported by one call;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed.
     pub fn try_begin_unpacking<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
         self.try_any_start().map_err(|e| self.inner.closed_or(e))
     }
@@ -804,6 +858,16 @@ impl Channel {
     }
 
     /// Start receiving the next message from `remote`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already receives from `remote` on
+    /// this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed; [`Error::Timeout`](crate::Error::Timeout) when the operation timeout passes.
     #[inline]
     pub fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<Unpacker<'_, 'b>> {
         self.begin_from(remote, None)
@@ -811,6 +875,16 @@ impl Channel {
 
     /// [`begin_unpacking_from`](Self::begin_unpacking_from) that gives up at `deadline` with
     /// [`Error::Timeout`] (nothing is consumed then); the deadline stays on the message.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already receives from `remote` on
+    /// this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed; [`Error::Timeout`](crate::Error::Timeout) at `deadline`.
     pub fn begin_unpacking_from_until<'b>(
         &self,
         remote: usize,
@@ -823,6 +897,16 @@ impl Channel {
     /// arrive; `None` when nothing is there yet or another thread is receiving from `remote`.
     /// Fails as [`begin_unpacking_from`](Self::begin_unpacking_from) does when the
     /// connection is finished.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadRank`](crate::Error::BadRank) when `remote` is not another rank;
+    /// [`Error::InUse`](crate::Error::InUse) when this thread already receives from `remote` on
+    /// this channel; [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Closed`](crate::Error::Closed) once the channel
+    /// is closed.
     pub fn try_begin_unpacking_from<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
         self.try_from_start(remote)
             .map_err(|e| self.inner.closed_or(e))
@@ -991,6 +1075,10 @@ impl Channel {
     /// Arm the readiness descriptor: see [`readiness_fd`](Self::readiness_fd). Returns
     /// [`Armed::Busy`] when something may be ready already (and always on a closed channel,
     /// so its waiters find out), [`Armed::Armed`] when the caller may sleep.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error when arming its descriptor fails ([`Error::Io`](crate::Error::Io)).
     pub fn arm(&self) -> Result<Armed> {
         let inner = &*self.inner;
         inner.armed.store(true, Ordering::SeqCst);

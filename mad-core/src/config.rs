@@ -226,6 +226,11 @@ impl ChannelConfig {
     }
 
     /// A driver-specific option parsed as `T`, with a clear error if it does not parse.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key and the value when the option
+    /// does not parse as `T`.
     pub fn option_parsed<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>> {
         match self.options.get(key) {
             None => Ok(None),
@@ -240,6 +245,11 @@ impl ChannelConfig {
 
     /// A numeric driver option, which must lie in `min..=max` (checked before the driver
     /// makes any system call with it): `BadConfig` naming the key, the value and the range.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key, the value and the range when
+    /// the option does not parse or lies outside `min..=max`.
     pub fn option_in<T>(&self, key: &str, min: T, max: T) -> Result<Option<T>>
     where
         T: FromStr + PartialOrd + Display + Copy,
@@ -258,6 +268,11 @@ impl ChannelConfig {
 
     /// A size option (`4096`, `64k`, `1m`, see [`parse_size`]), which must lie in
     /// `min..=max` bytes: `BadConfig` naming the key, the value and the range.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key, the value and the range when
+    /// the option is not a size or lies outside `min..=max`.
     pub fn option_size_in(&self, key: &str, min: usize, max: usize) -> Result<Option<usize>> {
         let Some(v) = self.options.get(key) else {
             return Ok(None);
@@ -274,6 +289,11 @@ impl ChannelConfig {
     }
 
     /// An option that takes one of `choices`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key and listing `choices` when the
+    /// option is not one of them.
     pub fn option_choice(
         &self,
         key: &str,
@@ -299,6 +319,11 @@ impl ChannelConfig {
     /// Check the adapter and the option keys against what the driver accepts: an adapter
     /// given to a driver that takes none or not among its names, or a key that is neither a
     /// core key nor one of the driver's, is `BadConfig` naming it and listing the valid ones.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the adapter or the key that the driver
+    /// does not accept, with the valid ones.
     pub fn check_against(&self, accepted: &DriverOptions) -> Result<()> {
         let name = &self.name;
         let driver = &self.driver;
@@ -338,6 +363,12 @@ impl ChannelConfig {
     }
 
     /// Parse a spec (`driver[:adapter][,key=value]...`) for the channel `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when the spec does not parse: an empty driver,
+    /// a malformed `key=value`, a core key's value that does not parse (progress mode, timeout,
+    /// threshold).
     pub fn parse(name: &str, spec: &str) -> Result<Self> {
         let spec = spec.trim();
         let mut parts = spec.split(',');
@@ -461,6 +492,12 @@ impl ChannelConfig {
 
     /// Resolve a channel by name from the environment, the `MAD_CONFIG` file and the built-in
     /// default, as described in the module documentation.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when the environment, the `MAD_CONFIG` file or
+    /// the spec found for `name` is wrong (unreadable or oversized file, a spec that does not
+    /// parse, a variable that is not UTF-8).
     pub fn lookup(name: &str) -> Result<Self> {
         let (spec, origin) = Self::lookup_spec(name)?.ok_or_else(|| {
             Error::BadConfig(format!(
@@ -582,6 +619,10 @@ fn config_file_entries<'a>(text: &'a str, path: &str) -> Result<Vec<(usize, &'a 
 
 /// An environment variable: `None` when unset, `BadConfig` naming it when it is not UTF-8
 /// (never silently treated as unset).
+///
+/// # Errors
+///
+/// [`Error::BadConfig`](crate::Error::BadConfig) naming the variable when its value is not UTF-8.
 pub fn env_var(key: &str) -> Result<Option<String>> {
     match std::env::var(key) {
         Ok(v) => Ok(Some(v)),

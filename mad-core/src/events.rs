@@ -17,6 +17,10 @@ use crate::{Channel, Unpacker};
 /// Wait until one of `fds` is readable (or hung up), or `timeout` passes; `None` waits
 /// without a limit. Returns the indices of the readable descriptors (empty on timeout).
 /// Interrupted waits (`EINTR`) return empty, as a timeout would: callers loop anyway.
+///
+/// # Errors
+///
+/// [`Error::Io`](crate::Error::Io) when `poll(2)` fails (other than `EINTR`).
 pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Result<Vec<usize>> {
     let mut pfds: Vec<PollFd<'_>> = fds
         .iter()
@@ -56,6 +60,13 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
 /// It polls every channel for the channels' spin budget, then arms their readiness
 /// descriptors (looking again while one says `Busy`) and sleeps on all of them at once
 /// (`poll(2)`); a channel without a descriptor (MPI) is polled every millisecond at most.
+///
+/// # Errors
+///
+/// [`Error::Timeout`](crate::Error::Timeout) at `deadline`;
+/// [`Error::BadConfig`](crate::Error::BadConfig) for an empty `channels`; otherwise the first error
+/// of a channel's [`begin_unpacking`](crate::Channel::begin_unpacking) (a failed connection, every
+/// peer of a channel gone, a closed channel).
 pub fn begin_unpacking_any<'c, 'b>(
     channels: &[&'c Channel],
     deadline: Option<Instant>,

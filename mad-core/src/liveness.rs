@@ -110,6 +110,11 @@ impl Teardown {
     }
 
     /// `Err(Poisoned)` once the connection was torn down.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Poisoned`](crate::Error::Poisoned) once the connection was torn down, with the
+    /// first cause.
     #[inline]
     pub fn check(&self, rank: usize) -> crate::Result<()> {
         if self.is_torn() {

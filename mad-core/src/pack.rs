@@ -1051,6 +1051,16 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// Pack `data` in send mode **CHEAPER** (the default): the library chooses how to send it;
     /// `data` stays borrowed, untouched, until `end_packing`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         let res = self.pack_cheaper_inner(data, r);
@@ -1059,6 +1069,16 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// Pack `data` in send mode **SAFER**: the caller may change or free `data` as soon as this
     /// returns (it is copied or sent before returning).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         let res = self.pack_safer_inner(data, r);
@@ -1071,6 +1091,16 @@ impl<'c, 'b> Packer<'c, 'b> {
     ///
     /// Received CHEAPER, the piece travels at the end of the message; received EXPRESS, it and
     /// every piece after it wait for `end_packing` (EXPRESS data must arrive in order).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
         let res = self.pack_later_inner(Later::Cells(data), r);
@@ -1080,6 +1110,16 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// [`pack_later`](Self::pack_later) over atomics: the value is read (with relaxed loads)
     /// when the message ends, and the data may be changed from any thread meanwhile, so a
     /// packer holding such pieces may move between threads ([`into_send`](Self::into_send)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         let res = self.pack_later_inner(Later::Atomics(data), r);
@@ -1089,6 +1129,11 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// This packer as one that may move between threads (a future of a multi-threaded
     /// runtime): fails with [`Error::BadConfig`] if a LATER piece over cells was packed
     /// (cells are one thread's; use [`pack_later_atomic`](Self::pack_later_atomic)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when a LATER piece over cells was packed; the
+    /// packer is dropped then (its message abandoned).
     pub fn into_send(self) -> Result<SendPacker<'c, 'b>> {
         let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
             || self
@@ -1107,12 +1152,32 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// Pack a plain value (an integer, a `#[repr(C)]` struct deriving `bytemuck::NoUninit`)
     /// in send mode SAFER, native byte order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
         self.pack_safer(bytemuck::bytes_of(v), r)
     }
 
     /// Pack a slice of plain values in send mode CHEAPER (borrowed until `end_packing`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.pack(bytemuck::cast_slice(v), r)
@@ -1143,6 +1208,16 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// p.end_packing()
     /// # }
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     pub fn flush(&mut self) -> Result<()> {
         let res = self.flush_inner();
         self.check(res)
@@ -1157,6 +1232,16 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// Finish the message: LATER values are read now, everything still buffered is sent, and
     /// when this returns every CHEAPER piece's memory is released.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// message's deadline or the channel's operation timeout passes while waiting;
+    /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
+    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
     pub fn end_packing(mut self) -> Result<()> {
         let r = self.finish_inner();
         match r {
@@ -1305,26 +1390,46 @@ unsafe impl Send for SendPacker<'_, '_> {}
 
 impl<'c, 'b> SendPacker<'c, 'b> {
     /// See [`Packer::pack`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         self.0.pack(data, r)
     }
     /// See [`Packer::pack_safer`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         self.0.pack_safer(data, r)
     }
     /// See [`Packer::pack_value`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     #[inline]
     pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
         self.0.pack_value(v, r)
     }
     /// See [`Packer::pack_slice`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.0.pack_slice(v, r)
     }
     /// See [`Packer::pack_later_atomic`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         self.0.pack_later_atomic(data, r)
@@ -1334,6 +1439,10 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.defer()
     }
     /// See [`Packer::flush`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     pub fn flush(&mut self) -> Result<()> {
         self.0.flush()
     }
@@ -1350,6 +1459,10 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.poll_end_packing()
     }
     /// See [`Packer::end_packing`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](crate::Packer)'s method of the same name.
     pub fn end_packing(self) -> Result<()> {
         self.0.end_packing()
     }

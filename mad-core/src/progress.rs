@@ -97,6 +97,11 @@ impl Default for ProgressPolicy {
 
 impl ProgressPolicy {
     /// Parse `poll`, `block`, `adaptive` or `adaptive:<spin µs>`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) for any other text, or a spin that is not a
+    /// number of microseconds.
     pub fn parse_mode(s: &str) -> Result<ProgressMode> {
         let s = s.trim();
         match s {
@@ -124,6 +129,11 @@ impl ProgressPolicy {
 
     /// Run `attempt(state)` until it is ready, waiting between attempts as the policy says;
     /// `block(state, t)` blocks in the driver for at most `t`.
+    ///
+    /// # Errors
+    ///
+    /// The first error of `attempt` or `block`; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// policy's `op_timeout` passes.
     #[inline]
     pub fn drive<S: ?Sized, T>(
         &self,
@@ -140,6 +150,10 @@ impl ProgressPolicy {
     /// ([`TxLink::progress_mark`](crate::driver::TxLink::progress_mark)). While it keeps
     /// changing, the adaptive policy stays in its spin phase instead of yielding and blocking
     /// (a kernel wake-up per socket-buffer refill), except on a crowded host.
+    ///
+    /// # Errors
+    ///
+    /// As [`drive`](Self::drive).
     #[inline]
     pub fn drive_marked<S: ?Sized, T>(
         &self,
@@ -154,6 +168,10 @@ impl ProgressPolicy {
     /// [`drive_marked`](Self::drive_marked) that also gives up at `until` (a per-call
     /// deadline, on top of the channel's `op_timeout`) with [`Error::Timeout`] (the time
     /// waited).
+    ///
+    /// # Errors
+    ///
+    /// As [`drive`](Self::drive); [`Error::Timeout`](crate::Error::Timeout) also at `until`.
     #[inline]
     pub fn drive_until<S: ?Sized, T>(
         &self,

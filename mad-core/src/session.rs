@@ -94,6 +94,13 @@ impl SessionBuilder {
     /// [`Error::BadConfig`], since each process would run its own one-process session (give
     /// the builder an MPI bootstrap, e.g. `mad_mpi::MpiBootstrap`, or start the job with
     /// `madrun`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when the environment is wrong (a `MAD_*`
+    /// variable that does not parse, a process started by an MPI launcher as one of several); the
+    /// bootstrap's errors when it cannot reach the others ([`Error::Io`](crate::Error::Io),
+    /// [`Error::Auth`](crate::Error::Auth), [`Error::Timeout`](crate::Error::Timeout)).
     pub fn build(self) -> Result<Session> {
         let bootstrap = match self.bootstrap {
             Some(b) => b,
@@ -206,6 +213,17 @@ impl Session {
     /// Open the channel called `name`, configured by the environment, the `MAD_CONFIG` file or
     /// the built-in default (see [`config`](crate::config)). Collective: every rank opens the
     /// same channels in the same order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) for a wrong specification (syntax, unknown
+    /// driver, adapter or option, thresholds that differ between ranks);
+    /// [`Error::Unavailable`](crate::Error::Unavailable) when the driver cannot run here; the
+    /// driver's own setup errors ([`Error::Io`](crate::Error::Io),
+    /// [`Error::Resource`](crate::Error::Resource), [`Error::Auth`](crate::Error::Auth), ...);
+    /// [`Error::RemoteFailure`](crate::Error::RemoteFailure) when another rank's part failed, and
+    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) when a rank did not arrive in
+    /// time. Every rank's open fails when one fails.
     pub fn open_channel(&self, name: &str) -> Result<Channel> {
         self.open_channel_with(ChannelConfig::lookup(name)?)
     }
@@ -225,6 +243,17 @@ impl Session {
     /// bootstrap knows them. The open ends with a vote (one allgather) so that it succeeds on
     /// every rank or on none. The deadline bounds the bootstrap's collectives; the drivers'
     /// own connection set-up keeps its own bounds (tcp: `connect_timeout_ms`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) for a wrong specification (syntax, unknown
+    /// driver, adapter or option, thresholds that differ between ranks);
+    /// [`Error::Unavailable`](crate::Error::Unavailable) when the driver cannot run here; the
+    /// driver's own setup errors ([`Error::Io`](crate::Error::Io),
+    /// [`Error::Resource`](crate::Error::Resource), [`Error::Auth`](crate::Error::Auth), ...);
+    /// [`Error::RemoteFailure`](crate::Error::RemoteFailure) when another rank's part failed, and
+    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) when a rank did not arrive in
+    /// time. Every rank's open fails when one fails.
     pub fn open_channel_with(&self, mut config: ChannelConfig) -> Result<Channel> {
         let b = &*self.inner.bootstrap;
         let timeout = open_timeout(&mut config, b.size());
@@ -278,6 +307,11 @@ impl Session {
     /// its threshold overrides, the spec's progress mode. Not collective. What only an open
     /// learns (the driver's notes, such as whether CMA is permitted between the ranks, and
     /// whether the host is oversubscribed) is not in it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](crate::Error::BadConfig) when no driver of the session has the
+    /// configuration's name, or its thresholds or options are wrong for the driver.
     pub fn selection_table_for(&self, config: &ChannelConfig) -> Result<String> {
         let mut config = config.clone();
         open_timeout(&mut config, self.size())?;

@@ -831,6 +831,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Unpack into `buf` in receive mode **CHEAPER**: `buf` is filled at the latest by
     /// `end_unpacking` and stays borrowed until then. `s` is the send mode the sender used.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](crate::Error::UnpackMismatch) in
+    /// checked mode when the sender packed something else at this position;
+    /// [`Error::Protocol`](crate::Error::Protocol) when the peer's bytes break the protocol;
+    /// [`Error::Timeout`](crate::Error::Timeout) when the message's deadline or the channel's
+    /// operation timeout passes while waiting; [`Error::Closed`](crate::Error::Closed) once the
+    /// channel is closed. After an error the rest of the message is abandoned and the connection
+    /// from that peer is closed.
     #[inline]
     pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
         let res = self.unpack_inner(buf, s);
@@ -839,6 +852,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Unpack into `buf` in receive mode **EXPRESS**: the data is in `buf` when this returns.
     /// `s` is the send mode the sender used.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](crate::Error::UnpackMismatch) in
+    /// checked mode when the sender packed something else at this position;
+    /// [`Error::Protocol`](crate::Error::Protocol) when the peer's bytes break the protocol;
+    /// [`Error::Timeout`](crate::Error::Timeout) when the message's deadline or the channel's
+    /// operation timeout passes while waiting; [`Error::Closed`](crate::Error::Closed) once the
+    /// channel is closed. After an error the rest of the message is abandoned and the connection
+    /// from that peer is closed.
     #[inline]
     pub fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
         let mut res = self.unpack_express_inner(buf, s);
@@ -852,6 +878,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// [`Packer::pack_value`](crate::Packer::pack_value)`(&v, RecvMode::Express)`, which sends
     /// in mode SAFER, so no send mode is asked for (a value packed otherwise is unpacked with
     /// [`unpack_express`](Self::unpack_express) and its send mode).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](crate::Error::UnpackMismatch) in
+    /// checked mode when the sender packed something else at this position;
+    /// [`Error::Protocol`](crate::Error::Protocol) when the peer's bytes break the protocol;
+    /// [`Error::Timeout`](crate::Error::Timeout) when the message's deadline or the channel's
+    /// operation timeout passes while waiting; [`Error::Closed`](crate::Error::Closed) once the
+    /// channel is closed. After an error the rest of the message is abandoned and the connection
+    /// from that peer is closed.
     #[inline]
     pub fn unpack_value<T: bytemuck::Pod>(&mut self) -> Result<T> {
         let mut v = T::zeroed();
@@ -860,6 +899,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     }
 
     /// Unpack a slice of plain values in receive mode CHEAPER.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PeerClosed`](crate::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](crate::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](crate::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](crate::Error::UnpackMismatch) in
+    /// checked mode when the sender packed something else at this position;
+    /// [`Error::Protocol`](crate::Error::Protocol) when the peer's bytes break the protocol;
+    /// [`Error::Timeout`](crate::Error::Timeout) when the message's deadline or the channel's
+    /// operation timeout passes while waiting; [`Error::Closed`](crate::Error::Closed) once the
+    /// channel is closed. After an error the rest of the message is abandoned and the connection
+    /// from that peer is closed.
     #[inline]
     pub fn unpack_slice<T: bytemuck::Pod>(&mut self, v: &'b mut [T], s: SendMode) -> Result<()> {
         self.unpack(bytemuck::cast_slice_mut(v), s)

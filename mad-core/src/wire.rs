@@ -115,6 +115,10 @@ pub fn encode_header(h: Header) -> [u8; HEADER_LEN] {
 }
 
 /// Decode a header; the error says what is wrong.
+///
+/// # Errors
+///
+/// A [`WireError`] saying what is wrong (short buffer, bad magic, version, a field out of range).
 pub fn decode_header(b: &[u8]) -> Result<Header, WireError> {
     if b.len() != HEADER_LEN {
         return Err(WireError::Length {
@@ -252,6 +256,10 @@ pub fn encode_desc(d: PieceOrEnd) -> [u8; DESC_LEN] {
 }
 
 /// Decode a descriptor; the error says what is wrong.
+///
+/// # Errors
+///
+/// A [`WireError`] saying what is wrong (short buffer, unknown tag, a field out of range).
 pub fn decode_desc(b: &[u8]) -> Result<PieceOrEnd, WireError> {
     if b.len() != DESC_LEN {
         return Err(WireError::Length {
