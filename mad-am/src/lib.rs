@@ -366,6 +366,12 @@ impl Request<'_, '_> {
 
     /// Receive the arguments into `buf` (exactly [`len`](Self::len) bytes; CHEAPER: they land
     /// there straight from the driver, unless they came in fragments) and finish the message.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`](mad_core::Error::Protocol) when `buf` is not exactly
+    /// [`len`](Self::len) bytes (the arguments are read and dropped first); the channel's errors
+    /// while receiving (the peer gone, a protocol violation).
     pub fn recv_into(mut self, buf: &mut [u8]) -> mad_core::Result<()> {
         let src = std::mem::replace(&mut self.src, Src::Taken);
         if buf.len() as u64 != self.len {
@@ -393,6 +399,10 @@ impl Request<'_, '_> {
     }
 
     /// Receive the arguments into a new vector.
+    ///
+    /// # Errors
+    ///
+    /// The channel's errors while receiving (the peer gone, a protocol violation).
     pub fn recv_vec(mut self) -> mad_core::Result<Vec<u8>> {
         if let Src::Whole(v) = &mut self.src {
             let v = std::mem::take(v);
@@ -1322,6 +1332,14 @@ impl Endpoint {
     /// Call handler `id` on `remote` with `args` and wait for its reply. The calling thread
     /// helps: while it waits (for its request to leave, then for the reply) it polls the
     /// channel if no other thread does.
+    ///
+    /// # Errors
+    ///
+    /// [`CallError::Transport`] when the channel fails (the peer gone, a bad rank, the channel
+    /// closed); [`CallError::UnknownHandler`], [`CallError::Handler`] or [`CallError::Panicked`]
+    /// for what happened on the peer; [`CallError::Timeout`] after [`Config::call_timeout`];
+    /// [`CallError::Shutdown`] when the endpoint is shut down first; [`CallError::Reentrant`] from
+    /// an inline handler.
     pub fn call(&self, remote: usize, id: u32, args: &[u8]) -> Result<Vec<u8>, CallError> {
         if self.inner.stop.load(Ordering::Acquire) {
             return Err(CallError::Shutdown);
@@ -1395,6 +1413,11 @@ impl Endpoint {
 
     /// Send a one-way active message (no reply; an unknown handler or a failing one on the
     /// peer goes unnoticed).
+    ///
+    /// # Errors
+    ///
+    /// [`CallError::Transport`] when the channel fails; [`CallError::Shutdown`] when the endpoint
+    /// is shut down; [`CallError::Reentrant`] from an inline handler.
     pub fn send(&self, remote: usize, id: u32, args: &[u8]) -> Result<(), CallError> {
         // A token of its own: the receiver tells the fragments of one message from another's.
         let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
@@ -1686,6 +1709,11 @@ impl Endpoint {
     /// thread polls. Returns whether anything moved. An error about one peer fails the calls
     /// waiting for it; an error about no peer in particular (the channel closed, no peer
     /// left) is returned.
+    ///
+    /// # Errors
+    ///
+    /// An error about no peer in particular: [`Error::Closed`](mad_core::Error::Closed) once the
+    /// channel is closed, [`Error::Poisoned`](mad_core::Error::Poisoned) once no peer is left.
     pub fn progress(&self, timeout: Duration) -> mad_core::Result<bool> {
         let Some(mut poller) = self.take_role() else {
             std::thread::sleep(timeout.min(Duration::from_millis(1)));
@@ -1708,6 +1736,11 @@ impl Endpoint {
     /// Serve until [`shutdown`](Self::shutdown), or until every peer has left (both `Ok`):
     /// for a process whose threads never call. Fails when the channel can serve nobody any
     /// more for another reason ([`Error::Closed`], ...).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed, or another error that
+    /// leaves the channel serving nobody.
     pub fn serve(&self) -> mad_core::Result<()> {
         let inner = &*self.inner;
         while !inner.stop.load(Ordering::Acquire) {
@@ -1781,6 +1814,11 @@ pub struct ProgressThread {
 
 impl ProgressThread {
     /// Shut the endpoint down and return what ended the thread.
+    ///
+    /// # Errors
+    ///
+    /// The error that ended the serving thread, as [`serve`](Self::serve) returns it;
+    /// [`Error::Io`](mad_core::Error::Io) naming the panic when the thread panicked.
     pub fn stop(mut self) -> mad_core::Result<()> {
         self.ep.shutdown();
         match self.t.take().map(JoinHandle::join) {

@@ -178,6 +178,13 @@ impl AsyncChannel {
     /// Wrap `ch`; its readiness descriptor is registered with the current tokio runtime (call
     /// this inside one, with I/O enabled; a channel without a descriptor needs timers too).
     /// One `AsyncChannel` per channel: clone it to share.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`](mad_core::Error::Io) when the descriptor cannot be registered with the runtime
+    /// (not called inside a tokio runtime with I/O enabled);
+    /// [`Error::BadConfig`](mad_core::Error::BadConfig) for a channel without a descriptor on a
+    /// runtime without timers.
     pub fn new(ch: Channel) -> Result<AsyncChannel> {
         let fd = match ch.readiness_fd() {
             Some(fd) => {
@@ -310,6 +317,16 @@ impl AsyncChannel {
 
     /// Start a message to `remote`: waits (without blocking the thread) while another task or
     /// thread sends to `remote` on this channel. Cancel-safe.
+    ///
+    /// # Errors
+    ///
+    /// As [`Channel::begin_packing`](mad_core::Channel::begin_packing):
+    /// [`Error::BadRank`](mad_core::Error::BadRank), [`Error::InUse`](mad_core::Error::InUse),
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable, [`Error::Closed`](mad_core::Error::Closed) once the
+    /// channel is closed.
     pub async fn begin_packing<'b>(&self, remote: usize) -> Result<AsyncPacker<'_, 'b>> {
         let ch = &self.inner.ch;
         let p = poll_fn(|cx| ch.poll_begin_packing(remote, cx)).await?;
@@ -321,6 +338,12 @@ impl AsyncChannel {
     /// The next message from any peer. Cancel-safe: dropped before it is ready, it consumes
     /// nothing. Fails with [`Error::Poisoned`] once no peer is left, [`Error::Closed`] once the
     /// channel is closed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) once no peer is left; the failure of one
+    /// connection is reported by one call; [`Error::Closed`](mad_core::Error::Closed) once the
+    /// channel is closed.
     pub async fn begin_unpacking<'b>(&self) -> Result<AsyncUnpacker<'_, 'b>> {
         let ch = &self.inner.ch;
         let mut u = self.wait(|| ready_some(ch.try_begin_unpacking())).await?;
@@ -329,6 +352,16 @@ impl AsyncChannel {
     }
 
     /// The next message from `remote`. Cancel-safe.
+    ///
+    /// # Errors
+    ///
+    /// As [`Channel::begin_unpacking_from`](mad_core::Channel::begin_unpacking_from):
+    /// [`Error::BadRank`](mad_core::Error::BadRank),
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable, [`Error::Closed`](mad_core::Error::Closed) once the
+    /// channel is closed.
     pub async fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<AsyncUnpacker<'_, 'b>> {
         let ch = &self.inner.ch;
         let mut u = self
@@ -363,14 +396,44 @@ impl std::fmt::Debug for AsyncPacker<'_, '_> {
 
 impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// CHEAPER: `data` stays borrowed, untouched, until `end_packing`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         self.p.pack(data, r)
     }
     /// SAFER: `data` is copied now.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         self.p.pack_safer(data, r)
     }
     /// A plain value, SAFER.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn pack_value<T: mad_core::bytemuck::NoUninit>(
         &mut self,
         v: &T,
@@ -379,6 +442,16 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
         self.p.pack_value(v, r)
     }
     /// A slice of plain values, CHEAPER.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn pack_slice<T: mad_core::bytemuck::NoUninit>(
         &mut self,
         v: &'b [T],
@@ -387,6 +460,16 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
         self.p.pack_slice(v, r)
     }
     /// LATER over atomics: the value is read when `end_packing` starts.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         self.p.pack_later_atomic(data, r)
     }
@@ -400,6 +483,16 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     }
     /// Send the message. Dropped before it is ready, the message is abandoned: discarded if
     /// nothing of it had left, otherwise the connection is torn down in both directions.
+    ///
+    /// # Errors
+    ///
+    /// As [`Packer`](mad_core::Packer)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// message's deadline or the operation timeout passes;
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub async fn end_packing(mut self) -> Result<()> {
         let ch = self.ch;
         ch.wait(|| self.p.poll_end_packing()).await
@@ -426,10 +519,32 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
         self.u.remote()
     }
     /// CHEAPER: `buf` is filled by `end_unpacking` and stays borrowed until then.
+    ///
+    /// # Errors
+    ///
+    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
+    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
+    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
         self.u.unpack(buf, s)
     }
     /// CHEAPER, a slice of plain values.
+    ///
+    /// # Errors
+    ///
+    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
+    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
+    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub fn unpack_slice<T: mad_core::bytemuck::Pod>(
         &mut self,
         v: &'b mut [T],
@@ -444,12 +559,34 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     }
     /// EXPRESS: `buf` holds the piece when this is ready. Dropped before it is ready, the
     /// message is abandoned (the connection is finished both ways).
+    ///
+    /// # Errors
+    ///
+    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
+    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
+    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub async fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
         let ch = self.ch;
         let u = &mut self.u;
         ch.wait(|| u.poll_unpack_express(buf, s)).await
     }
     /// A plain value packed with `pack_value(.., RecvMode::Express)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
+    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
+    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub async fn unpack_value<T: mad_core::bytemuck::Pod>(&mut self) -> Result<T> {
         let mut v = T::zeroed();
         self.unpack_express(mad_core::bytemuck::bytes_of_mut(&mut v), SendMode::Safer)
@@ -458,6 +595,17 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     }
     /// Finish the message: every CHEAPER destination is filled when this is ready. Dropped
     /// before it is ready, the message is abandoned (the connection is finished both ways).
+    ///
+    /// # Errors
+    ///
+    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
+    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
+    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
+    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
+    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
+    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
     pub async fn end_unpacking(mut self) -> Result<()> {
         let ch = self.ch;
         ch.wait(|| self.u.poll_end_unpacking()).await
