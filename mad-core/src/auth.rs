@@ -32,7 +32,7 @@ impl Secret {
     ///
     /// # Errors
     ///
-    /// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
+    /// [`Error::Io`] when the operating system's random generator fails.
     pub fn random() -> Result<Self> {
         let mut b = [0u8; SECRET_LEN];
         fill_random(&mut b)?;
@@ -48,7 +48,7 @@ impl Secret {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) when `s` is not the hexadecimal form of a
+    /// [`Error::BadConfig`] when `s` is not the hexadecimal form of a
     /// secret of the right length.
     pub fn from_hex(s: &str) -> Result<Self> {
         let s = s.trim();
@@ -115,7 +115,7 @@ impl Secret {
 ///
 /// # Errors
 ///
-/// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
+/// [`Error::Io`] when the operating system's random generator fails.
 pub fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut b = [0u8; NONCE_LEN];
     fill_random(&mut b)?;
@@ -126,7 +126,7 @@ pub fn nonce() -> Result<[u8; NONCE_LEN]> {
 ///
 /// # Errors
 ///
-/// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
+/// [`Error::Io`] when the operating system's random generator fails.
 pub fn fill_random(buf: &mut [u8]) -> Result<()> {
     use std::io::Read;
     let mut f =

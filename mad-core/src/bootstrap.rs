@@ -136,11 +136,11 @@ pub trait Bootstrap: Send + Sync {
     ///
     /// # Errors
     ///
-    /// The bootstrap's failure to exchange: [`Error::Io`](crate::Error::Io) or
-    /// [`Error::PeerClosed`](crate::Error::PeerClosed) when a rank or the launcher is gone,
-    /// [`Error::Timeout`](crate::Error::Timeout) or
-    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) when a rank does not arrive,
-    /// [`Error::Protocol`](crate::Error::Protocol) for a malformed exchange.
+    /// The bootstrap's failure to exchange: [`Error::Io`] or
+    /// [`Error::PeerClosed`] when a rank or the launcher is gone,
+    /// [`Error::Timeout`] or
+    /// [`Error::CollectiveTimeout`] when a rank does not arrive,
+    /// [`Error::Protocol`] for a malformed exchange.
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>>;
     /// Collective: returns when every rank has entered it.
     ///
@@ -164,8 +164,8 @@ pub trait Bootstrap: Send + Sync {
     ///
     /// # Errors
     ///
-    /// [`Error::CollectiveTimeout`](crate::Error::CollectiveTimeout) at the scope's deadline;
-    /// [`Error::RemoteFailure`](crate::Error::RemoteFailure) once another rank abandoned the scope;
+    /// [`Error::CollectiveTimeout`] at the scope's deadline;
+    /// [`Error::RemoteFailure`] once another rank abandoned the scope;
     /// otherwise as [`allgather`](Self::allgather).
     fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let _ = scope;
@@ -202,7 +202,7 @@ impl SingleBootstrap {
     ///
     /// # Errors
     ///
-    /// [`Error::Io`](crate::Error::Io) when the operating system's random generator fails.
+    /// [`Error::Io`] when the operating system's random generator fails.
     pub fn new() -> Result<Self> {
         Ok(SingleBootstrap {
             secret: Secret::random()?,

@@ -229,7 +229,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key and the value when the option
+    /// [`Error::BadConfig`] naming the key and the value when the option
     /// does not parse as `T`.
     pub fn option_parsed<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>> {
         match self.options.get(key) {
@@ -248,7 +248,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key, the value and the range when
+    /// [`Error::BadConfig`] naming the key, the value and the range when
     /// the option does not parse or lies outside `min..=max`.
     pub fn option_in<T>(&self, key: &str, min: T, max: T) -> Result<Option<T>>
     where
@@ -271,7 +271,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key, the value and the range when
+    /// [`Error::BadConfig`] naming the key, the value and the range when
     /// the option is not a size or lies outside `min..=max`.
     pub fn option_size_in(&self, key: &str, min: usize, max: usize) -> Result<Option<usize>> {
         let Some(v) = self.options.get(key) else {
@@ -292,7 +292,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the key and listing `choices` when the
+    /// [`Error::BadConfig`] naming the key and listing `choices` when the
     /// option is not one of them.
     pub fn option_choice(
         &self,
@@ -322,7 +322,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) naming the adapter or the key that the driver
+    /// [`Error::BadConfig`] naming the adapter or the key that the driver
     /// does not accept, with the valid ones.
     pub fn check_against(&self, accepted: &DriverOptions) -> Result<()> {
         let name = &self.name;
@@ -366,7 +366,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) when the spec does not parse: an empty driver,
+    /// [`Error::BadConfig`] when the spec does not parse: an empty driver,
     /// a malformed `key=value`, a core key's value that does not parse (progress mode, timeout,
     /// threshold).
     pub fn parse(name: &str, spec: &str) -> Result<Self> {
@@ -495,7 +495,7 @@ impl ChannelConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) when the environment, the `MAD_CONFIG` file or
+    /// [`Error::BadConfig`] when the environment, the `MAD_CONFIG` file or
     /// the spec found for `name` is wrong (unreadable or oversized file, a spec that does not
     /// parse, a variable that is not UTF-8).
     pub fn lookup(name: &str) -> Result<Self> {
@@ -622,7 +622,7 @@ fn config_file_entries<'a>(text: &'a str, path: &str) -> Result<Vec<(usize, &'a 
 ///
 /// # Errors
 ///
-/// [`Error::BadConfig`](crate::Error::BadConfig) naming the variable when its value is not UTF-8.
+/// [`Error::BadConfig`] naming the variable when its value is not UTF-8.
 pub fn env_var(key: &str) -> Result<Option<String>> {
     match std::env::var(key) {
         Ok(v) => Ok(Some(v)),

@@ -1374,6 +1374,10 @@ const IDLE_LATE: Duration = Duration::from_millis(400);
 
 /// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`): how the kit, and driver
 /// tests of their own, tell a waiting thread that sleeps from one that spins.
+///
+/// # Errors
+///
+/// [`Error::Io`] when `clock_gettime` fails.
 pub fn thread_cpu_time() -> Result<Duration> {
     let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
         .map_err(|e| Error::io("clock_gettime(CLOCK_THREAD_CPUTIME_ID)", e.into()))?;
@@ -1441,6 +1445,10 @@ fn case_idle_wait(c: &Ctx<'_>) -> Result<()> {
 }
 
 /// Run the kit on this rank of an already built session (every rank calls it).
+///
+/// # Errors
+///
+/// The first failed case, naming it and the rank, or the channel's error that stopped it.
 pub fn run_rank(session: &Session, opts: &KitOptions) -> Result<Vec<&'static str>> {
     if let Some(only) = &opts.cases {
         let unknown: Vec<&String> = only
@@ -1477,6 +1485,10 @@ pub fn run_rank(session: &Session, opts: &KitOptions) -> Result<Vec<&'static str
 /// Run the kit with `ranks` threads, each with its own session built by `build` from a
 /// [`ThreadBootstrap`]. Returns the cases that ran; the first failure is returned as an error
 /// naming the case and rank.
+///
+/// # Errors
+///
+/// The first failed case, naming it and the rank; the first error of `build`.
 pub fn run_threads<F>(ranks: usize, opts: KitOptions, build: F) -> Result<Vec<&'static str>>
 where
     F: Fn(Box<dyn Bootstrap>) -> Result<Session> + Send + Sync,

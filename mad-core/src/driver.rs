@@ -133,6 +133,12 @@ pub struct TmTable {
 
 impl TmTable {
     /// Build and validate a table.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] for an empty or oversized table, a TM 0 that
+    /// is not a Copy TM accepting every mode, two TMs of one name, a gather TM with `max_group` 0,
+    /// or a pair of modes no TM accepts.
     pub fn new(tms: impl IntoIterator<Item = TmSpec>) -> Result<Self> {
         let tms: smallvec::SmallVec<[TmSpec; 4]> = tms.into_iter().collect();
         let t = TmTable {
@@ -220,6 +226,11 @@ impl TmTable {
     }
 
     /// Change the `max_len` threshold of the TM named `name` (configuration override).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] when no TM is called `name`, or the table with
+    /// the new threshold is not valid (see [`TmTable::new`]).
     pub fn set_max_len(&mut self, name: &str, max_len: usize) -> Result<()> {
         let known: Vec<&str> = self.tms.iter().map(|t| t.name).collect();
         let tm = self
@@ -377,6 +388,10 @@ pub trait TxLink: Send {
     /// otherwise a send to a dead peer can succeed into a kernel or ring buffer and vanish.
     /// The rate limit is [`ProbeGate`](crate::liveness::ProbeGate) (at most one probe per
     /// clock tick, so the fast path pays one coarse clock read).
+    ///
+    /// # Errors
+    ///
+    /// As described above.
     fn begin_message(&mut self) -> Result<()> {
         Ok(())
     }
@@ -386,6 +401,14 @@ pub trait TxLink: Send {
     /// `Pending` (no space: ring full, no credit). A driver may transmit a buffer as soon as it
     /// is full. `want` is how many bytes the core has left to copy for the current piece (a
     /// hint: lending less is fine).
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn with_buffer(
         &mut self,
         tm: TmId,
@@ -395,16 +418,40 @@ pub trait TxLink: Send {
 
     /// Gather BMM: transmit `iov` (user memory) in order after everything handed over before.
     /// Return `Ready` only once the driver no longer needs the memory.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>>;
 
     /// Commit: TM `tm` is about to stop being used (the next piece goes to another TM).
     /// Anything it holds must go before anything handed to another TM afterwards.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn commit(&mut self, tm: TmId) -> Result<Poll<()>> {
         let _ = tm;
         Ok(Poll::Ready(()))
     }
 
     /// End of message: everything handed over must be transmitted before `Ready`.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn end_message(&mut self) -> Result<Poll<()>>;
 
     /// The message is abandoned midway (its `Packer` was dropped, or a call failed).
@@ -422,6 +469,15 @@ pub trait TxLink: Send {
     fn abort_message(&mut self) -> AbortOutcome;
 
     /// Block until sending may progress, or `timeout` passes. Spurious returns are fine.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)). A timeout is not an error:
+    /// return `Ok`.
     fn wait(&mut self, timeout: Duration) -> Result<()>;
 
     /// A counter that changes whenever this link moves data (e.g. bytes the kernel accepted).
@@ -439,6 +495,14 @@ pub trait TxLink: Send {
     /// guarantee is that EXPRESS data is available when the receiver's `unpack` returns, and
     /// the sender's bytes reach the receiver at the latest at `end_packing` (or at
     /// [`flush`](Self::flush), when the user asks).
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn publish(&mut self) -> Result<()> {
         Ok(())
     }
@@ -450,6 +514,14 @@ pub trait TxLink: Send {
     /// right only for drivers whose buffered bytes always leave on their own; a driver that
     /// keeps lends in its own memory until a commit or the end (a socket's send buffer, an
     /// eager buffer) sends them here.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn flush(&mut self) -> Result<Poll<()>> {
         self.publish().map(|()| Poll::Ready(()))
     }
@@ -463,6 +535,14 @@ pub trait TxLink: Send {
     /// check and the caller's sleep still makes the descriptor readable (set the "armed" flag
     /// first, then check). The default says `Busy`, which is right for drivers without a
     /// descriptor (the caller polls with back-off).
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] for what breaks the protocol. The core then
+    /// abandons the message ([`abort_message`](TxLink::abort_message)).
     fn arm_send(&mut self) -> Result<Armed> {
         Ok(Armed::Busy)
     }
@@ -475,12 +555,26 @@ pub trait RxLink: Send {
     /// torn down. A driver that cannot learn of a dead peer from the call itself (a ring
     /// that stays empty) checks at a bounded rate on the `Pending` path, so that an
     /// any-source `try_begin_unpacking` loop learns that its peers are gone.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn poll_message(&mut self) -> Result<Poll<()>>;
 
     /// Copy BMM: lend received bytes of TM `tm` to `take`, which copies a prefix out and
     /// returns how many bytes it consumed. `want` is how many the core still needs for the
     /// current piece (a hint: lending more is fine, the rest stays for the next call). Returns
     /// `Pending` when nothing has arrived yet.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn with_data(
         &mut self,
         tm: TmId,
@@ -490,16 +584,37 @@ pub trait RxLink: Send {
 
     /// Gather BMM: receive the group the sender handed to `send_refs`, scattering it into
     /// `iov`. `Ready` once every byte is in place.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>>;
 
     /// Checkout: TM `tm` is no longer used for now (mirror of [`TxLink::commit`]). A driver
     /// with message-sized buffers checks the current buffer was consumed entirely.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn checkout(&mut self, tm: TmId) -> Result<()> {
         let _ = tm;
         Ok(())
     }
 
     /// End of message: release per-message resources.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn end_message(&mut self) -> Result<()> {
         Ok(())
     }
@@ -513,6 +628,14 @@ pub trait RxLink: Send {
     fn abort_message(&mut self) {}
 
     /// Block until receiving may progress, or `timeout` passes. Spurious returns are fine.
+    ///
+    /// # Errors
+    ///
+    /// The connection's failure: [`Error::PeerClosed`] or
+    /// [`Error::ConnectionLost`] when the peer is gone,
+    /// [`Error::Poisoned`] once the connection was torn down,
+    /// [`Error::Protocol`] when the peer's bytes break the protocol. A
+    /// timeout is not an error: return `Ok`.
     fn wait(&mut self, timeout: Duration) -> Result<()>;
 
     /// Mirror of [`TxLink::progress_mark`]: changes whenever this link receives data.
@@ -526,10 +649,19 @@ pub trait RxLink: Send {
 pub trait Incoming: Send + Sync {
     /// Non-blocking: call `ready(rank)` for peers that may have a message (or an error) to
     /// report. False positives are fine; the core confirms with [`RxLink::poll_message`].
+    ///
+    /// # Errors
+    ///
+    /// A failure of the driver's any-source machinery ([`Error::Io`]); a failed
+    /// connection is reported by its [`RxLink`] instead.
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()>;
 
     /// Block until some peer may be ready, [`wake`](Incoming::wake) is called, or `timeout`
     /// passes.
+    ///
+    /// # Errors
+    ///
+    /// As [`poll`](Incoming::poll); a timeout is not an error.
     fn wait(&self, timeout: Duration) -> Result<()>;
 
     /// Wake threads blocked in [`wait`](Incoming::wait) (the core calls it when a connection
@@ -565,6 +697,11 @@ pub trait Incoming: Send + Sync {
     /// caller's sleep: set the flag that makes senders signal before looking at the queues.
     /// Senders signal only while the receiver is armed, so traffic between arms costs nothing.
     /// The default (no descriptor) always says `Busy`.
+    ///
+    /// # Errors
+    ///
+    /// As [`poll`](Incoming::poll) ([`Error::Io`] when the descriptor cannot be
+    /// armed).
     fn arm(&self) -> Result<Armed> {
         Ok(Armed::Busy)
     }
@@ -712,11 +849,25 @@ pub trait Driver: Send + Sync {
     }
 
     /// The driver's TM table for this configuration (before threshold overrides).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] when the configuration's options do not give a
+    /// valid table (a threshold out of range).
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable>;
 
     /// The driver's capabilities for this configuration.
     fn capabilities(&self, config: &ChannelConfig) -> Capabilities;
 
     /// Open a channel: collective over the session (every rank calls it for the same channel).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] for options the driver refuses;
+    /// [`Error::Unavailable`] when it cannot run here;
+    /// [`Error::Io`], [`Error::Resource`],
+    /// [`Error::Auth`], [`Error::Protocol`] for what
+    /// fails while connecting; the bootstrap's errors. The session makes the other ranks' opens
+    /// fail too.
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel>;
 }

@@ -20,7 +20,7 @@ use crate::{Channel, Unpacker};
 ///
 /// # Errors
 ///
-/// [`Error::Io`](crate::Error::Io) when `poll(2)` fails (other than `EINTR`).
+/// [`Error::Io`] when `poll(2)` fails (other than `EINTR`).
 pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Result<Vec<usize>> {
     let mut pfds: Vec<PollFd<'_>> = fds
         .iter()
@@ -63,8 +63,8 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
 ///
 /// # Errors
 ///
-/// [`Error::Timeout`](crate::Error::Timeout) at `deadline`;
-/// [`Error::BadConfig`](crate::Error::BadConfig) for an empty `channels`; otherwise the first error
+/// [`Error::Timeout`] at `deadline`;
+/// [`Error::BadConfig`] for an empty `channels`; otherwise the first error
 /// of a channel's [`begin_unpacking`](crate::Channel::begin_unpacking) (a failed connection, every
 /// peer of a channel gone, a closed channel).
 pub fn begin_unpacking_any<'c, 'b>(

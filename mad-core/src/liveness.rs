@@ -113,7 +113,7 @@ impl Teardown {
     ///
     /// # Errors
     ///
-    /// [`Error::Poisoned`](crate::Error::Poisoned) once the connection was torn down, with the
+    /// [`Error::Poisoned`] once the connection was torn down, with the
     /// first cause.
     #[inline]
     pub fn check(&self, rank: usize) -> crate::Result<()> {

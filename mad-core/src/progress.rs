@@ -100,7 +100,7 @@ impl ProgressPolicy {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](crate::Error::BadConfig) for any other text, or a spin that is not a
+    /// [`Error::BadConfig`] for any other text, or a spin that is not a
     /// number of microseconds.
     pub fn parse_mode(s: &str) -> Result<ProgressMode> {
         let s = s.trim();
@@ -132,7 +132,7 @@ impl ProgressPolicy {
     ///
     /// # Errors
     ///
-    /// The first error of `attempt` or `block`; [`Error::Timeout`](crate::Error::Timeout) when the
+    /// The first error of `attempt` or `block`; [`Error::Timeout`] when the
     /// policy's `op_timeout` passes.
     #[inline]
     pub fn drive<S: ?Sized, T>(
@@ -171,7 +171,7 @@ impl ProgressPolicy {
     ///
     /// # Errors
     ///
-    /// As [`drive`](Self::drive); [`Error::Timeout`](crate::Error::Timeout) also at `until`.
+    /// As [`drive`](Self::drive); [`Error::Timeout`] also at `until`.
     #[inline]
     pub fn drive_until<S: ?Sized, T>(
         &self,

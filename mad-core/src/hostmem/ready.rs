@@ -81,6 +81,10 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Bind `\0<name>-r` and `\0<name>-s` and put them in a new epoll set.
+    ///
+    /// # Errors
+    ///
+    /// The socket or epoll call's error (an abstract name already bound, descriptor limits).
     pub fn open(name: &str) -> io::Result<Arc<Self>> {
         let recv = bind(&format!("{name}-r"))?;
         let send = bind(&format!("{name}-s"))?;
@@ -96,6 +100,10 @@ impl Endpoint {
 
     /// The signals towards the endpoint of the process whose segment is `name`: its
     /// receive-event socket and its send-progress socket, sent through this endpoint.
+    ///
+    /// # Errors
+    ///
+    /// The socket call's error.
     pub fn towards(self: &Arc<Self>, name: &str) -> io::Result<PeerSignals> {
         let addr = |k: &str| UnixAddr::new_abstract(format!("{name}-{k}").as_bytes());
         Ok(PeerSignals {
@@ -211,6 +219,10 @@ impl std::fmt::Debug for Readiness {
 impl Readiness {
     /// Readiness through `ep` (this process's endpoint, bound as `name`), watching the
     /// processes of `peers` (rank, watch): their pidfds join the epoll set at the first arm.
+    ///
+    /// # Errors
+    ///
+    /// The epoll or pidfd call's error.
     pub fn new(
         ep: Arc<Endpoint>,
         name: &str,

@@ -29,6 +29,10 @@ pub fn fnv1a(b: &[u8]) -> u64 {
 }
 
 /// A fresh segment name for `rank` of channel `channel`: `<prefix><pid>-<hash>-<rank>-<random>`.
+///
+/// # Errors
+///
+/// [`Error::Io`] when the random generator fails.
 pub fn segment_name(prefix: &str, channel: &str, rank: usize) -> Result<String> {
     let mut rnd = [0u8; 8];
     crate::auth::fill_random(&mut rnd)?;
@@ -127,6 +131,13 @@ pub struct MappedPeer<I, S> {
 /// that exits right after the open is then reported dead later instead of making this open
 /// fail. The driver must therefore run at least one more collective before returning (the
 /// one after which every creator unlinks its file).
+///
+/// # Errors
+///
+/// The bootstrap's errors; the first error of `map` ([`Error::Protocol`]
+/// for a peer's announcement that does not check out, [`Error::Resource`]
+/// or [`Error::Io`] for a segment that cannot be mapped);
+/// [`Error::Io`] when a peer's process cannot be watched.
 pub fn map_peers<I, S>(
     b: &dyn Bootstrap,
     tag: &str,
@@ -183,6 +194,12 @@ impl SegmentFile {
     /// call fails with [`Error::Resource`] naming the directory, the bytes needed (`size`, and
     /// `host_ranks` × `size` for every rank of this host), the bytes free, and `advice` (what
     /// else to shrink, e.g. a driver option); nothing is left behind.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Resource`] when `/dev/shm` has no room for `size` bytes
+    /// (the message says how much is free, for `host_ranks` ranks, with `advice`);
+    /// [`Error::Io`] when the file cannot be created (it exists, permissions).
     pub fn create(
         name: &str,
         size: usize,
@@ -225,6 +242,12 @@ impl SegmentFile {
 
     /// Map rank `rank`'s segment `name`, which must carry `prefix` and be exactly `size`
     /// bytes long (`Protocol` errors otherwise: the name and size come from the peer).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when `name` does not carry `prefix` or the file
+    /// is not `size` bytes; [`Error::Io`] or
+    /// [`Error::Resource`] when it cannot be opened or mapped.
     pub fn open(name: &str, prefix: &str, rank: usize, size: usize, driver: &str) -> Result<Self> {
         if name.contains('/') || !name.starts_with(prefix) {
             return Err(Error::protocol(
@@ -273,6 +296,10 @@ impl SegmentFile {
 
     /// Remove the file of a created segment (the mappings stay valid). Idempotent; nothing
     /// for an opened one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the file cannot be removed (other than already gone).
     pub fn unlink(&mut self) -> Result<()> {
         if self.unlink_pending {
             self.unlink_pending = false;

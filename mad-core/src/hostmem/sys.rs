@@ -19,6 +19,10 @@ use std::time::Duration;
 /// `len`. On tmpfs (`/dev/shm`) this charges the pages to the file system at once: a file
 /// that is only `set_len`-sized is sparse, and a page the file system cannot supply later is a
 /// `SIGBUS` at the first store into the mapping. `ENOSPC` when the space is not there.
+///
+/// # Errors
+///
+/// The `posix_fallocate` error (`ENOSPC` when the file system has no room).
 pub fn reserve(file: &File, len: u64) -> io::Result<()> {
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     loop {
@@ -61,6 +65,10 @@ pub struct Mapping {
 
 impl Mapping {
     /// Map `file` shared and writable.
+    ///
+    /// # Errors
+    ///
+    /// The `mmap` error.
     pub fn map(file: &File) -> io::Result<Self> {
         Ok(Mapping {
             raw: memmap2::MmapRaw::map_raw(file)?,
@@ -345,6 +353,11 @@ pub struct PidFd {
 impl PidFd {
     /// Open a descriptor on `pid`; falls back to `kill(pid, 0)` checks where pidfds are not
     /// supported.
+    ///
+    /// # Errors
+    ///
+    /// The `pidfd_open` error when the process is gone (`ESRCH`), or the fallback `kill(pid, 0)`
+    /// error.
     pub fn open(pid: u32) -> io::Result<Self> {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };

@@ -48,6 +48,11 @@ impl std::fmt::Debug for Probe {
 impl PeerWatch {
     /// Watch process `pid`. Open it while the peer is known alive (during the channel's open
     /// collectives): a pid that is already gone is an error.
+    ///
+    /// # Errors
+    ///
+    /// The process is already gone, or it cannot be watched (see
+    /// [`PidFd::open`](super::sys::PidFd::open)).
     pub fn open(pid: u32) -> io::Result<Self> {
         Ok(Self::with_probe(Probe::Pid(PidFd::open(pid)?)))
     }

@@ -95,6 +95,11 @@ pub struct MadrunEnv {
 impl MadrunEnv {
     /// Parse the variables through `get`. `Ok(None)` when `MAD_BOOTSTRAP` is absent; a
     /// [`Error::BadConfig`] naming the variable when one is missing or malformed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] naming the variable when one is missing or
+    /// malformed.
     pub fn parse(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
         let Some(addr_s) = get(vars::BOOTSTRAP) else {
             return Ok(None);
@@ -196,6 +201,11 @@ impl MadrunEnv {
 
     /// Parse the process environment (see [`MadrunEnv::parse`]). A variable that is not valid
     /// Unicode is reported as malformed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] naming the variable when one is missing,
+    /// malformed or not Unicode.
     pub fn from_process_env() -> Result<Option<Self>> {
         for k in [
             vars::BOOTSTRAP,
@@ -256,6 +266,10 @@ fn from_server(e: Error) -> Error {
 impl MadrunBootstrap {
     /// Connect to the launcher named by the environment. `Ok(None)` when the process was not
     /// started by `madrun` (`MAD_BOOTSTRAP` unset).
+    ///
+    /// # Errors
+    ///
+    /// As [`MadrunEnv::from_process_env`] and [`connect`](Self::connect).
     pub fn from_env() -> Result<Option<Self>> {
         match MadrunEnv::from_process_env()? {
             None => Ok(None),
@@ -264,6 +278,13 @@ impl MadrunBootstrap {
     }
 
     /// Connect and authenticate to the server described by `env`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the launcher cannot be reached;
+    /// [`Error::Auth`] when it refuses the secret;
+    /// [`Error::Protocol`] for an answer that breaks the launcher protocol;
+    /// [`Error::Timeout`] when it does not answer in time.
     pub fn connect(env: MadrunEnv) -> Result<Self> {
         let deadline = Instant::now() + env.connect_timeout;
         let stream = loop {

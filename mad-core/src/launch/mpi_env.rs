@@ -70,6 +70,11 @@ fn has(env: &dyn Fn(&str) -> Option<String>, key: &str) -> bool {
 ///
 /// `Ok(None)`: no MPI launcher. `Err(BadConfig)`: the variables are there but malformed
 /// (non-numeric, rank outside the size, size zero).
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] when the variables are there but malformed
+/// (non-numeric, rank outside the size, size zero).
 pub fn detect(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Launcher>> {
     let found = if let (Some(rank), Some(size)) = (
         num(env, "OMPI_COMM_WORLD_RANK")?,
@@ -124,6 +129,10 @@ pub fn detect(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Launcher>> 
 }
 
 /// [`detect`] over this process's environment.
+///
+/// # Errors
+///
+/// As [`detect`].
 pub fn detect_from_env() -> Result<Option<Launcher>> {
     detect(&|k| std::env::var(k).ok())
 }

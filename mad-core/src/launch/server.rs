@@ -474,6 +474,11 @@ impl std::fmt::Debug for BootstrapServer {
 impl BootstrapServer {
     /// Listen on `bind` and serve a job of `size` ranks sharing `secret`. `log` receives one
     /// line per diagnostic (refused connections, protocol errors).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when `bind` cannot be listened on or the accept thread
+    /// cannot be started.
     pub fn start(
         bind: SocketAddr,
         size: usize,

@@ -131,6 +131,11 @@ fn cut(message: &str, max: usize) -> &[u8] {
 
 impl Frame {
     /// Encode this frame (header included), checking every limit.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when a field exceeds the protocol's limits (rank
+    /// count, tag or value length).
     pub fn encode(&self) -> Result<Vec<u8>> {
         let mut b = vec![0u8; 4];
         match self {
@@ -304,6 +309,10 @@ impl<'a> Cursor<'a> {
 /// [`UNKNOWN_RANK`]) for anything malformed: oversized length, unknown kind, bad lengths,
 /// non-UTF-8 text, trailing bytes. An oversized length is reported as soon as the 4-byte header
 /// is present, so a reader never buffers more than [`MAX_FRAME`] + 4 bytes.
+///
+/// # Errors
+///
+/// [`Error::Protocol`] with rank [`UNKNOWN_RANK`] for malformed input.
 pub fn decode_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>> {
     let Some(header) = buf.get(..4) else {
         return Ok(None);
@@ -451,6 +460,12 @@ impl FrameReader {
     /// Read from `r` until one whole frame is available and return it; `Ok(None)` on a clean
     /// end of stream (between frames). I/O errors (including read timeouts) are returned as
     /// [`Error::Io`]; malformed input as [`Error::Protocol`] with rank [`UNKNOWN_RANK`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] for I/O errors (read timeouts included);
+    /// [`Error::Protocol`] with rank [`UNKNOWN_RANK`] for malformed input
+    /// or an end of stream inside a frame.
     pub fn read_frame<R: std::io::Read>(&mut self, r: &mut R) -> Result<Option<Frame>> {
         let mut chunk = [0u8; 64 * 1024];
         loop {
@@ -482,6 +497,10 @@ impl FrameReader {
 }
 
 /// Encode and write one frame.
+///
+/// # Errors
+///
+/// As [`Frame::encode`]; [`Error::Io`] when writing fails.
 pub fn write_frame<W: std::io::Write>(w: &mut W, f: &Frame) -> Result<()> {
     let b = f.encode()?;
     w.write_all(&b)
