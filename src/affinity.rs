@@ -16,7 +16,7 @@ use mad_core::{Error, Result};
 ///
 /// # Errors
 ///
-/// [`Error::Io`](mad_core::Error::Io) when `sched_getaffinity` fails.
+/// [`Error::Io`] when `sched_getaffinity` fails.
 pub fn allowed_cpus() -> Result<&'static [usize]> {
     static CPUS: OnceLock<Vec<usize>> = OnceLock::new();
     if let Some(v) = CPUS.get() {
@@ -50,7 +50,7 @@ pub fn cpu_count() -> usize {
 ///
 /// # Errors
 ///
-/// [`Error::Io`](mad_core::Error::Io) when the allowed CPUs cannot be read or `sched_setaffinity`
+/// [`Error::Io`] when the allowed CPUs cannot be read or `sched_setaffinity`
 /// fails.
 pub fn pin_current_thread(cpu: Option<usize>) -> Result<()> {
     let cpus = allowed_cpus()?;

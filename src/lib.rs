@@ -100,7 +100,7 @@ pub fn builder() -> SessionBuilder {
 ///
 /// # Errors
 ///
-/// [`Error::BadConfig`](mad_core::Error::BadConfig) when the environment is wrong, including a
+/// [`Error::BadConfig`] when the environment is wrong, including a
 /// build without the `mpi` feature started by an MPI launcher with more than one process; the
 /// bootstrap's errors when it cannot reach the other ranks (see [`SessionBuilder::build`]).
 pub fn session() -> Result<Session> {

@@ -369,7 +369,7 @@ impl Request<'_, '_> {
     ///
     /// # Errors
     ///
-    /// [`Error::Protocol`](mad_core::Error::Protocol) when `buf` is not exactly
+    /// [`Error::Protocol`] when `buf` is not exactly
     /// [`len`](Self::len) bytes (the arguments are read and dropped first); the channel's errors
     /// while receiving (the peer gone, a protocol violation).
     pub fn recv_into(mut self, buf: &mut [u8]) -> mad_core::Result<()> {
@@ -1712,8 +1712,8 @@ impl Endpoint {
     ///
     /// # Errors
     ///
-    /// An error about no peer in particular: [`Error::Closed`](mad_core::Error::Closed) once the
-    /// channel is closed, [`Error::Poisoned`](mad_core::Error::Poisoned) once no peer is left.
+    /// An error about no peer in particular: [`Error::Closed`] once the
+    /// channel is closed, [`Error::Poisoned`] once no peer is left.
     pub fn progress(&self, timeout: Duration) -> mad_core::Result<bool> {
         let Some(mut poller) = self.take_role() else {
             std::thread::sleep(timeout.min(Duration::from_millis(1)));
@@ -1739,7 +1739,7 @@ impl Endpoint {
     ///
     /// # Errors
     ///
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed, or another error that
+    /// [`Error::Closed`] once the channel is closed, or another error that
     /// leaves the channel serving nobody.
     pub fn serve(&self) -> mad_core::Result<()> {
         let inner = &*self.inner;
@@ -1817,8 +1817,8 @@ impl ProgressThread {
     ///
     /// # Errors
     ///
-    /// The error that ended the serving thread, as [`serve`](Self::serve) returns it;
-    /// [`Error::Io`](mad_core::Error::Io) naming the panic when the thread panicked.
+    /// The error that ended the serving thread, as [`Endpoint::serve`] returns it;
+    /// [`Error::Io`] naming the panic when the thread panicked.
     pub fn stop(mut self) -> mad_core::Result<()> {
         self.ep.shutdown();
         match self.t.take().map(JoinHandle::join) {

@@ -1060,7 +1060,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         let res = self.pack_cheaper_inner(data, r);
@@ -1078,7 +1078,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         let res = self.pack_safer_inner(data, r);
@@ -1100,7 +1100,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
         let res = self.pack_later_inner(Later::Cells(data), r);
@@ -1119,7 +1119,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         let res = self.pack_later_inner(Later::Atomics(data), r);
@@ -1161,7 +1161,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
         self.pack_safer(bytemuck::bytes_of(v), r)
@@ -1177,7 +1177,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.pack(bytemuck::cast_slice(v), r)
@@ -1217,7 +1217,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     pub fn flush(&mut self) -> Result<()> {
         let res = self.flush_inner();
         self.check(res)
@@ -1241,7 +1241,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`](crate::Packer) documentation).
+    /// message is abandoned (see the [`Packer`] documentation).
     pub fn end_packing(mut self) -> Result<()> {
         let r = self.finish_inner();
         match r {
@@ -1393,7 +1393,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         self.0.pack(data, r)
@@ -1402,7 +1402,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         self.0.pack_safer(data, r)
@@ -1411,7 +1411,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     #[inline]
     pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
         self.0.pack_value(v, r)
@@ -1420,7 +1420,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.0.pack_slice(v, r)
@@ -1429,7 +1429,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         self.0.pack_later_atomic(data, r)
@@ -1442,7 +1442,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     pub fn flush(&mut self) -> Result<()> {
         self.0.flush()
     }
@@ -1462,7 +1462,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Packer`](crate::Packer)'s method of the same name.
+    /// As [`Packer`]'s method of the same name.
     pub fn end_packing(self) -> Result<()> {
         self.0.end_packing()
     }

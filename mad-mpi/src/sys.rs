@@ -336,7 +336,7 @@ fn library_version() -> String {
 }
 
 fn unavailable(reason: &str) -> Error {
-    Error::unavailable("mpi", reason.into())
+    Error::unavailable("mpi", reason)
 }
 
 /// Convert an MPI return code into an error (the one place native MPI codes are converted).

@@ -200,6 +200,10 @@ impl Producer {
 
     /// Free bytes, refreshing the reader's offset from shared memory when the cached one says
     /// the ring is fuller than `need`.
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn free(&mut self, need: u64) -> Result<u64, Corrupt> {
         let cap = self.v.cap;
         let bad = |h, t| Corrupt { head: h, tail: t };
@@ -216,6 +220,10 @@ impl Producer {
     /// Lend the contiguous free run (at most `max` bytes, `max > 0`) to `fill`, which returns
     /// how many bytes it wrote. Returns that count, or `None` when the ring is full (`fill`
     /// not called).
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn lend(
         &mut self,
         max: usize,
@@ -242,6 +250,10 @@ impl Producer {
 
     /// Write all of `bytes` (wrapping around the end) if there is room for all of them;
     /// returns whether it did.
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn write_all(&mut self, bytes: &[u8]) -> Result<bool, Corrupt> {
         if self.free(bytes.len() as u64)? < bytes.len() as u64 {
             return Ok(false);
@@ -308,6 +320,10 @@ impl Consumer {
 
     /// Readable bytes, refreshing the writer's offset when the cached one shows fewer than
     /// `need`.
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn available(&mut self, need: u64) -> Result<u64, Corrupt> {
         let cap = self.v.cap;
         let bad = |h, t| Corrupt { head: h, tail: t };
@@ -331,6 +347,10 @@ impl Consumer {
     /// Lend the contiguous readable run to `take`, which returns how many bytes it consumed;
     /// the tail is advanced locally (see [`release`](Self::release)). `None` when nothing is
     /// readable (`take` not called).
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn take(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Option<usize>, Corrupt> {
         self.available(1)?;
         let (pos, run) =
@@ -351,6 +371,10 @@ impl Consumer {
     }
 
     /// Copy `out.len()` bytes from the read position without consuming them, if available.
+    ///
+    /// # Errors
+    ///
+    /// [`Corrupt`] when the shared offsets break the ring's invariants (a corrupt or hostile peer).
     pub fn peek(&mut self, out: &mut [u8]) -> Result<bool, Corrupt> {
         if self.available(out.len() as u64)? < out.len() as u64 {
             return Ok(false);

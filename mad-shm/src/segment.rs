@@ -58,6 +58,12 @@ impl Segment {
     /// Create this process's segment `name` (fails if it exists), mode 0600, its space
     /// reserved in `/dev/shm` (`Resource` if it does not fit: `host_ranks` and `advice` go
     /// into the message), and write its header.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Resource`] when `/dev/shm` has no room;
+    /// [`Error::Io`] when the file cannot be created or mapped;
+    /// [`Error::BadConfig`] when `n` rings of `cap` bytes overflow.
     pub fn create(
         name: &str,
         n: usize,
@@ -83,6 +89,13 @@ impl Segment {
     }
 
     /// Map a peer's segment and check its header (size, magic, geometry, creator pid, proof).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when the file or its header does not match
+    /// (size, magic, geometry, pid); [`Error::Auth`] when the proof of the
+    /// session secret is wrong; [`Error::Io`] when it cannot be opened or
+    /// mapped.
     pub fn open(
         name: &str,
         rank: usize,
@@ -120,6 +133,11 @@ impl Segment {
     }
 
     /// Remove the file (the mappings stay valid). Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the file cannot be removed (other than already
+    /// gone).
     pub fn unlink(&mut self) -> Result<()> {
         self.file.unlink()
     }

@@ -27,6 +27,12 @@ const IOV_MAX: usize = 1024;
 ///
 /// The caller checks that both lists have the same total length. A zero-byte transfer that
 /// should have moved bytes is reported as `UnexpectedEof` (remote memory unmapped midway).
+///
+/// # Errors
+///
+/// The `process_vm_readv` error (`EPERM` when the kernel refuses cross-process reads, `ESRCH` when
+/// the peer is gone, `EFAULT` for a bad remote range); `UnexpectedEof` when the peer's memory ends
+/// short.
 pub fn cma_read(pid: u32, local: &mut [IoSliceMut<'_>], remote: &[RemoteSlice]) -> io::Result<()> {
     let mut li = 0usize; // current local slice
     let mut lo = 0usize; // offset inside it

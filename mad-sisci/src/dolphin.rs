@@ -188,6 +188,10 @@ impl Record {
     }
 
     /// Decode bytes a peer published. Total: any input gives a record or an error.
+    ///
+    /// # Errors
+    ///
+    /// A [`RecordError`] saying what is wrong with the bytes.
     pub fn decode(b: &[u8]) -> std::result::Result<Record, RecordError> {
         let b: &[u8; RECORD_LEN] = b.try_into().map_err(|_| RecordError::Length(b.len()))?;
         if b[0..4] != RECORD_MAGIC {
@@ -485,6 +489,14 @@ fn create_own(
 }
 
 /// Open a `sisci:dolphin` channel (collective; see the module documentation).
+///
+/// # Errors
+///
+/// [`Error::Unavailable`] when the SISCI library or the adapter
+/// cannot be used (with the library's error as source);
+/// [`Error::BadConfig`] for options the backend refuses; the library's
+/// errors while connecting, converted by [`SciError::to_error`](crate::sys::SciError::to_error);
+/// the bootstrap's errors.
 pub fn open(ctx: &OpenContext<'_>, o: &Options) -> Result<OpenedChannel> {
     let b = ctx.bootstrap;
     let (me, n) = (b.rank(), b.size());

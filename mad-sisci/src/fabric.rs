@@ -54,6 +54,11 @@ pub trait TxWire: Send + 'static {
     fn block_write(&mut self, remote: &Region, base: usize, at: usize, src: &[u8]) -> Option<()>;
     /// The block of `len` bytes at `base` of `remote` is complete: make it land in the peer's
     /// memory (a DMA transfer) before the flag is published. `peer` is for errors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) for `peer` when the transfer
+    /// fails; [`Error::Poisoned`](mad_core::Error::Poisoned) once the connection was torn down.
     fn finish_block(&mut self, peer: usize, remote: &Region, base: usize, len: usize)
         -> Result<()>;
     /// Sleep for at most `t` unless `ready()` holds (a blocked sender waiting for an

@@ -105,6 +105,11 @@ pub struct Options {
 }
 
 /// Parse a configuration's adapter and options.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] for an unknown adapter, or an option that does
+/// not parse or is out of range.
 pub fn options(config: &ChannelConfig) -> Result<Options> {
     let backend = match config.adapter.as_deref() {
         None | Some("local") => Backend::Local,

@@ -41,6 +41,10 @@ fn geom_words(n: usize, g: &Geometry, pid: u32) -> [u64; 8] {
 
 /// Write a segment header into `r` (any backend): magic, geometry of `n` areas, `pid` (the
 /// creator's on `local`, 0 on `dolphin`) and the proof of the session secret.
+///
+/// # Errors
+///
+/// [`Error::Resource`] when the region is smaller than the header.
 pub fn write_header(
     r: &Region,
     n: usize,
@@ -60,6 +64,11 @@ pub fn write_header(
 
 /// Check the header of rank `rank`'s segment in `r` (any backend): magic, geometry of `n`
 /// areas, `pid`, and the proof (`check_proof`). Errors are `Protocol` or `Auth`.
+///
+/// # Errors
+///
+/// [`Error::Protocol`] when the magic, the geometry or the pid differ;
+/// [`Error::Auth`] when the proof of the session secret is wrong.
 pub fn check_header(
     r: &Region,
     rank: usize,
@@ -98,6 +107,12 @@ impl Segment {
     /// Create this process's segment `name` (fails if it exists), its space reserved in
     /// `/dev/shm` (`Resource` if it does not fit: `host_ranks` and `advice` go into the
     /// message), and write its header.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Resource`] when `/dev/shm` has no room;
+    /// [`Error::Io`] when the file cannot be created or mapped;
+    /// [`Error::BadConfig`] when the geometry overflows.
     pub fn create(
         name: &str,
         n: usize,
@@ -115,6 +130,12 @@ impl Segment {
     }
 
     /// Map rank `rank`'s segment and check its header (size, magic, geometry, pid, proof).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when the file or its header does not match;
+    /// [`Error::Auth`] for a wrong proof; [`Error::Io`]
+    /// when it cannot be opened or mapped.
     pub fn open(
         name: &str,
         rank: usize,
@@ -130,6 +151,11 @@ impl Segment {
     }
 
     /// Remove the file (mappings stay valid). Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the file cannot be removed (other than already
+    /// gone).
     pub fn unlink(&mut self) -> Result<()> {
         self.file.unlink()
     }

@@ -567,6 +567,12 @@ pub struct Sisci {
 impl Sisci {
     /// The library `path` (a name for the dynamic loader or a path), loaded, resolved and
     /// initialized if this process does not use it yet.
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError::Load`] when the library cannot be loaded or a symbol resolved;
+    /// [`LoadError::Init`] when `SCIInitialize` fails; [`LoadError::OtherLibrary`] when this
+    /// process already uses another one.
     pub fn get(path: &str) -> Result<Sisci, LoadError> {
         let mut g = LOADED.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(l) = g.as_mut() {
@@ -681,6 +687,10 @@ unsafe impl Sync for Desc {}
 
 impl Desc {
     /// `SCIOpen`.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn open(sisci: Sisci) -> Result<Arc<Desc>, SciError> {
         let mut sd: SciHandle = std::ptr::null_mut();
         let mut err = SCI_ERR_OK;
@@ -691,6 +701,10 @@ impl Desc {
     }
 
     /// `SCIGetLocalNodeId(adapter)`.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn local_node_id(&self, adapter: u32) -> Result<u32, SciError> {
         let mut node: c_uint = 0;
         let mut err = SCI_ERR_OK;
@@ -819,6 +833,10 @@ unsafe impl Sync for LocalSegment {}
 
 impl LocalSegment {
     /// `SCICreateSegment(id, size)`, `SCIPrepareSegment(adapter)`, `SCIMapLocalSegment`.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn create(
         desc: &Arc<Desc>,
         id: u32,
@@ -880,6 +898,10 @@ impl LocalSegment {
     }
 
     /// `SCISetSegmentAvailable(adapter)`: peers may connect from now on.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn set_available(&self) -> Result<(), SciError> {
         let mut err = SCI_ERR_OK;
         // SAFETY: `seg` is live and prepared on `adapter`.
@@ -959,6 +981,10 @@ impl RemoteSegment {
     /// `SCIConnectSegment(node, id, adapter)` within `timeout_ms`, `SCIMapRemoteSegment` of
     /// `size` bytes, `SCICreateMapSequence`. `own` (this process's segment) is kept until
     /// this connection is closed.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn connect(
         desc: &Arc<Desc>,
         own: &Arc<LocalSegment>,
@@ -1140,6 +1166,10 @@ unsafe impl Send for DmaQueue {}
 
 impl DmaQueue {
     /// `SCICreateDMAQueue(adapter, 1)`; `Ok(None)` if the library has no DMA calls.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn create(desc: &Arc<Desc>, adapter: u32) -> Result<Option<DmaQueue>, SciError> {
         let Some(api) = desc.api().dma else {
             return Ok(None);
@@ -1159,6 +1189,10 @@ impl DmaQueue {
     /// `SCIStartDmaTransfer`: `len` bytes from `src_off` of `src` to `dst_off` of `dst`.
     /// Returns `SCI_ERR_OUT_OF_RANGE` without calling the library if a range is outside its
     /// segment.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn start(
         &mut self,
         src: &LocalSegment,
@@ -1195,6 +1229,10 @@ impl DmaQueue {
     }
 
     /// `SCIWaitForDMAQueue` for at most `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// The library's [`SciError`] (its code, and the call that returned it).
     pub fn wait(&mut self, timeout: Duration) -> Result<DmaWait, SciError> {
         let ms = timeout
             .as_millis()

@@ -188,6 +188,11 @@ pub fn encode_challenge(c: &Challenge) -> [u8; CHALLENGE_LEN] {
 }
 
 /// Decode a challenge.
+///
+/// # Errors
+///
+/// A [`HandshakeError`] saying what is wrong: too short, another protocol's magic, an unexpected
+/// kind, another version, a field out of range.
 pub fn decode_challenge(b: &[u8]) -> Result<Challenge, HandshakeError> {
     check_head(b, KIND_CHALLENGE, "challenge")?;
     if b.len() != CHALLENGE_LEN {
@@ -204,6 +209,10 @@ pub fn decode_challenge(b: &[u8]) -> Result<Challenge, HandshakeError> {
 }
 
 /// Encode a hello (fails only if the channel name is longer than [`MAX_NAME_LEN`]).
+///
+/// # Errors
+///
+/// [`HandshakeError`] when the channel name is longer than [`MAX_NAME_LEN`].
 pub fn encode_hello(h: &Hello) -> Result<Vec<u8>, HandshakeError> {
     let name = h.channel.as_bytes();
     if name.len() > MAX_NAME_LEN {
@@ -227,11 +236,21 @@ pub const HEAD_LEN: usize = 6;
 
 /// Check the head of a hello (its first [`HEAD_LEN`] bytes): a stranger speaking another
 /// protocol is refused as soon as these bytes are in, not at the handshake timeout.
+///
+/// # Errors
+///
+/// A [`HandshakeError`] saying what is wrong: too short, another protocol's magic, an unexpected
+/// kind, another version, a field out of range.
 pub fn check_hello_head(head: &[u8]) -> Result<(), HandshakeError> {
     check_head(head, KIND_HELLO, "hello")
 }
 
 /// From the fixed part of a hello, the total length of the hello (fixed part + name).
+///
+/// # Errors
+///
+/// A [`HandshakeError`] saying what is wrong: too short, another protocol's magic, an unexpected
+/// kind, another version, a field out of range.
 pub fn hello_len(fixed: &[u8]) -> Result<usize, HandshakeError> {
     check_head(fixed, KIND_HELLO, "hello")?;
     if fixed.len() < HELLO_FIXED_LEN {
@@ -248,6 +267,11 @@ pub fn hello_len(fixed: &[u8]) -> Result<usize, HandshakeError> {
 }
 
 /// Decode a complete hello.
+///
+/// # Errors
+///
+/// A [`HandshakeError`] saying what is wrong: too short, another protocol's magic, an unexpected
+/// kind, another version, a field out of range.
 pub fn decode_hello(b: &[u8]) -> Result<Hello, HandshakeError> {
     let total = hello_len(b)?;
     if b.len() != total {
@@ -283,6 +307,11 @@ pub fn encode_reply(r: &Reply) -> [u8; REPLY_LEN] {
 }
 
 /// Decode a reply.
+///
+/// # Errors
+///
+/// A [`HandshakeError`] saying what is wrong: too short, another protocol's magic, an unexpected
+/// kind, another version, a field out of range.
 pub fn decode_reply(b: &[u8]) -> Result<Reply, HandshakeError> {
     check_head(b, KIND_REPLY, "reply")?;
     if b.len() != REPLY_LEN {

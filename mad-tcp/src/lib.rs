@@ -117,6 +117,11 @@ pub struct TcpOptions {
 
 impl TcpOptions {
     /// Parse the options of `config` (adapter, `connect_timeout_ms`, `liveness_ms`, `buffer`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] naming the option when a value does not
+    /// parse or is out of range; as [`resolve_adapter`] for the adapter.
     pub fn from_config(config: &ChannelConfig) -> Result<Self> {
         // Every range is checked before the adapter is resolved (a system call).
         let (connect_timeout, liveness, buffer) = Self::numbers(config)?;
@@ -147,6 +152,12 @@ impl TcpOptions {
 }
 
 /// Resolve an adapter: an IP address, an interface name, or the default `127.0.0.1`.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] when the adapter is neither an address nor the
+/// name of an interface with an address; [`Error::Io`] when the interfaces
+/// cannot be listed.
 pub fn resolve_adapter(adapter: Option<&str>) -> Result<IpAddr> {
     let a = match adapter {
         None => return Ok(IpAddr::from([127, 0, 0, 1])),
@@ -168,6 +179,11 @@ pub fn resolve_adapter(adapter: Option<&str>) -> Result<IpAddr> {
 }
 
 /// The driver's TM table with the given `small` threshold.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] when `small_max` does not give a valid table
+/// (see [`TmTable::new`](mad_core::driver::TmTable::new)).
 pub fn tm_table(small_max: usize) -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(

@@ -68,6 +68,10 @@ fn io_op(mut f: impl FnMut() -> isize) -> io::Result<Option<usize>> {
 /// (≥ 5.11) also aborts a connection whose peer keeps its window closed for that long, i.e. a
 /// live receiver that is busy computing instead of reading. Connections with unanswered
 /// traffic are judged by the driver instead ([`tcp_state`], `link.rs`).
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn set_keepalive(fd: RawFd, horizon: Duration) -> io::Result<()> {
     let secs = horizon.as_secs().min(i32::MAX as u64) as libc::c_int;
     let idle = (secs / 3).max(1);
@@ -101,6 +105,10 @@ pub struct TcpState {
 const TCP_ESTABLISHED: u8 = 1;
 
 /// Read `TCP_INFO` of a connected socket.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn tcp_state(fd: RawFd) -> io::Result<TcpState> {
     // SAFETY: `tcp_info` is plain data (integers); all-zero is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
@@ -151,6 +159,10 @@ pub fn tcp_state(fd: RawFd) -> io::Result<TcpState> {
 /// Returns the number of bytes accepted by the kernel; `Ok(None)` when the buffer is full.
 /// With `block`, without `MSG_DONTWAIT`: on a blocking socket the kernel then queues
 /// everything before returning (or the send timeout passes: `Ok(None)`).
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 #[inline]
 pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>], block: bool) -> io::Result<Option<usize>> {
     let flags = if block {
@@ -175,6 +187,10 @@ pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>], block: bool) -> io::Result<
 
 /// One `send(MSG_NOSIGNAL | MSG_DONTWAIT)` of `buf` (cheaper in the kernel than a one-slice
 /// `sendmsg`: no message header or iovec to import). `Ok(None)`: the buffer is full.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 #[inline]
 pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<Option<usize>> {
     let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
@@ -184,6 +200,10 @@ pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<Option<usize>> {
 
 /// One non-blocking `recv` into `buf`. `Ok(Some(0))` means end of stream, `Ok(None)` that
 /// nothing is there yet.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 #[inline]
 pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
     let (p, n) = (buf.as_mut_ptr(), buf.len());
@@ -196,6 +216,10 @@ pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
 /// With `wait_all`, `MSG_WAITALL` instead of `MSG_DONTWAIT`: on a blocking socket the kernel
 /// fills every slice before returning (or end of stream, an error, a signal or the receive
 /// timeout cuts it short).
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 #[inline]
 pub fn recv_vectored(
     fd: RawFd,
@@ -224,6 +248,10 @@ pub fn recv_vectored(
 /// other half of the connection; `close` could not do that while it still holds the
 /// descriptor). Fails with `EBUSY` while another thread of this process is blocked in a
 /// `send`/`recv` on the socket (Linux ≥ 6.6): see [`reset`].
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn disconnect(fd: RawFd) -> io::Result<()> {
     // SAFETY: an all-zero sockaddr with family AF_UNSPEC is a complete address for this call;
     // it lives for the duration of the call and its size is passed.
@@ -287,6 +315,10 @@ pub enum Interest {
 }
 
 /// `poll(2)` on one descriptor; true when it is ready (or in error: the next call reports it).
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn poll_one(fd: RawFd, interest: Interest, timeout: Duration) -> io::Result<bool> {
     let events = match interest {
         Interest::Read => libc::POLLIN,
@@ -315,6 +347,10 @@ pub fn poll_one(fd: RawFd, interest: Interest, timeout: Duration) -> io::Result<
 }
 
 /// `poll(2)` on several descriptors for input; calls `ready(i)` for each ready index.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn poll_read_many(
     fds: &[RawFd],
     timeout: Duration,
@@ -360,6 +396,10 @@ pub struct Epoll {
 
 impl Epoll {
     /// A new epoll instance (close-on-exec).
+    ///
+    /// # Errors
+    ///
+    /// The system call's error (`errno`).
     pub fn new() -> io::Result<Self> {
         // SAFETY: plain syscall without pointers.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
@@ -369,6 +409,10 @@ impl Epoll {
     }
 
     /// Watch `fd` for input, reporting `token`.
+    ///
+    /// # Errors
+    ///
+    /// The system call's error (`errno`).
     pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
         let mut ev = libc::epoll_event {
             events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32,
@@ -384,6 +428,10 @@ impl Epoll {
     /// one-shot registration disables itself when it fires, so a writable socket does not keep
     /// the set readable; `fd` must not be registered for anything else in this set (register
     /// a duplicate of a socket that is).
+    ///
+    /// # Errors
+    ///
+    /// The system call's error (`errno`).
     pub fn watch_write_once(&self, fd: RawFd, token: u64, first: bool) -> io::Result<()> {
         let mut ev = libc::epoll_event {
             events: (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32,
@@ -411,6 +459,10 @@ impl Epoll {
     }
 
     /// Wait up to `timeout` and call `f(token)` for each ready descriptor.
+    ///
+    /// # Errors
+    ///
+    /// The system call's error (`errno`).
     pub fn wait(&self, timeout: Duration, f: &mut dyn FnMut(u64)) -> io::Result<()> {
         const N: usize = 64;
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; N];
@@ -447,6 +499,10 @@ pub struct EventFd {
 
 impl EventFd {
     /// A new non-blocking eventfd.
+    ///
+    /// # Errors
+    ///
+    /// The system call's error (`errno`).
     pub fn new() -> io::Result<Self> {
         // SAFETY: plain syscall without pointers.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
@@ -476,6 +532,10 @@ impl EventFd {
 }
 
 /// The addresses of the interface named `name` (IPv4 first), from `getifaddrs`.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn interface_addrs(name: &str) -> io::Result<Vec<IpAddr>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: `head` is a valid out-pointer; on success the list is freed below.
@@ -514,6 +574,10 @@ pub fn interface_addrs(name: &str) -> io::Result<Vec<IpAddr>> {
 
 /// Raise the soft `RLIMIT_NOFILE` towards the hard limit so at least `need` descriptors fit.
 /// Returns the soft limit in force afterwards.
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn ensure_nofile(need: u64) -> io::Result<u64> {
     let mut rl = libc::rlimit {
         rlim_cur: 0,
@@ -531,6 +595,10 @@ pub fn ensure_nofile(need: u64) -> io::Result<u64> {
 }
 
 /// Read an integer socket option (used by tests to check what [`set_keepalive`] applied).
+///
+/// # Errors
+///
+/// The system call's error (`errno`).
 pub fn sockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;

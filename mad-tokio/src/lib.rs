@@ -181,9 +181,9 @@ impl AsyncChannel {
     ///
     /// # Errors
     ///
-    /// [`Error::Io`](mad_core::Error::Io) when the descriptor cannot be registered with the runtime
+    /// [`Error::Io`] when the descriptor cannot be registered with the runtime
     /// (not called inside a tokio runtime with I/O enabled);
-    /// [`Error::BadConfig`](mad_core::Error::BadConfig) for a channel without a descriptor on a
+    /// [`Error::BadConfig`] for a channel without a descriptor on a
     /// runtime without timers.
     pub fn new(ch: Channel) -> Result<AsyncChannel> {
         let fd = match ch.readiness_fd() {
@@ -321,11 +321,11 @@ impl AsyncChannel {
     /// # Errors
     ///
     /// As [`Channel::begin_packing`](mad_core::Channel::begin_packing):
-    /// [`Error::BadRank`](mad_core::Error::BadRank), [`Error::InUse`](mad_core::Error::InUse),
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable, [`Error::Closed`](mad_core::Error::Closed) once the
+    /// [`Error::BadRank`], [`Error::InUse`],
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
     pub async fn begin_packing<'b>(&self, remote: usize) -> Result<AsyncPacker<'_, 'b>> {
         let ch = &self.inner.ch;
@@ -341,8 +341,8 @@ impl AsyncChannel {
     ///
     /// # Errors
     ///
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) once no peer is left; the failure of one
-    /// connection is reported by one call; [`Error::Closed`](mad_core::Error::Closed) once the
+    /// [`Error::Poisoned`] once no peer is left; the failure of one
+    /// connection is reported by one call; [`Error::Closed`] once the
     /// channel is closed.
     pub async fn begin_unpacking<'b>(&self) -> Result<AsyncUnpacker<'_, 'b>> {
         let ch = &self.inner.ch;
@@ -356,11 +356,11 @@ impl AsyncChannel {
     /// # Errors
     ///
     /// As [`Channel::begin_unpacking_from`](mad_core::Channel::begin_unpacking_from):
-    /// [`Error::BadRank`](mad_core::Error::BadRank),
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable, [`Error::Closed`](mad_core::Error::Closed) once the
+    /// [`Error::BadRank`],
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
     pub async fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<AsyncUnpacker<'_, 'b>> {
         let ch = &self.inner.ch;
@@ -400,12 +400,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         self.p.pack(data, r)
     }
@@ -414,12 +414,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         self.p.pack_safer(data, r)
     }
@@ -428,12 +428,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub fn pack_value<T: mad_core::bytemuck::NoUninit>(
         &mut self,
         v: &T,
@@ -446,12 +446,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub fn pack_slice<T: mad_core::bytemuck::NoUninit>(
         &mut self,
         v: &'b [T],
@@ -464,12 +464,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
         self.p.pack_later_atomic(data, r)
     }
@@ -487,12 +487,12 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// # Errors
     ///
     /// As [`Packer`](mad_core::Packer)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::Timeout`](mad_core::Error::Timeout) when the
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// [`Error::Closed`] once the channel is closed.
     pub async fn end_packing(mut self) -> Result<()> {
         let ch = self.ch;
         ch.wait(|| self.p.poll_end_packing()).await
@@ -522,14 +522,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
-    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
-    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// As [`Unpacker`]'s method of the same name:
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`]
+    /// in checked mode; [`Error::Protocol`] when the peer's bytes break
+    /// the protocol; [`Error::Timeout`];
+    /// [`Error::Closed`] once the channel is closed.
     pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
         self.u.unpack(buf, s)
     }
@@ -537,14 +537,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
-    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
-    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// As [`Unpacker`]'s method of the same name:
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`]
+    /// in checked mode; [`Error::Protocol`] when the peer's bytes break
+    /// the protocol; [`Error::Timeout`];
+    /// [`Error::Closed`] once the channel is closed.
     pub fn unpack_slice<T: mad_core::bytemuck::Pod>(
         &mut self,
         v: &'b mut [T],
@@ -562,14 +562,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
-    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
-    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// As [`Unpacker`]'s method of the same name:
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`]
+    /// in checked mode; [`Error::Protocol`] when the peer's bytes break
+    /// the protocol; [`Error::Timeout`];
+    /// [`Error::Closed`] once the channel is closed.
     pub async fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
         let ch = self.ch;
         let u = &mut self.u;
@@ -579,14 +579,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
-    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
-    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// As [`Unpacker`]'s method of the same name:
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`]
+    /// in checked mode; [`Error::Protocol`] when the peer's bytes break
+    /// the protocol; [`Error::Timeout`];
+    /// [`Error::Closed`] once the channel is closed.
     pub async fn unpack_value<T: mad_core::bytemuck::Pod>(&mut self) -> Result<T> {
         let mut v = T::zeroed();
         self.unpack_express(mad_core::bytemuck::bytes_of_mut(&mut v), SendMode::Safer)
@@ -598,14 +598,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     ///
     /// # Errors
     ///
-    /// As [`Unpacker`](mad_core::Unpacker)'s method of the same name:
-    /// [`Error::PeerClosed`](mad_core::Error::PeerClosed),
-    /// [`Error::ConnectionLost`](mad_core::Error::ConnectionLost) or
-    /// [`Error::Poisoned`](mad_core::Error::Poisoned) when the connection to the peer is gone or an
-    /// earlier failure left it unusable; [`Error::UnpackMismatch`](mad_core::Error::UnpackMismatch)
-    /// in checked mode; [`Error::Protocol`](mad_core::Error::Protocol) when the peer's bytes break
-    /// the protocol; [`Error::Timeout`](mad_core::Error::Timeout);
-    /// [`Error::Closed`](mad_core::Error::Closed) once the channel is closed.
+    /// As [`Unpacker`]'s method of the same name:
+    /// [`Error::PeerClosed`],
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::Poisoned`] when the connection to the peer is gone or an
+    /// earlier failure left it unusable; [`Error::UnpackMismatch`]
+    /// in checked mode; [`Error::Protocol`] when the peer's bytes break
+    /// the protocol; [`Error::Timeout`];
+    /// [`Error::Closed`] once the channel is closed.
     pub async fn end_unpacking(mut self) -> Result<()> {
         let ch = self.ch;
         ch.wait(|| self.u.poll_end_unpacking()).await

@@ -98,6 +98,11 @@ pub enum Backend {
 
 impl Backend {
     /// The backend named by a channel's adapter (`soft` when none is given).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`] for an adapter other than `soft` and
+    /// `verbs`.
     pub fn of(config: &ChannelConfig) -> Result<Backend> {
         match config.adapter.as_deref() {
             None | Some("soft") => Ok(Backend::Soft),
@@ -183,6 +188,11 @@ impl ViaDriver {
 pub const MAX_REGCACHE: usize = 1 << 20;
 
 /// The default TM table of `via:soft` (before `tm.*` overrides).
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] if the built-in table were invalid (never for
+/// this one).
 pub fn default_table() -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(
@@ -206,6 +216,11 @@ pub fn default_table() -> Result<TmTable> {
 }
 
 /// The default TM table of `via:verbs` (before `tm.*` overrides): thresholds **not measured**.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] if the built-in table were invalid (never for
+/// this one).
 pub fn verbs_table() -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(

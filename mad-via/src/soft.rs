@@ -1197,6 +1197,11 @@ fn unix_pair() -> Result<(UnixStream, UnixStream)> {
 impl Endpoint {
     /// Two connected endpoints over Unix socket pairs (peer ranks 1 and 0), each with its own
     /// protection domain and registration cache (sized by its [`Pd`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the socket pairs cannot be created; as
+    /// [`over_unix`](Self::over_unix).
     pub fn pair(pd_a: &Arc<Pd>, pd_b: &Arc<Pd>, cfg: SlotConfig) -> Result<(Endpoint, Endpoint)> {
         let (ca, cb) = unix_pair()?;
         let (da, db) = unix_pair()?;
@@ -1235,6 +1240,11 @@ impl Endpoint {
     /// are peer `rank` (tests, tools: the other end may be anything, e.g. a fault injector
     /// writing raw frames). The peer's credit word is unknown: credits are returned by
     /// piggybacking only.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the streams cannot be set up or the endpoint's
+    /// buffers registered.
     pub fn over_unix(
         ctrl: UnixStream,
         data: UnixStream,
@@ -1270,6 +1280,11 @@ impl Endpoint {
     }
 
     /// The link pair over this endpoint (what the driver hands to the core).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the endpoint's descriptors cannot be duplicated for
+    /// the two halves.
     pub fn links(&self) -> Result<LinkPair> {
         proto::links(&self.conn, &self.cache, None)
     }
@@ -1281,6 +1296,14 @@ impl Endpoint {
 
     /// Register `buf`, advertise it for RDMA writes from the peer and post the receive that
     /// takes the writer's completion (the receiver's half of the rendezvous, without the CTS).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Resource`] when `buf` cannot be registered;
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::PeerClosed`] when the peer is gone;
+    /// [`Error::Protocol`] when it breaks the protocol;
+    /// [`Error::Poisoned`] once the connection was torn down.
     pub fn advertise(&self, buf: &[u8]) -> Result<Advert> {
         let (addr, len) = (buf.as_ptr() as usize, buf.len());
         let lease = self.cache.acquire(addr, len)?;
@@ -1310,6 +1333,14 @@ impl Endpoint {
     /// Post a raw RDMA write of `data` to the peer's `(key, addr)` with the completion
     /// immediate, as verbs would: the local source must be registered; the remote side
     /// decides whether the write is allowed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Resource`] when the source is not registered;
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::PeerClosed`] when the peer is gone;
+    /// [`Error::Protocol`] when it breaks the protocol;
+    /// [`Error::Poisoned`] once the connection was torn down.
     pub fn rdma_write(&self, key: u32, addr: u64, data: &[u8]) -> Result<()> {
         let mut c = proto::lock(&self.conn);
         c.check()?;
@@ -1336,6 +1367,13 @@ impl Endpoint {
     /// Drive the NIC, landing RDMA writes for `a` into `buf` (which must be the advertised
     /// memory). `Ready(n)` once the writer's completion arrived (`n`: bytes of its last
     /// write).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::PeerClosed`] when the peer is gone;
+    /// [`Error::Protocol`] when it breaks the protocol;
+    /// [`Error::Poisoned`] once the connection was torn down.
     pub fn receive_writes(&self, a: &Advert, buf: &mut [u8]) -> Result<Poll<usize>> {
         let mut c = proto::lock(&self.conn);
         c.check()?;
@@ -1354,6 +1392,14 @@ impl Endpoint {
 
     /// Drive the NIC once (flush, receive on both queue pairs); reports errors the peer sent
     /// and refuses bad RDMA writes waiting on the data queue pair.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::PeerClosed`] when the peer is gone;
+    /// [`Error::Protocol`] when it breaks the protocol;
+    /// [`Error::Poisoned`] once the connection was torn down. Also the
+    /// errors the peer reported, and bad RDMA writes.
     pub fn progress(&self) -> Result<()> {
         let mut c = proto::lock(&self.conn);
         c.check()?;
@@ -1364,6 +1410,13 @@ impl Endpoint {
     }
 
     /// Block until the connection may have progressed, at most `t`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConnectionLost`] or
+    /// [`Error::PeerClosed`] when the peer is gone;
+    /// [`Error::Protocol`] when it breaks the protocol;
+    /// [`Error::Poisoned`] once the connection was torn down.
     pub fn wait(&self, t: Duration) -> Result<()> {
         proto::wait_conn(&self.conn, false, t)
     }

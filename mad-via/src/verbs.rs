@@ -67,6 +67,10 @@ impl ConnInfo {
     }
 
     /// Decode a record for a session of `size` ranks; never panics.
+    ///
+    /// # Errors
+    ///
+    /// A message saying what is wrong with the record.
     pub fn decode(b: &[u8], size: usize) -> std::result::Result<ConnInfo, String> {
         let want = size
             .checked_mul(PEER_LEN)
@@ -121,6 +125,11 @@ pub fn unavailable(reason: impl Into<String>) -> Error {
 }
 
 /// Check that an RDMA device can be used; `Ok(name)` of the first device.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`] naming the cause (no `verbs` feature, no
+/// library, no device) and suggesting `via:soft`.
 #[cfg(not(feature = "verbs"))]
 pub fn probe() -> Result<String> {
     Err(unavailable(

@@ -158,6 +158,11 @@ impl Header {
     /// Decode and validate a header (the first [`HEADER_LEN`] bytes of `b`).
     ///
     /// `Ok(None)`: not enough bytes yet.
+    ///
+    /// # Errors
+    ///
+    /// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+    /// range).
     pub fn decode(b: &[u8]) -> Result<Option<Header>, WireError> {
         if b.len() < HEADER_LEN {
             return Ok(None);
@@ -220,6 +225,11 @@ impl Header {
 ///
 /// `Ok(None)`: the frame is not complete yet. `Ok(Some((frame, used)))`: `used` bytes form the
 /// frame. Never panics, whatever `b` holds.
+///
+/// # Errors
+///
+/// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+/// range).
 pub fn decode_frame(b: &[u8]) -> Result<Option<(Frame<'_>, usize)>, WireError> {
     let Some(h) = Header::decode(b)? else {
         return Ok(None);
@@ -304,6 +314,11 @@ impl Hello {
 
     /// Check the magic (the first 8 bytes): a stranger speaking another protocol is refused
     /// as soon as they arrive.
+    ///
+    /// # Errors
+    ///
+    /// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+    /// range).
     pub fn check_magic(b: &[u8]) -> Result<(), WireError> {
         if b.len() < 8 || b[0..8] != HELLO_MAGIC {
             return Err(WireError(format!(
@@ -315,6 +330,11 @@ impl Hello {
     }
 
     /// Decode; never panics.
+    ///
+    /// # Errors
+    ///
+    /// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+    /// range).
     pub fn decode(b: &[u8]) -> Result<Hello, WireError> {
         if b.len() != HELLO_LEN {
             return Err(WireError(format!(
@@ -370,6 +390,11 @@ impl SoftAddr {
     }
 
     /// Decode a record for a session of `size` ranks; never panics.
+    ///
+    /// # Errors
+    ///
+    /// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+    /// range).
     pub fn decode(b: &[u8], size: usize) -> Result<SoftAddr, WireError> {
         let bad = |w: &str| WireError(format!("soft address record: {w}"));
         if b.len() < 2 {
@@ -409,6 +434,11 @@ pub fn encode_imm(kind: u8, freed: u32) -> u32 {
 }
 
 /// Split control-QP immediate data into (kind, freed low 16 bits); `Err` on unknown bits.
+///
+/// # Errors
+///
+/// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+/// range).
 pub fn decode_imm(imm: u32) -> Result<(u8, u16), WireError> {
     if imm & 0x00ff_0000 != 0 {
         return Err(WireError(format!(
@@ -449,6 +479,11 @@ impl Cts {
     }
 
     /// Decode; never panics.
+    ///
+    /// # Errors
+    ///
+    /// A [`WireError`] saying what is wrong (short input, bad magic, unknown kind, a field out of
+    /// range).
     pub fn decode(b: &[u8]) -> Result<Cts, WireError> {
         if b.len() != CTS_LEN {
             return Err(WireError(format!("CTS record of {} bytes", b.len())));
