@@ -1764,6 +1764,10 @@ impl Endpoint {
 
     /// A thread that runs [`serve`](Self::serve) until the returned handle is dropped or
     /// [`shutdown`](Self::shutdown) is called.
+    ///
+    /// # Panics
+    ///
+    /// When the operating system cannot start a thread.
     pub fn spawn_progress(&self) -> ProgressThread {
         let ep = self.clone();
         let t = std::thread::Builder::new()

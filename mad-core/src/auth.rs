@@ -76,6 +76,10 @@ impl Secret {
     ///
     /// `label` distinguishes the two directions (and protocols), `context` binds the proof to
     /// what the connection is for (channel name, ranks).
+    ///
+    /// # Panics
+    ///
+    /// Never: HMAC takes a key of any length.
     pub fn proof(
         &self,
         label: &[u8],
@@ -93,6 +97,10 @@ impl Secret {
     }
 
     /// Check a proof in constant time.
+    ///
+    /// # Panics
+    ///
+    /// Never: HMAC takes a key of any length.
     pub fn verify(
         &self,
         label: &[u8],

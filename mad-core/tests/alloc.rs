@@ -56,6 +56,10 @@ const LENS: [usize; PIECES] = [
 /// send and receive mode: SAFER/EXPRESS, CHEAPER/CHEAPER, CHEAPER/EXPRESS, LATER/CHEAPER; then
 /// a message of 16 LATER/CHEAPER pieces) and return each rank's allocation count. Shared with
 /// the workspace's test over the real drivers (`tests/alloc_drivers.rs`).
+///
+/// # Panics
+///
+/// When a session cannot be built, a channel opened or a message exchanged (a test helper).
 pub fn count_allocations(
     builder: impl Fn() -> mad_core::SessionBuilder + Sync,
     spec: &str,

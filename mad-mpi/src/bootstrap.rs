@@ -65,6 +65,11 @@ impl MpiBootstrap {
     /// Fails with [`Error::BadConfig`] when the launcher's job size differs from
     /// `MPI_COMM_WORLD`'s: the binary was started by the launcher of another MPI
     /// implementation and would run as separate one-process jobs.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadConfig`](mad_core::Error::BadConfig) when the launcher's job size differs from
+    /// `MPI_COMM_WORLD`'s; as [`new`](Self::new).
     pub fn from_env() -> Result<Option<Self>> {
         match launcher::detect_from_env()? {
             None => Ok(None),
@@ -74,6 +79,12 @@ impl MpiBootstrap {
 
     /// Initialise MPI (if needed) and build the bootstrap whatever the environment says (a
     /// process started without a launcher is a one-process MPI job, a "singleton").
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](mad_core::Error::Unavailable) when MPI cannot be initialised or was
+    /// already finalised; the MPI errors of duplicating the communicator or of the first exchange
+    /// (the secret).
     pub fn new() -> Result<Self> {
         Self::init(launcher::detect_from_env()?)
     }
@@ -90,9 +101,13 @@ impl MpiBootstrap {
     ///
     /// `comm` is anything that gives a raw `MPI_Comm` through rsmpi's (`unsafe`) `AsRaw`
     /// trait, such as an rsmpi `SimpleCommunicator` (the crate is re-exported as
-    /// [`crate::mpi`]). Fails with [`Error::Unavailable`] when MPI is not initialised or
-    /// already finalised, and with [`Error::BadConfig`] for `MPI_COMM_NULL` or an
-    /// intercommunicator.
+    /// [`crate::mpi`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when MPI is not initialised or already finalised;
+    /// [`Error::BadConfig`] for `MPI_COMM_NULL` or an intercommunicator; the MPI errors of
+    /// duplicating `comm` or of the first exchange.
     pub fn from_communicator<C>(comm: &C) -> Result<Self>
     where
         C: mpi::raw::AsRaw<Raw = mpi::ffi::MPI_Comm> + ?Sized,

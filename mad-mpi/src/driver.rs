@@ -260,9 +260,11 @@ impl MpiDriver {
     /// `comm` and `MPI_COMM_WORLD` keep their error handlers, and MPI is not finalised by this
     /// crate: drop sessions and channels before the application's `MPI_Finalize`.
     ///
-    /// Fails with [`Error::Unavailable`] when MPI is not initialised, already finalised, or
-    /// initialised below `MPI_THREAD_SERIALIZED` and called off MPI's main thread, and with
-    /// [`Error::BadConfig`] for `MPI_COMM_NULL` or an intercommunicator.
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`] when MPI is not initialised, already finalised, or initialised
+    /// below `MPI_THREAD_SERIALIZED` and called off MPI's main thread; [`Error::BadConfig`] for
+    /// `MPI_COMM_NULL` or an intercommunicator; the MPI error of duplicating `comm`.
     pub fn from_communicator<C>(comm: &C) -> Result<Self>
     where
         C: mpi::raw::AsRaw<Raw = mpi::ffi::MPI_Comm> + ?Sized,
@@ -278,6 +280,11 @@ impl MpiDriver {
 }
 
 /// The TM table of the driver.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`](mad_core::Error::BadConfig) if the built-in table were invalid (never for
+/// this one).
 pub fn tm_table() -> Result<TmTable> {
     TmTable::new([
         TmSpec::copy(

@@ -108,6 +108,11 @@ impl Runtime {
     /// Whether the calling thread may call MPI: always under `SERIALIZED` and `MULTIPLE`
     /// (with the lock for `SERIALIZED`); under `FUNNELED` and `SINGLE` only the thread that
     /// initialised MPI (`MPI_Is_thread_main`). `Err(Unavailable)` naming the level otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](mad_core::Error::Unavailable) naming the thread level when the
+    /// calling thread may not call MPI.
     pub fn check_thread(&self, what: &str) -> Result<()> {
         if channel_level_ok(self.threading) {
             return Ok(());

@@ -16,6 +16,10 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 /// a fresh tmpfs of `size` (e.g. `64m`, Docker's default), with `env` set. `None` (after
 /// logging why, `warn`) when this process may not unshare or mount (not root, no `unshare(1)`): the
 /// caller skips. Otherwise the child's output, whose status says whether `test` passed.
+///
+/// # Panics
+///
+/// When the path of the test binary cannot be found.
 pub fn in_small_dev_shm(size: &str, test: &str, env: (&str, &str)) -> Option<std::process::Output> {
     use std::process::Command;
     let probe = Command::new("unshare")
@@ -70,6 +74,10 @@ pub struct Ended {
 
 /// Wait for every rank of a job; once one has failed, give the others `grace` to end (as
 /// madrun does), then kill them. Bounded by `bound` in all.
+///
+/// # Panics
+///
+/// When a rank cannot be waited for or killed.
 pub fn wait_job(
     kids: Vec<(usize, std::process::Child)>,
     grace: std::time::Duration,
@@ -125,6 +133,10 @@ pub fn wait_job(
 /// one failed its open with `Resource` naming `/dev/shm` and the bytes needed, and none of those
 /// left a segment behind (`segments_of`). Every other rank either finished (`done_line`),
 /// failed its open too, or was torn down / failed after a failing rank.
+///
+/// # Panics
+///
+/// When a check fails (a test helper: the panic is the test's failure).
 pub fn check_no_space_job(
     ended: &[Ended],
     done_line: &str,
@@ -202,6 +214,11 @@ pub fn check_no_space_job(
 /// The rank program of the `/dev/shm`-full tests: open (printing `OPENFAIL` with the error and
 /// exiting 3 if that fails), then `rounds` rounds of `size`-byte messages from every rank to
 /// every other, each checked.
+///
+/// # Panics
+///
+/// When a message differs from what was sent, or a receive fails after the open (a test helper: the
+/// panic is the test's failure).
 pub fn all_to_all(session: &Session, spec: &str, size: usize, rounds: usize) {
     let (me, n) = (session.rank(), session.size());
     let ch = match session.open_channel_with(ChannelConfig::parse("full", spec).unwrap()) {
