@@ -394,6 +394,51 @@ pub(crate) struct ChannelInner {
 /// A communication channel: one protocol, one adapter, connections to every reachable peer.
 ///
 /// Cheap to clone (an `Arc`); `Send + Sync`, so threads share it.
+///
+/// A ping-pong between two ranks (see [`Session`](crate::Session) for the session; here two
+/// threads over the in-process `mem` driver):
+///
+/// ```
+/// # use mad_core::{bootstrap::ThreadBootstrap, mem::MemDriver, ChannelConfig, Session};
+/// # // Two ranks as two threads of this process, over the in-process `mem` driver.
+/// # fn two_ranks(body: impl Fn(Session) -> mad_core::Result<()> + Sync) -> mad_core::Result<()> {
+/// #     std::thread::scope(|s| {
+/// #         let body = &body;
+/// #         let hs: Vec<_> = ThreadBootstrap::group(2)
+/// #             .into_iter()
+/// #             .map(|b| {
+/// #                 s.spawn(move || {
+/// #                     body(Session::builder().driver(MemDriver).bootstrap(Box::new(b)).build()?)
+/// #                 })
+/// #             })
+/// #             .collect();
+/// #         hs.into_iter().try_for_each(|h| h.join().unwrap())
+/// #     })
+/// # }
+/// # two_ranks(|session| {
+/// use mad_core::{ChannelConfig, RecvMode, SendMode};
+/// let ch = session.open_channel_with(ChannelConfig::parse("pingpong", "mem")?)?;
+/// let peer = 1 - session.rank();
+/// if session.rank() == 0 {
+///     // Rank 1 sends only once it has received: a non-blocking receive finds nothing yet.
+///     assert!(ch.try_begin_unpacking()?.is_none());
+/// }
+/// for round in 0..3u32 {
+///     if (session.rank() == 0) == (round % 2 == 0) {
+///         let mut p = ch.begin_packing(peer)?;
+///         p.pack_value(&round, RecvMode::Express)?;
+///         p.end_packing()?;
+///     } else {
+///         let mut u = ch.begin_unpacking_from(peer)?;
+///         assert_eq!(u.unpack_value::<u32>()?, round);
+///         u.end_unpacking()?;
+///     }
+/// }
+/// let stats = ch.stats();
+/// assert_eq!(stats.messages_sent + stats.messages_received, 3);
+/// # Ok(())
+/// # }).unwrap();
+/// ```
 #[derive(Clone)]
 pub struct Channel {
     pub(crate) inner: Arc<ChannelInner>,

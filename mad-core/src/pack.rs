@@ -79,6 +79,54 @@ use crate::wire;
 /// # Ok(()) }
 /// ```
 ///
+/// A message of three pieces in three modes, and the unpacker that takes it apart in the same
+/// order (two ranks as two threads over the in-process `mem` driver, as in
+/// [`Session`](crate::Session)):
+///
+/// ```
+/// # use mad_core::{bootstrap::ThreadBootstrap, mem::MemDriver, ChannelConfig, Session};
+/// # // Two ranks as two threads of this process, over the in-process `mem` driver.
+/// # fn two_ranks(body: impl Fn(Session) -> mad_core::Result<()> + Sync) -> mad_core::Result<()> {
+/// #     std::thread::scope(|s| {
+/// #         let body = &body;
+/// #         let hs: Vec<_> = ThreadBootstrap::group(2)
+/// #             .into_iter()
+/// #             .map(|b| {
+/// #                 s.spawn(move || {
+/// #                     body(Session::builder().driver(MemDriver).bootstrap(Box::new(b)).build()?)
+/// #                 })
+/// #             })
+/// #             .collect();
+/// #         hs.into_iter().try_for_each(|h| h.join().unwrap())
+/// #     })
+/// # }
+/// # two_ranks(|session| {
+/// use mad_core::{ChannelConfig, RecvMode, SendMode};
+/// let ch = session.open_channel_with(ChannelConfig::parse("pieces", "mem")?)?;
+/// if session.rank() == 0 {
+///     let body = vec![7u8; 10_000];
+///     let mut p = ch.begin_packing(1)?;
+///     p.pack_value(&(body.len() as u64), RecvMode::Express)?; // needed at once to size the buffer
+///     p.pack(&body, RecvMode::Cheaper)?;                      // borrowed until end_packing
+///     let mut note = *b"v1";
+///     p.pack_safer(&note, RecvMode::Cheaper)?;                // copied now
+///     note[1] = b'2';                                         // does not change what is sent
+///     p.end_packing()?;
+/// } else {
+///     let mut u = ch.begin_unpacking()?;
+///     let n: u64 = u.unpack_value()?;
+///     let mut body = vec![0u8; n as usize];
+///     let mut note = [0u8; 2];
+///     u.unpack(&mut body, SendMode::Cheaper)?;                // filled by end_unpacking
+///     u.unpack(&mut note, SendMode::Safer)?;
+///     u.end_unpacking()?;
+///     assert!(body.iter().all(|&b| b == 7));
+///     assert_eq!(&note, b"v1");
+/// }
+/// # Ok(())
+/// # }).unwrap();
+/// ```
+///
 /// LATER reads the value at `end_packing`; changes go through `Cell`:
 ///
 /// ```

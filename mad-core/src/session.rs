@@ -20,6 +20,46 @@ use crate::progress::ProgressPolicy;
 /// bootstraps (MPI) are passed to [`SessionBuilder::bootstrap`].
 ///
 /// `Send + Sync`; cheap to clone.
+///
+/// A two-rank session exchanging one message (here the ranks are two threads of one process,
+/// each with its own session, over the in-process `mem` driver; a real program calls
+/// `Session::builder().driver(...).build()` once per process, or `madeleine::session()`):
+///
+/// ```
+/// # use mad_core::{bootstrap::ThreadBootstrap, mem::MemDriver, ChannelConfig, Session};
+/// # // Two ranks as two threads of this process, over the in-process `mem` driver.
+/// # fn two_ranks(body: impl Fn(Session) -> mad_core::Result<()> + Sync) -> mad_core::Result<()> {
+/// #     std::thread::scope(|s| {
+/// #         let body = &body;
+/// #         let hs: Vec<_> = ThreadBootstrap::group(2)
+/// #             .into_iter()
+/// #             .map(|b| {
+/// #                 s.spawn(move || {
+/// #                     body(Session::builder().driver(MemDriver).bootstrap(Box::new(b)).build()?)
+/// #                 })
+/// #             })
+/// #             .collect();
+/// #         hs.into_iter().try_for_each(|h| h.join().unwrap())
+/// #     })
+/// # }
+/// # two_ranks(|session| {
+/// use mad_core::{ChannelConfig, RecvMode, SendMode};
+/// assert_eq!(session.size(), 2);
+/// let ch = session.open_channel_with(ChannelConfig::parse("hello", "mem")?)?; // collective
+/// if session.rank() == 0 {
+///     let mut p = ch.begin_packing(1)?;
+///     p.pack_value(&42u64, RecvMode::Express)?;
+///     p.end_packing()?;
+/// } else {
+///     let mut u = ch.begin_unpacking()?;
+///     assert_eq!(u.remote(), 0);
+///     let v: u64 = u.unpack_value()?;
+///     u.end_unpacking()?;
+///     assert_eq!(v, 42);
+/// }
+/// # Ok(())
+/// # }).unwrap();
+/// ```
 #[derive(Clone)]
 pub struct Session {
     inner: Arc<SessionInner>,

@@ -49,6 +49,46 @@ use crate::wire;
 /// # Ok(()) }
 /// ```
 ///
+/// Run for real (two ranks as two threads over the in-process `mem` driver, as in
+/// [`Session`](crate::Session)), in checked mode, where every piece carries its description
+/// and a receiver that asks for something else is told so ([`ErrorKind::Mismatch`](crate::ErrorKind::Mismatch)):
+///
+/// ```
+/// # use mad_core::{bootstrap::ThreadBootstrap, mem::MemDriver, ChannelConfig, Session};
+/// # // Two ranks as two threads of this process, over the in-process `mem` driver.
+/// # fn two_ranks(body: impl Fn(Session) -> mad_core::Result<()> + Sync) -> mad_core::Result<()> {
+/// #     std::thread::scope(|s| {
+/// #         let body = &body;
+/// #         let hs: Vec<_> = ThreadBootstrap::group(2)
+/// #             .into_iter()
+/// #             .map(|b| {
+/// #                 s.spawn(move || {
+/// #                     body(Session::builder().driver(MemDriver).bootstrap(Box::new(b)).build()?)
+/// #                 })
+/// #             })
+/// #             .collect();
+/// #         hs.into_iter().try_for_each(|h| h.join().unwrap())
+/// #     })
+/// # }
+/// # two_ranks(|session| {
+/// use mad_core::{ChannelConfig, ErrorKind, RecvMode, SendMode};
+/// let ch = session.open_channel_with(ChannelConfig::parse("checked", "mem,checked=true")?)?;
+/// if session.rank() == 0 {
+///     let mut p = ch.begin_packing(1)?;
+///     p.pack_slice(&[1u32, 2, 3], RecvMode::Cheaper)?;
+///     p.pack_value(&7u32, RecvMode::Express)?;
+///     p.end_packing()?;
+/// } else {
+///     let mut u = ch.begin_unpacking()?;
+///     let mut v = [0u32; 3];
+///     u.unpack_slice(&mut v, SendMode::Cheaper)?;
+///     let e = u.unpack_value::<u64>().unwrap_err(); // 8 bytes asked, 4 sent
+///     assert_eq!(e.kind(), ErrorKind::Mismatch);
+/// }
+/// # Ok(())
+/// # }).unwrap();
+/// ```
+///
 /// Dropping an unpacker before `end_unpacking`, or an error while unpacking, leaves the rest
 /// of the message in the stream: the connection's receiving side is closed and later receives
 /// from that peer on this channel return [`Error::Poisoned`].
