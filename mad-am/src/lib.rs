@@ -1811,6 +1811,7 @@ impl Endpoint {
 /// The thread of [`Endpoint::spawn_progress`]; dropping it shuts the endpoint down and joins
 /// the thread.
 #[derive(Debug)]
+#[must_use = "dropping the handle shuts the endpoint down at once"]
 pub struct ProgressThread {
     ep: Endpoint,
     t: Option<JoinHandle<mad_core::Result<()>>>,
