@@ -68,7 +68,7 @@ impl MpiBootstrap {
     ///
     /// # Errors
     ///
-    /// [`Error::BadConfig`](mad_core::Error::BadConfig) when the launcher's job size differs from
+    /// [`Error::BadConfig`] when the launcher's job size differs from
     /// `MPI_COMM_WORLD`'s; as [`new`](Self::new).
     pub fn from_env() -> Result<Option<Self>> {
         match launcher::detect_from_env()? {
@@ -82,7 +82,7 @@ impl MpiBootstrap {
     ///
     /// # Errors
     ///
-    /// [`Error::Unavailable`](mad_core::Error::Unavailable) when MPI cannot be initialised or was
+    /// [`Error::Unavailable`] when MPI cannot be initialised or was
     /// already finalised; the MPI errors of duplicating the communicator or of the first exchange
     /// (the secret).
     pub fn new() -> Result<Self> {

@@ -283,7 +283,7 @@ impl MpiDriver {
 ///
 /// # Errors
 ///
-/// [`Error::BadConfig`](mad_core::Error::BadConfig) if the built-in table were invalid (never for
+/// [`Error::BadConfig`] if the built-in table were invalid (never for
 /// this one).
 pub fn tm_table() -> Result<TmTable> {
     TmTable::new([

@@ -111,7 +111,7 @@ impl Runtime {
     ///
     /// # Errors
     ///
-    /// [`Error::Unavailable`](mad_core::Error::Unavailable) naming the thread level when the
+    /// [`Error::Unavailable`] naming the thread level when the
     /// calling thread may not call MPI.
     pub fn check_thread(&self, what: &str) -> Result<()> {
         if channel_level_ok(self.threading) {
