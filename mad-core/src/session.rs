@@ -109,6 +109,9 @@ fn detect_bootstrap() -> Result<Box<dyn Bootstrap>> {
     if let Some(b) = crate::launch::MadrunBootstrap::from_env()? {
         return Ok(Box::new(b));
     }
+    if let Some(b) = crate::launch::pmi::PmiBootstrap::from_env()? {
+        return Ok(Box::new(b));
+    }
     refuse_mpi_launch(&|k| std::env::var(k).ok())?;
     Ok(Box::new(SingleBootstrap::new()?))
 }
