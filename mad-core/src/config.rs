@@ -59,13 +59,15 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MAD_LOCAL_SIZE", "processes of the job on this host (set by madrun)"),
     ("MAD_JOB", "job identifier (set by madrun)"),
     ("MAD_BOOTSTRAP_TIMEOUT_MS", "connect/handshake timeout towards the bootstrap server (ms)"),
+    // PMI-1 process managers (srun --mpi=pmi2, MPICH's mpiexec): the PMI bootstrap.
+    ("PMI_FD", "PMI-1 process manager: the connected socket (its presence means: the PMI bootstrap)"),
     // MPI launchers, detected so that a build without MPI refuses to run as a rank of one.
     ("OMPI_COMM_WORLD_RANK", "Open MPI launcher: rank (with OMPI_COMM_WORLD_SIZE)"),
     ("OMPI_COMM_WORLD_SIZE", "Open MPI launcher: job size"),
-    ("PMI_RANK", "MPICH Hydra or Slurm PMI: rank (with PMI_SIZE)"),
-    ("PMI_SIZE", "MPICH Hydra or Slurm PMI: job size"),
+    ("PMI_RANK", "MPICH Hydra or Slurm PMI: rank (with PMI_SIZE; the PMI bootstrap's rank)"),
+    ("PMI_SIZE", "MPICH Hydra or Slurm PMI: job size (the PMI bootstrap's size)"),
     ("HYDI_CONTROL_FD", "MPICH Hydra's marker (tells Hydra from Slurm)"),
-    ("SLURM_PROCID", "Slurm: rank (a launcher only with PMI_*/PMIX_RANK set)"),
+    ("SLURM_PROCID", "Slurm: rank (a launcher only in a job step or with PMI_*/PMIX_RANK set)"),
     ("SLURM_STEP_ID", "Slurm: job step (tells Slurm from Hydra)"),
     ("SLURM_STEP_NUM_TASKS", "Slurm: step size"),
     ("SLURM_NTASKS", "Slurm: job size when SLURM_STEP_NUM_TASKS is not set"),

@@ -307,6 +307,7 @@ impl Conn {
                 .map(|c| std::str::from_utf8(c).unwrap_or_default())
                 .collect()
         };
+        let t0 = Instant::now();
         for (i, p) in pieces.iter().enumerate() {
             // The first key says how many there are (and is never empty).
             let v = if i == 0 {
@@ -316,9 +317,11 @@ impl Conn {
             };
             self.put(&format!("mad{seq}.{rank}.{i}"), &v)?;
         }
+        let t1 = Instant::now();
         if !self.barrier(deadline)? {
             return Ok(None);
         }
+        let t2 = Instant::now();
         let mut all = Vec::with_capacity(size);
         for r in 0..size {
             if r == rank {
@@ -339,6 +342,15 @@ impl Conn {
                     .ok_or_else(|| pmi_error(format!("rank {r}'s value `mad{seq}` is not hex")))?,
             );
         }
+        tracing::trace!(
+            target: "mad_core::pmi",
+            seq,
+            bytes = value.len(),
+            put_us = (t1 - t0).as_micros() as u64,
+            barrier_us = (t2 - t1).as_micros() as u64,
+            get_us = t2.elapsed().as_micros() as u64,
+            "PMI collective"
+        );
         Ok(Some(all))
     }
 }
@@ -348,9 +360,33 @@ impl Drop for Conn {
         if self.shared {
             *SLOT.lock().unwrap_or_else(|p| p.into_inner()) = Slot::Finalised;
         }
-        if self.broken.is_none() {
-            if let Err(e) = self.request("cmd=finalize\n", "finalize_ack") {
-                tracing::warn!(target: "mad_core::pmi", error = %e, "PMI finalize failed");
+        if let Err(e) = self.finalize() {
+            tracing::warn!(target: "mad_core::pmi", error = %e, "PMI finalize failed");
+        }
+    }
+}
+
+impl Conn {
+    /// Say goodbye (Hydra treats a process that exits without it as failed). On a connection
+    /// out of step (a barrier that timed out is still pending) answers to earlier requests
+    /// are skipped, for at most a second.
+    fn finalize(&mut self) -> Result<()> {
+        self.send("cmd=finalize\n")?;
+        let bound = if self.broken.is_some() {
+            Duration::from_secs(1)
+        } else {
+            REPLY_TIMEOUT
+        };
+        let deadline = Instant::now() + bound;
+        loop {
+            match self.line(deadline)? {
+                None => return Err(Error::Timeout(bound)),
+                Some(l) => {
+                    let r = Reply::parse(&l);
+                    if r.get("cmd") == Some("finalize_ack") || self.broken.is_none() {
+                        return r.expect("finalize_ack").map(drop);
+                    }
+                }
             }
         }
     }
