@@ -3,7 +3,7 @@
 # starts munged, slurmctld and slurmd with a private configuration (one node, this host, its
 # own ports and state directory), then runs with `srun`:
 #   - without MPI, over the PMI bootstrap (srun --mpi=pmi2): hello on 4 ranks, the conformance
-#     kit over tcp and shm on 4 ranks, a channel open that fails on one rank (its error reaches
+#     kit over tcp and shm on 4 ranks (collectives through rank 0's server, and over PMI), a channel open that fails on one rank (its error reaches
 #     the others), and the refusals (srun without an MPI plugin, srun --mpi=pmix);
 #   - with MPI: the mad-mpi job test (its checks and the whole kit over an MPI channel) with
 #     MPICH under srun --mpi=pmi2 and Open MPI under srun --mpi=pmix, 4 ranks each;
@@ -130,15 +130,20 @@ SRUN=(srun --mpi=pmi2 -n 4)
 
 run "hello, srun --mpi=pmi2 -n 4 (PMI bootstrap)" "${SRUN[@]}" "$HELLO"
 need "hello under srun" "rank 3: received 3000 bytes from rank 0, intact"
-for spec in tcp shm; do
-    run "kit over $spec, srun --mpi=pmi2 -n 4" env MAD_KIT_SPEC=$spec "${SRUN[@]}" \
-        "$KIT" --ignored --exact kit_child --nocapture --test-threads=1
-    for r in 0 1 2 3; do need "kit over $spec" "kit: rank $r of 4 (pmi) ran"; done
+# The PMI bootstrap's collectives through rank 0's server (the default), and over PMI itself.
+for run_ in "tcp server" "shm server" "tcp pmi"; do
+    set -- $run_
+    run "kit over $1, srun --mpi=pmi2 -n 4, collectives: $2" env MAD_KIT_SPEC=$1 MAD_PMI_COLLECTIVES=$2 \
+        "${SRUN[@]}" "$KIT" --ignored --exact kit_child --nocapture --test-threads=1
+    for r in 0 1 2 3; do need "kit over $1 ($2)" "kit: rank $r of 4 (pmi) ran"; done
 done
-run "a channel open that fails on rank 1, srun --mpi=pmi2 -n 3" env OPEN_FAILURE_CHILD=emfile:tcp \
-    srun --mpi=pmi2 -n 3 "$OPENF" child_role --exact --nocapture --test-threads=1
-[ "$(grep -c REMOTE-FAILURE-OK <<<"$OUT")" = 2 ] || { echo "FAILED: ranks 0 and 2 did not both see rank 1's failure" >&2; exit 1; }
-need "open failure under srun" "OWN-FAILURE"
+for coll in server pmi; do
+    run "a channel open that fails on rank 1, srun --mpi=pmi2 -n 3, collectives: $coll" \
+        env OPEN_FAILURE_CHILD=emfile:tcp MAD_PMI_COLLECTIVES=$coll \
+        srun --mpi=pmi2 -n 3 "$OPENF" child_role --exact --nocapture --test-threads=1
+    [ "$(grep -c REMOTE-FAILURE-OK <<<"$OUT")" = 2 ] || { echo "FAILED: ranks 0 and 2 did not both see rank 1's failure" >&2; exit 1; }
+    need "open failure under srun ($coll)" "OWN-FAILURE"
+done
 refused "hello, srun -n 2 without an MPI plugin" "Slurm's srun as rank [01] of 2, but the session has no bootstrap" \
     srun -n 2 "$HELLO"
 refused "hello, srun --mpi=pmix -n 2 without the mpi feature" "Slurm's srun as rank [01] of 2.*--features mpi" \

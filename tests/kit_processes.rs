@@ -102,13 +102,14 @@ fn kit_tcp_2_processes() {
 }
 
 /// MPICH's `mpiexec` is a PMI-1 process manager: the session's bootstrap is the PMI one (this
-/// test binary has no MPI). `.ci/slurm.sh` runs the kit under Slurm's `srun --mpi=pmi2` too.
+/// test binary has no MPI), its collectives through rank 0's bootstrap server, or over PMI
+/// itself. `.ci/slurm.sh` runs the kit under Slurm's `srun --mpi=pmi2` too.
 #[test]
 fn kit_tcp_and_shm_3_processes_under_a_pmi_process_manager() {
-    for spec in ["tcp", "shm"] {
+    for (spec, collectives) in [("tcp", "server"), ("shm", "pmi")] {
         let mut cmd = Command::new("mpiexec.mpich");
         cmd.args(["-n", "3"]);
-        kit_under(cmd, "pmi", 3, spec, &[]);
+        kit_under(cmd, "pmi", 3, spec, &[("MAD_PMI_COLLECTIVES", collectives)]);
     }
 }
 

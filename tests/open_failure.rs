@@ -32,6 +32,15 @@ enum Launcher {
 /// Run `role` on `n` ranks; returns (success, stdout, stderr). Output lines are prefixed
 /// with `[rank] ` by both launchers.
 fn job(launcher: Launcher, role: &str, n: usize) -> (bool, String, String) {
+    job_with(launcher, role, n, &[])
+}
+
+fn job_with(
+    launcher: Launcher,
+    role: &str,
+    n: usize,
+    env: &[(&str, &str)],
+) -> (bool, String, String) {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = match launcher {
         Launcher::Madrun => {
@@ -49,6 +58,7 @@ fn job(launcher: Launcher, role: &str, n: usize) -> (bool, String, String) {
         .arg(exe)
         .args(["child_role", "--exact", "--nocapture", "--test-threads=1"])
         .env("OPEN_FAILURE_CHILD", role)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -87,7 +97,11 @@ fn emfile_case(spec: &str) {
 }
 
 fn emfile_case_under(launcher: Launcher, spec: &str) {
-    let (ok, out, err) = job(launcher, &format!("emfile:{spec}"), 3);
+    emfile_case_with(launcher, spec, &[]);
+}
+
+fn emfile_case_with(launcher: Launcher, spec: &str, env: &[(&str, &str)]) {
+    let (ok, out, err) = job_with(launcher, &format!("emfile:{spec}"), 3, env);
     assert!(ok, "{spec}: job failed\nstdout:\n{out}\nstderr:\n{err}");
     for rank in [0, 2] {
         assert!(
@@ -114,25 +128,34 @@ fn emfile_on_rank_1_fails_rank_0s_via_soft_open() {
     emfile_case("via:soft");
 }
 
-/// The PMI bootstrap's abandon: rank 1's failure reaches the others through the collective
+/// The PMI bootstrap's abandon, through rank 0's bootstrap server (the default on one host)
+/// and over PMI itself, where rank 1's failure reaches the others through the collective
 /// they are in.
 #[test]
 fn under_a_pmi_process_manager_emfile_on_rank_1_fails_rank_0s_tcp_open() {
     emfile_case_under(Launcher::Hydra, "tcp");
+    emfile_case_with(Launcher::Hydra, "tcp", &[("MAD_PMI_COLLECTIVES", "pmi")]);
 }
 
 #[test]
-fn under_a_pmi_process_manager_a_process_that_never_opens_times_the_open_out() {
-    absent_case(Launcher::Hydra);
+fn under_a_pmi_process_manager_a_process_that_never_opens_is_named_at_the_open_deadline() {
+    absent_case(Launcher::Hydra, &[]);
+}
+
+/// Over PMI itself the missing rank cannot be named, nor the barrier cancelled.
+#[test]
+fn under_a_pmi_process_manager_with_pmi_collectives_a_process_that_never_opens_times_the_open_out()
+{
+    absent_case(Launcher::Hydra, &[("MAD_PMI_COLLECTIVES", "pmi")]);
 }
 
 #[test]
 fn a_process_that_never_opens_is_named_at_the_open_deadline() {
-    absent_case(Launcher::Madrun);
+    absent_case(Launcher::Madrun, &[]);
 }
 
-fn absent_case(launcher: Launcher) {
-    let (ok, out, err) = job(launcher, "absent", 3);
+fn absent_case(launcher: Launcher, env: &[(&str, &str)]) {
+    let (ok, out, err) = job_with(launcher, "absent", 3, env);
     assert!(ok, "stdout:\n{out}\nstderr:\n{err}");
     for rank in [0, 1] {
         assert!(
@@ -208,9 +231,10 @@ fn emfile_role(spec: &str) -> Result<(), String> {
 
 fn absent_role() -> Result<(), String> {
     let s = session();
-    // PMI cannot name the missing rank, nor cancel the barrier the others timed out in: they
-    // leave after the timeout, and the absent rank stays until they have.
-    let pmi = s.bootstrap().kind() == "pmi";
+    // Collectives over PMI cannot name the missing rank, nor cancel the barrier the others
+    // timed out in: they leave after the timeout, and the absent rank stays until they have.
+    let pmi = s.bootstrap().kind() == "pmi"
+        && std::env::var("MAD_PMI_COLLECTIVES").as_deref() == Ok("pmi");
     if pmi && s.rank() == 2 {
         std::thread::sleep(Duration::from_secs(4));
         return Ok(());

@@ -61,6 +61,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MAD_BOOTSTRAP_TIMEOUT_MS", "connect/handshake timeout towards the bootstrap server (ms)"),
     // PMI-1 process managers (srun --mpi=pmi2, MPICH's mpiexec): the PMI bootstrap.
     ("PMI_FD", "PMI-1 process manager: the connected socket (its presence means: the PMI bootstrap)"),
+    ("MAD_PMI_COLLECTIVES", "server (default) | pmi: the PMI bootstrap's collectives through rank 0's bootstrap server or over PMI"),
     // MPI launchers, detected so that a build without MPI refuses to run as a rank of one.
     ("OMPI_COMM_WORLD_RANK", "Open MPI launcher: rank (with OMPI_COMM_WORLD_SIZE)"),
     ("OMPI_COMM_WORLD_SIZE", "Open MPI launcher: job size"),

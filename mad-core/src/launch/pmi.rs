@@ -5,16 +5,24 @@
 //! `pmi2` plugin answers PMI-1 clients on the same descriptor). [`PmiBootstrap`] is a client of
 //! that protocol written in Rust: no PMI library is loaded.
 //!
-//! - **Collectives** are matched by position, as in the MPI bootstrap: each one puts this
-//!   rank's contribution into the job's key-value space under keys numbered by a per-process
-//!   sequence (`mad<seq>.<rank>.<chunk>`, hex-encoded and cut to the server's `vallen_max`),
-//!   enters the PMI barrier, and reads every other rank's keys. Contributions are framed by
-//!   [`crate::bootstrap::positional`]: a rank that entered a different collective, or abandoned
-//!   its scope, is reported, not misread.
-//! - **Deadlines.** A scoped collective waits for the barrier until the scope's deadline; PMI
-//!   cannot cancel a barrier, so after a timeout the connection is out of step and every later
-//!   collective fails at once. A process manager that goes away (the job is killed) is an
-//!   end of stream: every pending and later call fails.
+//! - **Wire-up, then our own server.** PMI carries one exchange: rank 0's secret and the
+//!   address of a bootstrap server it starts (the one `madrun` runs,
+//!   [`super::server::BootstrapServer`], on loopback), and every rank's host. When every rank
+//!   is on rank 0's host, all later collectives go through that server as under `madrun`
+//!   (a PMI barrier costs about 10 ms in Slurm 22.05's `pmi2` plugin, the server well under
+//!   one): the missing ranks of a timeout are named, a rank whose connection closes fails the
+//!   pending collectives at once. `MAD_PMI_COLLECTIVES=pmi`, and ranks on several hosts (the
+//!   server listens on loopback only), keep every collective on PMI.
+//! - **Collectives over PMI** are matched by position, as in the MPI bootstrap: each one puts
+//!   this rank's contribution into the job's key-value space under keys numbered by a
+//!   per-process sequence (`mad<seq>.<rank>.<chunk>`, hex-encoded and cut to the server's
+//!   `vallen_max`), enters the PMI barrier, and reads every other rank's keys. Contributions
+//!   are framed by [`crate::bootstrap::positional`]: a rank that entered a different
+//!   collective, or abandoned its scope, is reported, not misread. A scoped collective waits
+//!   for the barrier until the scope's deadline; PMI cannot cancel a barrier, so after a
+//!   timeout the connection is out of step and every later collective fails at once. A
+//!   process manager that goes away (the job is killed) is an end of stream: every pending
+//!   and later call fails.
 //! - **The secret** is drawn by rank 0 and read by the others from the key-value space (which
 //!   only the job's processes can read); [`local_ranks`](Bootstrap::local_ranks) comes from an
 //!   exchange of host name and kernel boot id.
@@ -32,10 +40,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::auth::{Secret, SECRET_LEN};
-
-/// Length of the secret's hexadecimal form.
-const HEX_SECRET: usize = 2 * SECRET_LEN;
+use crate::auth::Secret;
 use crate::bootstrap::{positional, Bootstrap, RankFailure, Scope};
 use crate::error::{Error, Result};
 
@@ -47,6 +52,8 @@ pub mod vars {
     pub const RANK: &str = "PMI_RANK";
     /// Number of processes.
     pub const SIZE: &str = "PMI_SIZE";
+    /// `pmi`: every collective over PMI, not over the bootstrap server rank 0 starts.
+    pub const COLLECTIVES: &str = "MAD_PMI_COLLECTIVES";
 }
 
 /// Bound on an answer to a request that needs no other rank (put, get, finalize).
@@ -429,6 +436,15 @@ pub struct PmiBootstrap {
     secret: Secret,
     local: Vec<usize>,
     conn: Arc<Mutex<Conn>>,
+    /// The collectives after wire-up: `None` over PMI.
+    hosted: Option<Hosted>,
+}
+
+/// Collectives through the bootstrap server rank 0 runs.
+struct Hosted {
+    client: super::MadrunBootstrap,
+    /// Rank 0's server (dropped after its client).
+    _server: Option<super::server::BootstrapServer>,
 }
 
 impl std::fmt::Debug for PmiBootstrap {
@@ -437,6 +453,14 @@ impl std::fmt::Debug for PmiBootstrap {
             .field("rank", &self.rank)
             .field("size", &self.size)
             .field("local_ranks", &self.local)
+            .field(
+                "collectives",
+                &if self.hosted.is_some() {
+                    "server"
+                } else {
+                    "pmi"
+                },
+            )
             .finish_non_exhaustive()
     }
 }
@@ -492,10 +516,38 @@ impl PmiBootstrap {
                 }
             }
         };
-        // Rank 0's secret, and every rank's host.
+        let over_pmi = match std::env::var(vars::COLLECTIVES) {
+            Err(_) => false,
+            Ok(v) if v == "pmi" => true,
+            Ok(v) if v == "server" => false,
+            Ok(v) => {
+                return Err(Error::BadConfig(format!(
+                    "{}={v:?}: expected `pmi` or `server`",
+                    vars::COLLECTIVES
+                )))
+            }
+        };
+        // Rank 0's secret and server address, and every rank's host.
+        let mut server = None;
         let mut mine = Vec::new();
         if env.rank == 0 {
-            mine.extend_from_slice(Secret::random()?.to_hex().as_bytes());
+            let secret = Secret::random()?;
+            if !over_pmi {
+                let s = super::server::BootstrapServer::start(
+                    std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                    env.size,
+                    secret.clone(),
+                    Box::new(
+                        |line: &str| tracing::warn!(target: "mad_core::pmi", "bootstrap server: {line}"),
+                    ),
+                )?;
+                server = Some(s);
+            }
+            let addr = server
+                .as_ref()
+                .map(|s| s.advertised_addr().to_string())
+                .unwrap_or_default();
+            mine.extend_from_slice(format!("{}\n{addr}\n", secret.to_hex()).as_bytes());
         }
         mine.extend_from_slice(host_identity().as_bytes());
         let all = {
@@ -506,27 +558,60 @@ impl PmiBootstrap {
                 .ok_or(Error::Timeout(Duration::ZERO))?;
             positional::unframe(all, None, "pmi-init")?
         };
-        let secret = all[0]
-            .get(..HEX_SECRET)
-            .and_then(|k| std::str::from_utf8(k).ok())
-            .map(Secret::from_hex)
-            .ok_or_else(|| pmi_error("rank 0 sent no session secret"))??;
+        // Rank 0: `secret\naddr\nhost`; the others: `host`.
+        let zero = String::from_utf8_lossy(&all[0]).into_owned();
+        let mut parts = zero.splitn(3, '\n');
+        let (Some(secret), Some(addr), Some(host0)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(pmi_error("rank 0's wire-up value is malformed"));
+        };
+        let secret = Secret::from_hex(secret)?;
         let host = |r: usize| -> &[u8] {
             if r == 0 {
-                &all[0][HEX_SECRET..]
+                host0.as_bytes()
             } else {
                 &all[r]
             }
         };
-        let local = (0..env.size)
+        let local: Vec<usize> = (0..env.size)
             .filter(|&r| host(r) == host(env.rank))
             .collect();
+        let one_host = (0..env.size).all(|r| host(r) == host(0));
+        let hosted = if addr.is_empty() || !one_host {
+            None
+        } else {
+            let addr = addr
+                .parse()
+                .map_err(|_| pmi_error(format!("rank 0's server address {addr:?} is malformed")))?;
+            let client = super::MadrunBootstrap::connect(super::MadrunEnv {
+                rank: env.rank,
+                size: env.size,
+                addr,
+                secret: secret.clone(),
+                local_size: Some(local.len()),
+                job: None,
+                connect_timeout: super::DEFAULT_CONNECT_TIMEOUT,
+            })?;
+            Some(Hosted {
+                client,
+                _server: server,
+            })
+        };
+        tracing::debug!(
+            target: "mad_core::pmi",
+            rank = env.rank,
+            size = env.size,
+            local = local.len(),
+            collectives = if hosted.is_some() { "server" } else { "pmi" },
+            "PMI bootstrap ready"
+        );
         Ok(PmiBootstrap {
             rank: env.rank,
             size: env.size,
             secret,
             local,
             conn,
+            hosted,
         })
     }
 
@@ -612,15 +697,24 @@ impl Bootstrap for PmiBootstrap {
         &self.secret
     }
     fn allgather(&self, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.gather(None, tag, value)
+        match &self.hosted {
+            Some(h) => h.client.allgather(tag, value),
+            None => self.gather(None, tag, value),
+        }
     }
     fn scoped_allgather(&self, scope: &Scope, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.gather(Some(scope), tag, value)
+        match &self.hosted {
+            Some(h) => h.client.scoped_allgather(scope, tag, value),
+            None => self.gather(Some(scope), tag, value),
+        }
     }
-    /// Collectives are matched by position: this rank takes part in the one its peers are in
-    /// with an abort marker, so they fail with its error there. Bounded by the scope's
-    /// deadline (at least 5 s from now).
+    /// Through the server as under `madrun`. Over PMI, collectives are matched by position:
+    /// this rank takes part in the one its peers are in with an abort marker, so they fail
+    /// with its error there, bounded by the scope's deadline (at least 5 s from now).
     fn abandon(&self, scope: &Scope, failure: &RankFailure) -> Result<RankFailure> {
+        if let Some(h) = &self.hosted {
+            return h.client.abandon(scope, failure);
+        }
         let mut g = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = scope.deadline.max(Instant::now() + Duration::from_secs(5));
         let all = g.exchange(
