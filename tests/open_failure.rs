@@ -29,12 +29,8 @@ enum Launcher {
     Hydra,
 }
 
-/// Run `role` on `n` ranks; returns (success, stdout, stderr). Output lines are prefixed
-/// with `[rank] ` by both launchers.
-fn job(launcher: Launcher, role: &str, n: usize) -> (bool, String, String) {
-    job_with(launcher, role, n, &[])
-}
-
+/// Run `role` on `n` ranks with `env` added; returns (success, stdout, stderr). Output lines
+/// are prefixed with `[rank] ` by both launchers.
 fn job_with(
     launcher: Launcher,
     role: &str,
