@@ -46,6 +46,9 @@
 
 #![deny(unsafe_code)]
 
+pub mod accept;
+#[doc(hidden)]
+pub use tracing as __tracing;
 pub mod auth;
 pub mod bootstrap;
 mod channel;
