@@ -49,6 +49,8 @@
 pub mod auth;
 pub mod bootstrap;
 mod channel;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
