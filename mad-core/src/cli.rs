@@ -27,6 +27,7 @@
 
 use std::ffi::OsString;
 use std::fmt::Display;
+use std::io::Write;
 use std::str::FromStr;
 
 pub use lexopt;
@@ -91,13 +92,14 @@ impl Cli {
 
     /// Print the usage text on stdout and exit 0.
     pub fn help(&self) -> ! {
-        println!("{}", self.usage.trim_end());
+        // Written, not `println!`: `prog --help | head -1` must not panic on the closed pipe.
+        let _ = writeln!(std::io::stdout().lock(), "{}", self.usage.trim_end());
         std::process::exit(0)
     }
 
     /// Print `name version` on stdout and exit 0.
     pub fn version(&self) -> ! {
-        println!("{} {}", self.name, self.version);
+        let _ = writeln!(std::io::stdout().lock(), "{} {}", self.name, self.version);
         std::process::exit(0)
     }
 

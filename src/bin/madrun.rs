@@ -36,6 +36,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use mad_core::auth::{fill_random, Secret};
+use mad_core::cli::lexopt;
 use mad_core::config::{env_key, ChannelConfig};
 use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, wire::MAX_RANKS};
@@ -60,7 +61,10 @@ const USAGE: &str =
                         adaptive (MAD_PROGRESS)
 
 madrun reports the first rank that failed (by time of death) and exits with its status
-(128+N when killed by signal N), 0 when every rank succeeded.";
+(128+N when killed by signal N), 0 when every rank succeeded.
+
+Options take their value as `--opt value` or `--opt=value`. -h, --help prints this text;
+-V, --version the version.";
 
 /// Every foreign call of madrun.
 #[allow(unsafe_code)]
@@ -392,9 +396,19 @@ fn parse_secs(opt: &str, v: &str, allow_zero: bool) -> Result<Duration, String> 
     }
 }
 
-/// Parse the arguments (without the program name). `Ok(None)` means `--help`.
-fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, String> {
-    let mut it = args.into_iter();
+/// What the command line asks for.
+enum Parsed {
+    Run(Opts),
+    Help,
+    Version,
+}
+
+/// Parse the arguments (without the program name). Options come first (`--opt value` or
+/// `--opt=value`, `-n N` or `-nN`); the first argument that is not an option, or the one after
+/// `--`, is the program, and everything after it goes to the program untouched.
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, String> {
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_args(args);
     let mut n = None;
     let mut o = Opts {
         n: 0,
@@ -409,45 +423,21 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
         program: OsString::new(),
         args: Vec::new(),
     };
+    let value = |p: &mut lexopt::Parser, name: &str, what: &str| -> Result<String, String> {
+        match p.value() {
+            Ok(v) => v
+                .into_string()
+                .map_err(|_| format!("{name}: {what} is not valid Unicode")),
+            Err(_) => Err(format!("{name} needs {what}")),
+        }
+    };
     let mut program = None;
-    while let Some(a) = it.next() {
-        let Some(s) = a.to_str() else {
-            program = Some(a);
-            break;
-        };
-        if s == "--" {
-            program = it.next();
-            if program.is_none() {
-                return Err("missing program after `--`".into());
-            }
-            break;
-        }
-        if !s.starts_with('-') || s == "-" {
-            program = Some(a);
-            break;
-        }
-        let (name, inline) = match s.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
-            _ if s.starts_with("-n") && s.len() > 2 && !s.starts_with("--") => {
-                ("-n".to_string(), Some(s[2..].to_string()))
-            }
-            _ => (s.to_string(), None),
-        };
-        let mut value = |what: &str| -> Result<String, String> {
-            if let Some(v) = inline.clone() {
-                return Ok(v);
-            }
-            match it.next() {
-                Some(v) => v
-                    .into_string()
-                    .map_err(|_| format!("{name}: {what} is not valid Unicode")),
-                None => Err(format!("{name} needs {what}")),
-            }
-        };
-        match name.as_str() {
-            "-h" | "--help" => return Ok(None),
-            "-n" | "--np" => {
-                let v = value("a process count")?;
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        match arg {
+            Short('h') | Long("help") => return Ok(Parsed::Help),
+            Short('V') | Long("version") => return Ok(Parsed::Version),
+            Short('n') | Long("np") => {
+                let v = value(&mut p, "-n", "a process count")?;
                 let k: usize = v
                     .trim()
                     .parse()
@@ -457,18 +447,21 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                 }
                 n = Some(k);
             }
-            "--timeout" => o.timeout = Some(parse_secs("--timeout", &value("seconds")?, false)?),
-            "--grace" => o.grace = parse_secs("--grace", &value("seconds")?, true)?,
-            "--no-prefix" | "--keep-going" | "--disable-auto-cleanup" | "--checked"
-                if inline.is_some() =>
-            {
-                return Err(format!("{name} takes no value (got `{s}`)"));
+            Long("timeout") => {
+                o.timeout = Some(parse_secs(
+                    "--timeout",
+                    &value(&mut p, "--timeout", "seconds")?,
+                    false,
+                )?)
             }
-            "--no-prefix" => o.prefix = false,
-            "--keep-going" | "--disable-auto-cleanup" => o.keep_going = true,
-            "--checked" => o.checked = true,
-            "--bind" => {
-                let v = value("an address")?;
+            Long("grace") => {
+                o.grace = parse_secs("--grace", &value(&mut p, "--grace", "seconds")?, true)?
+            }
+            Long("no-prefix") => o.prefix = false,
+            Long("keep-going") | Long("disable-auto-cleanup") => o.keep_going = true,
+            Long("checked") => o.checked = true,
+            Long("bind") => {
+                let v = value(&mut p, "--bind", "an address")?;
                 o.bind = v
                     .parse::<SocketAddr>()
                     .or_else(|_| {
@@ -477,8 +470,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                     })
                     .map_err(|_| format!("--bind {v}: expected ip or ip:port"))?;
             }
-            "--channel" => {
-                let v = value("NAME=SPEC")?;
+            Long("channel") => {
+                let v = value(&mut p, "--channel", "NAME=SPEC")?;
                 let (cn, spec) = v
                     .split_once('=')
                     .filter(|(cn, _)| !cn.trim().is_empty())
@@ -487,18 +480,23 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                 o.channels
                     .push((cn.trim().to_string(), spec.trim().to_string()));
             }
-            "--progress" => {
-                let v = value("a mode")?;
+            Long("progress") => {
+                let v = value(&mut p, "--progress", "a mode")?;
                 ProgressPolicy::parse_mode(&v).map_err(|e| format!("--progress {v}: {e}"))?;
                 o.progress = Some(v);
             }
-            _ => return Err(format!("unknown option `{s}`")),
+            Value(v) => {
+                program = Some(v);
+                break;
+            }
+            Short(c) => return Err(format!("unknown option `-{c}`")),
+            Long(l) => return Err(format!("unknown option `--{l}`")),
         }
     }
     o.n = n.ok_or("missing -n N (number of processes)")?;
     o.program = program.ok_or("missing program to run")?;
-    o.args = it.collect();
-    Ok(Some(o))
+    o.args = p.raw_args().map_err(|e| e.to_string())?.collect();
+    Ok(Parsed::Run(o))
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -675,9 +673,13 @@ fn main() {
 
 fn run() -> i32 {
     let opts = match parse_args(std::env::args_os().skip(1)) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
+        Ok(Parsed::Run(o)) => o,
+        Ok(Parsed::Help) => {
             println!("{USAGE}");
+            return 0;
+        }
+        Ok(Parsed::Version) => {
+            println!("madrun {}", env!("CARGO_PKG_VERSION"));
             return 0;
         }
         Err(msg) => {
