@@ -7,11 +7,11 @@ pub mod logging;
 pub use local::{in_session, run_local_if_alone};
 pub use logging::init_logging;
 
+/// Active messages and RPC over a channel: the [`mad_am`] crate.
+pub use mad_am as am;
 /// The command-line parser of the tools and examples (`--help`, `--version`, `--opt=value`):
 /// [`mad_core::cli`].
 pub use mad_core::cli;
-/// Active messages and RPC over a channel: the [`mad_am`] crate.
-pub use mad_am as am;
 pub use mad_core::*;
 #[cfg(feature = "mpi")]
 pub use mad_mpi;

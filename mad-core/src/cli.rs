@@ -105,7 +105,8 @@ impl Cli {
 
     /// Print `name: why` and a pointer to `--help` on stderr and exit 2.
     pub fn fail(&self, why: impl Display) -> ! {
-        eprintln!("{}: {why}\nTry `{} --help` for the options.", self.name, self.name);
+        let name = self.name;
+        eprintln!("{name}: {why}\nTry `{name} --help` for the options.");
         std::process::exit(USAGE_EXIT)
     }
 }
@@ -130,7 +131,12 @@ pub fn value_with<T>(
 /// A size: a number of bytes with an optional `k`, `m` or `g` suffix (`64k`, `4m`), as
 /// [`crate::config::parse_size`] reads it.
 pub fn size(p: &mut Parser, opt: &str) -> Result<usize, Error> {
-    value_with(p, opt, "a size (e.g. 4096, 64k, 4m)", crate::config::parse_size)
+    value_with(
+        p,
+        opt,
+        "a size (e.g. 4096, 64k, 4m)",
+        crate::config::parse_size,
+    )
 }
 
 /// A number of type `T` (`FromStr`).
