@@ -632,11 +632,16 @@ fn run() -> i32 {
     let opts = match parse_args(std::env::args_os().skip(1)) {
         Ok(Parsed::Run(o)) => o,
         Ok(Parsed::Help) => {
-            println!("{USAGE}");
+            // Written, not `println!`: `madrun --help | head` must not panic on the closed pipe.
+            let _ = writeln!(std::io::stdout().lock(), "{USAGE}");
             return 0;
         }
         Ok(Parsed::Version) => {
-            println!("madrun {}", env!("CARGO_PKG_VERSION"));
+            let _ = writeln!(
+                std::io::stdout().lock(),
+                "madrun {}",
+                env!("CARGO_PKG_VERSION")
+            );
             return 0;
         }
         Err(msg) => {
