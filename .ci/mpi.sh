@@ -138,6 +138,17 @@ if out=$("${CI_PREFIX}mpich/debug/examples/mixed_job" 2>&1); then
 fi
 echo "$out" | grep -q "no MPI launcher detected" || { echo "$out" >&2; echo "FAILED: mixed_job's message without a launcher" >&2; exit 1; }
 
+# The examples' command line (mad_core::cli, read before MPI starts): --help and --version exit 0,
+# an unknown option exits 2 (tests/cli.rs checks every other example).
+echo "== mad-mpi examples: --help, --version, an unknown option"
+for e in mixed_job mpi_bench mpi_calls; do
+    exe="${CI_PREFIX}mpich/debug/examples/$e"
+    out=$("$exe" --help) && grep -q -- "--version" <<<"$out" || { echo "FAILED: $e --help" >&2; exit 1; }
+    out=$("$exe" --version) && [[ "$out" == "$e "[0-9]* ]] || { echo "FAILED: $e --version: $out" >&2; exit 1; }
+    rc=0; "$exe" --no-such-option 2>/dev/null || rc=$?
+    [ "$rc" = 2 ] || { echo "FAILED: $e --no-such-option exited $rc, not 2" >&2; exit 1; }
+done
+
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
 echo "== wrong launcher (MPICH build under Open MPI's mpirun) must fail"

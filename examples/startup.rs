@@ -10,8 +10,29 @@
 
 use std::time::Instant;
 
+use madeleine::cli::Cli;
+
+const CLI: Cli = Cli::new(
+    "startup",
+    env!("CARGO_PKG_VERSION"),
+    "usage: madrun -n N startup
+       srun --mpi=pmi2 -n N startup
+
+Job start as a rank sees it: every rank prints the time from main to its session, to the open
+default channel and to the first message from rank 0.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+
 fn main() {
     let t0 = Instant::now();
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            CLI.other(arg)?;
+        }
+        Ok(())
+    });
     madeleine::init_logging();
     if let Err(e) = run(t0) {
         eprintln!("startup: {e}");

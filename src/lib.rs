@@ -9,6 +9,9 @@ pub use logging::init_logging;
 
 /// Active messages and RPC over a channel: the [`mad_am`] crate.
 pub use mad_am as am;
+/// The command-line parser of the tools and examples (`--help`, `--version`, `--opt=value`):
+/// [`mad_core::cli`].
+pub use mad_core::cli;
 pub use mad_core::*;
 #[cfg(feature = "mpi")]
 pub use mad_mpi;

@@ -52,6 +52,8 @@ pub use tracing as __tracing;
 pub mod auth;
 pub mod bootstrap;
 mod channel;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
