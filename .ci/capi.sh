@@ -31,5 +31,8 @@ for net in tcp shm; do
     MAD_CHANNEL_DEFAULT=$net timeout 120 "$MADRUN" -n 2 "$PREFIX/bin/figure1-static"
     MAD_CHANNEL_DEFAULT=$net timeout 300 "$MADRUN" -n 3 "$PREFIX/bin/rpc" -- --calls 100
     MAD_CHANNEL_DEFAULT=$net timeout 300 "$MADRUN" -n 2 "$PREFIX/bin/pingpong" -- --max 1048576 --iters 200
+    # One call per message each way (mad_send, mad_recv), and against the piece-by-piece calls.
+    MAD_CHANNEL_DEFAULT=$net timeout 300 "$MADRUN" -n 2 "$PREFIX/bin/pingpong" -- --max 1048576 --iters 200 --one-call
+    MAD_CHANNEL_DEFAULT=$net timeout 300 "$MADRUN" -n 2 "$PREFIX/bin/pingpong" -- --max 1048576 --iters 200 --mixed
 done
 echo "capi: ok"

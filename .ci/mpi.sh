@@ -4,8 +4,9 @@
 # with 2 and 4 ranks, the embedded test (a program that owns MPI runs a session over its own
 # communicator, and keeps its error handlers), the kit through the datatype, blocking-progress and serialised paths, the
 # thread levels below MULTIPLE, a mixed job (TCP + shm + MPI channels over the MPI bootstrap),
-# the wrong-launcher checks, and a build without the `mpi` feature under a launcher (must
-# refuse) and in a Slurm batch script (must start its own ranks). Every run's output is checked for the number of kit cases that
+# the wrong-launcher checks, and a build without the `mpi` feature under MPICH's mpiexec (runs
+# over the PMI bootstrap), Open MPI's mpirun (must refuse) and in a Slurm batch script (must
+# start its own ranks). Every run's output is checked for the number of kit cases that
 # passed. Each MPI has its own target directory because the `mpi` crate's build script does not
 # rebuild when MPICC changes.
 #
@@ -137,6 +138,17 @@ if out=$("${CI_PREFIX}mpich/debug/examples/mixed_job" 2>&1); then
 fi
 echo "$out" | grep -q "no MPI launcher detected" || { echo "$out" >&2; echo "FAILED: mixed_job's message without a launcher" >&2; exit 1; }
 
+# The examples' command line (mad_core::cli, read before MPI starts): --help and --version exit 0,
+# an unknown option exits 2 (tests/cli.rs checks every other example).
+echo "== mad-mpi examples: --help, --version, an unknown option"
+for e in mixed_job mpi_bench mpi_calls; do
+    exe="${CI_PREFIX}mpich/debug/examples/$e"
+    out=$("$exe" --help) && grep -q -- "--version" <<<"$out" || { echo "FAILED: $e --help" >&2; exit 1; }
+    out=$("$exe" --version) && [[ "$out" == "$e "[0-9]* ]] || { echo "FAILED: $e --version: $out" >&2; exit 1; }
+    rc=0; "$exe" --no-such-option 2>/dev/null || rc=$?
+    [ "$rc" = 2 ] || { echo "FAILED: $e --no-such-option exited $rc, not 2" >&2; exit 1; }
+done
+
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as
 # separate one-process jobs.
 echo "== wrong launcher (MPICH build under Open MPI's mpirun) must fail"
@@ -151,21 +163,21 @@ if out=$(timeout 120 "${MPICH_RUN[@]}" -n 2 "$OMPI_BIN" 2>&1 | tr -d '\000'); th
     exit 1
 fi
 echo "$out" | grep -q "different MPI than the launcher" || { echo "$out" >&2; echo "FAILED: wrong-launcher message" >&2; exit 1; }
-# A build of the root package WITHOUT the `mpi` feature started by an MPI launcher must refuse to
+# A build of the root package WITHOUT the `mpi` feature: under MPICH's mpiexec (a PMI-1 process
+# manager) it runs over the PMI bootstrap; under Open MPI's mpirun (PMIx only) it must refuse to
 # run (BadConfig naming the launcher and the feature), not run N one-process sessions; the same
-# build run bare inside a Slurm batch script (SLURM_PROCID, no MPI launch) starts its own ranks.
+# build run bare inside a Slurm batch script (SLURM_PROCID, no job step) starts its own ranks.
 NOMPI_TARGET="${CI_PREFIX}nompi"
 CARGO_TARGET_DIR="$NOMPI_TARGET" cargo build --no-default-features --features tcp,shm --example hello >&2
 HELLO="$NOMPI_TARGET/debug/examples/hello"
-for launch in "mpiexec.mpich" "mpirun.openmpi"; do
-    if [ $launch = mpiexec.mpich ]; then cmd=("${MPICH_RUN[@]}"); else cmd=("${OMPI_RUN[@]}"); fi
-    echo "== build without the mpi feature under $launch -n 2 must fail"
-    if out=$(timeout 120 "${cmd[@]}" -n 2 "$HELLO" 2>&1 | tr -d '\000'); then
-        echo "$out" >&2; echo "FAILED: a build without the mpi feature ran under $launch" >&2; exit 1
-    fi
-    echo "$out" | grep -q "as rank [01] of 2, but the session has no MPI bootstrap.*--features mpi" \
-        || { echo "$out" >&2; echo "FAILED: the no-mpi-feature message under $launch" >&2; exit 1; }
-done
+run "build without the mpi feature under mpiexec.mpich -n 3 (PMI bootstrap)" "${MPICH_RUN[@]}" -n 3 "$HELLO"
+need "hello under mpiexec.mpich" "rank 2: received 2000 bytes from rank 0, intact"
+echo "== build without the mpi feature under mpirun.openmpi -n 2 must fail"
+if out=$(timeout 120 "${OMPI_RUN[@]}" -n 2 "$HELLO" 2>&1 | tr -d '\000'); then
+    echo "$out" >&2; echo "FAILED: a build without the mpi feature ran under mpirun.openmpi" >&2; exit 1
+fi
+echo "$out" | grep -q "as rank [01] of 2, but the session has no bootstrap for it.*--features mpi" \
+    || { echo "$out" >&2; echo "FAILED: the no-mpi-feature message under mpirun.openmpi" >&2; exit 1; }
 run "build without the mpi feature, bare in a Slurm batch script" env SLURM_PROCID=0 SLURM_NTASKS=4 "$HELLO"
 need "hello under a bare SLURM_PROCID" "rank 1: received 1000 bytes from rank 0, intact"
 

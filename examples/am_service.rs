@@ -18,7 +18,22 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use madeleine::am::{CallError, Config, Endpoint};
+use madeleine::cli::{Arg, Cli};
 use madeleine::{Error, Result};
+
+const CLI: Cli = Cli::new(
+    "am_service",
+    env!("CARGO_PKG_VERSION"),
+    "usage: am_service [--quick]        (alone: starts 3 ranks on this host)
+       madrun -n N am_service [--] [--quick]     (N >= 2)
+
+A key-value service on active messages: rank 0 serves, every other rank runs 4 calling
+threads over the `default` channel.
+
+  --quick        50 calls per client thread instead of 1000 (CI)
+  -h, --help     this text
+  -V, --version  the version",
+);
 
 const PUT: u32 = 1; // key '=' value -> nothing
 const GET: u32 = 2; // key -> value, or an error
@@ -43,11 +58,16 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let calls = if std::env::args().any(|a| a == "--quick") {
-        50
-    } else {
-        1000
-    };
+    let calls = CLI.parse(|p| {
+        let mut calls = 1000;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("quick") => calls = 50,
+                other => CLI.other(other)?,
+            }
+        }
+        Ok(calls)
+    });
     if let Some(code) = madeleine::run_local_if_alone(3)? {
         std::process::exit(code);
     }

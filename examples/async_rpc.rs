@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use mad_tokio::AsyncChannel;
 use madeleine::bytemuck::{Pod, Zeroable};
+use madeleine::cli::{self, Arg, Cli};
 use madeleine::{ChannelConfig, Error, RecvMode, Result, SendMode};
 use tokio::sync::{oneshot, Semaphore};
 
@@ -49,37 +50,45 @@ struct Opts {
     inflight: usize,
 }
 
-fn opts() -> Result<Opts> {
+const CLI: Cli = Cli::new(
+    "async_rpc",
+    env!("CARGO_PKG_VERSION"),
+    "usage: async_rpc [options]                (alone: a server and 2 clients on this host)
+       madrun -n N async_rpc [--] [options]    (N >= 2)
+
+An async RPC service on tokio over a madeleine channel (mad-tokio).
+
+  --channel SPEC   the channel spec (default tcp)
+  --calls N        calls per client (default 20000)
+  --inflight N     calls in flight per client (default 64)
+  --quick          1000 calls (CI)
+  -h, --help       this text
+  -V, --version    the version
+
+Options take their value as `--opt value` or `--opt=value`.",
+);
+
+fn opts() -> Opts {
     let mut o = Opts {
         channel: "tcp".into(),
         calls: 20_000,
         inflight: 64,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |what: &str| {
-            args.next()
-                .ok_or_else(|| Error::BadConfig(format!("{what} needs a value")))
-        };
-        match a.as_str() {
-            "--channel" => o.channel = val("--channel")?,
-            "--calls" => o.calls = parse(&val("--calls")?)?,
-            "--inflight" => o.inflight = parse::<u64>(&val("--inflight")?)?.max(1) as usize,
-            "--quick" => o.calls = 1_000,
-            "--" => {}
-            _ => {
-                return Err(Error::BadConfig(format!(
-                    "unknown argument `{a}` (--channel SPEC, --calls N, --inflight N, --quick)"
-                )))
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("channel") => o.channel = cli::string(p)?,
+                Arg::Long("calls") => o.calls = cli::number(p, "--calls")?,
+                Arg::Long("inflight") => {
+                    o.inflight = cli::number::<u64>(p, "--inflight")?.max(1) as usize
+                }
+                Arg::Long("quick") => o.calls = 1_000,
+                other => CLI.other(other)?,
             }
         }
-    }
-    Ok(o)
-}
-
-fn parse<T: std::str::FromStr>(s: &str) -> Result<T> {
-    s.parse()
-        .map_err(|_| Error::BadConfig(format!("`{s}` is not a number")))
+        Ok(())
+    });
+    o
 }
 
 fn main() {
@@ -91,7 +100,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let o = opts()?;
+    let o = opts();
     if let Some(code) = madeleine::run_local_if_alone(3)? {
         std::process::exit(code);
     }

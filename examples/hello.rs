@@ -4,9 +4,29 @@
 //! `madrun -n 4 target/debug/examples/hello` runs it with four. Every rank but 0 receives an
 //! array of a size it learns from the message itself.
 
+use madeleine::cli::Cli;
 use madeleine::{RecvMode, SendMode};
 
+const CLI: Cli = Cli::new(
+    "hello",
+    env!("CARGO_PKG_VERSION"),
+    "usage: hello                  (alone: starts 2 ranks on this host)
+       madrun -n N hello
+
+The paper's Figure 1: rank 0 sends every other rank an EXPRESS size, then a CHEAPER array of
+that size. The channel is `default` (MAD_CHANNEL_DEFAULT, e.g. shm or tcp).
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+
 fn main() {
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            CLI.other(arg)?;
+        }
+        Ok(())
+    });
     madeleine::init_logging();
     if let Err(e) = run() {
         eprintln!("hello: {e}");

@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use madeleine::bytemuck::{Pod, Zeroable};
+use madeleine::cli::{self, Arg, Cli};
 use madeleine::config::parse_size;
 use madeleine::{Channel, ChannelConfig, Error, RecvMode, Result, SendMode, Session};
 
@@ -78,7 +79,28 @@ fn place(o: &Opts, video: bool) -> Result<()> {
     Ok(())
 }
 
-fn opts() -> Result<Opts> {
+const CLI: Cli = Cli::new(
+    "media_server",
+    env!("CARGO_PKG_VERSION"),
+    "usage: media_server [options]             (alone: a server and 2 clients on this host)
+       madrun -n N media_server [--] [options]
+
+Rank 0 streams video frames on one channel and subtitles on another to every client.
+
+  --video NAME|SPEC  the video channel (default shm)
+  --text NAME|SPEC   the subtitle channel (default tcp)
+  --frame SIZE       video frame size, 8 bytes to 64m (default 1m)
+  --subs N           subtitles per phase (default 400)
+  --interval US      microseconds between subtitles (default 1000)
+  --no-pin           let the scheduler place the threads
+  --quick            50 subtitles 200 us apart, 256 KiB frames (CI)
+  -h, --help         this text
+  -V, --version      the version
+
+Options take their value as `--opt value` or `--opt=value`.",
+);
+
+fn opts() -> Opts {
     let mut o = Opts {
         video: "shm".into(),
         text: "tcp".into(),
@@ -87,45 +109,32 @@ fn opts() -> Result<Opts> {
         interval: Duration::from_micros(1000),
         pin: true,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |what: &str| {
-            args.next()
-                .ok_or_else(|| Error::BadConfig(format!("{a} needs {what}")))
-        };
-        let bad = |v: &str| Error::BadConfig(format!("{a} {v}: not a valid value"));
-        match a.as_str() {
-            "--" => {}
-            "--video" => o.video = val("a channel name or spec")?,
-            "--text" => o.text = val("a channel name or spec")?,
-            "--frame" => {
-                let v = val("a size")?;
-                o.frame = parse_size(&v)
-                    .filter(|&n| n >= 8 && n as u64 <= MAX_FRAME)
-                    .ok_or_else(|| bad(&v))?;
-            }
-            "--subs" => {
-                let v = val("a number")?;
-                o.subs = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?;
-            }
-            "--interval" => {
-                let v = val("microseconds")?;
-                o.interval = Duration::from_micros(v.parse().map_err(|_| bad(&v))?);
-            }
-            "--no-pin" => o.pin = false,
-            "--quick" => {
-                o.subs = 50;
-                o.interval = Duration::from_micros(200);
-                o.frame = 256 << 10;
-            }
-            _ => {
-                return Err(Error::BadConfig(format!(
-                    "unknown option `{a}` (see the example's documentation)"
-                )))
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("video") => o.video = cli::string(p)?,
+                Arg::Long("text") => o.text = cli::string(p)?,
+                Arg::Long("frame") => {
+                    o.frame = cli::value_with(p, "--frame", "a size from 8 to 64m", |v| {
+                        parse_size(v).filter(|&n| n >= 8 && n as u64 <= MAX_FRAME)
+                    })?
+                }
+                Arg::Long("subs") => o.subs = cli::positive(p, "--subs")?,
+                Arg::Long("interval") => {
+                    o.interval = Duration::from_micros(cli::number(p, "--interval")?)
+                }
+                Arg::Long("no-pin") => o.pin = false,
+                Arg::Long("quick") => {
+                    o.subs = 50;
+                    o.interval = Duration::from_micros(200);
+                    o.frame = 256 << 10;
+                }
+                other => CLI.other(other)?,
             }
         }
-    }
-    Ok(o)
+        Ok(())
+    });
+    o
 }
 
 /// `shm`, `tcp,progress=block`, `sisci:local`: a spec; anything else: a configured channel.
@@ -169,7 +178,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let o = opts()?;
+    let o = opts();
     if let Some(code) = madeleine::run_local_if_alone(3)? {
         std::process::exit(code);
     }

@@ -11,8 +11,32 @@
 
 use std::time::Instant;
 
+use madeleine::cli::{Arg, Cli, ValueExt};
+
+const CLI: Cli = Cli::new(
+    "open_scale",
+    env!("CARGO_PKG_VERSION"),
+    "usage: madrun -n N open_scale [--] [SPEC]
+
+Opens a channel of SPEC (default shm) on every rank after a barrier; rank 0 prints
+`spec,ranks,open_ms_max,open_ms_median,created_kib,mapped_kib`.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+
 fn main() {
-    if let Err(e) = run() {
+    let spec = CLI.parse(|p| {
+        let mut spec = None;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Value(v) if spec.is_none() => spec = Some(v.string()?),
+                other => CLI.other(other)?,
+            }
+        }
+        Ok(spec.unwrap_or_else(|| "shm".into()))
+    });
+    if let Err(e) = run(&spec) {
         eprintln!("open_scale: {e}");
         std::process::exit(1);
     }
@@ -47,16 +71,12 @@ fn shm_mappings() -> (u64, u64) {
     (created, mapped)
 }
 
-fn run() -> madeleine::Result<()> {
-    let spec = std::env::args()
-        .skip(1)
-        .find(|a| a != "--")
-        .unwrap_or_else(|| "shm".into());
+fn run(spec: &str) -> madeleine::Result<()> {
     let session = madeleine::session()?;
     let b = session.bootstrap();
     b.barrier("open_scale/start")?;
     let t0 = Instant::now();
-    let ch = session.open_channel_with(madeleine::ChannelConfig::parse("scale", &spec)?)?;
+    let ch = session.open_channel_with(madeleine::ChannelConfig::parse("scale", spec)?)?;
     let open = t0.elapsed();
     let (created, mapped) = shm_mappings();
     let mine = format!("{} {} {}", open.as_nanos(), created, mapped);

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use madeleine::config::parse_size;
+use madeleine::cli::{self, Arg, Cli};
 use madeleine::{Error, RecvMode, Result, SendMode};
 
 struct Opts {
@@ -22,41 +22,43 @@ struct Opts {
     iters: usize,
 }
 
-fn opts() -> Result<Opts> {
+const CLI: Cli = Cli::new(
+    "pingpong",
+    env!("CARGO_PKG_VERSION"),
+    "usage: pingpong [options]                 (alone: starts 2 ranks on this host)
+       madrun -n 2 pingpong [--] [options]
+
+Ping-pong latency and bandwidth over a channel, across a size sweep.
+
+  --channel NAME   the channel (default `default`: MAD_CHANNEL_DEFAULT, else tcp)
+  --max SIZE       largest message, e.g. 64k, 4m (default 4m)
+  --iters N        round trips for small sizes (default 10000; fewer for large ones)
+  --quick          a few iterations (CI)
+  -h, --help       this text
+  -V, --version    the version
+
+Options take their value as `--opt value` or `--opt=value`.",
+);
+
+fn opts() -> Opts {
     let mut o = Opts {
         channel: "default".into(),
         max: 4 << 20,
         iters: 10_000,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |what: &str| {
-            args.next()
-                .ok_or_else(|| Error::BadConfig(format!("{a} needs {what}")))
-        };
-        match a.as_str() {
-            "--" => {}
-            "--channel" => o.channel = val("a channel name")?,
-            "--max" => {
-                let v = val("a size")?;
-                o.max = parse_size(&v)
-                    .ok_or_else(|| Error::BadConfig(format!("--max {v}: not a size")))?;
-            }
-            "--iters" => {
-                let v = val("a number")?;
-                o.iters = v
-                    .parse()
-                    .map_err(|_| Error::BadConfig(format!("--iters {v}: not a number")))?;
-            }
-            "--quick" => o.iters = 50,
-            _ => {
-                return Err(Error::BadConfig(format!(
-                    "unknown option `{a}` (see the example's documentation)"
-                )))
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("channel") => o.channel = cli::string(p)?,
+                Arg::Long("max") => o.max = cli::size(p, "--max")?,
+                Arg::Long("iters") => o.iters = cli::number(p, "--iters")?,
+                Arg::Long("quick") => o.iters = 50,
+                other => CLI.other(other)?,
             }
         }
-    }
-    Ok(o)
+        Ok(())
+    });
+    o
 }
 
 fn main() {
@@ -68,7 +70,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let o = opts()?;
+    let o = opts();
     if let Some(code) = madeleine::run_local_if_alone(2)? {
         std::process::exit(code);
     }

@@ -33,6 +33,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use madeleine::am::{CallError, Config, Endpoint, Reply};
+use madeleine::cli::{self, Arg, Cli};
 use madeleine::{Channel, ChannelConfig, Error, RecvMode, Result, Session};
 
 const SVC_BYE: u32 = 0;
@@ -93,7 +94,28 @@ struct Opts {
     hostile: bool,
 }
 
-fn opts() -> Result<Opts> {
+const CLI: Cli = Cli::new(
+    "rpc",
+    env!("CARGO_PKG_VERSION"),
+    "usage: rpc [options]                      (alone: starts 3 ranks on this host)
+       madrun -n N rpc [--] [options]          (N >= 2: a server and N-1 client processes)
+
+A small RPC service on active messages: rank 0 serves `sum`, `echo` and `bye`.
+
+  --channel NAME|SPEC  a channel name, or a spec such as shm or tcp,progress=block
+                       (default `default`)
+  --clients N          calling threads per client process (default 4)
+  --threads N          worker threads of the server's pool (default 2)
+  --calls N            calls per client thread with 8 B arguments (default 2000)
+  --quick              100 calls (CI)
+  --hostile            the last client finally sends a message that is not an active message
+  -h, --help           this text
+  -V, --version        the version
+
+Options take their value as `--opt value` or `--opt=value`.",
+);
+
+fn opts() -> Opts {
     let mut o = Opts {
         channel: "default".into(),
         clients: 4,
@@ -101,35 +123,21 @@ fn opts() -> Result<Opts> {
         calls: 2000,
         hostile: false,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |what: &str| {
-            args.next()
-                .ok_or_else(|| Error::BadConfig(format!("{a} needs {what}")))
-        };
-        let mut num = |what: &str| -> Result<usize> {
-            let v = val(what)?;
-            v.parse()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| Error::BadConfig(format!("{a} {v}: not a positive number")))
-        };
-        match a.as_str() {
-            "--" => {}
-            "--channel" => o.channel = val("a channel name or spec")?,
-            "--clients" => o.clients = num("a number of threads")?,
-            "--threads" => o.threads = num("a number of threads")?,
-            "--calls" => o.calls = num("a number of calls")?,
-            "--quick" => o.calls = 100,
-            "--hostile" => o.hostile = true,
-            _ => {
-                return Err(Error::BadConfig(format!(
-                    "unknown option `{a}` (see the example's documentation)"
-                )))
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("channel") => o.channel = cli::string(p)?,
+                Arg::Long("clients") => o.clients = cli::positive(p, "--clients")?,
+                Arg::Long("threads") => o.threads = cli::positive(p, "--threads")?,
+                Arg::Long("calls") => o.calls = cli::positive(p, "--calls")?,
+                Arg::Long("quick") => o.calls = 100,
+                Arg::Long("hostile") => o.hostile = true,
+                other => CLI.other(other)?,
             }
         }
-    }
-    Ok(o)
+        Ok(())
+    });
+    o
 }
 
 /// `--channel shm` opens a channel with that spec; `--channel video` the configured channel.
@@ -151,7 +159,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let o = opts()?;
+    let o = opts();
     if let Some(code) = madeleine::run_local_if_alone(3)? {
         std::process::exit(code);
     }

@@ -1,28 +1,4 @@
-//! # madeleine: a Madeleine II-style multi-protocol communication runtime
-//!
-//! This crate re-exports the core ([`mad_core`]: sessions, channels, `pack`/`unpack`, the
-//! driver contract) and every driver enabled by a cargo feature (`tcp`, `shm`, `via`,
-//! `sisci` by default; `mpi` and `verbs` on request), with the active-message layer as [`am`],
-//! and builds sessions with all of them registered:
-//!
-//! ```no_run
-//! # fn main() -> madeleine::Result<()> {
-//! use madeleine::{RecvMode, SendMode};
-//! let session = madeleine::session()?;          // rank and size from madrun / mpiexec, or alone
-//! let ch = session.open_channel("default")?;    // MAD_CHANNEL_DEFAULT=shm, tcp:10.0.0.1, ...
-//! if session.rank() == 0 {
-//!     let mut p = ch.begin_packing(1)?;
-//!     p.pack_value(&42u64, RecvMode::Express)?;
-//!     p.end_packing()?;
-//! } else if session.rank() == 1 {
-//!     let mut u = ch.begin_unpacking()?;
-//!     let v: u64 = u.unpack_value()?;
-//!     u.end_unpacking()?;
-//!     assert_eq!(v, 42);
-//! }
-//! # Ok(()) }
-//! ```
-
+#![doc = include_str!("../README.md")]
 #![deny(unsafe_code)]
 
 pub mod affinity;
@@ -33,6 +9,9 @@ pub use logging::init_logging;
 
 /// Active messages and RPC over a channel: the [`mad_am`] crate.
 pub use mad_am as am;
+/// The command-line parser of the tools and examples (`--help`, `--version`, `--opt=value`):
+/// [`mad_core::cli`].
+pub use mad_core::cli;
 
 // What a program uses: a deliberate list, not `mad_core::*`. The engine's internals (the wire
 // format, the madrun launcher, the intra-host shared-memory machinery, peer liveness) are not

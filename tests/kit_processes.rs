@@ -8,11 +8,17 @@ use std::time::{Duration, Instant};
 use mad_core::conformance::{run_rank, KitOptions};
 
 fn kit_in_processes(n: usize, spec: &str, extra_env: &[(&str, &str)]) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_madrun"));
+    cmd.args(["-n", &n.to_string(), "--timeout", "240", "--"]);
+    kit_under(cmd, "madrun", n, spec, extra_env);
+}
+
+/// The kit in `n` processes started by `launcher` (a command line ending where the rank
+/// program goes).
+fn kit_under(mut cmd: Command, bootstrap: &str, n: usize, spec: &str, extra_env: &[(&str, &str)]) {
     let exe = std::env::current_exe().unwrap();
     let start = Instant::now();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_madrun"));
-    cmd.args(["-n", &n.to_string(), "--timeout", "240", "--"])
-        .arg(&exe)
+    cmd.arg(&exe)
         .args([
             "--ignored",
             "--exact",
@@ -32,10 +38,10 @@ fn kit_in_processes(n: usize, spec: &str, extra_env: &[(&str, &str)]) {
         "kit over `{spec}` with {n} processes failed ({:?}):\n{stdout}\n{stderr}",
         out.status
     );
-    // Every rank ran every case.
+    // Every rank ran every case, in one session of `n` over the expected bootstrap.
     for r in 0..n {
         assert!(
-            stdout.contains(&format!("kit: rank {r} ran ")),
+            stdout.contains(&format!("kit: rank {r} of {n} ({bootstrap}) ran ")),
             "rank {r} did not report:\n{stdout}\n{stderr}"
         );
     }
@@ -80,8 +86,10 @@ fn kit_child() {
     opts.volume = 100;
     let ran = run_rank(&session, &opts).unwrap_or_else(|e| panic!("rank {}: {e}", session.rank()));
     println!(
-        "kit: rank {} ran {} cases: {} pid {}",
+        "kit: rank {} of {} ({}) ran {} cases: {} pid {}",
         session.rank(),
+        session.size(),
+        session.bootstrap().kind(),
         ran.len(),
         ran.join(","),
         std::process::id()
@@ -91,6 +99,18 @@ fn kit_child() {
 #[test]
 fn kit_tcp_2_processes() {
     kit_in_processes(2, "tcp", &[]);
+}
+
+/// MPICH's `mpiexec` is a PMI-1 process manager: the session's bootstrap is the PMI one (this
+/// test binary has no MPI), its collectives through rank 0's bootstrap server, or over PMI
+/// itself. `.ci/slurm.sh` runs the kit under Slurm's `srun --mpi=pmi2` too.
+#[test]
+fn kit_tcp_and_shm_3_processes_under_a_pmi_process_manager() {
+    for (spec, collectives) in [("tcp", "server"), ("shm", "pmi")] {
+        let mut cmd = Command::new("mpiexec.mpich");
+        cmd.args(["-n", "3"]);
+        kit_under(cmd, "pmi", 3, spec, &[("MAD_PMI_COLLECTIVES", collectives)]);
+    }
 }
 
 #[test]

@@ -173,11 +173,14 @@ fn channel_open_span_and_peer_closed_event() {
     for f in ["channel=logged", "driver=tcp", "rank=0", "size=2"] {
         assert!(fields.contains(f), "span fields `{fields}` lack {f}");
     }
-    // The tcp driver's handshakes run inside the open's span.
+    // The tcp driver's handshakes (its connector, mad-core's acceptor) run inside the open's
+    // span.
     assert!(
-        seen.iter().any(|s| s.target == "mad_tcp::setup"
-            && s.spans.iter().any(|(n, _)| n == "channel_open")
-            && s.spans.iter().any(|(n, _)| n == "tcp_handshakes")),
+        seen.iter().any(
+            |s| (s.target == "mad_tcp::setup" || s.target == "mad_core::accept")
+                && s.spans.iter().any(|(n, _)| n == "channel_open")
+                && s.spans.iter().any(|(n, _)| n == "tcp_handshakes")
+        ),
         "no tcp handshake event inside the open's span:\n{all}"
     );
 

@@ -1,7 +1,10 @@
 /* Ping-pong through the C API, as examples/pingpong.rs does through the Rust API (same loop,
  * same output), so the two compare side by side:
- *   madrun -n 2 ./pingpong [--max SIZE_BYTES] [--iters N]
- * One-way latency = round-trip time / 2. No allocation per message on the C side. */
+ *   madrun -n 2 ./pingpong [--max SIZE_BYTES] [--iters N] [--one-call | --mixed]
+ * Each message is built piece by piece (mad_begin_packing, mad_pack, mad_end_packing and the
+ * same on receive), or with --one-call in one call each way (mad_send, mad_recv: same pieces,
+ * same modes, same wire; --mixed: rank 0 so, rank 1 piece by piece). One-way latency = round-trip time / 2. No allocation per message on
+ * the C side. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,10 +30,13 @@ static double now(void) {
 
 int main(int argc, char **argv) {
     size_t max = 4 << 20, iters0 = 10000;
+    int one_call = 0;
     int i0 = argc > 1 && !strcmp(argv[1], "--") ? 2 : 1; /* madrun passes its `--` on */
-    for (int i = i0; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--max")) max = strtoull(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--iters")) iters0 = strtoull(argv[i + 1], NULL, 10);
+    for (int i = i0; i < argc; i++) {
+        if (!strcmp(argv[i], "--one-call")) one_call = 1;
+        else if (!strcmp(argv[i], "--mixed")) one_call = 2;
+        else if (i + 1 < argc && !strcmp(argv[i], "--max")) max = strtoull(argv[++i], NULL, 10);
+        else if (i + 1 < argc && !strcmp(argv[i], "--iters")) iters0 = strtoull(argv[++i], NULL, 10);
         else { fprintf(stderr, "pingpong: unknown option %s\n", argv[i]); return 2; }
     }
     MadSession *s;
@@ -50,7 +56,17 @@ int main(int argc, char **argv) {
             MadPacker *p;
             MadUnpacker *u;
             if (it == warm) t0 = now();
-            if (me == 0) {
+            if ((one_call == 1 && me <= 1) || (one_call == 2 && me == 0)) {
+                MadPiece out = {me == 0 ? buf : rbuf, n, MAD_SEND_CHEAPER, MAD_RECV_CHEAPER};
+                MadPiece in = {rbuf, n, MAD_SEND_CHEAPER, MAD_RECV_CHEAPER};
+                if (me == 0) {
+                    CHECK(mad_send(ch, 1, &out, 1));
+                    CHECK(mad_recv(ch, 1, &in, 1, NULL));
+                } else {
+                    CHECK(mad_recv(ch, 0, &in, 1, NULL));
+                    CHECK(mad_send(ch, 0, &out, 1));
+                }
+            } else if (me == 0) {
                 CHECK(mad_begin_packing(ch, 1, &p));
                 CHECK(mad_pack(p, buf, n, MAD_SEND_CHEAPER, MAD_RECV_CHEAPER));
                 CHECK(mad_end_packing(p));

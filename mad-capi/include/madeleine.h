@@ -79,6 +79,8 @@
 // Receive mode: the piece is there after `mad_end_unpacking`.
 #define MAD_RECV_CHEAPER 1
 
+
+
 // An open channel (one protocol, one adapter, a connection to every peer).
 typedef struct MadChannel MadChannel;
 
@@ -102,6 +104,19 @@ typedef struct MadStats {
   // Payload bytes received.
   uint64_t bytes_received;
 } MadStats;
+
+// One piece of a message sent with `mad_send` or received with `mad_recv`: `len` bytes at
+// `data` with a send mode (`MAD_SEND_*`) and a receive mode (`MAD_RECV_*`).
+typedef struct MadPiece {
+  // The bytes (read by `mad_send`, written by `mad_recv`).
+  void *data;
+  // Their length.
+  size_t len;
+  // The send mode, `MAD_SEND_*`.
+  int send;
+  // The receive mode, `MAD_RECV_*`.
+  int recv;
+} MadPiece;
 
 #ifdef __cplusplus
 extern "C" {
@@ -229,6 +244,29 @@ int mad_end_packing(struct MadPacker *p);
 // # Safety
 // `p` is NULL or a packer from `mad_begin_packing`, not used afterwards.
 void mad_packer_abandon(struct MadPacker *p);
+
+// Send a whole message to rank `remote` in one call: its `n` pieces in order, each with its
+// modes, as `mad_begin_packing`, one `mad_pack` per piece and `mad_end_packing` would (every
+// piece is read before this returns, whatever its send mode).
+//
+// # Safety
+// `ch` is a valid channel; `pieces` points to `n` pieces whose `data` has `len` readable
+// bytes each (NULL with `n == 0`).
+int mad_send(const struct MadChannel *ch, size_t remote, const struct MadPiece *pieces, size_t n);
+
+// Receive a whole message in one call: from rank `remote`, or from any peer with
+// `MAD_ANY_SOURCE` (then `*from`, unless NULL, is the sender), its `n` pieces in order into
+// the pieces' memory, each declared with the modes it was packed with. Everything is there
+// when this returns.
+//
+// # Safety
+// `ch` is a valid channel; `pieces` points to `n` pieces whose `data` has `len` writable
+// bytes each (NULL with `n == 0`); `from` is NULL or valid.
+int mad_recv(const struct MadChannel *ch,
+             size_t remote,
+             const struct MadPiece *pieces,
+             size_t n,
+             size_t *from);
 
 // Wait for the next message from any peer.
 //

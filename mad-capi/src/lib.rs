@@ -6,7 +6,10 @@
 //! builds it under `madrun`, `mpiexec` or alone), channels opened by name or by spec, a message
 //! built piece by piece (`mad_begin_packing`, `mad_pack` with a send and a receive mode,
 //! `mad_end_packing`) and taken apart in the same order (`mad_begin_unpacking[_from]`,
-//! `mad_try_begin_unpacking`, `mad_unpack`, `mad_end_unpacking`).
+//! `mad_try_begin_unpacking`, `mad_unpack`, `mad_end_unpacking`). A message whose layout the
+//! receiver knows in advance can also go in one call each way, `mad_send` and `mad_recv`,
+//! over an array of `MadPiece`s: the same pieces, modes and wire format, one call instead of
+//! three or more (what a short fixed-layout message costs in the C API is mostly its calls).
 //!
 //! What the borrow checker enforces in Rust is the caller's duty in C:
 //! * `MAD_SEND_CHEAPER` memory stays untouched, and `MAD_SEND_LATER` memory stays valid (it is
@@ -127,6 +130,28 @@ fn slot<S: Slot>(spare: &'static Spare<S>, ch: &Channel) -> Box<S> {
         }
         None => Box::new(S::new(ch.clone())),
     }
+}
+
+/// End the message of a live handle where it lives with `end` (which leaves it only to be
+/// dropped), drop it, and keep the handle's memory as this thread's spare slot.
+///
+/// # Safety
+/// `p` is a live handle (from `Box::into_raw` of a slot whose message was written), given
+/// back once.
+unsafe fn end_in_place<S: Slot>(
+    spare: &'static Spare<S>,
+    p: *mut S,
+    end: impl FnOnce(&mut S::Msg) -> madeleine::Result<()>,
+) -> madeleine::Result<()> {
+    // SAFETY: the caller's contract: `p` is a boxed slot, not used afterwards.
+    let mut b = unsafe { Box::from_raw(p) };
+    let msg = b.parts().0;
+    // SAFETY: a live handle's message is initialised.
+    let r = end(unsafe { msg.assume_init_mut() });
+    // SAFETY: initialised, and dropped once (the slot's `MaybeUninit` never drops it again).
+    unsafe { msg.assume_init_drop() };
+    let _ = spare.try_with(move |s| s.set(Some(b)));
+    r
 }
 
 /// Take the message out of a live handle; its memory becomes this thread's spare slot.
@@ -679,9 +704,9 @@ pub unsafe extern "C" fn mad_end_packing(p: *mut MadPacker) -> c_int {
         if p.is_null() {
             return bad("packer is NULL");
         }
-        // SAFETY: a handle from `mad_begin_packing`, given back once.
-        let p = unsafe { release(&SPARE_PACKER, p) };
-        let r = p.end_packing();
+        // SAFETY: a handle from `mad_begin_packing`, given back once; the packer is only
+        // dropped after `end_packing_in_place`.
+        let r = unsafe { end_in_place(&SPARE_PACKER, p, |m| m.end_packing_in_place()) };
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
@@ -702,6 +727,176 @@ pub unsafe extern "C" fn mad_packer_abandon(p: *mut MadPacker) {
             drop(unsafe { release(&SPARE_PACKER, p) })
         }));
     }
+}
+
+/// One piece of a message sent with `mad_send` or received with `mad_recv`: `len` bytes at
+/// `data` with a send mode (`MAD_SEND_*`) and a receive mode (`MAD_RECV_*`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MadPiece {
+    /// The bytes (read by `mad_send`, written by `mad_recv`).
+    pub data: *mut c_void,
+    /// Their length.
+    pub len: usize,
+    /// The send mode, `MAD_SEND_*`.
+    pub send: c_int,
+    /// The receive mode, `MAD_RECV_*`.
+    pub recv: c_int,
+}
+
+/// `mad_recv`'s `remote` for a message from any peer.
+pub const MAD_ANY_SOURCE: usize = usize::MAX;
+
+/// The pieces of a `mad_send` / `mad_recv` call (checked), or a status.
+///
+/// # Safety
+/// `pieces` is NULL with `n == 0`, or points to `n` pieces.
+unsafe fn piece_list<'a>(pieces: *const MadPiece, n: usize) -> Result<&'a [MadPiece], c_int> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if pieces.is_null() {
+        return Err(bad("pieces is NULL"));
+    }
+    // SAFETY: `n` readable pieces (caller's duty).
+    let list = unsafe { std::slice::from_raw_parts(pieces, n) };
+    for (i, p) in list.iter().enumerate() {
+        if p.data.is_null() && p.len > 0 {
+            return Err(bad(&format!("piece {i}: data is NULL")));
+        }
+        if send_mode(p.send).is_none() || recv_mode(p.recv).is_none() {
+            return Err(bad(&format!(
+                "piece {i}: send mode {} or receive mode {}",
+                p.send, p.recv
+            )));
+        }
+    }
+    Ok(list)
+}
+
+/// The memory of a received piece `p` (checked by [`piece_list`]).
+///
+/// # Safety
+/// `p.data` has `p.len` writable bytes, valid for the call.
+unsafe fn piece_bytes<'a>(p: &MadPiece) -> &'a mut [u8] {
+    if p.len == 0 {
+        &mut []
+    } else {
+        // SAFETY: checked non-null; valid for the call (caller's duty).
+        unsafe { std::slice::from_raw_parts_mut(p.data.cast::<u8>(), p.len) }
+    }
+}
+
+/// Send a whole message to rank `remote` in one call: its `n` pieces in order, each with its
+/// modes, as `mad_begin_packing`, one `mad_pack` per piece and `mad_end_packing` would (every
+/// piece is read before this returns, whatever its send mode).
+///
+/// # Safety
+/// `ch` is a valid channel; `pieces` points to `n` pieces whose `data` has `len` readable
+/// bytes each (NULL with `n == 0`).
+#[no_mangle]
+pub unsafe extern "C" fn mad_send(
+    ch: *const MadChannel,
+    remote: usize,
+    pieces: *const MadPiece,
+    n: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller passes a valid channel or NULL.
+        let Some(c) = (unsafe { ch.as_ref() }) else {
+            return bad("channel is NULL");
+        };
+        // SAFETY: forwarded caller guarantees.
+        let list = match unsafe { piece_list(pieces, n) } {
+            Ok(l) => l,
+            Err(rc) => return rc,
+        };
+        let r = (|| {
+            let mut p = c.ch.begin_packing(remote)?;
+            for piece in list {
+                let bytes: &[u8] = if piece.len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: checked non-null; `len` readable bytes, valid for this call
+                    // (caller's duty).
+                    unsafe { std::slice::from_raw_parts(piece.data.cast::<u8>(), piece.len) }
+                };
+                let r = recv_mode(piece.recv).unwrap_or(RecvMode::Express);
+                match send_mode(piece.send).unwrap_or(SendMode::Safer) {
+                    SendMode::Safer => p.pack_safer(bytes, r)?,
+                    SendMode::Cheaper => p.pack(bytes, r)?,
+                    SendMode::Later => {
+                        // SAFETY: `Cell<u8>` has the layout of `u8`; the bytes stay valid
+                        // for this call, in which the message ends (built from the caller's
+                        // pointer, as `mad_pack` does).
+                        let cells: &[Cell<u8>] = unsafe {
+                            std::slice::from_raw_parts(piece.data.cast::<Cell<u8>>(), piece.len)
+                        };
+                        p.pack_later(cells, r)?
+                    }
+                }
+            }
+            p.end_packing()
+        })();
+        match r {
+            Ok(()) => MAD_OK,
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// Receive a whole message in one call: from rank `remote`, or from any peer with
+/// `MAD_ANY_SOURCE` (then `*from`, unless NULL, is the sender), its `n` pieces in order into
+/// the pieces' memory, each declared with the modes it was packed with. Everything is there
+/// when this returns.
+///
+/// # Safety
+/// `ch` is a valid channel; `pieces` points to `n` pieces whose `data` has `len` writable
+/// bytes each (NULL with `n == 0`); `from` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn mad_recv(
+    ch: *const MadChannel,
+    remote: usize,
+    pieces: *const MadPiece,
+    n: usize,
+    from: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller passes a valid channel or NULL.
+        let Some(c) = (unsafe { ch.as_ref() }) else {
+            return bad("channel is NULL");
+        };
+        // SAFETY: forwarded caller guarantees.
+        let list = match unsafe { piece_list(pieces, n) } {
+            Ok(l) => l,
+            Err(rc) => return rc,
+        };
+        let r = (|| {
+            let mut u = if remote == MAD_ANY_SOURCE {
+                c.ch.begin_unpacking()?
+            } else {
+                c.ch.begin_unpacking_from(remote)?
+            };
+            if !from.is_null() {
+                // SAFETY: checked non-null, valid (caller's duty).
+                unsafe { *from = u.remote() };
+            }
+            for piece in list {
+                // SAFETY: `len` writable bytes, valid for this call (caller's duty).
+                let dst = unsafe { piece_bytes(piece) };
+                let s = send_mode(piece.send).unwrap_or(SendMode::Safer);
+                match recv_mode(piece.recv).unwrap_or(RecvMode::Express) {
+                    RecvMode::Express => u.unpack_express(dst, s)?,
+                    RecvMode::Cheaper => u.unpack(dst, s)?,
+                }
+            }
+            u.end_unpacking()
+        })();
+        match r {
+            Ok(()) => MAD_OK,
+            Err(e) => fail(e),
+        }
+    })
 }
 
 /// Start a message received from `MadChannel` `c` by `begin` (`Ok(None)`: none yet).
@@ -857,9 +1052,9 @@ pub unsafe extern "C" fn mad_end_unpacking(u: *mut MadUnpacker) -> c_int {
         if u.is_null() {
             return bad("unpacker is NULL");
         }
-        // SAFETY: a handle from `mad_begin_unpacking*`, given back once.
-        let u = unsafe { release(&SPARE_UNPACKER, u) };
-        let r = u.end_unpacking();
+        // SAFETY: a handle from `mad_begin_unpacking*`, given back once; the unpacker is
+        // only dropped after `end_unpacking_in_place`.
+        let r = unsafe { end_in_place(&SPARE_UNPACKER, u, |m| m.end_unpacking_in_place()) };
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),

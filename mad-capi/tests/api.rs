@@ -90,6 +90,29 @@ fn one_process_session_and_bad_arguments() {
         mad_channel_selection_table(ch, small.as_mut_ptr(), small.len());
         assert_eq!(small[3], 0);
 
+        // One-call messages: the same checks.
+        let mut byte = 0u8;
+        let piece = MadPiece {
+            data: (&mut byte as *mut u8).cast(),
+            len: 1,
+            send: MAD_SEND_SAFER,
+            recv: MAD_RECV_EXPRESS,
+        };
+        let rc = mad_send(ch, 0, &piece, 1);
+        assert_eq!(rc, MAD_E_BAD_RANK, "{}: {}", name(rc), last());
+        assert_eq!(mad_send(ch, 0, null(), 1), MAD_E_BAD_CONFIG);
+        assert_eq!(mad_send(null(), 0, &piece, 1), MAD_E_BAD_CONFIG);
+        let bad_mode = MadPiece { send: 9, ..piece };
+        assert_eq!(mad_send(ch, 0, &bad_mode, 1), MAD_E_BAD_CONFIG);
+        assert!(last().contains("piece 0"), "{}", last());
+        let no_data = MadPiece {
+            data: null_mut(),
+            ..piece
+        };
+        assert_eq!(mad_recv(ch, 0, &no_data, 1, null_mut()), MAD_E_BAD_CONFIG);
+        let rc = mad_recv(ch, 3, &piece, 1, null_mut());
+        assert_eq!(rc, MAD_E_BAD_RANK, "{}: {}", name(rc), last());
+
         mad_channel_close(ch);
         let rc = mad_begin_packing(ch, 0, &mut p);
         assert!(rc == MAD_E_CLOSED || rc == MAD_E_BAD_RANK, "{}", name(rc));

@@ -416,3 +416,151 @@ impl Bootstrap for ThreadBootstrap {
         "threads"
     }
 }
+
+/// Collectives matched by position (the MPI and PMI bootstraps): each rank's contribution is
+/// framed with its tag's hash, so ranks that issue collectives in different orders get an
+/// error instead of each other's values, or is an abort marker: a rank that abandons a scope
+/// takes part in the collective its peers are in with its failure instead of a value.
+pub mod positional {
+    use super::{RankFailure, Scope};
+    use crate::error::{Error, Result};
+
+    fn tag_hash(tag: &str) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in tag.as_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h
+    }
+
+    /// First 8 bytes of an abort marker.
+    const ABORT_MARK: u64 = 0x6d61_642d_6162_7274; // "mad-abrt"
+    /// Longest error text carried by an abort marker.
+    const MAX_ABORT_TEXT: usize = 4096;
+
+    /// This rank's contribution `value` to the collective `tag`.
+    pub fn frame(tag: &str, value: &[u8]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(8 + value.len());
+        v.extend_from_slice(&tag_hash(tag).to_le_bytes());
+        v.extend_from_slice(value);
+        v
+    }
+
+    /// The contribution of a rank that abandons its scope with `f`.
+    pub fn abort_frame(f: &RankFailure) -> Vec<u8> {
+        let cut = |s: &str, max: usize| {
+            let mut end = s.len().min(max);
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            s.as_bytes()[..end].to_vec()
+        };
+        let (kind, msg) = (cut(&f.kind, 64), cut(&f.message, MAX_ABORT_TEXT));
+        let mut v = Vec::with_capacity(24 + kind.len() + msg.len());
+        v.extend_from_slice(&ABORT_MARK.to_le_bytes());
+        v.extend_from_slice(&(kind.len() as u32).to_le_bytes());
+        v.extend_from_slice(&kind);
+        v.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+        v.extend_from_slice(&msg);
+        v
+    }
+
+    /// The failure in rank `r`'s contribution `b`, if it is an abort marker (a malformed
+    /// marker is still a failure of that rank).
+    fn decode_abort(r: usize, b: &[u8]) -> Option<RankFailure> {
+        if b.get(..8)? != ABORT_MARK.to_le_bytes() {
+            return None;
+        }
+        let mut rest = &b[8..];
+        let mut text = || -> Option<String> {
+            let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+            let s = rest.get(4..4 + n)?;
+            rest = &rest[4 + n..];
+            Some(String::from_utf8_lossy(s).into_owned())
+        };
+        let (kind, message) = match (text(), text()) {
+            (Some(k), Some(m)) => (k, m),
+            _ => ("Protocol".into(), "malformed abort marker".into()),
+        };
+        Some(RankFailure {
+            rank: r,
+            kind,
+            message,
+            missing: Vec::new(),
+        })
+    }
+
+    /// The first abort marker among every rank's contribution, if any.
+    pub fn failure_in(all: &[Vec<u8>]) -> Option<RankFailure> {
+        all.iter().enumerate().find_map(|(r, b)| decode_abort(r, b))
+    }
+
+    /// Every rank's value from every rank's contribution to `tag` (of `scope`, if any): the
+    /// failure of a rank that abandoned the scope, or [`Error::Protocol`] naming a rank that
+    /// entered another collective.
+    ///
+    /// # Errors
+    ///
+    /// The failure of a rank that abandoned the scope
+    /// ([`Error::RemoteFailure`],
+    /// [`Error::CollectiveTimeout`]);
+    /// [`Error::Protocol`] naming a rank that entered another collective.
+    pub fn unframe(all: Vec<Vec<u8>>, scope: Option<&Scope>, tag: &str) -> Result<Vec<Vec<u8>>> {
+        if let Some(f) = failure_in(&all) {
+            return Err(match scope {
+                Some(s) => f.to_error(s),
+                None => f.to_error_for(&format!("allgather `{tag}`"), std::time::Duration::ZERO),
+            });
+        }
+        let want = tag_hash(tag).to_le_bytes();
+        all.into_iter()
+            .enumerate()
+            .map(|(r, b)| {
+                if b.len() < 8 || b[..8] != want {
+                    Err(Error::protocol(
+                        r,
+                        format!("rank {r} entered a different bootstrap collective than `{tag}`"),
+                    ))
+                } else {
+                    Ok(b[8..].to_vec())
+                }
+            })
+            .collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn frames() {
+            let all = vec![frame("t", b"a"), frame("t", b"")];
+            assert_eq!(
+                unframe(all, None, "t").unwrap(),
+                vec![b"a".to_vec(), vec![]]
+            );
+            let mixed = vec![frame("t", b"a"), frame("u", b"b")];
+            assert!(matches!(
+                unframe(mixed, None, "t"),
+                Err(Error::Protocol { rank: 1, .. })
+            ));
+            let f = RankFailure {
+                rank: 1,
+                kind: "Io".into(),
+                message: "é".repeat(5000),
+                missing: vec![],
+            };
+            let all = vec![frame("t", b"a"), abort_frame(&f)];
+            let got = failure_in(&all).unwrap();
+            assert_eq!((got.rank, got.kind.as_str()), (1, "Io"));
+            assert!(got.message.len() <= MAX_ABORT_TEXT);
+            assert!(matches!(
+                unframe(all, None, "t"),
+                Err(Error::RemoteFailure { rank: 1, .. })
+            ));
+            let cut = ABORT_MARK.to_le_bytes().to_vec();
+            assert_eq!(failure_in(&[cut]).unwrap().kind, "Protocol");
+        }
+    }
+}

@@ -46,9 +46,14 @@
 
 #![deny(unsafe_code)]
 
+pub mod accept;
+#[doc(hidden)]
+pub use tracing as __tracing;
 pub mod auth;
 pub mod bootstrap;
 mod channel;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;

@@ -1291,6 +1291,22 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
     /// message is abandoned (see the [`Packer`] documentation).
     pub fn end_packing(mut self) -> Result<()> {
+        self.end_here()
+    }
+
+    /// [`end_packing`](Self::end_packing) without moving the packer out of where it lives:
+    /// for bindings that keep it in memory of their own (the C API's handles).
+    ///
+    /// # Safety
+    /// Nothing but dropping the packer may follow (no other call on it).
+    #[doc(hidden)]
+    #[allow(unsafe_code)]
+    pub unsafe fn end_packing_in_place(&mut self) -> Result<()> {
+        self.end_here()
+    }
+
+    #[inline(always)]
+    fn end_here(&mut self) -> Result<()> {
         let r = self.finish_inner();
         match r {
             Ok(()) => {

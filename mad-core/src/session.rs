@@ -173,21 +173,25 @@ fn detect_bootstrap() -> Result<Box<dyn Bootstrap>> {
     if let Some(b) = crate::launch::MadrunBootstrap::from_env()? {
         return Ok(Box::new(b));
     }
+    if let Some(b) = crate::launch::pmi::PmiBootstrap::from_env()? {
+        return Ok(Box::new(b));
+    }
     refuse_mpi_launch(&|k| std::env::var(k).ok())?;
     Ok(Box::new(SingleBootstrap::new()?))
 }
 
-/// `Err(BadConfig)` when an MPI launcher started this process as one of several (a session
-/// without an MPI bootstrap would leave each of them alone, silently). A one-process MPI job
-/// is a one-process session.
+/// `Err(BadConfig)` when a launcher started this process as one of several but gave it no
+/// bootstrap this build speaks (no `MAD_BOOTSTRAP`, no `PMI_FD`): a session without one would
+/// leave each of them alone, silently. A one-process job is a one-process session.
 fn refuse_mpi_launch(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
     match crate::launch::mpi_env::detect(env)? {
         Some(l) if l.size > 1 => Err(Error::BadConfig(format!(
-            "this process was started by {} as rank {} of {}, but the session has no MPI \
-             bootstrap: each of the {} processes would run its own one-process session. Use a \
-             build with MPI (madeleine's `mpi` feature: cargo build --features mpi, then \
-             madeleine::session()), give SessionBuilder::bootstrap an MPI bootstrap, or start \
-             the job with madrun",
+            "this process was started by {} as rank {} of {}, but the session has no \
+             bootstrap for it: each of the {} processes would run its own one-process session. \
+             Without MPI, a session starts under madrun or a PMI-1 process manager (PMI_FD: \
+             srun --mpi=pmi2, MPICH's mpiexec); for PMIx (srun --mpi=pmix, Open MPI's mpirun) \
+             use a build with MPI (madeleine's `mpi` feature: cargo build --features mpi, then \
+             madeleine::session()) or give SessionBuilder::bootstrap an MPI bootstrap",
             l.kind.describe(),
             l.rank,
             l.size,
@@ -759,6 +763,16 @@ mod tests {
         }
         let ompi = env_of(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "4")]);
         assert!(matches!(refuse_mpi_launch(&ompi), Err(Error::BadConfig(_))));
+        // srun with no MPI plugin: a job step, no PMI.
+        let srun = env_of(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+        ]);
+        match refuse_mpi_launch(&srun) {
+            Err(Error::BadConfig(m)) => assert!(m.contains("srun --mpi=pmi2"), "{m}"),
+            other => panic!("{other:?}"),
+        }
         // Malformed launcher variables are reported, not taken for "alone".
         let bad = env_of(&[("PMI_RANK", "x"), ("PMI_SIZE", "2")]);
         assert!(matches!(refuse_mpi_launch(&bad), Err(Error::BadConfig(_))));

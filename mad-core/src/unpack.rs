@@ -980,6 +980,22 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// packed (checked mode: [`Error::UnpackMismatch`]; otherwise [`Error::Protocol`]). Either
     /// way the connection is finished in both directions.
     pub fn end_unpacking(mut self) -> Result<()> {
+        self.end_here()
+    }
+
+    /// [`end_unpacking`](Self::end_unpacking) without moving the unpacker out of where it
+    /// lives: for bindings that keep it in memory of their own (the C API's handles).
+    ///
+    /// # Safety
+    /// Nothing but dropping the unpacker may follow (no other call on it).
+    #[doc(hidden)]
+    #[allow(unsafe_code)]
+    pub unsafe fn end_unpacking_in_place(&mut self) -> Result<()> {
+        self.end_here()
+    }
+
+    #[inline(always)]
+    fn end_here(&mut self) -> Result<()> {
         let mut r = self.finish_inner();
         if r.is_ok() && self.st.recording {
             r = self.run_blocking();

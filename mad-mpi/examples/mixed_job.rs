@@ -12,6 +12,7 @@
 //! prints one line per channel, `mixed_job: `<spec>` over the MPI bootstrap: N cases passed`,
 //! which `.ci/mpi.sh` checks.
 
+use mad_core::cli::Cli;
 use mad_core::conformance::{case_names, run_rank, KitOptions};
 use mad_core::{Error, Result, Session};
 use mad_mpi::{MpiBootstrap, MpiDriver};
@@ -66,7 +67,26 @@ fn run() -> Result<()> {
     Ok(())
 }
 
+/// The command line: `--help` and `--version` only.
+const CLI: Cli = Cli::new(
+    "mixed_job",
+    env!("CARGO_PKG_VERSION"),
+    "usage: mpiexec -n N mixed_job        (N >= 2)
+
+One MPI job, three drivers: the conformance kit over a tcp, a shm and an mpi channel of a
+session bootstrapped by MPI. MAD_KIT_CASES restricts the cases.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+
 fn main() {
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            CLI.other(arg)?;
+        }
+        Ok(())
+    });
     if let Err(e) = run() {
         eprintln!("mixed_job failed: {e}");
         std::process::exit(1);

@@ -18,6 +18,26 @@
 
 use std::time::Instant;
 
+use mad_core::cli::{Arg, Cli, ValueExt};
+
+/// The command line.
+const CLI: Cli = Cli::new(
+    "mpi_bench",
+    env!("CARGO_PKG_VERSION"),
+    "usage: mpiexec -n 2 mpi_bench [all|lat|bw|drv|rpc|sweep|cmp|cpu|phases|costs]
+
+The mpi channel against raw rsmpi in the same job (default mode: all). Environment:
+MPI_BENCH_RUNS, MPI_BENCH_ONLY, MPI_BENCH_ONLY_ITERS, MPI_BENCH_SPECS, MPI_BENCH_SIZES,
+MPI_BENCH_PIECES.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+/// The modes of the first argument.
+const MODES: [&str; 10] = [
+    "all", "lat", "bw", "drv", "rpc", "sweep", "cmp", "cpu", "phases", "costs",
+];
+
 #[path = "../tests/common/mod.rs"]
 mod common;
 
@@ -976,7 +996,7 @@ fn run() -> Result<()> {
         peer: 1 - me,
         session: &session,
     };
-    let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    let what = mode();
     if what == "all" || what == "lat" || what == "bw" {
         b.lat_bw()?;
     }
@@ -1005,7 +1025,31 @@ fn run() -> Result<()> {
     Ok(())
 }
 
+/// The mode of the command line (`all` without one).
+fn mode() -> String {
+    CLI.parse(|p| {
+        let mut what = None;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Value(v) if what.is_none() => {
+                    let v = v.string()?;
+                    if !MODES.contains(&v.as_str()) {
+                        return Err(
+                            format!("unknown mode `{v}` (one of {})", MODES.join(", ")).into()
+                        );
+                    }
+                    what = Some(v);
+                }
+                other => CLI.other(other)?,
+            }
+        }
+        Ok(what.unwrap_or_else(|| "all".into()))
+    })
+}
+
 fn main() {
+    // --help, --version and a bad mode before MPI starts.
+    mode();
     if let Err(e) = run() {
         eprintln!("mpi_bench failed: {e}");
         std::process::exit(1);

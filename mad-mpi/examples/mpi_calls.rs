@@ -22,7 +22,50 @@ use std::ffi::c_int;
 use std::mem::MaybeUninit;
 use std::time::Instant;
 
+use mad_core::cli::{Arg, Cli, ValueExt};
 use mpi::ffi;
+
+/// The command line.
+const CLI: Cli = Cli::new(
+    "mpi_calls",
+    env!("CARGO_PKG_VERSION"),
+    "usage: mpiexec -n 2 mpi_calls [BYTES|eager]
+
+Raw MPI receive patterns in a ping-pong of BYTES (default 16); `eager` measures the eager
+limits instead. Environment: MPI_CALLS_RUNS, MPI_CALLS_ITERS.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+
+/// What the command line asks for.
+enum What {
+    PingPong(usize),
+    Eager,
+}
+
+fn what() -> What {
+    CLI.parse(|p| {
+        let mut w = None;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Value(v) if w.is_none() => {
+                    let v = v.string()?;
+                    w =
+                        Some(if v == "eager" {
+                            What::Eager
+                        } else {
+                            What::PingPong(v.parse().map_err(|_| {
+                                format!("`{v}`: expected a number of bytes or `eager`")
+                            })?)
+                        });
+                }
+                other => CLI.other(other)?,
+            }
+        }
+        Ok(w.unwrap_or(What::PingPong(16)))
+    })
+}
 
 const TAG: c_int = 7;
 const BUF: usize = 64 * 1024;
@@ -289,10 +332,11 @@ fn eager_limits(ep: &mut Ep, me: c_int) {
 }
 
 fn main() {
-    let n: usize = std::env::args()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let what = what();
+    let n = match what {
+        What::PingPong(n) => n,
+        What::Eager => 16,
+    };
     let runs: usize = std::env::var("MPI_CALLS_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -344,7 +388,7 @@ fn main() {
         null,
         cyc: Vec::new(),
     };
-    if std::env::args().nth(1).as_deref() == Some("eager") {
+    if matches!(what, What::Eager) {
         eager_limits(&mut ep, me);
         // SAFETY: our duplicate, freed once.
         unsafe { ffi::MPI_Comm_free(&mut ep.comm) };

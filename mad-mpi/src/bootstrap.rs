@@ -25,7 +25,7 @@
 use std::sync::{Arc, Mutex};
 
 use mad_core::auth::{Secret, SECRET_LEN};
-use mad_core::bootstrap::{Bootstrap, RankFailure, Scope};
+use mad_core::bootstrap::{positional, Bootstrap, RankFailure, Scope};
 use mad_core::{Error, Result};
 
 use crate::launcher::{self, Launcher};
@@ -193,64 +193,6 @@ impl MpiBootstrap {
     }
 }
 
-fn tag_hash(tag: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in tag.as_bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
-/// First 8 bytes of a rank's contribution when it abandons a scope instead of taking part
-/// in the collective its peers are in (matched by position, whatever their tag).
-const ABORT_MARK: u64 = 0x6d61_642d_6162_7274; // "mad-abrt"
-/// Longest error text carried by an abort marker.
-const MAX_ABORT_TEXT: usize = 4096;
-
-fn encode_abort(f: &RankFailure) -> Vec<u8> {
-    let cut = |s: &str, max: usize| {
-        let mut end = s.len().min(max);
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        s.as_bytes()[..end].to_vec()
-    };
-    let (kind, msg) = (cut(&f.kind, 64), cut(&f.message, MAX_ABORT_TEXT));
-    let mut v = Vec::with_capacity(24 + kind.len() + msg.len());
-    v.extend_from_slice(&ABORT_MARK.to_le_bytes());
-    v.extend_from_slice(&(kind.len() as u32).to_le_bytes());
-    v.extend_from_slice(&kind);
-    v.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    v.extend_from_slice(&msg);
-    v
-}
-
-/// The failure in rank `r`'s contribution `b`, if it is an abort marker (a malformed marker
-/// is still a failure of that rank).
-fn decode_abort(r: usize, b: &[u8]) -> Option<RankFailure> {
-    if b.get(..8)? != ABORT_MARK.to_le_bytes() {
-        return None;
-    }
-    let mut rest = &b[8..];
-    let mut text = || -> Option<String> {
-        let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
-        let s = rest.get(4..4 + n)?;
-        rest = &rest[4 + n..];
-        Some(String::from_utf8_lossy(s).into_owned())
-    };
-    let (kind, message) = match (text(), text()) {
-        (Some(k), Some(m)) => (k, m),
-        _ => ("Protocol".into(), "malformed abort marker".into()),
-    };
-    Some(RankFailure {
-        rank: r,
-        kind,
-        message,
-        missing: Vec::new(),
-    })
-}
-
 impl MpiBootstrap {
     fn enter(&self, what: &str) -> Result<std::sync::MutexGuard<'_, Option<String>>> {
         self.rt.check_thread(what)?;
@@ -292,11 +234,7 @@ impl MpiBootstrap {
 
     fn gather(&self, scope: Option<&Scope>, tag: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut g = self.enter(&format!("bootstrap collective `{tag}` was called"))?;
-        // Prefix the tag's hash so ranks that issue collectives in different orders get an
-        // error instead of each other's values.
-        let mut v = Vec::with_capacity(8 + value.len());
-        v.extend_from_slice(&tag_hash(tag).to_le_bytes());
-        v.extend_from_slice(value);
+        let v = positional::frame(tag, value);
         let Some(all) = self.exchange(&mut g, &v, scope.map(|s| s.deadline), tag)? else {
             // MPI does not say who is missing.
             return Err(
@@ -305,27 +243,7 @@ impl MpiBootstrap {
                 }),
             );
         };
-        // A rank that abandoned the scope contributed its failure instead.
-        if let Some(f) = all.iter().enumerate().find_map(|(r, b)| decode_abort(r, b)) {
-            return Err(match scope {
-                Some(s) => f.to_error(s),
-                None => f.to_error_for(&format!("allgather `{tag}`"), std::time::Duration::ZERO),
-            });
-        }
-        let want = tag_hash(tag).to_le_bytes();
-        all.into_iter()
-            .enumerate()
-            .map(|(r, b)| {
-                if b.len() < 8 || b[..8] != want {
-                    Err(Error::protocol(
-                        r,
-                        format!("rank {r} entered a different bootstrap collective than `{tag}`"),
-                    ))
-                } else {
-                    Ok(b[8..].to_vec())
-                }
-            })
-            .collect()
+        positional::unframe(all, scope, tag)
     }
 }
 
@@ -355,12 +273,12 @@ impl Bootstrap for MpiBootstrap {
             .max(std::time::Instant::now() + std::time::Duration::from_secs(5));
         let all = self.exchange(
             &mut g,
-            &encode_abort(failure),
+            &positional::abort_frame(failure),
             Some(deadline),
             &scope.prefix,
         )?;
         Ok(all
-            .and_then(|all| all.iter().enumerate().find_map(|(r, b)| decode_abort(r, b)))
+            .and_then(|all| positional::failure_in(&all))
             .unwrap_or_else(|| failure.clone()))
     }
     fn barrier(&self, tag: &str) -> Result<()> {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mad_am::{CallError, Endpoint};
+use mad_core::cli::{self, Arg, Cli};
 use madeleine::ChannelConfig;
 
 mod grpc;
@@ -53,6 +54,9 @@ OPTIONS:
                         (case,transport,impl,args,inflight,calls,calls_per_s,p50_us,p99_us,
                         max_us,fairness: a caller's fewest calls over the mean)
     -h, --help          this text
+    -V, --version       the version
+
+Options take their value as `--opt value` or `--opt=value`.
 ";
 
 /// What `--impls` selects from.
@@ -80,6 +84,9 @@ struct Opts {
     impls: Vec<String>,
     client_progress: bool,
 }
+
+/// The command line (`--help` prints [`USAGE`]).
+const CLI: Cli = Cli::new("rpc-bench", env!("CARGO_PKG_VERSION"), USAGE);
 
 fn secs(flag: &str, v: &str) -> Result<Duration, String> {
     match v.parse::<f64>() {
@@ -135,48 +142,52 @@ fn parse_args(args: &[String]) -> Result<Option<Opts>, String> {
         client_progress: false,
     };
     let (mut duration, mut warmup) = (None, None);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (a.as_str(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or_else(|| format!("{flag} needs a value"))
-        };
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--quick" => o.quick = true,
-            "--no-hol" => o.hol = false,
-            "--client-progress" => o.client_progress = true,
-            "--duration" => duration = Some(secs(flag, &value()?)?),
-            "--warmup" => warmup = Some(secs(flag, &value()?)?),
-            "--sizes" => o.sizes = list(flag, &value()?, |x| size(flag, x))?,
-            "--inflight" => {
-                o.inflight = list(flag, &value()?, |x| match x.parse::<usize>() {
-                    Ok(n) if (1..=1024).contains(&n) => Ok(n),
-                    _ => Err(format!("{flag}: `{x}` is not a count in 1..=1024")),
-                })?
-            }
-            "--hol-size" => o.hol_size = size(flag, &value()?)?.max(1),
-            "--shm" => o.shm = value()?,
-            "--tcp" => o.tcp = value()?,
-            "--csv" => o.csv = Some(PathBuf::from(value()?)),
-            "--impls" => {
-                let v = value()?;
-                o.impls = v.split(',').map(|x| x.trim().to_string()).collect();
-                if let Some(bad) = o.impls.iter().find(|x| !IMPLS.contains(&x.as_str())) {
-                    return Err(format!(
-                        "--impls: unknown `{bad}` (known: {})",
-                        IMPLS.join(",")
-                    ));
+    let parsed = cli::parse_from(args, |p| {
+        while let Some(arg) = p.next()? {
+            let flag = match &arg {
+                Arg::Long(l) => format!("--{l}"),
+                _ => String::new(),
+            };
+            let flag = flag.as_str();
+            match arg {
+                Arg::Short('h') | Arg::Long("help") => return Ok(false),
+                Arg::Short('V') | Arg::Long("version") => CLI.version(),
+                Arg::Long("quick") => o.quick = true,
+                Arg::Long("no-hol") => o.hol = false,
+                Arg::Long("client-progress") => o.client_progress = true,
+                Arg::Long("duration") => duration = Some(secs(flag, &cli::string(p)?)?),
+                Arg::Long("warmup") => warmup = Some(secs(flag, &cli::string(p)?)?),
+                Arg::Long("sizes") => o.sizes = list(flag, &cli::string(p)?, |x| size(flag, x))?,
+                Arg::Long("inflight") => {
+                    o.inflight = list(flag, &cli::string(p)?, |x| match x.parse::<usize>() {
+                        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+                        _ => Err(format!("{flag}: `{x}` is not a count in 1..=1024")),
+                    })?
                 }
+                Arg::Long("hol-size") => o.hol_size = size(flag, &cli::string(p)?)?.max(1),
+                Arg::Long("shm") => o.shm = cli::string(p)?,
+                Arg::Long("tcp") => o.tcp = cli::string(p)?,
+                Arg::Long("csv") => o.csv = Some(PathBuf::from(p.value()?)),
+                Arg::Long("impls") => {
+                    let v = cli::string(p)?;
+                    o.impls = v.split(',').map(|x| x.trim().to_string()).collect();
+                    if let Some(bad) = o.impls.iter().find(|x| !IMPLS.contains(&x.as_str())) {
+                        return Err(format!(
+                            "--impls: unknown `{bad}` (known: {})",
+                            IMPLS.join(",")
+                        )
+                        .into());
+                    }
+                }
+                other => return Err(other.unexpected()),
             }
-            _ => return Err(format!("unknown argument `{a}`")),
         }
+        Ok(true)
+    });
+    match parsed {
+        Ok(true) => {}
+        Ok(false) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
     }
     if o.quick {
         o.timing = Timing {
@@ -206,10 +217,7 @@ fn main() {
             print!("{USAGE}");
             return;
         }
-        Err(e) => {
-            eprintln!("rpc-bench: {e}\n(see rpc-bench --help)");
-            std::process::exit(2);
-        }
+        Err(e) => CLI.fail(e),
     };
     madeleine::init_logging();
     match madeleine::run_local_if_alone(2) {

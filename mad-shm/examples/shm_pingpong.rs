@@ -23,7 +23,21 @@ use std::time::Instant;
 use common::{open_with, PairBootstrap};
 use mad_core::auth::Secret;
 use mad_core::bootstrap::Bootstrap;
+use mad_core::cli::Cli;
 use mad_core::driver::{OpenedChannel, RxLink, TxLink};
+
+/// The command line: `--help` and `--version` only.
+const CLI: Cli = Cli::new(
+    "shm_pingpong",
+    env!("CARGO_PKG_VERSION"),
+    "usage: shm_pingpong
+
+Cross-process ping-pong: the shm driver against a raw polled-flag ring, and the ring/CMA
+threshold sweep (re-executes itself as rank 1).
+
+  -h, --help     this text
+  -V, --version  the version",
+);
 
 const CHILD_ENV: &str = "MAD_SHM_BENCH_CHILD";
 const SECRET_ENV: &str = "MAD_SHM_BENCH_SECRET";
@@ -262,6 +276,12 @@ fn pin(cpu: usize) {
 }
 
 fn main() {
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            CLI.other(arg)?;
+        }
+        Ok(())
+    });
     let (b, _child) = match std::env::var(CHILD_ENV) {
         Ok(path) => {
             let secret = Secret::from_hex(&std::env::var(SECRET_ENV).unwrap()).unwrap();

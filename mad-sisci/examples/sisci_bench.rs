@@ -18,6 +18,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mad_core::auth::Secret;
+use mad_core::cli::{Arg, Cli, ValueExt};
+
+/// The command line.
+const CLI: Cli = Cli::new(
+    "sisci_bench",
+    env!("CARGO_PKG_VERSION"),
+    "usage: sisci_bench [compare|compare-poll|sweep|sweep-poll|short|all]
+
+Cross-process ping-pong through the engine: sisci:local beside shm and a raw polled-flag
+buffer, and the threshold sweeps (re-executes itself as rank 1). Default: all.
+
+  -h, --help     this text
+  -V, --version  the version",
+);
+/// The modes of the first argument.
+const MODES: [&str; 6] = [
+    "compare",
+    "compare-poll",
+    "sweep",
+    "sweep-poll",
+    "short",
+    "all",
+];
 use mad_core::bootstrap::Bootstrap;
 use mad_core::hostmem::sys::Mapping;
 use mad_core::hostmem::Region;
@@ -171,7 +194,24 @@ fn env_of(addr: &str, secret: &Secret, rank: usize) -> HashMap<String, String> {
 }
 
 fn main() {
-    let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    let what = CLI.parse(|p| {
+        let mut what = None;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Value(v) if what.is_none() => {
+                    let v = v.string()?;
+                    if !MODES.contains(&v.as_str()) {
+                        return Err(
+                            format!("unknown mode `{v}` (one of {})", MODES.join(", ")).into()
+                        );
+                    }
+                    what = Some(v);
+                }
+                other => CLI.other(other)?,
+            }
+        }
+        Ok(what.unwrap_or_else(|| "all".into()))
+    });
     let (session, child) = if std::env::var_os(vars::BOOTSTRAP).is_some() {
         let b = MadrunBootstrap::from_env().unwrap().unwrap();
         (

@@ -1,5 +1,5 @@
-//! The foreign calls of this driver alone: Dolphin's SISCI library, loaded with `dlopen` at
-//! run time, its entry points declared by hand (prototypes on the type aliases below, from
+//! The foreign calls of this driver alone: Dolphin's SISCI library, loaded at run time
+//! (`dlopen` through `libloading`), its entry points declared by hand (prototypes on the type aliases below, from
 //! Dolphin's public SISCI API reference: `sisci_api.h`, `sisci_types.h`, `sisci_error.h`),
 //! wrapped in safe types that release what they hold on drop:
 //!
@@ -32,11 +32,12 @@
 
 #![allow(unsafe_code)]
 
-use std::ffi::{c_char, c_uint, c_void, CStr, CString};
+use std::ffi::{c_uint, c_void, CString};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 use mad_core::hostmem::Region;
 use mad_core::Error;
 
@@ -389,7 +390,7 @@ fn check(call: &'static str, code: SciErrorCode) -> Result<(), SciError> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The library: dlopen, symbols, SCIInitialize / SCITerminate.
+// The library: dlopen and symbols (libloading), SCIInitialize / SCITerminate.
 // ---------------------------------------------------------------------------------------------
 
 /// The resolved entry points (plain function pointers: copyable, valid while the library is
@@ -453,88 +454,88 @@ impl std::fmt::Display for LoadError {
     }
 }
 
-fn dlerror_text() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
-    // this thread; it is copied at once.
-    let p = unsafe { libc::dlerror() };
-    if p.is_null() {
-        "unknown dlopen error".into()
-    } else {
-        // SAFETY: non-null, NUL-terminated (dlerror contract).
-        unsafe { CStr::from_ptr(p.cast::<c_char>()) }
-            .to_string_lossy()
-            .into_owned()
-    }
+/// `prefix + name` in `lib`, copied out as a `T`; the loader's error text if absent.
+///
+/// # Safety
+///
+/// `T` must be the function-pointer type of that symbol's C prototype, and the pointer must
+/// not be called after `lib` is unloaded.
+unsafe fn sym<T: Copy>(lib: &Library, prefix: &str, name: &str) -> Result<T, String> {
+    // SAFETY: the caller's contract: `T` is the symbol's type. The value is copied out of the
+    // `Symbol`, whose borrow of `lib` ends here; the caller keeps `lib` loaded while it uses it.
+    unsafe { lib.get::<T>(format!("{prefix}{name}").as_bytes()) }
+        .map(|s| *s)
+        .map_err(|e| e.to_string())
 }
 
-/// `dlsym(handle, prefix + name)`.
-fn sym(handle: *mut c_void, prefix: &str, name: &str) -> Option<*mut c_void> {
-    let cs = CString::new(format!("{prefix}{name}")).ok()?;
-    // SAFETY: `handle` is a live dlopen handle; `cs` a valid C string.
-    let p = unsafe { libc::dlsym(handle, cs.as_ptr()) };
-    (!p.is_null()).then_some(p)
-}
-
-/// Resolve every symbol of [`REQUIRED`] (and [`DMA_CALLS`] if all are there) in `handle`.
-fn resolve(handle: *mut c_void, lib: &str) -> Result<(Api, &'static str), String> {
+/// Resolve every symbol of [`REQUIRED`] (and [`DMA_CALLS`] if all are there) in `lib`.
+fn resolve(lib: &Library, path: &str) -> Result<(Api, &'static str), String> {
+    let mut last = String::new();
     let family = SYMBOL_FAMILIES
         .iter()
         .copied()
-        .find(|f| sym(handle, f, REQUIRED[0]).is_some())
+        .find(|f| {
+            // SAFETY: only looked up, never called here; `FnInitialize` is SCIInitialize's
+            // type.
+            let found = unsafe { sym::<FnInitialize>(lib, f, REQUIRED[0]) };
+            found.map_err(|e| last = e).is_ok()
+        })
         .ok_or_else(|| {
             let tried: Vec<String> = SYMBOL_FAMILIES
                 .iter()
                 .map(|f| format!("{f}{}", REQUIRED[0]))
                 .collect();
             format!(
-                "{lib}: missing symbol {} (looked for {}): {}",
+                "{path}: missing symbol {} (looked for {}): {last}",
                 REQUIRED[0],
                 tried.join(", "),
-                dlerror_text()
             )
         })?;
-    let mut p = Vec::with_capacity(REQUIRED.len());
-    for name in REQUIRED {
-        p.push(sym(handle, family, name).ok_or_else(|| {
-            format!(
-                "{lib}: missing symbol {name} (as {family}{name}): {}",
-                dlerror_text()
-            )
-        })?);
+    /// The symbol `REQUIRED[i]` (as `family` + name), or why not.
+    ///
+    /// # Safety
+    ///
+    /// As [`sym`].
+    unsafe fn req<T: Copy>(lib: &Library, path: &str, family: &str, i: usize) -> Result<T, String> {
+        let name = REQUIRED[i];
+        // SAFETY: the caller's contract.
+        unsafe { sym(lib, family, name) }
+            .map_err(|e| format!("{path}: missing symbol {name} (as {family}{name}): {e}"))
     }
-    let dma: Option<Vec<*mut c_void>> = DMA_CALLS.iter().map(|n| sym(handle, family, n)).collect();
-    // SAFETY: each pointer was resolved from the symbol whose C prototype is documented on the
-    // type alias it is converted to (Dolphin's SISCI API reference), in the order of
-    // `REQUIRED` / `DMA_CALLS`; the library stays loaded while any copy of the table is used
-    // (`Sisci` counts its users and unloads it after the last).
+    // SAFETY: each symbol is read as the function-pointer type of its C prototype, documented
+    // on the type alias (Dolphin's SISCI API reference), in the order of `REQUIRED` /
+    // `DMA_CALLS`; the library stays loaded while any copy of the table is used (`Sisci` counts
+    // its users and unloads it after the last).
     let api = unsafe {
-        use std::mem::transmute as t;
+        let dma = (|| {
+            Some(DmaApi {
+                create: sym::<FnCreateDmaQueue>(lib, family, DMA_CALLS[0]).ok()?,
+                remove: sym::<FnRelease>(lib, family, DMA_CALLS[1]).ok()?,
+                start: sym::<FnStartDmaTransfer>(lib, family, DMA_CALLS[2]).ok()?,
+                wait: sym::<FnWaitForDmaQueue>(lib, family, DMA_CALLS[3]).ok()?,
+            })
+        })();
         Api {
-            initialize: t::<*mut c_void, FnInitialize>(p[0]),
-            terminate: t::<*mut c_void, FnTerminate>(p[1]),
-            open: t::<*mut c_void, FnOpen>(p[2]),
-            close: t::<*mut c_void, FnRelease>(p[3]),
-            local_node_id: t::<*mut c_void, FnGetLocalNodeId>(p[4]),
-            create_segment: t::<*mut c_void, FnCreateSegment>(p[5]),
-            prepare_segment: t::<*mut c_void, FnSegmentAdapterOp>(p[6]),
-            set_available: t::<*mut c_void, FnSegmentAdapterOp>(p[7]),
-            set_unavailable: t::<*mut c_void, FnSegmentAdapterOp>(p[8]),
-            remove_segment: t::<*mut c_void, FnRelease>(p[9]),
-            map_local: t::<*mut c_void, FnMapSegment>(p[10]),
-            map_remote: t::<*mut c_void, FnMapSegment>(p[11]),
-            unmap: t::<*mut c_void, FnRelease>(p[12]),
-            connect: t::<*mut c_void, FnConnectSegment>(p[13]),
-            disconnect: t::<*mut c_void, FnRelease>(p[14]),
-            remote_event: t::<*mut c_void, FnWaitForRemoteSegmentEvent>(p[15]),
-            create_sequence: t::<*mut c_void, FnCreateMapSequence>(p[16]),
-            remove_sequence: t::<*mut c_void, FnRelease>(p[17]),
-            store_barrier: t::<*mut c_void, FnStoreBarrier>(p[18]),
-            dma: dma.map(|d| DmaApi {
-                create: t::<*mut c_void, FnCreateDmaQueue>(d[0]),
-                remove: t::<*mut c_void, FnRelease>(d[1]),
-                start: t::<*mut c_void, FnStartDmaTransfer>(d[2]),
-                wait: t::<*mut c_void, FnWaitForDmaQueue>(d[3]),
-            }),
+            initialize: req::<FnInitialize>(lib, path, family, 0)?,
+            terminate: req::<FnTerminate>(lib, path, family, 1)?,
+            open: req::<FnOpen>(lib, path, family, 2)?,
+            close: req::<FnRelease>(lib, path, family, 3)?,
+            local_node_id: req::<FnGetLocalNodeId>(lib, path, family, 4)?,
+            create_segment: req::<FnCreateSegment>(lib, path, family, 5)?,
+            prepare_segment: req::<FnSegmentAdapterOp>(lib, path, family, 6)?,
+            set_available: req::<FnSegmentAdapterOp>(lib, path, family, 7)?,
+            set_unavailable: req::<FnSegmentAdapterOp>(lib, path, family, 8)?,
+            remove_segment: req::<FnRelease>(lib, path, family, 9)?,
+            map_local: req::<FnMapSegment>(lib, path, family, 10)?,
+            map_remote: req::<FnMapSegment>(lib, path, family, 11)?,
+            unmap: req::<FnRelease>(lib, path, family, 12)?,
+            connect: req::<FnConnectSegment>(lib, path, family, 13)?,
+            disconnect: req::<FnRelease>(lib, path, family, 14)?,
+            remote_event: req::<FnWaitForRemoteSegmentEvent>(lib, path, family, 15)?,
+            create_sequence: req::<FnCreateMapSequence>(lib, path, family, 16)?,
+            remove_sequence: req::<FnRelease>(lib, path, family, 17)?,
+            store_barrier: req::<FnStoreBarrier>(lib, path, family, 18)?,
+            dma,
         }
     };
     Ok((api, family))
@@ -545,15 +546,11 @@ fn resolve(handle: *mut c_void, lib: &str) -> Result<(Api, &'static str), String
 /// library under each other, whether or not SISCI counts `SCIInitialize` calls).
 struct Loaded {
     path: String,
-    handle: *mut c_void,
+    lib: Library,
     api: Api,
     family: &'static str,
     users: usize,
 }
-
-// SAFETY: `handle` is only used under the `LOADED` mutex (dlclose); the function pointers are
-// plain code addresses.
-unsafe impl Send for Loaded {}
 
 static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
 
@@ -588,35 +585,24 @@ impl Sisci {
                 path: l.path.clone(),
             });
         }
-        let c = CString::new(path)
+        // The loader's own refusal of a NUL would name no library.
+        CString::new(path)
             .map_err(|_| LoadError::Load(format!("library name {path:?} contains NUL")))?;
-        // SAFETY: `c` is a valid C string; RTLD_NOW resolves everything now. Loading runs the
-        // library's constructors: that is what asking for `sisci:dolphin` means.
-        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            return Err(LoadError::Load(dlerror_text()));
-        }
-        let unload = |handle| {
-            // SAFETY: `handle` came from the dlopen above; no pointer from it is kept.
-            unsafe { libc::dlclose(handle) };
-        };
-        let (api, family) = match resolve(handle, path) {
-            Ok(a) => a,
-            Err(t) => {
-                unload(handle);
-                return Err(LoadError::Load(t));
-            }
-        };
+        // SAFETY: RTLD_NOW resolves everything now. Loading runs the library's constructors:
+        // that is what asking for `sisci:dolphin` means.
+        let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }
+            .map_err(|e| LoadError::Load(e.to_string()))?;
+        // On an early return `lib` is dropped (dlclose): no pointer from it is kept.
+        let (api, family) = resolve(&lib, path).map_err(LoadError::Load)?;
         let mut err = SCI_ERR_OK;
         // SAFETY: prototype as declared; `err` is a valid out-pointer.
         unsafe { (api.initialize)(0, &mut err) };
         if let Err(e) = check("SCIInitialize", err) {
-            unload(handle);
             return Err(LoadError::Init(e));
         }
         *g = Some(Loaded {
             path: path.to_string(),
-            handle,
+            lib,
             api,
             family,
             users: 1,
@@ -657,13 +643,11 @@ impl Drop for Sisci {
         if last {
             if let Some(l) = g.take() {
                 // SAFETY: pairs with the successful SCIInitialize of `get`; every descriptor,
-                // segment and queue was released before (each holds a `Sisci`). Then the
-                // handle from dlopen is closed once, and no pointer from it is used again
-                // (every `Sisci` copy of the table is gone).
-                unsafe {
-                    (l.api.terminate)();
-                    libc::dlclose(l.handle);
-                }
+                // segment and queue was released before (each holds a `Sisci`).
+                unsafe { (l.api.terminate)() };
+                // dlclose, once; no pointer from the library is used again (every `Sisci`
+                // copy of the table is gone).
+                drop(l.lib);
             }
         }
     }

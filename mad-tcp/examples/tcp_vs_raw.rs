@@ -18,6 +18,25 @@ use std::thread;
 use std::time::Instant;
 
 use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::cli::{self, Arg, Cli};
+
+const CLI: Cli = Cli::new(
+    "tcp_vs_raw",
+    env!("CARGO_PKG_VERSION"),
+    "usage: tcp_vs_raw [--mode poll|block] [--reps N] [--iters N] [--sweep] [--only WHAT]
+       madrun -n 2 tcp_vs_raw --proc [--mode M] [--reps N]
+
+Raw TCP ping-pong / streaming against Madeleine over the tcp driver, same progress mode.
+
+  --mode poll|block  busy-polling or blocking on both sides (default poll)
+  --reps N           repetitions, best kept (default 5)
+  --iters N          round trips per repetition (default 20000)
+  --sweep            also the copy/gather threshold sweep (256 B..64 KiB)
+  --only WHAT        run only the measurement named WHAT
+  --proc             across two processes (under madrun -n 2)
+  -h, --help         this text
+  -V, --version      the version",
+);
 use mad_core::{Channel, ChannelConfig, RecvMode, SendMode, Session};
 use mad_tcp::TcpDriver;
 
@@ -47,36 +66,26 @@ fn args() -> Args {
         only: String::new(),
         proc: false,
     };
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < v.len() {
-        match v[i].as_str() {
-            "--mode" => {
-                i += 1;
-                a.mode = if v.get(i).map(String::as_str) == Some("block") {
-                    Mode::Block
-                } else {
-                    Mode::Poll
-                };
+    CLI.parse(|p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("mode") => {
+                    a.mode = cli::value_with(p, "--mode", "poll or block", |v| match v {
+                        "poll" => Some(Mode::Poll),
+                        "block" => Some(Mode::Block),
+                        _ => None,
+                    })?
+                }
+                Arg::Long("reps") => a.reps = cli::positive(p, "--reps")?,
+                Arg::Long("iters") => a.iters = cli::positive(p, "--iters")?,
+                Arg::Long("sweep") => a.sweep = true,
+                Arg::Long("proc") => a.proc = true,
+                Arg::Long("only") => a.only = cli::string(p)?,
+                other => CLI.other(other)?,
             }
-            "--reps" => {
-                i += 1;
-                a.reps = v.get(i).and_then(|s| s.parse().ok()).unwrap_or(5);
-            }
-            "--iters" => {
-                i += 1;
-                a.iters = v.get(i).and_then(|s| s.parse().ok()).unwrap_or(20_000);
-            }
-            "--sweep" => a.sweep = true,
-            "--proc" => a.proc = true,
-            "--only" => {
-                i += 1;
-                a.only = v.get(i).cloned().unwrap_or_default();
-            }
-            _ => {}
         }
-        i += 1;
-    }
+        Ok(())
+    });
     a
 }
 

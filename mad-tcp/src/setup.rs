@@ -10,21 +10,17 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use mad_core::accept::{self, AcceptFor, Accepted};
 use mad_core::auth::{self, Secret};
 use mad_core::{Error, Result};
 
 use crate::handshake::{self, Challenge, Hello, Reply, Status};
-use crate::sys;
 
 /// Longest a single accepted connection may take to authenticate.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the accepting thread re-checks cancellation and the deadline.
-const ACCEPT_SLICE: Duration = Duration::from_millis(20);
 
 /// What setup needs to know.
 pub(crate) struct SetupParams<'a> {
@@ -228,128 +224,55 @@ fn mismatch(p: &SetupParams<'_>, r: usize, theirs: u64) -> Error {
     ))
 }
 
-/// Outcome of one accepted connection's handshake.
-enum Accepted {
-    Peer(usize, TcpStream),
-    Refused(String, String),
-    Fatal(Error),
-}
-
 /// Owned copies of what an acceptor-side handshake thread needs.
+#[derive(Clone)]
 struct AcceptCtx {
     channel: String,
     me: usize,
     size: usize,
     secret: Secret,
     fingerprint: u64,
+    deadline: Instant,
 }
 
+/// Accept every higher rank (mad-core's hardened acceptor, this driver's handshake).
 fn accept_all(
     p: &SetupParams<'_>,
     listener: &TcpListener,
     deadline: Instant,
     stop: &AtomicBool,
 ) -> Result<Vec<Option<TcpStream>>> {
-    let mut got: Vec<Option<TcpStream>> = (0..p.size).map(|_| None).collect();
-    let mut missing = p.size - p.me - 1;
-    if missing == 0 {
-        return Ok(got);
-    }
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("tcp: making the listener non-blocking", e))?;
-    let (tx, rx) = mpsc::channel::<Accepted>();
-    let refuse = |addr: &str, why: &str| {
-        tracing::warn!(
-            channel = %p.channel,
-            rank = p.me,
-            from = addr,
-            reason = why,
-            "refused connection from {addr} on channel {}: {why}",
-            p.channel
-        );
+    let ctx = AcceptCtx {
+        channel: p.channel.to_string(),
+        me: p.me,
+        size: p.size,
+        secret: p.secret.clone(),
+        fingerprint: p.fingerprint,
+        deadline,
     };
-    loop {
-        while let Ok(a) = rx.try_recv() {
-            match a {
-                Accepted::Peer(r, st) => {
-                    if got[r].is_some() {
-                        let addr = st.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                        refuse(&addr, &format!("rank {r} is already connected"));
-                    } else {
-                        tracing::debug!(peer = r, "accepted and authenticated");
-                        got[r] = Some(st);
-                        missing -= 1;
-                    }
-                }
-                Accepted::Refused(addr, why) => refuse(&addr, &why),
-                Accepted::Fatal(e) => return Err(e),
-            }
-        }
-        if missing == 0 {
-            return Ok(got);
-        }
-        if stop.load(Ordering::Relaxed) {
-            return Err(Error::protocol(p.me, "tcp setup cancelled"));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            let ranks: Vec<usize> = (p.me + 1..p.size).filter(|&r| got[r].is_none()).collect();
-            return Err(Error::io(
-                format!(
-                    "tcp channel `{}`: rank {} got no connection from ranks {ranks:?} within {:?}",
-                    p.channel, p.me, p.connect_timeout
-                ),
-                io::Error::new(io::ErrorKind::TimedOut, "setup timeout"),
-            ));
-        }
-        let _ = sys::poll_one(
-            listener.as_raw_fd(),
-            sys::Interest::Read,
-            ACCEPT_SLICE.min(deadline - now),
-        );
-        loop {
-            match listener.accept() {
-                Ok((st, addr)) => {
-                    let ctx = AcceptCtx {
-                        channel: p.channel.to_string(),
-                        me: p.me,
-                        size: p.size,
-                        secret: p.secret.clone(),
-                        fingerprint: p.fingerprint,
-                    };
-                    let tx = tx.clone();
-                    // Detached: a silent stranger only holds its own thread, until its timeout.
-                    let spawned = std::thread::Builder::new()
-                        .name("mad-tcp-handshake".into())
-                        .spawn(move || {
-                            let _ = tx.send(accept_one(&ctx, st, addr, deadline));
-                        });
-                    if let Err(e) = spawned {
-                        return Err(Error::Resource(format!(
-                            "tcp: cannot spawn a handshake thread: {e}"
-                        )));
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) => {
-                    return Err(Error::Resource(format!("tcp: accepting connections: {e}")));
-                }
-                // ECONNABORTED and friends: that connection is gone, keep accepting.
-                Err(_) => break,
-            }
-        }
-    }
+    let expected: Vec<usize> = (p.me + 1..p.size).collect();
+    let what = AcceptFor {
+        driver: "tcp",
+        channel: p.channel,
+        me: p.me,
+        deadline,
+        timeout: p.connect_timeout,
+        log: mad_core::refusal_log!(),
+    };
+    let got = accept::accept_all(&what, listener, stop, &expected, move |st, addr| {
+        accept_one(&ctx, st, addr)
+    })?;
+    let mut all: Vec<Option<TcpStream>> = (0..=p.me).map(|_| None).collect();
+    all.extend(got.into_iter().map(Some));
+    Ok(all)
 }
 
 /// Acceptor side of the handshake for one incoming connection.
-fn accept_one(c: &AcceptCtx, st: TcpStream, addr: SocketAddr, deadline: Instant) -> Accepted {
-    let a = addr.to_string();
+fn accept_one(c: &AcceptCtx, st: TcpStream, a: String) -> Accepted<usize, TcpStream> {
     let refused = |why: String| Accepted::Refused(a.clone(), why);
     if let Err(e) = st
         .set_nonblocking(false)
-        .and_then(|_| set_timeouts(&st, deadline, HANDSHAKE_TIMEOUT))
+        .and_then(|_| set_timeouts(&st, c.deadline, HANDSHAKE_TIMEOUT))
     {
         return refused(format!("cannot configure socket: {e}"));
     }

@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::cli::{self, Arg, Cli};
 use mad_core::{ChannelConfig, RecvMode, Result, SendMode, Session};
 use mad_uds::UdsDriver;
 
@@ -72,15 +73,34 @@ fn pingpong(spec: &str, sizes: &[usize], pieces: usize, iters: usize) -> Result<
     out.into_iter().next().expect("two ranks")
 }
 
+const CLI: Cli = Cli::new(
+    "sweep",
+    env!("CARGO_PKG_VERSION"),
+    "usage: sweep [--quick] [--progress poll|block|adaptive]
+
+The copy/gather threshold sweep of the uds driver (two ranks as threads of this process).
+
+  --quick          50 iterations per size instead of 300
+  --progress MODE  progress policy of the channel (default block: on a shared host, spinning
+                   ranks starve each other)
+  -h, --help       this text
+  -V, --version    the version",
+);
+
 fn main() -> Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let (quick, progress) = CLI.parse(|p| {
+        let (mut quick, mut progress) = (false, "block".to_string());
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("quick") => quick = true,
+                Arg::Long("progress") => progress = cli::string(p)?,
+                other => CLI.other(other)?,
+            }
+        }
+        Ok((quick, progress))
+    });
     let iters = if quick { 50 } else { 300 };
-    // `--progress poll|block|adaptive` (default block: on a shared host, spinning ranks starve each other).
-    let mut args = std::env::args().skip_while(|a| a != "--progress").skip(1);
-    let extra = format!(
-        ",progress={}",
-        args.next().unwrap_or_else(|| "block".into())
-    );
+    let extra = format!(",progress={progress}");
     for (pieces, sizes) in [
         (1, (8..=20).map(|p| 1usize << p).collect::<Vec<_>>()), // 256 B .. 1 MiB
         (16, (6..=16).map(|p| 1usize << p).collect()),          // 16 x (64 B .. 64 KiB)

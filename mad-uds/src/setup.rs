@@ -12,17 +12,17 @@
 //! Every step only waits for bytes already sent by a previous step, so the order cannot
 //! deadlock; every wait is bounded by [`SETUP_TIMEOUT`].
 
-use std::io::{ErrorKind, Read, Write};
-use std::os::fd::AsFd;
+use std::io::{Read, Write};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
+use mad_core::accept::{self, AcceptFor, Accepted};
 use mad_core::auth::{self, NONCE_LEN, PROOF_LEN};
 use mad_core::driver::OpenContext;
 use mad_core::{Error, Result};
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 /// Longest wait for a peer during setup.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -69,9 +69,10 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
-/// What both proofs are bound to: the channel and the (connector, acceptor) ranks.
-fn context(ctx: &OpenContext<'_>, connector: usize, acceptor: usize) -> Vec<u8> {
-    format!("{}/{connector}->{acceptor}", ctx.tag("uds")).into_bytes()
+/// What both proofs are bound to: the channel (its tag `ctx.tag("uds")`) and the
+/// (connector, acceptor) ranks.
+fn context(tag: &str, connector: usize, acceptor: usize) -> Vec<u8> {
+    format!("{tag}/{connector}->{acceptor}").into_bytes()
 }
 
 /// Connect this rank to every other local rank: one stream per peer, indexed by rank.
@@ -81,6 +82,7 @@ pub fn connect_all(ctx: &OpenContext<'_>) -> Result<Vec<Option<UnixStream>>> {
     let local = b.local_ranks();
     let fp = ctx.table.fingerprint();
     let secret = b.secret();
+    let tag = ctx.tag("uds");
 
     // 1. Listen and publish.
     let dir = PrivateDir::create()?;
@@ -115,72 +117,73 @@ pub fn connect_all(ctx: &OpenContext<'_>) -> Result<Vec<Option<UnixStream>>> {
             b"uds-hello",
             their_nonce,
             &my_nonce,
-            &context(ctx, me, peer),
+            &context(&tag, me, peer),
         ));
         s.write_all(&h).map_err(|e| io("hello", peer, e))?;
         streams[peer] = Some(s);
     }
 
-    // 3. Accept higher ranks.
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| io("listener", me, e))?;
-    let expected = local.iter().filter(|&&p| p > me && p < size).count();
-    let mut accepted = 0;
-    while accepted < expected {
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Error::Timeout(SETUP_TIMEOUT));
-                }
-                let ms = left.as_millis().clamp(1, 1000) as u16;
-                let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-                match poll(&mut fds, PollTimeout::from(ms)) {
-                    Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
-                    Err(e) => return Err(io("poll", me, e.into())),
-                }
+    // 3. Accept higher ranks (mad-core's hardened acceptor: a connection that fails the
+    // handshake is refused and logged, and accepting goes on).
+    let expected: Vec<usize> = local
+        .iter()
+        .copied()
+        .filter(|&p| p > me && p < size)
+        .collect();
+    let hs = {
+        let (secret, tag) = (secret.clone(), tag.clone());
+        move |mut s: UnixStream, addr: String| -> Accepted<usize, UnixStream> {
+            let refused = |why: String| Accepted::Refused(addr.clone(), why);
+            if let Err(e) = s
+                .set_nonblocking(false)
+                .and_then(|()| s.set_read_timeout(Some(SETUP_TIMEOUT)))
+            {
+                return refused(format!("cannot configure the socket: {e}"));
             }
-            Err(e) => return Err(io("accept", me, e)),
-        };
-        s.set_nonblocking(false)
-            .and_then(|()| s.set_read_timeout(Some(SETUP_TIMEOUT)))
-            .map_err(|e| io("accepted socket", me, e))?;
-        let mut h = [0u8; HELLO];
-        s.read_exact(&mut h)
-            .map_err(|e| io("reading a hello", me, e))?;
-        let peer = u32_at(&h, 4) as usize;
-        if u32_at(&h, 0) != MAGIC || peer <= me || peer >= size || streams[peer].is_some() {
-            return Err(Error::protocol(peer, "uds: bad hello"));
+            let mut h = [0u8; HELLO];
+            if let Err(e) = s.read_exact(&mut h) {
+                return refused(format!("reading a hello: {e}"));
+            }
+            let peer = u32_at(&h, 4) as usize;
+            if u32_at(&h, 0) != MAGIC || peer <= me || peer >= size {
+                return refused(format!("a bad hello (rank {peer})"));
+            }
+            let their_nonce = &h[16..16 + NONCE_LEN];
+            let cx = context(&tag, peer, me);
+            if !secret.verify(
+                b"uds-hello",
+                &my_nonce,
+                their_nonce,
+                &cx,
+                &h[16 + NONCE_LEN..],
+            ) {
+                return refused("a hello without the session secret".into());
+            }
+            let mut a = Vec::with_capacity(ANSWER);
+            a.extend_from_slice(&MAGIC.to_le_bytes());
+            a.extend_from_slice(&(me as u32).to_le_bytes());
+            a.extend_from_slice(&fp.to_le_bytes());
+            a.extend_from_slice(&secret.proof(b"uds-answer", &my_nonce, their_nonce, &cx));
+            if let Err(e) = s.write_all(&a) {
+                return refused(format!("sending the answer: {e}"));
+            }
+            match check_fingerprint(peer, fp, u64_at(&h, 8)) {
+                Ok(()) => Accepted::Peer(peer, s),
+                Err(e) => Accepted::Fatal(e),
+            }
         }
-        let their_nonce = &h[16..16 + NONCE_LEN];
-        if !secret.verify(
-            b"uds-hello",
-            &my_nonce,
-            their_nonce,
-            &context(ctx, peer, me),
-            &h[16 + NONCE_LEN..],
-        ) {
-            return Err(Error::protocol(
-                peer,
-                "uds: hello without the session secret",
-            ));
-        }
-        let mut a = Vec::with_capacity(ANSWER);
-        a.extend_from_slice(&MAGIC.to_le_bytes());
-        a.extend_from_slice(&(me as u32).to_le_bytes());
-        a.extend_from_slice(&fp.to_le_bytes());
-        a.extend_from_slice(&secret.proof(
-            b"uds-answer",
-            &my_nonce,
-            their_nonce,
-            &context(ctx, peer, me),
-        ));
-        s.write_all(&a).map_err(|e| io("answer", peer, e))?;
-        check_fingerprint(peer, fp, u64_at(&h, 8))?;
+    };
+    let what = AcceptFor {
+        driver: "uds",
+        channel: &ctx.config.name,
+        me,
+        deadline,
+        timeout: SETUP_TIMEOUT,
+        log: mad_core::refusal_log!(),
+    };
+    let got = accept::accept_all(&what, &listener, &AtomicBool::new(false), &expected, hs)?;
+    for (peer, s) in expected.into_iter().zip(got) {
         streams[peer] = Some(s);
-        accepted += 1;
     }
     drop(listener);
     drop(dir); // the socket file is no longer needed: connections outlive it
@@ -200,7 +203,7 @@ pub fn connect_all(ctx: &OpenContext<'_>) -> Result<Vec<Option<UnixStream>>> {
                 b"uds-answer",
                 their_nonce,
                 &my_nonce,
-                &context(ctx, me, peer),
+                &context(&tag, me, peer),
                 &a[16..],
             )
         {

@@ -7,8 +7,8 @@
 //! runs on a helper thread while this thread connects, and each accepted socket is
 //! authenticated on its own short-lived thread, so a silent stranger delays nobody; a
 //! stranger (wrong magic, bad proof, a rank that should not connect here, a duplicate) is
-//! refused and logged on stderr (`mad-via: refused connection from ADDR on channel NAME:
-//! WHY`) and the open goes on. The whole setup is bounded by [`SETUP_TIMEOUT`].
+//! refused and logged (a `warn` event of target `mad_via::setup`: `refused connection from
+//! ADDR on channel NAME: WHY`; mad-core's acceptor) and the open goes on. The whole setup is bounded by [`SETUP_TIMEOUT`].
 //!
 //! The handshake ([`Hello`] records) proves both ends know the session secret (HMAC over both
 //! nonces, the channel, the two ranks and the queue pair; the secret never crosses the wire)
@@ -17,11 +17,11 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mad_core::accept::{self, AcceptFor, Accepted, PeerKey};
 use mad_core::auth::Secret;
 use mad_core::driver::OpenContext;
 use mad_core::{Error, Result};
@@ -35,8 +35,6 @@ use crate::wire::{Hello, SoftAddr, HELLO_LEN};
 pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest one accepted socket may take to authenticate.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the accepting thread re-checks cancellation and the deadline.
-const ACCEPT_SLICE: Duration = Duration::from_millis(20);
 
 fn context(channel: &str, connector: usize, acceptor: usize, qp: u32) -> Vec<u8> {
     format!("mad-via/{channel}/{connector}->{acceptor}/qp{qp}").into_bytes()
@@ -190,16 +188,29 @@ fn connect_one(
     Ok(s)
 }
 
-/// Outcome of one accepted socket's handshake.
-enum Accepted {
-    Peer(usize, u32, TcpStream),
-    Refused(String, String),
-    Fatal(Error),
+/// What an accepted socket is for: a rank's queue pair.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct QpKey {
+    rank: usize,
+    qp: u32,
+}
+
+impl PeerKey for QpKey {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn describe(&self) -> String {
+        format!("rank {} queue pair {}", self.rank, self.qp)
+    }
 }
 
 /// Acceptor side of the handshake for one incoming socket.
-fn accept_one(p: &Params, mut s: TcpStream, addr: SocketAddr, deadline: Instant) -> Accepted {
-    let a = addr.to_string();
+fn accept_one(
+    p: &Params,
+    mut s: TcpStream,
+    a: String,
+    deadline: Instant,
+) -> Accepted<QpKey, TcpStream> {
     let refused = |why: String| Accepted::Refused(a.clone(), why);
     if let Err(e) = s
         .set_nonblocking(false)
@@ -250,114 +261,39 @@ fn accept_one(p: &Params, mut s: TcpStream, addr: SocketAddr, deadline: Instant)
     {
         return refused(format!("cannot configure the socket: {e}"));
     }
-    Accepted::Peer(j, hc.qp, s)
+    Accepted::Peer(QpKey { rank: j, qp: hc.qp }, s)
 }
 
 type Pairs = Vec<[Option<TcpStream>; 2]>;
 
-/// Accept the two sockets of every lower rank.
+/// Accept the two sockets of every lower rank (mad-core's hardened acceptor, this driver's
+/// handshake).
 fn accept_all(
     p: &Params,
     listener: &TcpListener,
     deadline: Instant,
     stop: &AtomicBool,
 ) -> Result<Pairs> {
-    let mut got: Pairs = (0..p.size).map(|_| [None, None]).collect();
-    let mut missing = 2 * p.me;
-    if missing == 0 {
-        return Ok(got);
-    }
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("via:soft: making the listener non-blocking", e))?;
-    let (tx, rx) = mpsc::channel::<Accepted>();
-    let refuse = |addr: &str, why: &str| {
-        tracing::warn!(
-            channel = %p.channel,
-            rank = p.me,
-            from = addr,
-            reason = why,
-            "refused connection from {addr} on channel {}: {why}",
-            p.channel
-        );
+    let expected: Vec<QpKey> = (0..p.me)
+        .flat_map(|rank| (0..2).map(move |qp| QpKey { rank, qp }))
+        .collect();
+    let what = AcceptFor {
+        driver: "via:soft",
+        channel: &p.channel,
+        me: p.me,
+        deadline,
+        timeout: SETUP_TIMEOUT,
+        log: mad_core::refusal_log!(),
     };
-    loop {
-        while let Ok(a) = rx.try_recv() {
-            match a {
-                Accepted::Peer(j, qp, s) => {
-                    let slot = &mut got[j][qp as usize];
-                    if slot.is_some() {
-                        let addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                        refuse(
-                            &addr,
-                            &format!("rank {j} queue pair {qp} is already connected"),
-                        );
-                    } else {
-                        tracing::debug!(peer = j, qp, "accepted and authenticated");
-                        *slot = Some(s);
-                        missing -= 1;
-                    }
-                }
-                Accepted::Refused(addr, why) => refuse(&addr, &why),
-                Accepted::Fatal(e) => return Err(e),
-            }
-        }
-        if missing == 0 {
-            return Ok(got);
-        }
-        if stop.load(Ordering::Relaxed) {
-            return Err(Error::protocol(p.me, "via:soft setup cancelled"));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            let ranks: Vec<usize> = (0..p.me)
-                .filter(|&r| got[r].iter().any(|s| s.is_none()))
-                .collect();
-            return Err(Error::io(
-                format!(
-                    "via:soft channel `{}`: rank {} got no connection from ranks {ranks:?} within {SETUP_TIMEOUT:?}",
-                    p.channel, p.me
-                ),
-                std::io::ErrorKind::TimedOut.into(),
-            ));
-        }
-        let _ = crate::proto::wait_fds(
-            &[listener.as_fd()],
-            &[crate::provider::Interest {
-                fd: 0,
-                read: true,
-                write: false,
-            }],
-            ACCEPT_SLICE.min(deadline - now),
-        );
-        loop {
-            match listener.accept() {
-                Ok((s, addr)) => {
-                    let (p2, tx) = (p.clone(), tx.clone());
-                    // Detached: a silent stranger only holds its own thread, until its timeout.
-                    let spawned = std::thread::Builder::new()
-                        .name("mad-via-handshake".into())
-                        .spawn(move || {
-                            let _ = tx.send(accept_one(&p2, s, addr, deadline));
-                        });
-                    if let Err(e) = spawned {
-                        return Err(Error::Resource(format!(
-                            "via:soft: cannot spawn a handshake thread: {e}"
-                        )));
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) => {
-                    return Err(Error::Resource(format!(
-                        "via:soft: accepting connections: {e}"
-                    )));
-                }
-                // ECONNABORTED and friends: that connection is gone, keep accepting.
-                Err(_) => break,
-            }
-        }
+    let p2 = p.clone();
+    let got = accept::accept_all(&what, listener, stop, &expected, move |s, addr| {
+        accept_one(&p2, s, addr, deadline)
+    })?;
+    let mut pairs: Pairs = (0..p.size).map(|_| [None, None]).collect();
+    for (k, s) in expected.iter().zip(got) {
+        pairs[k.rank][k.qp as usize] = Some(s);
     }
+    Ok(pairs)
 }
 
 /// Open every connection of a `via:soft` channel: one soft NIC per reachable rank.

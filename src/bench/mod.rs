@@ -18,6 +18,7 @@ mod sys;
 
 use std::path::PathBuf;
 
+use mad_core::cli::{self, Arg, Cli};
 use mad_core::config::parse_size;
 use mad_core::{Error, Result, Session};
 
@@ -52,7 +53,11 @@ options of run:
                        cheaper,safer,16 (default all three); other channels: cheaper only
   --no-pin             do not pin ranks to cores
   --csv FILE           append the figures to FILE
-  -n N                 ranks to start when run alone (default 2)";
+  -n N                 ranks to start when run alone (default 2)
+
+Options take their value as `--opt value` or `--opt=value`; a lone `--` is skipped.
+  -h, --help           this text
+  -V, --version        the version";
 
 struct Opts {
     div: usize,
@@ -69,7 +74,12 @@ struct Opts {
     ranks: usize,
 }
 
-fn parse_opts(args: &[String]) -> Result<Opts> {
+/// The command line of `mad-bench` and `mad-bench report`.
+const CLI: Cli = Cli::new("mad-bench", env!("CARGO_PKG_VERSION"), USAGE);
+
+/// The options of `mad-bench [run]` (without the program name; a leading `run` and a lone
+/// `--` are skipped).
+fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
     let mut o = Opts {
         div: 1,
         runs: 3,
@@ -84,96 +94,61 @@ fn parse_opts(args: &[String]) -> Result<Opts> {
         csv: None,
         ranks: 2,
     };
-    let mut it = args.iter();
-    let bad = |a: &str, v: &str| Error::BadConfig(format!("mad-bench: {a} {v}: not valid"));
-    while let Some(a) = it.next() {
-        let mut val = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| Error::BadConfig(format!("mad-bench: {a} needs a value")))
-        };
-        match a.as_str() {
-            "run" | "--" => {}
-            "--quick" => {
-                o.div = 100;
-                o.budget /= 100;
-                o.time_budget = 0.02;
-                o.runs = 1;
-                o.max = o.max.min(1 << 20);
-            }
-            "--div" => {
-                let v = val()?;
-                o.div = v
-                    .parse()
-                    .ok()
-                    .filter(|&d| d > 0)
-                    .ok_or_else(|| bad(a, &v))?;
-            }
-            "--runs" => {
-                let v = val()?;
-                o.runs = v
-                    .parse()
-                    .ok()
-                    .filter(|&d| d > 0)
-                    .ok_or_else(|| bad(a, &v))?;
-            }
-            "-n" => {
-                let v = val()?;
-                o.ranks = v
-                    .parse()
-                    .ok()
-                    .filter(|&d| d >= 2)
-                    .ok_or_else(|| bad(a, &v))?;
-            }
-            "--max" => {
-                let v = val()?;
-                o.max = parse_size(&v).ok_or_else(|| bad(a, &v))?;
-            }
-            "--budget" => {
-                let v = val()?;
-                o.budget = parse_size(&v)
-                    .filter(|&b| b > 0)
-                    .ok_or_else(|| bad(a, &v))?;
-            }
-            "--time" => {
-                let v = val()?;
-                o.time_budget = v
-                    .parse()
-                    .ok()
-                    .filter(|&t: &f64| t > 0.0 && t.is_finite())
-                    .ok_or_else(|| bad(a, &v))?;
-            }
-            "--bench" => o.benches = list(&val()?, ','),
-            "--channels" => o.channels = list(&val()?, ';'),
-            "--baselines" => o.baselines = list(&val()?, ','),
-            "--modes" => {
-                let v = val()?;
-                o.modes = list(&v, ',')
-                    .iter()
-                    .map(|m| match m.as_str() {
-                        "cheaper" => Ok(Mode::Cc),
-                        "safer" => Ok(Mode::Se),
-                        "16" => Ok(Mode::Multi16),
-                        _ => Err(bad(a, &v)),
-                    })
-                    .collect::<Result<_>>()?;
-                if !o.modes.contains(&Mode::Cc) {
-                    o.modes.insert(0, Mode::Cc);
+    cli::parse_from(args, |p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Value(v) if v == "run" => {}
+                Arg::Long("quick") => {
+                    o.div = 100;
+                    o.budget /= 100;
+                    o.time_budget = 0.02;
+                    o.runs = 1;
+                    o.max = o.max.min(1 << 20);
                 }
-            }
-            "--no-pin" => o.pin = false,
-            "--csv" => o.csv = Some(PathBuf::from(val()?)),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            _ => {
-                return Err(Error::BadConfig(format!(
-                    "mad-bench: unknown option `{a}`\n{USAGE}"
-                )))
+                Arg::Long("div") => o.div = cli::positive(p, "--div")?,
+                Arg::Long("runs") => o.runs = cli::positive(p, "--runs")?,
+                Arg::Short('n') => {
+                    o.ranks = cli::value_with(p, "-n", "a number of ranks (2 or more)", |v| {
+                        v.parse().ok().filter(|&d: &usize| d >= 2)
+                    })?
+                }
+                Arg::Long("max") => o.max = cli::size(p, "--max")?,
+                Arg::Long("budget") => {
+                    o.budget = cli::value_with(p, "--budget", "a size greater than 0", |v| {
+                        parse_size(v).filter(|&b| b > 0)
+                    })?
+                }
+                Arg::Long("time") => {
+                    o.time_budget = cli::value_with(p, "--time", "a number of seconds", |v| {
+                        v.parse().ok().filter(|&t: &f64| t > 0.0 && t.is_finite())
+                    })?
+                }
+                Arg::Long("bench") => o.benches = list(&cli::string(p)?, ','),
+                Arg::Long("channels") => o.channels = list(&cli::string(p)?, ';'),
+                Arg::Long("baselines") => o.baselines = list(&cli::string(p)?, ','),
+                Arg::Long("modes") => {
+                    o.modes = cli::value_with(p, "--modes", "cheaper, safer and/or 16", |v| {
+                        list(v, ',')
+                            .iter()
+                            .map(|m| match m.as_str() {
+                                "cheaper" => Some(Mode::Cc),
+                                "safer" => Some(Mode::Se),
+                                "16" => Some(Mode::Multi16),
+                                _ => None,
+                            })
+                            .collect::<Option<Vec<_>>>()
+                    })?;
+                    if !o.modes.contains(&Mode::Cc) {
+                        o.modes.insert(0, Mode::Cc);
+                    }
+                }
+                Arg::Long("no-pin") => o.pin = false,
+                Arg::Long("csv") => o.csv = Some(PathBuf::from(p.value()?)),
+                other => CLI.other(other)?,
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 
@@ -234,9 +209,11 @@ fn baseline_of(spec: &str) -> &'static str {
 pub fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let r = if args.first().map(String::as_str) == Some("report") {
-        report_cmd(&args[1..])
+        let r = parse_report(&args[1..]).unwrap_or_else(|e| CLI.fail(e));
+        report_cmd(r)
     } else {
-        run_cmd(&args)
+        let o = parse_opts(&args).unwrap_or_else(|e| CLI.fail(e));
+        run_cmd(o)
     };
     if let Err(e) = r {
         eprintln!("mad-bench: {e}");
@@ -244,31 +221,51 @@ pub fn main() {
     }
 }
 
-fn report_cmd(args: &[String]) -> Result<()> {
-    let mut out = PathBuf::from("bench/results");
-    let mut files = Vec::new();
-    let (mut status, mut engine, mut fig4, mut rpc) = (None, None, None, None);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = || {
-            it.next()
-                .map(PathBuf::from)
-                .ok_or_else(|| Error::BadConfig(format!("mad-bench report: {a} needs a file")))
-        };
-        match a.as_str() {
-            "--out" => out = val()?,
-            "--status" => status = Some(val()?),
-            "--engine" => engine = Some(val()?),
-            "--fig4" => fig4 = Some(val()?),
-            "--rpc-example" => rpc = Some(val()?),
-            _ if a.starts_with("--") => {
-                return Err(Error::BadConfig(format!(
-                    "mad-bench report: unknown option `{a}`\n{USAGE}"
-                )))
+/// The options of `mad-bench report`.
+struct Report {
+    out: PathBuf,
+    files: Vec<PathBuf>,
+    status: Option<PathBuf>,
+    engine: Option<PathBuf>,
+    fig4: Option<PathBuf>,
+    rpc: Option<PathBuf>,
+}
+
+fn parse_report(args: &[String]) -> std::result::Result<Report, cli::Error> {
+    let mut r = Report {
+        out: PathBuf::from("bench/results"),
+        files: Vec::new(),
+        status: None,
+        engine: None,
+        fig4: None,
+        rpc: None,
+    };
+    cli::parse_from(args, |p| {
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("out") => r.out = p.value()?.into(),
+                Arg::Long("status") => r.status = Some(p.value()?.into()),
+                Arg::Long("engine") => r.engine = Some(p.value()?.into()),
+                Arg::Long("fig4") => r.fig4 = Some(p.value()?.into()),
+                Arg::Long("rpc-example") => r.rpc = Some(p.value()?.into()),
+                Arg::Value(f) => r.files.push(f.into()),
+                other => CLI.other(other)?,
             }
-            _ => files.push(PathBuf::from(a)),
         }
-    }
+        Ok(())
+    })?;
+    Ok(r)
+}
+
+fn report_cmd(r: Report) -> Result<()> {
+    let Report {
+        out,
+        files,
+        status,
+        engine,
+        fig4,
+        rpc,
+    } = r;
     // An optional input that is absent means "not run" (the status file says why).
     let read = |p: &Option<PathBuf>| -> Result<Option<String>> {
         match p {
@@ -319,8 +316,7 @@ fn report_cmd(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn run_cmd(args: &[String]) -> Result<()> {
-    let o = parse_opts(args)?;
+fn run_cmd(o: Opts) -> Result<()> {
     if let Some(code) = madeleine::run_local_if_alone(o.ranks)? {
         std::process::exit(code);
     }

@@ -364,112 +364,364 @@ pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-const COLORS: [&str; 16] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#843c39", "#637939", "#7b4173", "#3182bd",
+/// Okabe–Ito's colour-blind-safe palette (its yellow left out: too pale on white). Beyond
+/// seven lines the colours repeat with another marker shape.
+const COLORS: [&str; 7] = [
+    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
+];
+/// Marker shapes, one per round of [`COLORS`].
+const MARKERS: [Marker; 4] = [
+    Marker::Circle,
+    Marker::Square,
+    Marker::Triangle,
+    Marker::Diamond,
 ];
 
-/// An SVG line plot of one benchmark: log2 size on x, log10 value on y, a line per
-/// implementation (Madeleine solid, baselines dashed).
+#[derive(Clone, Copy)]
+enum Marker {
+    Circle,
+    Square,
+    Triangle,
+    Diamond,
+}
+
+impl Marker {
+    /// The SVG element of this marker at (x, y).
+    fn svg(self, x: f64, y: f64, color: &str) -> String {
+        let r = 3.2;
+        match self {
+            Marker::Circle => {
+                format!(r#"<circle cx="{x:.1}" cy="{y:.1}" r="{r}" fill="{color}"/>"#)
+            }
+            Marker::Square => format!(
+                r#"<rect x="{:.1}" y="{:.1}" width="{w:.1}" height="{w:.1}" fill="{color}"/>"#,
+                x - r,
+                y - r,
+                w = 2.0 * r
+            ),
+            Marker::Triangle => format!(
+                r#"<polygon points="{:.1},{:.1} {:.1},{:.1} {:.1},{:.1}" fill="{color}"/>"#,
+                x,
+                y - 1.2 * r,
+                x - 1.1 * r,
+                y + 0.8 * r,
+                x + 1.1 * r,
+                y + 0.8 * r
+            ),
+            Marker::Diamond => format!(
+                r#"<polygon points="{:.1},{:.1} {:.1},{:.1} {:.1},{:.1} {:.1},{:.1}" fill="{color}"/>"#,
+                x,
+                y - 1.3 * r,
+                x + 1.3 * r,
+                y,
+                x,
+                y + 1.3 * r,
+                x - 1.3 * r,
+                y
+            ),
+        }
+    }
+}
+
+/// An SVG line plot of one benchmark (see [`svg_plot`]).
 pub fn svg(bench: &str, rows: &[Row]) -> Option<String> {
     let rs: Vec<Row> = rows.iter().filter(|r| r.bench == bench).cloned().collect();
     svg_plot(&format!("{bench}: {}", describe(bench)), &rs)
 }
 
-/// An SVG line plot of `rows` (one benchmark's worth, or rows renamed for a comparison): a
-/// line per (implementation, mode), solid for Madeleine rows, dashed for mode `-`.
+/// The y axis' name for a unit.
+fn axis_name(unit: &str) -> String {
+    match unit {
+        "us" => "time (µs)".into(),
+        "MB/s" => "bandwidth (MB/s)".into(),
+        "msg/s" => "message rate (messages/s)".into(),
+        u => u.to_string(),
+    }
+}
+
+/// A tick label: 0.001 .. 999 as is, then 1k, 10k, 1M.
+fn tick_label(v: f64) -> String {
+    let a = v.abs();
+    if a == 0.0 {
+        "0".into()
+    } else if a >= 1e6 {
+        format!("{}M", trim_num(v / 1e6))
+    } else if a >= 1e3 {
+        format!("{}k", trim_num(v / 1e3))
+    } else {
+        trim_num(v)
+    }
+}
+
+fn trim_num(v: f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_string()
+}
+
+/// Escape text for SVG.
+fn esc(t: &str) -> String {
+    t.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Approximate width in pixels of `t` at `px` pixels (sans-serif).
+fn text_width(t: &str, px: f64) -> f64 {
+    t.chars().count() as f64 * px * 0.6
+}
+
+/// An SVG line plot of `rows` (one benchmark's worth, or rows renamed for a comparison): message
+/// size on a log2 x axis, the median on a y axis that is logarithmic when the values span more
+/// than a factor of 20 (linear from 0 otherwise), the min–max of the runs as a band around each
+/// line, a line per (implementation, mode): solid for Madeleine rows, dashed for mode `-`
+/// (baselines); colours from a colour-blind-safe palette, with a marker shape per line; the
+/// whole legend beside the plot (its width follows the longest label); both axes labelled with
+/// their units.
 pub fn svg_plot(title: &str, rows: &[Row]) -> Option<String> {
-    let rs: Vec<&Row> = rows
+    let rs: Vec<Row> = rows
         .iter()
         .filter(|r| r.median.is_finite() && r.median > 0.0)
+        .cloned()
         .collect();
     if rs.is_empty() {
         return None;
     }
-    let (w, h, l, r, t, b) = (900.0, 520.0, 70.0, 260.0, 40.0, 50.0);
+    let series = groups(&rs);
+    let label_of = |imp: &str, mode: &str| {
+        if mode == "-" || mode.is_empty() {
+            imp.to_string()
+        } else {
+            format!("{imp} [{mode}]")
+        }
+    };
+    let labels: Vec<String> = series
+        .iter()
+        .map(|((_, imp, mode), _)| label_of(imp, mode))
+        .collect();
+    let band = |r: &Row| -> (f64, f64) {
+        let lo = if r.min.is_finite() && r.min > 0.0 {
+            r.min.min(r.median)
+        } else {
+            r.median
+        };
+        let hi = if r.max.is_finite() && r.max > 0.0 {
+            r.max.max(r.median)
+        } else {
+            r.median
+        };
+        (lo, hi)
+    };
+    // Layout: plot area, then the legend to its right, as wide as its longest label.
+    let font = 12.0;
+    let legend_w = labels.iter().map(|l| text_width(l, font)).fold(
+        text_width("solid: Madeleine; dashed: baseline", 11.0),
+        f64::max,
+    ) + 50.0;
+    let (pw, ph): (f64, f64) = (620.0, 400.0);
+    let (l, t): (f64, f64) = (80.0, 50.0);
+    let title_w = text_width(title, 15.0) + l;
+    let w = (l + pw + 20.0 + legend_w).max(title_w + 20.0).ceil();
+    let legend_h = 18.0 * labels.len() as f64 + 60.0;
+    let h = (t + ph + 60.0).max(t + legend_h).ceil();
+    let (x0, x1, y0, y1) = (l, l + pw, t + ph, t);
+
+    // x: log2 of the size (0 drawn at 1).
     let xs = |s: usize| ((s.max(1)) as f64).log2();
     let (xmin, xmax) = rs.iter().fold((f64::MAX, f64::MIN), |(a, z), r| {
         (a.min(xs(r.size)), z.max(xs(r.size)))
     });
-    let (ymin, ymax) = rs.iter().fold((f64::MAX, f64::MIN), |(a, z), r| {
-        (a.min(r.median.log10()), z.max(r.median.log10()))
-    });
-    let (ymin, ymax) = (ymin.floor(), ymax.ceil().max(ymin.floor() + 1.0));
     let xmax = if xmax > xmin { xmax } else { xmin + 1.0 };
-    let px = |x: f64| l + (x - xmin) / (xmax - xmin) * (w - l - r);
-    let py = |y: f64| h - b - (y - ymin) / (ymax - ymin) * (h - t - b);
+    // y: every median and band edge.
+    let (vmin, vmax) = rs.iter().fold((f64::MAX, f64::MIN), |(a, z), r| {
+        let (lo, hi) = band(r);
+        (a.min(lo), z.max(hi))
+    });
+    let log_y = vmax / vmin > 20.0;
+    let (ymin, ymax, ticks): (f64, f64, Vec<(f64, bool)>) = if log_y {
+        let (a, z) = (
+            vmin.log10().floor(),
+            vmax.log10().ceil().max(vmin.log10().floor() + 1.0),
+        );
+        let mut ticks = Vec::new();
+        for d in (a as i32)..=(z as i32) {
+            for (m, major) in [(1.0, true), (2.0, false), (5.0, false)] {
+                let v = m * 10f64.powi(d);
+                if v.log10() <= z + 1e-9 {
+                    ticks.push((v, major));
+                }
+            }
+        }
+        (a, z, ticks)
+    } else {
+        // Linear from 0 with a 1-2-5 step giving about 6 intervals.
+        let raw = vmax / 6.0;
+        let p = 10f64.powf(raw.log10().floor());
+        let step = [1.0, 2.0, 5.0, 10.0]
+            .iter()
+            .map(|m| m * p)
+            .find(|s| *s >= raw)
+            .unwrap_or(10.0 * p);
+        let top = (vmax / step).ceil() * step;
+        let n = (top / step).round() as usize;
+        (0.0, top, (0..=n).map(|i| (i as f64 * step, true)).collect())
+    };
+    let yv = |v: f64| if log_y { v.log10() } else { v };
+    let px = |x: f64| x0 + (x - xmin) / (xmax - xmin) * pw;
+    let py = |v: f64| y0 - (yv(v) - ymin) / (ymax - ymin) * ph;
+
     let mut s = String::new();
     let _ = writeln!(
         s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="DejaVu Sans, Verdana, sans-serif" font-size="{font}">"#
     );
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         s,
-        r#"<text x="{l}" y="24" font-size="15">{}</text>"#,
-        title.replace('&', "&amp;").replace('<', "&lt;")
+        r#"<text x="{l}" y="26" font-size="15" font-weight="bold">{}</text>"#,
+        esc(title)
     );
-    for d in (ymin as i32)..=(ymax as i32) {
-        let y = py(d as f64);
+    // Grid and y ticks.
+    for &(v, major) in &ticks {
+        let y = py(v);
+        if !(y1 - 0.5..=y0 + 0.5).contains(&y) {
+            continue;
+        }
+        let stroke = if major { "#cccccc" } else { "#eeeeee" };
         let _ = writeln!(
             s,
-            r##"<line x1="{l}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">1e{d}</text>"##,
-            w - r,
-            l - 6.0,
-            y + 4.0
+            r#"<line x1="{x0}" x2="{x1}" y1="{y:.1}" y2="{y:.1}" stroke="{stroke}"/>"#
         );
+        if major || (ymax - ymin) <= 2.0 {
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+                x0 - 6.0,
+                y + 4.0,
+                tick_label(v)
+            );
+        }
     }
+    // x ticks: every power of 2, labelled every other one (every one when few).
+    let every = if xmax - xmin > 12.0 { 2 } else { 1 };
     let mut x = xmin.ceil() as i32;
     while x as f64 <= xmax {
         let xp = px(x as f64);
         let _ = writeln!(
             s,
-            r##"<line x1="{xp:.1}" x2="{xp:.1}" y1="{t}" y2="{}" stroke="#eee"/><text x="{xp:.1}" y="{}" text-anchor="middle">{}</text>"##,
-            h - b,
-            h - b + 16.0,
-            size_label(1usize << x.clamp(0, 40))
+            r##"<line x1="{xp:.1}" x2="{xp:.1}" y1="{y1}" y2="{y0}" stroke="#f0f0f0"/>"##
         );
-        x += 2;
+        if (x - xmin.ceil() as i32) % every == 0 {
+            let _ = writeln!(
+                s,
+                r##"<line x1="{xp:.1}" x2="{xp:.1}" y1="{y0}" y2="{}" stroke="#333"/><text x="{xp:.1}" y="{}" text-anchor="middle">{}</text>"##,
+                y0 + 5.0,
+                y0 + 18.0,
+                size_label(1usize << x.clamp(0, 40))
+            );
+        }
+        x += 1;
     }
+    // Axes and their names.
     let _ = writeln!(
         s,
-        r#"<text x="{}" y="{}" text-anchor="middle">message size (bytes)</text>"#,
-        (l + w - r) / 2.0,
-        h - 10.0
+        r##"<path d="M{x0},{y1} V{y0} H{x1}" fill="none" stroke="#333"/>"##
     );
-    for (i, ((_, imp, mode), g)) in groups(&rs.iter().map(|r| (*r).clone()).collect::<Vec<_>>())
-        .into_iter()
-        .enumerate()
-    {
-        let color = COLORS[i % COLORS.len()];
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">message size (bytes, log scale)</text>"#,
+        (x0 + x1) / 2.0,
+        y0 + 40.0
+    );
+    let unit = rs.first().map(|r| r.unit.as_str()).unwrap_or("");
+    let yname = format!(
+        "{}{}",
+        axis_name(unit),
+        if log_y { ", log scale" } else { "" }
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(18,{:.1}) rotate(-90)" text-anchor="middle">{}</text>"#,
+        (y0 + y1) / 2.0,
+        esc(&yname)
+    );
+    // Bands first (under every line), then lines and markers.
+    let style = |i: usize| {
+        (
+            COLORS[i % COLORS.len()],
+            MARKERS[(i / COLORS.len()) % MARKERS.len()],
+        )
+    };
+    for (i, (_, g)) in series.iter().enumerate() {
+        let (color, _) = style(i);
+        if g.len() < 2 || g.iter().all(|r| band(r).0 == band(r).1) {
+            continue;
+        }
+        let mut pts: Vec<String> = g
+            .iter()
+            .map(|r| format!("{:.1},{:.1}", px(xs(r.size)), py(band(r).1)))
+            .collect();
+        pts.extend(
+            g.iter()
+                .rev()
+                .map(|r| format!("{:.1},{:.1}", px(xs(r.size)), py(band(r).0))),
+        );
+        let _ = writeln!(
+            s,
+            r#"<polygon points="{}" fill="{color}" fill-opacity="0.15" stroke="none"/>"#,
+            pts.join(" ")
+        );
+    }
+    for (i, ((_, _, mode), g)) in series.iter().enumerate() {
+        let (color, marker) = style(i);
         let dash = if mode == "-" {
-            r#" stroke-dasharray="6 4""#
+            r#" stroke-dasharray="7 4""#
         } else {
             ""
         };
-        let pts: Vec<String> = g
-            .iter()
-            .map(|r| format!("{:.1},{:.1}", px(xs(r.size)), py(r.median.log10())))
-            .collect();
+        let pts: Vec<(f64, f64)> = g.iter().map(|r| (px(xs(r.size)), py(r.median))).collect();
+        let line: Vec<String> = pts.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
         let _ = writeln!(
             s,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
-            pts.join(" ")
+            r#"<polyline fill="none" stroke="{color}" stroke-width="1.8"{dash} points="{}"/>"#,
+            line.join(" ")
         );
-        let ly = t + 10.0 + 18.0 * i as f64;
-        let label = if mode == "-" || mode.is_empty() {
-            imp.clone()
-        } else {
-            format!("{imp} [{mode}]")
-        };
+        for &(x, y) in &pts {
+            s.push_str(&marker.svg(x, y, color));
+        }
+        s.push('\n');
+    }
+    // Legend.
+    let lx = x1 + 20.0;
+    // A title that says what its dashes mean (Figure 4: fixed methods) overrides the default.
+    if !title.contains("dashed") {
         let _ = writeln!(
             s,
-            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            w - r + 10.0,
-            w - r + 34.0,
-            w - r + 40.0,
+            r##"<text x="{lx}" y="{}" font-size="11" fill="#444">solid: Madeleine; dashed: baseline</text>"##,
+            t + 4.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="{lx}" y="{}" font-size="11" fill="#444">band: min–max of the runs; line: median</text>"##,
+        t + 18.0
+    );
+    for (i, (((_, _, mode), _), label)) in series.iter().zip(&labels).enumerate() {
+        let (color, marker) = style(i);
+        let dash = if mode == "-" {
+            r#" stroke-dasharray="7 4""#
+        } else {
+            ""
+        };
+        let ly = t + 40.0 + 18.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="1.8"{dash}/>{}<text x="{}" y="{}">{}</text>"#,
+            lx + 28.0,
+            marker.svg(lx + 14.0, ly, color),
+            lx + 36.0,
             ly + 4.0,
-            label.replace('&', "&amp;").replace('<', "&lt;")
+            esc(label)
         );
     }
     s.push_str("</svg>\n");
@@ -537,6 +789,20 @@ mod tests {
         ];
         let svg = svg("bw", &rows).expect("plot");
         assert!(svg.contains("<polyline") && svg.ends_with("</svg>\n"));
+        // Full legend, y axis named with its unit, log where the values span decades.
+        assert!(svg.contains(">shm [cheaper/cheaper]</text>"), "{svg}");
+        assert!(svg.contains(">bandwidth (MB/s), log scale</text>"), "{svg}");
+        assert!(!svg.contains("fill-opacity"), "no band where min = max");
+        // A min-max band where the runs differ; a linear y axis over a narrow range.
+        let mut spread = rows.clone();
+        for r in &mut spread {
+            r.median = 1.0 + r.size as f64 / 4096.0;
+            r.min = r.median * 0.9;
+            r.max = r.median * 1.1;
+        }
+        let svg = svg_plot("narrow", &spread).expect("plot");
+        assert!(svg.contains(r#"fill-opacity="0.15""#), "{svg}");
+        assert!(svg.contains(">bandwidth (MB/s)</text>"), "{svg}");
         let md = markdown(&rows);
         assert!(md.contains("| 1K | 1000 (×2.00) | 2000 |"), "{md}");
     }

@@ -13,6 +13,7 @@
 use std::path::Path;
 
 use mad_core::bootstrap::SingleBootstrap;
+use mad_core::cli::{self, Arg, Cli};
 use mad_core::config::{ChannelConfig, ENV_VARS};
 
 const USAGE: &str = "usage: mad-info [--channel SPEC] [--env] [--drivers]
@@ -28,6 +29,8 @@ not), and every environment variable Madeleine reads with its meaning.
   -h, --help       this help
   -V, --version    the version
 
+Options take their value as `--opt value` or `--opt=value`.
+
 Logging of the library (tracing): MAD_LOG=mad_core=debug,mad_tcp=info (or RUST_LOG).";
 
 enum Mode {
@@ -37,53 +40,27 @@ enum Mode {
     Channel(String),
 }
 
-fn parse(args: &[String]) -> Result<Option<Mode>, String> {
-    let mut mode = Mode::All;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (a.as_str(), None),
-        };
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "-V" | "--version" => {
-                println!("mad-info {}", env!("CARGO_PKG_VERSION"));
-                std::process::exit(0);
+/// The command line.
+const CLI: Cli = Cli::new("mad-info", env!("CARGO_PKG_VERSION"), USAGE);
+
+fn parse() -> Mode {
+    CLI.parse(|p| {
+        let mut mode = Mode::All;
+        while let Some(arg) = p.next()? {
+            match arg {
+                Arg::Long("channel") => mode = Mode::Channel(cli::string(p)?),
+                Arg::Long("drivers") => mode = Mode::Drivers,
+                Arg::Long("env") => mode = Mode::Env,
+                other => CLI.other(other)?,
             }
-            "--channel" => {
-                let spec = match inline {
-                    Some(v) => v,
-                    None => it
-                        .next()
-                        .cloned()
-                        .ok_or("--channel needs a channel spec (e.g. --channel shm)")?,
-                };
-                mode = Mode::Channel(spec);
-            }
-            "--drivers" if inline.is_none() => mode = Mode::Drivers,
-            "--env" if inline.is_none() => mode = Mode::Env,
-            _ => return Err(format!("unknown argument `{a}`")),
         }
-    }
-    Ok(Some(mode))
+        Ok(mode)
+    })
 }
 
 fn main() {
     madeleine::init_logging();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mode = match parse(&args) {
-        Ok(Some(m)) => m,
-        Ok(None) => {
-            println!("{USAGE}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("mad-info: {e}\n{}", USAGE.lines().next().unwrap_or(""));
-            std::process::exit(2);
-        }
-    };
-    match mode {
+    match parse() {
         Mode::All => {
             println!(
                 "madeleine {} (mad-info), Linux only",

@@ -28,7 +28,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{IsTerminal, Read, Write};
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,6 +36,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use mad_core::auth::{fill_random, Secret};
+use mad_core::cli::lexopt;
 use mad_core::config::{env_key, ChannelConfig};
 use mad_core::launch::server::BootstrapServer;
 use mad_core::launch::{vars, wire::MAX_RANKS};
@@ -60,16 +61,28 @@ const USAGE: &str =
                         adaptive (MAD_PROGRESS)
 
 madrun reports the first rank that failed (by time of death) and exits with its status
-(128+N when killed by signal N), 0 when every rank succeeded.";
+(128+N when killed by signal N), 0 when every rank succeeded.
 
-/// Every foreign call of madrun.
+Options take their value as `--opt value` or `--opt=value`. -h, --help prints this text;
+-V, --version the version.";
+
+/// Every system call of madrun: through `nix` where it has the call, raw `libc` (with its
+/// `unsafe`) for the two it has not (`pidfd_open`, and a `waitid` that reports a death by a
+/// real-time signal).
 #[allow(unsafe_code)]
 mod sys {
     use std::io;
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
     use std::os::unix::process::CommandExt;
     use std::process::Command;
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    use nix::errno::Errno;
+    use nix::poll::{PollFd, PollFlags};
+    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    use nix::unistd::{getppid, Pid};
 
     static PENDING: AtomicU64 = AtomicU64::new(0);
 
@@ -82,19 +95,16 @@ mod sys {
 
     /// Install handlers that record `signals` for [`take_signals`].
     pub fn install_handlers(signals: &[i32]) -> io::Result<()> {
+        let sa = SigAction::new(
+            SigHandler::Handler(on_signal),
+            SaFlags::SA_RESTART,
+            SigSet::empty(),
+        );
         for &sig in signals {
-            // SAFETY: `sigaction` is plain data; all-zero is a valid value (empty mask, no
-            // flags) that we then fill in.
-            let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
-            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            sa.sa_flags = libc::SA_RESTART;
-            // SAFETY: `sa.sa_mask` is a valid, exclusively borrowed sigset_t.
-            unsafe { libc::sigemptyset(&mut sa.sa_mask) };
-            // SAFETY: `sa` is fully initialised and outlives the call; the handler only touches
-            // an atomic; a null old-action pointer is allowed.
-            if unsafe { libc::sigaction(sig, &sa, std::ptr::null_mut()) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            let sig = Signal::try_from(sig)?;
+            // SAFETY: the handler only touches an atomic (async-signal-safe), and the previous
+            // action it replaces is not used afterwards.
+            unsafe { signal::sigaction(sig, &sa) }?;
         }
         Ok(())
     }
@@ -107,24 +117,16 @@ mod sys {
 
     /// Make the child started by `cmd` receive SIGKILL when madrun (its spawning thread) dies.
     pub fn die_with_parent(cmd: &mut Command) {
-        let parent = std::process::id() as libc::pid_t;
+        let parent = Pid::this();
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
         // system calls (prctl, getppid) and builds an `io::Error` from a raw code, which does
         // not allocate.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(
-                    libc::PR_SET_PDEATHSIG,
-                    libc::SIGKILL as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
+                    .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
                 // madrun died before the prctl: do not run orphaned.
-                if libc::getppid() != parent {
+                if getppid() != parent {
                     return Err(io::Error::from_raw_os_error(libc::ESRCH));
                 }
                 Ok(())
@@ -135,25 +137,13 @@ mod sys {
     /// Raise the soft limit on open files towards `want` (never above the hard limit);
     /// returns the resulting soft limit.
     pub fn raise_fd_limit(want: libc::rlim_t) -> io::Result<libc::rlim_t> {
-        let mut rl = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: `rl` is a valid, exclusively borrowed rlimit for the call.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let cur = rl.rlim_cur;
+        let (cur, max) = getrlimit(Resource::RLIMIT_NOFILE)?;
         if cur >= want {
             return Ok(cur);
         }
-        rl.rlim_cur = want.min(rl.rlim_max);
-        // SAFETY: `rl` is a valid rlimit; lowering nothing, raising the soft limit within the
-        // hard limit is always permitted.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(rl.rlim_cur)
+        let new = want.min(max);
+        setrlimit(Resource::RLIMIT_NOFILE, new, max)?;
+        Ok(new)
     }
 
     /// Send `sig` to every process of the process group `pgid`.
@@ -165,10 +155,7 @@ mod sys {
         if pg <= 1 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        // SAFETY: kill has no memory-safety preconditions.
-        if unsafe { libc::kill(-pg, sig) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        signal::killpg(Pid::from_raw(pg), Signal::try_from(sig)?)?;
         Ok(())
     }
 
@@ -183,6 +170,10 @@ mod sys {
 
     /// Whether child `pid` has ended, without reaping it (its zombie stays, keeping its process
     /// group alive).
+    ///
+    /// Raw `waitid`: nix's `waitid` cannot report a child killed by a real-time signal (its
+    /// `Signal` has no such values and the call fails with EINVAL), which madrun reports as
+    /// 128+N like any other.
     pub fn peek_exit(pid: u32) -> io::Result<Option<Exit>> {
         // SAFETY: siginfo_t is plain data; all-zero means "no child reported".
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -221,22 +212,15 @@ mod sys {
     /// the last look (a rank killed, then the ranks that failed because it vanished), the one
     /// that died first comes first, whatever the rank numbers.
     pub struct DeathOrder {
-        ep: OwnedFd,
+        ep: Epoll,
         pidfds: Vec<OwnedFd>,
     }
 
     impl DeathOrder {
         /// An empty set; `Err` where epoll is unavailable.
         pub fn new() -> io::Result<Self> {
-            // SAFETY: epoll_create1 takes flags and returns a new descriptor or -1.
-            let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: `fd` is a fresh descriptor owned by nobody else.
-            let ep = unsafe { OwnedFd::from_raw_fd(fd) };
             Ok(DeathOrder {
-                ep,
+                ep: Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?,
                 pidfds: Vec::new(),
             })
         }
@@ -247,6 +231,7 @@ mod sys {
             let Ok(pid) = libc::pid_t::try_from(pid) else {
                 return Err(io::Error::from_raw_os_error(libc::EINVAL));
             };
+            // nix has no pidfd_open.
             // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor (close-on-
             // exec) or -1.
             let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
@@ -255,65 +240,41 @@ mod sys {
             }
             // SAFETY: `fd` is a fresh descriptor owned by nobody else.
             let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-            let mut ev = libc::epoll_event {
-                events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
-                u64: tag,
-            };
-            // SAFETY: both descriptors are open; `ev` is a valid epoll_event for the call.
-            let r = unsafe {
-                libc::epoll_ctl(
-                    self.ep.as_raw_fd(),
-                    libc::EPOLL_CTL_ADD,
-                    fd.as_raw_fd(),
-                    &mut ev,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            self.ep.add(
+                &fd,
+                EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLONESHOT, tag),
+            )?;
             self.pidfds.push(fd);
             Ok(())
         }
 
         /// Wait up to `timeout_ms` for deaths; the tags of the children that died, first death
         /// first (each reported once).
-        pub fn wait(&self, timeout_ms: i32) -> io::Result<Vec<u64>> {
-            let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
-            // SAFETY: `evs` is a valid array of 64 epoll_event structures for the call.
-            let n =
-                unsafe { libc::epoll_wait(self.ep.as_raw_fd(), evs.as_mut_ptr(), 64, timeout_ms) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    return Ok(Vec::new());
-                }
-                return Err(e);
+        pub fn wait(&self, timeout_ms: u16) -> io::Result<Vec<u64>> {
+            let mut evs = [EpollEvent::empty(); 64];
+            match self.ep.wait(&mut evs, timeout_ms) {
+                Ok(n) => Ok(evs[..n].iter().map(EpollEvent::data).collect()),
+                Err(Errno::EINTR) => Ok(Vec::new()),
+                Err(e) => Err(e.into()),
             }
-            Ok(evs[..n as usize].iter().map(|e| e.u64).collect())
         }
     }
 
     /// Wait up to `timeout_ms` for any of `fds` to be readable (or hung up); returns, for each,
     /// whether it is.
-    pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<bool>> {
-        let mut p: Vec<libc::pollfd> = fds
+    pub fn poll_readable(fds: &[BorrowedFd<'_>], timeout_ms: u16) -> io::Result<Vec<bool>> {
+        let mut p: Vec<PollFd<'_>> = fds
             .iter()
-            .map(|&fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
+            .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
             .collect();
-        // SAFETY: `p` is a valid array of `p.len()` pollfd structures for the call's duration.
-        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                return Ok(vec![false; fds.len()]);
-            }
-            return Err(e);
+        match nix::poll::poll(&mut p, timeout_ms) {
+            Ok(_) => Ok(p
+                .iter()
+                .map(|x| x.revents() != Some(PollFlags::empty()))
+                .collect()),
+            Err(Errno::EINTR) => Ok(vec![false; fds.len()]),
+            Err(e) => Err(e.into()),
         }
-        Ok(p.iter().map(|x| x.revents != 0).collect())
     }
 }
 
@@ -392,9 +353,19 @@ fn parse_secs(opt: &str, v: &str, allow_zero: bool) -> Result<Duration, String> 
     }
 }
 
-/// Parse the arguments (without the program name). `Ok(None)` means `--help`.
-fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, String> {
-    let mut it = args.into_iter();
+/// What the command line asks for.
+enum Parsed {
+    Run(Opts),
+    Help,
+    Version,
+}
+
+/// Parse the arguments (without the program name). Options come first (`--opt value` or
+/// `--opt=value`, `-n N` or `-nN`); the first argument that is not an option, or the one after
+/// `--`, is the program, and everything after it goes to the program untouched.
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, String> {
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_args(args);
     let mut n = None;
     let mut o = Opts {
         n: 0,
@@ -409,45 +380,21 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
         program: OsString::new(),
         args: Vec::new(),
     };
+    let value = |p: &mut lexopt::Parser, name: &str, what: &str| -> Result<String, String> {
+        match p.value() {
+            Ok(v) => v
+                .into_string()
+                .map_err(|_| format!("{name}: {what} is not valid Unicode")),
+            Err(_) => Err(format!("{name} needs {what}")),
+        }
+    };
     let mut program = None;
-    while let Some(a) = it.next() {
-        let Some(s) = a.to_str() else {
-            program = Some(a);
-            break;
-        };
-        if s == "--" {
-            program = it.next();
-            if program.is_none() {
-                return Err("missing program after `--`".into());
-            }
-            break;
-        }
-        if !s.starts_with('-') || s == "-" {
-            program = Some(a);
-            break;
-        }
-        let (name, inline) = match s.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
-            _ if s.starts_with("-n") && s.len() > 2 && !s.starts_with("--") => {
-                ("-n".to_string(), Some(s[2..].to_string()))
-            }
-            _ => (s.to_string(), None),
-        };
-        let mut value = |what: &str| -> Result<String, String> {
-            if let Some(v) = inline.clone() {
-                return Ok(v);
-            }
-            match it.next() {
-                Some(v) => v
-                    .into_string()
-                    .map_err(|_| format!("{name}: {what} is not valid Unicode")),
-                None => Err(format!("{name} needs {what}")),
-            }
-        };
-        match name.as_str() {
-            "-h" | "--help" => return Ok(None),
-            "-n" | "--np" => {
-                let v = value("a process count")?;
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        match arg {
+            Short('h') | Long("help") => return Ok(Parsed::Help),
+            Short('V') | Long("version") => return Ok(Parsed::Version),
+            Short('n') | Long("np") => {
+                let v = value(&mut p, "-n", "a process count")?;
                 let k: usize = v
                     .trim()
                     .parse()
@@ -457,18 +404,21 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                 }
                 n = Some(k);
             }
-            "--timeout" => o.timeout = Some(parse_secs("--timeout", &value("seconds")?, false)?),
-            "--grace" => o.grace = parse_secs("--grace", &value("seconds")?, true)?,
-            "--no-prefix" | "--keep-going" | "--disable-auto-cleanup" | "--checked"
-                if inline.is_some() =>
-            {
-                return Err(format!("{name} takes no value (got `{s}`)"));
+            Long("timeout") => {
+                o.timeout = Some(parse_secs(
+                    "--timeout",
+                    &value(&mut p, "--timeout", "seconds")?,
+                    false,
+                )?)
             }
-            "--no-prefix" => o.prefix = false,
-            "--keep-going" | "--disable-auto-cleanup" => o.keep_going = true,
-            "--checked" => o.checked = true,
-            "--bind" => {
-                let v = value("an address")?;
+            Long("grace") => {
+                o.grace = parse_secs("--grace", &value(&mut p, "--grace", "seconds")?, true)?
+            }
+            Long("no-prefix") => o.prefix = false,
+            Long("keep-going") | Long("disable-auto-cleanup") => o.keep_going = true,
+            Long("checked") => o.checked = true,
+            Long("bind") => {
+                let v = value(&mut p, "--bind", "an address")?;
                 o.bind = v
                     .parse::<SocketAddr>()
                     .or_else(|_| {
@@ -477,8 +427,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                     })
                     .map_err(|_| format!("--bind {v}: expected ip or ip:port"))?;
             }
-            "--channel" => {
-                let v = value("NAME=SPEC")?;
+            Long("channel") => {
+                let v = value(&mut p, "--channel", "NAME=SPEC")?;
                 let (cn, spec) = v
                     .split_once('=')
                     .filter(|(cn, _)| !cn.trim().is_empty())
@@ -487,18 +437,23 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Opts>, 
                 o.channels
                     .push((cn.trim().to_string(), spec.trim().to_string()));
             }
-            "--progress" => {
-                let v = value("a mode")?;
+            Long("progress") => {
+                let v = value(&mut p, "--progress", "a mode")?;
                 ProgressPolicy::parse_mode(&v).map_err(|e| format!("--progress {v}: {e}"))?;
                 o.progress = Some(v);
             }
-            _ => return Err(format!("unknown option `{s}`")),
+            Value(v) => {
+                program = Some(v);
+                break;
+            }
+            Short(c) => return Err(format!("unknown option `-{c}`")),
+            Long(l) => return Err(format!("unknown option `--{l}`")),
         }
     }
     o.n = n.ok_or("missing -n N (number of processes)")?;
     o.program = program.ok_or("missing program to run")?;
-    o.args = it.collect();
-    Ok(Some(o))
+    o.args = p.raw_args().map_err(|e| e.to_string())?.collect();
+    Ok(Parsed::Run(o))
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -573,7 +528,7 @@ fn pump(mut sources: Vec<Source>, done: mpsc::Sender<()>) {
     let mut chunk = vec![0u8; 64 << 10];
     let (mut out, mut err) = (Vec::new(), Vec::new());
     while !sources.is_empty() {
-        let fds: Vec<_> = sources.iter().map(|s| s.file.as_raw_fd()).collect();
+        let fds: Vec<_> = sources.iter().map(|s| s.file.as_fd()).collect();
         let ready = match sys::poll_readable(&fds, 500) {
             Ok(r) => r,
             Err(e) => {
@@ -675,9 +630,18 @@ fn main() {
 
 fn run() -> i32 {
     let opts = match parse_args(std::env::args_os().skip(1)) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            println!("{USAGE}");
+        Ok(Parsed::Run(o)) => o,
+        Ok(Parsed::Help) => {
+            // Written, not `println!`: `madrun --help | head` must not panic on the closed pipe.
+            let _ = writeln!(std::io::stdout().lock(), "{USAGE}");
+            return 0;
+        }
+        Ok(Parsed::Version) => {
+            let _ = writeln!(
+                std::io::stdout().lock(),
+                "madrun {}",
+                env!("CARGO_PKG_VERSION")
+            );
             return 0;
         }
         Err(msg) => {
@@ -865,7 +829,7 @@ fn run() -> i32 {
             }
         }
         // Wait for deaths (this is the loop's pause); then, behind them, the unwatched ranks.
-        let wait_ms = if first_round { 0 } else { 10 };
+        let wait_ms: u16 = if first_round { 0 } else { 10 };
         first_round = false;
         match &deaths {
             Some(d) => match d.wait(wait_ms) {
@@ -878,7 +842,7 @@ fn run() -> i32 {
                     }
                 }
             },
-            None => std::thread::sleep(Duration::from_millis(wait_ms as u64)),
+            None => std::thread::sleep(Duration::from_millis(u64::from(wait_ms))),
         }
         let scan =
             child_ended || last_scan.is_none_or(|t| t.elapsed() >= Duration::from_millis(500));

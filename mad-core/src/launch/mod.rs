@@ -32,6 +32,7 @@
 //! ```
 
 pub mod mpi_env;
+pub mod pmi;
 pub mod server;
 pub mod wire;
 

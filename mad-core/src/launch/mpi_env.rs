@@ -8,8 +8,9 @@
 //!
 //! Open MPI's own variables win (they are authoritative even inside a Slurm allocation); then
 //! `PMI_RANK`/`PMI_SIZE` (Hydra, or `srun --mpi=pmi2`), then Slurm with PMIx (`srun
-//! --mpi=pmix`, which sets `PMIX_RANK` but not `PMI_SIZE`). A bare `SLURM_PROCID` without any
-//! PMI variable is a batch script, not an MPI launch, and is not detected.
+//! --mpi=pmix`, which sets `PMIX_RANK` but not `PMI_SIZE`) or with no MPI plugin at all (a job
+//! step: `SLURM_STEP_ID`). A bare `SLURM_PROCID` without any PMI variable or step is a batch
+//! script, not a parallel launch, and is not detected.
 //!
 //! In `mad-core` because two places need it: `mad-mpi`'s bootstrap (which reads the job from
 //! MPI itself and checks it against the launcher's), and a session built without a bootstrap,
@@ -97,9 +98,16 @@ pub fn detect(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Launcher>> 
             size,
         })
     } else if let Some(rank) = num(env, "SLURM_PROCID")? {
-        let pmi = ["PMIX_RANK", "PMI_FD", "PMI_RANK", "PMI_JOBID"]
-            .iter()
-            .any(|k| has(env, k));
+        // A job step started by srun, with or without an MPI plugin (PMI variables).
+        let pmi = [
+            "PMIX_RANK",
+            "PMI_FD",
+            "PMI_RANK",
+            "PMI_JOBID",
+            "SLURM_STEP_ID",
+        ]
+        .iter()
+        .any(|k| has(env, k));
         let size = match num(env, "SLURM_STEP_NUM_TASKS")? {
             Some(s) => Some(s),
             None => num(env, "SLURM_NTASKS")?,
@@ -215,7 +223,14 @@ mod tests {
             ("PMIX_RANK", "1"),
         ];
         assert_eq!(run(&env).unwrap(), l(LauncherKind::Slurm, 1, 3));
-        // A batch script (no PMI at all) is not an MPI launch.
+        // srun with no MPI plugin (what Slurm 22.05 sets): a parallel launch all the same.
+        let env = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+        ];
+        assert_eq!(run(&env).unwrap(), l(LauncherKind::Slurm, 1, 2));
+        // A batch script (no PMI at all, no step) is not an MPI launch.
         let env = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")];
         assert_eq!(run(&env).unwrap(), None);
     }
