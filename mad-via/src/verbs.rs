@@ -138,6 +138,11 @@ pub fn probe() -> Result<String> {
 }
 
 /// Check that an RDMA device can be used; `Ok(name)` of the first device.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`] naming the cause (the device list cannot be read, no device, the
+/// first one cannot be opened) and suggesting `via:soft`.
 #[cfg(feature = "verbs")]
 pub fn probe() -> Result<String> {
     let list = crate::sys::verbs::DeviceList::get().map_err(|e| {
