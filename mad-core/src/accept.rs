@@ -303,6 +303,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn strangers_and_duplicates_are_refused_and_accepting_goes_on() {
         let (d, l, w) = setup(Duration::from_secs(10));
         // A stranger, a silent one, a rank twice, a rank not expected, then the two expected.
@@ -318,6 +319,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and poll(2): not under Miri")]
     fn the_deadline_names_the_missing_ranks_and_fatal_errors_end_it() {
         let (d, l, w) = setup(Duration::from_millis(300));
         let _f = connect(&d, 1);
