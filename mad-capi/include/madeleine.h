@@ -81,16 +81,17 @@
 
 
 
-// An open channel (one protocol, one adapter, a connection to every peer).
+// An open channel (one protocol, one adapter, a connection to every peer), with the memory
+// of its message handles.
 typedef struct MadChannel MadChannel;
 
-// A message being built.
+// A message being built: a handle is the channel's slot for messages to its peer.
 typedef struct MadPacker MadPacker;
 
 // A session: this process's rank among the processes of the job, and its channels' drivers.
 typedef struct MadSession MadSession;
 
-// A message being taken apart.
+// A message being taken apart: a handle is the channel's slot for messages from its peer.
 typedef struct MadUnpacker MadUnpacker;
 
 // A channel's counters (`mad_channel_stats`).
@@ -178,9 +179,9 @@ int mad_channel_open_spec(struct MadSession *s,
 void mad_channel_close(const struct MadChannel *ch);
 
 // Close the channel (as `mad_channel_close`: messages still open on it fail with
-// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. Its memory may outlive
-// the call until the threads that used it send or receive on another channel, or exit.
-// NULL is ignored.
+// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. A channel freed while
+// some of its message handles are still out keeps its memory for the rest of the process, so
+// that those handles stay valid until ended or abandoned. NULL is ignored.
 //
 // # Safety
 // `ch` is NULL or a channel from `mad_channel_open*`, not used afterwards.

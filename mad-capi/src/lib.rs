@@ -31,6 +31,7 @@ use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use madeleine::{Channel, Error, Packer, RecvMode, SendMode, Session, Unpacker};
 
@@ -40,134 +41,221 @@ pub struct MadSession {
     s: Session,
 }
 
-/// An open channel (one protocol, one adapter, a connection to every peer).
+/// An open channel (one protocol, one adapter, a connection to every peer), with the memory
+/// of its message handles.
 #[derive(Debug)]
 pub struct MadChannel {
     ch: Channel,
+    /// The memory of the packers to each peer (see [`Slots`]).
+    tx: Slots<MadPacker>,
+    /// The memory of the unpackers from each peer.
+    rx: Slots<MadUnpacker>,
 }
 
-/// A message being built.
+impl MadChannel {
+    fn new(ch: Channel) -> Self {
+        let n = ch.size();
+        MadChannel {
+            ch,
+            tx: Slots::new(n),
+            rx: Slots::new(n),
+        }
+    }
+}
+
+/// A message being built: a handle is the channel's slot for messages to its peer.
 pub struct MadPacker {
-    /// The message (initialised while the handle is live; see [`Slot`]).
+    /// The message (initialised while the handle is live).
     msg: MaybeUninit<Packer<'static, 'static>>,
-    /// A handle of its channel, which keeps the state the message uses alive.
-    ch: Channel,
+    /// Whether a message is in the slot (see [`Slots`]).
+    live: AtomicBool,
 }
 
-/// A message being taken apart.
+/// A message being taken apart: a handle is the channel's slot for messages from its peer.
 pub struct MadUnpacker {
     /// As in [`MadPacker`].
     msg: MaybeUninit<Unpacker<'static, 'static>>,
-    ch: Channel,
+    live: AtomicBool,
 }
 
-/// The channel only: the message may be uninitialised (a cached slot).
+/// Whether a message is in the slot; the message itself may be uninitialised.
 impl std::fmt::Debug for MadPacker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MadPacker")
-            .field("channel", &self.ch)
+            .field("live", &self.live)
             .finish_non_exhaustive()
     }
 }
 
-/// The channel only: the message may be uninitialised (a cached slot).
+/// Whether a message is in the slot; the message itself may be uninitialised.
 impl std::fmt::Debug for MadUnpacker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MadUnpacker")
-            .field("channel", &self.ch)
+            .field("live", &self.live)
             .finish_non_exhaustive()
     }
 }
 
-/// The memory of a message handle. A thread keeps the memory of its last ended packer and
-/// unpacker, with their channel handle, for its next message: once a thread has sent (or
-/// received) one message on a channel, the next costs neither an allocation nor a touch of
-/// the channel's reference count. A cached slot's message is uninitialised.
-trait Slot: Sized + 'static {
+/// The memory of a message handle.
+trait Slot: Sized {
     type Msg;
-    fn new(ch: Channel) -> Self;
-    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel);
+    fn empty() -> Self;
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &AtomicBool);
 }
 
 impl Slot for MadPacker {
     type Msg = Packer<'static, 'static>;
-    fn new(ch: Channel) -> Self {
+    fn empty() -> Self {
         MadPacker {
             msg: MaybeUninit::uninit(),
-            ch,
+            live: AtomicBool::new(false),
         }
     }
-    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel) {
-        (&mut self.msg, &mut self.ch)
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &AtomicBool) {
+        (&mut self.msg, &self.live)
     }
 }
 
 impl Slot for MadUnpacker {
     type Msg = Unpacker<'static, 'static>;
-    fn new(ch: Channel) -> Self {
+    fn empty() -> Self {
         MadUnpacker {
             msg: MaybeUninit::uninit(),
-            ch,
+            live: AtomicBool::new(false),
         }
     }
-    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &mut Channel) {
-        (&mut self.msg, &mut self.ch)
+    fn parts(&mut self) -> (&mut MaybeUninit<Self::Msg>, &AtomicBool) {
+        (&mut self.msg, &self.live)
     }
 }
 
-type Spare<S> = std::thread::LocalKey<Cell<Option<Box<S>>>>;
+/// One handle slot per peer, allocated at its first message and reused for every later one:
+/// a message costs the C side no allocation, no thread-local and no reference count.
+///
+/// A message to (or from) a peer holds the channel's sending (receiving) half of that
+/// connection until it ends, and the engine gives each half to one message at a time; so
+/// while a handle is live, nothing else writes its slot. `live` is set after a message is
+/// written to the slot and cleared before it is dropped (the drop gives the half back), for
+/// `mad_channel_free` to see whether a handle is still out.
+struct Slots<S> {
+    slots: Box<[AtomicPtr<S>]>,
+}
 
-/// A slot for a message of `ch`: this thread's spare one (re-pointed at `ch` if it held
-/// another channel) or a new one.
-fn slot<S: Slot>(spare: &'static Spare<S>, ch: &Channel) -> Box<S> {
-    match spare.try_with(Cell::take).ok().flatten() {
-        Some(mut b) => {
-            let c = b.parts().1;
-            if !Channel::ptr_eq(c, ch) {
-                *c = ch.clone();
-            }
-            b
+impl<S: Slot> Slots<S> {
+    fn new(n: usize) -> Self {
+        Slots {
+            slots: (0..n)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
         }
-        None => Box::new(S::new(ch.clone())),
+    }
+
+    /// The slot of peer `rank` (a rank of the channel: the engine checked it).
+    #[inline]
+    fn get(&self, rank: usize) -> *mut S {
+        let a = &self.slots[rank];
+        let p = a.load(Ordering::Acquire);
+        if p.is_null() {
+            self.first(a)
+        } else {
+            p
+        }
+    }
+
+    #[cold]
+    fn first(&self, a: &AtomicPtr<S>) -> *mut S {
+        let b = Box::into_raw(Box::new(S::empty()));
+        match a.compare_exchange(std::ptr::null_mut(), b, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => b,
+            Err(cur) => {
+                // SAFETY: `b` is ours, never shared.
+                drop(unsafe { Box::from_raw(b) });
+                cur
+            }
+        }
+    }
+
+    /// Move the message at `m` into the slot of peer `rank` (one copy, straight from where
+    /// the engine returned it) and return the handle.
+    ///
+    /// # Safety
+    /// `m` points to a message that holds the half of the connection to `rank` that this slot
+    /// serves; the caller forgets it (it is moved, not dropped).
+    #[inline(always)]
+    unsafe fn put(&self, rank: usize, m: *const S::Msg) -> *mut S {
+        let p = self.get(rank);
+        // SAFETY: the slot is allocated and, the message holding the connection's half, ours
+        // alone (the type's docs); its previous message, if any, was dropped.
+        let (msg, live) = unsafe { (*p).parts() };
+        // SAFETY: `m` is a valid message, moved (the caller forgets it); the slot is not it.
+        unsafe { std::ptr::copy_nonoverlapping(m, msg.as_mut_ptr(), 1) };
+        live.store(true, Ordering::Relaxed);
+        p
+    }
+
+    /// Whether a handle of this channel is still out.
+    fn any_live(&self) -> bool {
+        self.slots.iter().any(|a| {
+            let p = a.load(Ordering::Acquire);
+            // SAFETY: a non-null slot lives as long as `self`.
+            !p.is_null() && unsafe { (*p).parts().1.load(Ordering::Relaxed) }
+        })
+    }
+}
+
+impl<S> Drop for Slots<S> {
+    fn drop(&mut self) {
+        for a in self.slots.iter() {
+            let p = a.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: allocated by `first`, freed once; its message is not live
+                // (`mad_channel_free` keeps a channel whose handles are out).
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for Slots<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slots")
+            .field("peers", &self.slots.len())
+            .finish()
     }
 }
 
 /// End the message of a live handle where it lives with `end` (which leaves it only to be
-/// dropped), drop it, and keep the handle's memory as this thread's spare slot.
+/// dropped), then drop it: the slot is free for the peer's next message.
 ///
 /// # Safety
-/// `p` is a live handle (from `Box::into_raw` of a slot whose message was written), given
-/// back once.
+/// `p` is a live handle, given back once.
+#[inline]
 unsafe fn end_in_place<S: Slot>(
-    spare: &'static Spare<S>,
     p: *mut S,
     end: impl FnOnce(&mut S::Msg) -> madeleine::Result<()>,
 ) -> madeleine::Result<()> {
-    // SAFETY: the caller's contract: `p` is a boxed slot, not used afterwards.
-    let mut b = unsafe { Box::from_raw(p) };
-    let msg = b.parts().0;
+    // SAFETY: the caller's contract: a live handle, ours alone.
+    let (msg, live) = unsafe { (*p).parts() };
     // SAFETY: a live handle's message is initialised.
     let r = end(unsafe { msg.assume_init_mut() });
+    live.store(false, Ordering::Relaxed);
     // SAFETY: initialised, and dropped once (the slot's `MaybeUninit` never drops it again).
+    // The drop gives the connection's half back: the slot may be reused from then on.
     unsafe { msg.assume_init_drop() };
-    let _ = spare.try_with(move |s| s.set(Some(b)));
     r
 }
 
-/// Take the message out of a live handle; its memory becomes this thread's spare slot.
+/// Take the message out of a live handle (its slot is free for the next message once the
+/// message is dropped).
 ///
 /// # Safety
-/// `p` is a live handle (from `Box::into_raw` of a slot whose message was written), given
-/// back once.
-unsafe fn release<S: Slot>(spare: &'static Spare<S>, p: *mut S) -> S::Msg {
-    // SAFETY: the caller's contract: `p` is a boxed slot, not used afterwards.
-    let mut b = unsafe { Box::from_raw(p) };
-    // SAFETY: a live handle's message is initialised; it is read once and the slot is only
-    // reused (or dropped, which does not drop `MaybeUninit`) afterwards.
-    let m = unsafe { b.parts().0.assume_init_read() };
-    // After the thread's destructors ran, the slot is simply freed.
-    let _ = spare.try_with(move |s| s.set(Some(b)));
-    m
+/// `p` is a live handle, given back once.
+unsafe fn release<S: Slot>(p: *mut S) -> S::Msg {
+    // SAFETY: the caller's contract: a live handle, ours alone.
+    let (msg, live) = unsafe { (*p).parts() };
+    live.store(false, Ordering::Relaxed);
+    // SAFETY: a live handle's message is initialised; it is read once.
+    unsafe { msg.assume_init_read() }
 }
 
 /// Success.
@@ -236,9 +324,6 @@ pub struct MadStats {
 
 thread_local! {
     static LAST: RefCell<CString> = RefCell::new(CString::default());
-    /// This thread's spare message slots (see [`Slot`]).
-    static SPARE_PACKER: Cell<Option<Box<MadPacker>>> = const { Cell::new(None) };
-    static SPARE_UNPACKER: Cell<Option<Box<MadUnpacker>>> = const { Cell::new(None) };
 }
 
 fn set_last(msg: String) {
@@ -268,31 +353,40 @@ fn code(e: &Error) -> c_int {
     }
 }
 
+#[cold]
+#[inline(never)]
 fn fail(e: Error) -> c_int {
     let c = code(&e);
     set_last(e.to_string());
     c
 }
 
+#[cold]
+#[inline(never)]
 fn bad(what: &str) -> c_int {
     set_last(format!("bad argument: {what}"));
     MAD_E_BAD_CONFIG
 }
 
 /// Run `f`, turning a panic into `MAD_E_PANIC` (never unwinding into C).
+#[inline(always)]
 fn guard(f: impl FnOnce() -> c_int) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(c) => c,
-        Err(p) => {
-            let what = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            set_last(format!("madeleine bug: {what}"));
-            MAD_E_PANIC
-        }
+        Err(p) => panicked(p),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn panicked(p: Box<dyn std::any::Any + Send>) -> c_int {
+    let what = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into());
+    set_last(format!("madeleine bug: {what}"));
+    MAD_E_PANIC
 }
 
 fn send_mode(m: c_int) -> Option<SendMode> {
@@ -309,6 +403,44 @@ fn recv_mode(m: c_int) -> Option<RecvMode> {
         MAD_RECV_EXPRESS => Some(RecvMode::Express),
         MAD_RECV_CHEAPER => Some(RecvMode::Cheaper),
         _ => None,
+    }
+}
+
+/// Pack a SAFER or CHEAPER piece with its modes known at compile time in each arm, as a Rust
+/// caller's are: the engine's per-mode paths are inlined and specialised instead of taking
+/// the mode as a value (most of what a C call cost beyond a Rust one; LATER is packed apart).
+#[inline(always)]
+fn pack_bytes<'b>(
+    p: &mut Packer<'_, 'b>,
+    bytes: &'b [u8],
+    s: SendMode,
+    r: RecvMode,
+) -> madeleine::Result<()> {
+    use RecvMode::{Cheaper as RC, Express as RE};
+    match (s, r) {
+        (SendMode::Cheaper, RC) => p.pack(bytes, RC),
+        (SendMode::Cheaper, RE) => p.pack(bytes, RE),
+        (_, RC) => p.pack_safer(bytes, RC),
+        (_, RE) => p.pack_safer(bytes, RE),
+    }
+}
+
+/// Unpack a piece with its modes known at compile time in each arm (see [`pack_bytes`]).
+#[inline(always)]
+fn unpack_bytes<'b>(
+    u: &mut Unpacker<'_, 'b>,
+    dst: &'b mut [u8],
+    s: SendMode,
+    r: RecvMode,
+) -> madeleine::Result<()> {
+    use SendMode::{Cheaper as SC, Later as SL, Safer as SS};
+    match (r, s) {
+        (RecvMode::Cheaper, SC) => u.unpack(dst, SC),
+        (RecvMode::Cheaper, SS) => u.unpack(dst, SS),
+        (RecvMode::Cheaper, SL) => u.unpack(dst, SL),
+        (RecvMode::Express, SC) => u.unpack_express(dst, SC),
+        (RecvMode::Express, SS) => u.unpack_express(dst, SS),
+        (RecvMode::Express, SL) => u.unpack_express(dst, SL),
     }
 }
 
@@ -444,7 +576,7 @@ pub unsafe extern "C" fn mad_channel_open(
         };
         match s.s.open_channel(name) {
             // SAFETY: `out` checked above.
-            Ok(ch) => unsafe { put(out, MadChannel { ch }) },
+            Ok(ch) => unsafe { put(out, MadChannel::new(ch)) },
             Err(e) => fail(e),
         }
     })
@@ -474,7 +606,7 @@ pub unsafe extern "C" fn mad_channel_open_spec(
         let r = madeleine::ChannelConfig::parse(name, spec).and_then(|c| s.s.open_channel_with(c));
         match r {
             // SAFETY: `out` checked above.
-            Ok(ch) => unsafe { put(out, MadChannel { ch }) },
+            Ok(ch) => unsafe { put(out, MadChannel::new(ch)) },
             Err(e) => fail(e),
         }
     })
@@ -494,9 +626,9 @@ pub unsafe extern "C" fn mad_channel_close(ch: *const MadChannel) {
 }
 
 /// Close the channel (as `mad_channel_close`: messages still open on it fail with
-/// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. Its memory may outlive
-/// the call until the threads that used it send or receive on another channel, or exit.
-/// NULL is ignored.
+/// `MAD_E_CLOSED`, the peers see a clean close) and free the handle. A channel freed while
+/// some of its message handles are still out keeps its memory for the rest of the process, so
+/// that those handles stay valid until ended or abandoned. NULL is ignored.
 ///
 /// # Safety
 /// `ch` is NULL or a channel from `mad_channel_open*`, not used afterwards.
@@ -507,6 +639,12 @@ pub unsafe extern "C" fn mad_channel_free(ch: *mut MadChannel) {
             // SAFETY: a pointer from `Box::into_raw`, given back once.
             let c = unsafe { Box::from_raw(ch) };
             c.ch.close();
+            if c.tx.any_live() || c.rx.any_live() {
+                // Messages are still open: their handles live in this channel and stay valid
+                // (their calls fail with `MAD_E_CLOSED`, their ends free nothing), so its
+                // memory is kept for the rest of the process.
+                Box::leak(c);
+            }
         }));
     }
 }
@@ -619,20 +757,20 @@ pub unsafe extern "C" fn mad_begin_packing(
         let (Some(c), false) = (unsafe { ch.as_ref() }, out.is_null()) else {
             return bad("channel or out is NULL");
         };
-        match c.ch.begin_packing(remote) {
+        let r = c.ch.begin_packing(remote);
+        match &r {
             Ok(p) => {
-                // SAFETY: the packer borrows the channel's shared state, which the slot's
-                // handle of the same channel keeps alive for as long as the message is (the
-                // slot is reused or dropped only once the message is out of it); the
-                // borrowed user memory is the C caller's duty (module docs).
-                let p: Packer<'static, 'static> = unsafe { std::mem::transmute(p) };
-                let mut b = slot(&SPARE_PACKER, &c.ch);
-                b.msg.write(p);
-                // SAFETY: `out` checked above.
-                unsafe { *out = Box::into_raw(b) };
+                // The packer borrows the channel's shared state, which outlives it (a channel
+                // freed with handles out is kept); the borrowed user memory is the caller's
+                // duty (module docs): its lifetimes are erased as it moves to the slot.
+                let p: *const Packer<'static, 'static> = std::ptr::from_ref(p).cast();
+                // SAFETY: `p` holds the sending half to `remote` and is moved (forgotten
+                // below); `out` checked above.
+                unsafe { *out = c.tx.put(remote, p) };
+                std::mem::forget(r);
                 MAD_OK
             }
-            Err(e) => fail(e),
+            Err(_) => r.err().map_or(MAD_OK, fail),
         }
     })
 }
@@ -673,8 +811,6 @@ pub unsafe extern "C" fn mad_pack(
         // SAFETY: a live handle's message is initialised (the caller passes a live packer).
         let p = unsafe { p.msg.assume_init_mut() };
         let r = match s {
-            SendMode::Safer => p.pack_safer(bytes, r),
-            SendMode::Cheaper => p.pack(bytes, r),
             SendMode::Later => {
                 // Cells, not bytes: the caller may write them until `mad_end_packing`.
                 let cells: &'static [Cell<u8>] = if len == 0 {
@@ -686,6 +822,7 @@ pub unsafe extern "C" fn mad_pack(
                 };
                 p.pack_later(cells, r)
             }
+            _ => pack_bytes(p, bytes, s, r),
         };
         match r {
             Ok(()) => MAD_OK,
@@ -706,7 +843,7 @@ pub unsafe extern "C" fn mad_end_packing(p: *mut MadPacker) -> c_int {
         }
         // SAFETY: a handle from `mad_begin_packing`, given back once; the packer is only
         // dropped after `end_packing_in_place`.
-        let r = unsafe { end_in_place(&SPARE_PACKER, p, |m| m.end_packing_in_place()) };
+        let r = unsafe { end_in_place(p, |m| m.end_packing_in_place()) };
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
@@ -724,7 +861,7 @@ pub unsafe extern "C" fn mad_packer_abandon(p: *mut MadPacker) {
     if !p.is_null() {
         let _ = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: a handle from `mad_begin_packing`, given back once.
-            drop(unsafe { release(&SPARE_PACKER, p) })
+            drop(unsafe { release(p) })
         }));
     }
 }
@@ -751,6 +888,7 @@ pub const MAD_ANY_SOURCE: usize = usize::MAX;
 ///
 /// # Safety
 /// `pieces` is NULL with `n == 0`, or points to `n` pieces.
+#[inline(always)]
 unsafe fn piece_list<'a>(pieces: *const MadPiece, n: usize) -> Result<&'a [MadPiece], c_int> {
     if n == 0 {
         return Ok(&[]);
@@ -760,18 +898,34 @@ unsafe fn piece_list<'a>(pieces: *const MadPiece, n: usize) -> Result<&'a [MadPi
     }
     // SAFETY: `n` readable pieces (caller's duty).
     let list = unsafe { std::slice::from_raw_parts(pieces, n) };
+    let ok = |p: &MadPiece| {
+        (!p.data.is_null() || p.len == 0)
+            && (MAD_SEND_SAFER..=MAD_SEND_CHEAPER).contains(&p.send)
+            && (MAD_RECV_EXPRESS..=MAD_RECV_CHEAPER).contains(&p.recv)
+    };
+    if list.iter().all(ok) {
+        Ok(list)
+    } else {
+        Err(bad_piece(list))
+    }
+}
+
+/// The error of the first bad piece of `list`.
+#[cold]
+#[inline(never)]
+fn bad_piece(list: &[MadPiece]) -> c_int {
     for (i, p) in list.iter().enumerate() {
         if p.data.is_null() && p.len > 0 {
-            return Err(bad(&format!("piece {i}: data is NULL")));
+            return bad(&format!("piece {i}: data is NULL"));
         }
         if send_mode(p.send).is_none() || recv_mode(p.recv).is_none() {
-            return Err(bad(&format!(
+            return bad(&format!(
                 "piece {i}: send mode {} or receive mode {}",
                 p.send, p.recv
-            )));
+            ));
         }
     }
-    Ok(list)
+    bad("pieces")
 }
 
 /// The memory of a received piece `p` (checked by [`piece_list`]).
@@ -823,8 +977,7 @@ pub unsafe extern "C" fn mad_send(
                 };
                 let r = recv_mode(piece.recv).unwrap_or(RecvMode::Express);
                 match send_mode(piece.send).unwrap_or(SendMode::Safer) {
-                    SendMode::Safer => p.pack_safer(bytes, r)?,
-                    SendMode::Cheaper => p.pack(bytes, r)?,
+                    s @ (SendMode::Safer | SendMode::Cheaper) => pack_bytes(&mut p, bytes, s, r)?,
                     SendMode::Later => {
                         // SAFETY: `Cell<u8>` has the layout of `u8`; the bytes stay valid
                         // for this call, in which the message ends (built from the caller's
@@ -885,10 +1038,8 @@ pub unsafe extern "C" fn mad_recv(
                 // SAFETY: `len` writable bytes, valid for this call (caller's duty).
                 let dst = unsafe { piece_bytes(piece) };
                 let s = send_mode(piece.send).unwrap_or(SendMode::Safer);
-                match recv_mode(piece.recv).unwrap_or(RecvMode::Express) {
-                    RecvMode::Express => u.unpack_express(dst, s)?,
-                    RecvMode::Cheaper => u.unpack(dst, s)?,
-                }
+                let r = recv_mode(piece.recv).unwrap_or(RecvMode::Express);
+                unpack_bytes(&mut u, dst, s, r)?;
             }
             u.end_unpacking()
         })();
@@ -903,6 +1054,7 @@ pub unsafe extern "C" fn mad_recv(
 ///
 /// # Safety
 /// `ch` is NULL or a valid channel; `out` NULL or a valid pointer.
+#[inline(always)]
 unsafe fn begin_recv(
     ch: *const MadChannel,
     out: *mut *mut MadUnpacker,
@@ -913,19 +1065,21 @@ unsafe fn begin_recv(
         let (Some(c), false) = (unsafe { ch.as_ref() }, out.is_null()) else {
             return bad("channel or out is NULL");
         };
-        match begin(&c.ch) {
+        let r = begin(&c.ch);
+        match &r {
             Ok(Some(u)) => {
-                // SAFETY: as in `mad_begin_packing`: the slot's channel handle outlives the
-                // unpacker.
-                let u: Unpacker<'static, 'static> = unsafe { std::mem::transmute(u) };
-                let mut b = slot(&SPARE_UNPACKER, &c.ch);
-                b.msg.write(u);
-                // SAFETY: `out` checked above.
-                unsafe { *out = Box::into_raw(b) };
+                // As in `mad_begin_packing`: the channel outlives the unpacker, the user
+                // memory is the caller's duty.
+                let from = u.remote();
+                let u: *const Unpacker<'static, 'static> = std::ptr::from_ref(u).cast();
+                // SAFETY: `u` holds the receiving half from `from` and is moved (forgotten
+                // below); `out` checked above.
+                unsafe { *out = c.rx.put(from, u) };
+                std::mem::forget(r);
                 MAD_OK
             }
             Ok(None) => MAD_AGAIN,
-            Err(e) => fail(e),
+            Err(_) => r.err().map_or(MAD_OK, fail),
         }
     })
 }
@@ -1030,11 +1184,7 @@ pub unsafe extern "C" fn mad_unpack(
         };
         // SAFETY: a live handle's message is initialised (the caller passes a live unpacker).
         let u = unsafe { u.msg.assume_init_mut() };
-        let res = match r {
-            RecvMode::Express => u.unpack_express(dst, s),
-            RecvMode::Cheaper => u.unpack(dst, s),
-        };
-        match res {
+        match unpack_bytes(u, dst, s, r) {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
         }
@@ -1054,7 +1204,7 @@ pub unsafe extern "C" fn mad_end_unpacking(u: *mut MadUnpacker) -> c_int {
         }
         // SAFETY: a handle from `mad_begin_unpacking*`, given back once; the unpacker is
         // only dropped after `end_unpacking_in_place`.
-        let r = unsafe { end_in_place(&SPARE_UNPACKER, u, |m| m.end_unpacking_in_place()) };
+        let r = unsafe { end_in_place(u, |m| m.end_unpacking_in_place()) };
         match r {
             Ok(()) => MAD_OK,
             Err(e) => fail(e),
@@ -1072,7 +1222,7 @@ pub unsafe extern "C" fn mad_unpacker_abandon(u: *mut MadUnpacker) {
     if !u.is_null() {
         let _ = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: a handle from `mad_begin_unpacking*`, given back once.
-            drop(unsafe { release(&SPARE_UNPACKER, u) })
+            drop(unsafe { release(u) })
         }));
     }
 }

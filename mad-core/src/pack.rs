@@ -790,16 +790,25 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    #[inline]
+    /// The success path is one test, inlined into every caller (bindings that pass modes as
+    /// values included); failures go through [`Self::failed`].
+    #[inline(always)]
     fn check(&mut self, r: Result<()>) -> Result<()> {
-        let r = r.map_err(|e| self.st.ch.closed_or(e));
-        if let Err(e) = &r {
-            if !self.st.done {
-                self.st
-                    .fail(&format!("pack failed: {e}"), crate::channel::peer_gone(e));
-            }
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed(e)),
         }
-        r
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn failed(&mut self, e: Error) -> Error {
+        let e = self.st.ch.closed_or(e);
+        if !self.st.done {
+            self.st
+                .fail(&format!("pack failed: {e}"), crate::channel::peer_gone(&e));
+        }
+        e
     }
 
     /// Send the pending gather group (announced by its frames in unchecked mode).
@@ -828,7 +837,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// A Copy-TM piece: in unchecked mode its frame goes first, through TM 0 (with the piece
     /// itself when TM 0 carries it).
-    #[inline]
+    #[inline(always)]
     fn emit_copy(&mut self, tm: TmId, d: &[u8]) -> Result<()> {
         self.flush_group()?;
         if self.st.checked {
@@ -849,7 +858,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn emit_ref(&mut self, d: &'b [u8], s: SendMode, r: RecvMode) -> Result<()> {
         let tm = self.st.ch.table.select(d.len(), s, r);
         self.account(tm, d.len());
@@ -893,7 +902,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn descriptor(&mut self, len: usize, s: SendMode, r: RecvMode) -> Result<()> {
         if self.st.checked {
             let d = wire::encode_desc(PieceOrEnd::Piece(PieceDesc {
@@ -929,7 +938,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// the driver must become visible before `end_packing` (see [`TxLink::publish`]).
     ///
     /// [`TxLink::publish`]: crate::driver::TxLink::publish
-    #[inline]
+    #[inline(always)]
     fn publish_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
         if r == RecvMode::Express && len > 0 {
             self.st.tx.link.publish()

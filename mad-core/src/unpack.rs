@@ -631,18 +631,25 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn check(&mut self, r: Result<()>) -> Result<()> {
-        let r = r.map_err(|e| self.st.ch.closed_or(e));
-        if let Err(e) = &r {
-            if !self.st.done {
-                self.st
-                    .fail(format!("unpack failed: {e}"), crate::channel::peer_gone(e));
-                self.recycle();
-                self.st.release();
-            }
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed(e)),
         }
-        r
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn failed(&mut self, e: Error) -> Error {
+        let e = self.st.ch.closed_or(e);
+        if !self.st.done {
+            self.st
+                .fail(format!("unpack failed: {e}"), crate::channel::peer_gone(&e));
+            self.recycle();
+            self.st.release();
+        }
+        e
     }
 
     fn flush_group(&mut self) -> Result<()> {

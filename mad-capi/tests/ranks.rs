@@ -1,0 +1,320 @@
+//! The C API with three ranks, each a separate process (the test starts the bootstrap server
+//! `madrun` runs and re-executes its own binary as the ranks), over tcp and shm: handles of
+//! messages to and from several peers open at once on several threads, any-source receives,
+//! a second message to a peer refused while the first is open, and a channel freed while a
+//! message is still open (its handle stays valid and fails cleanly).
+
+use std::ffi::{c_void, CStr, CString};
+use std::process::Command;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+use mad_core::auth::Secret;
+use mad_core::launch::server::BootstrapServer;
+use madeleine_c::*;
+
+const RANKS: usize = 3;
+const MESSAGES: usize = 300;
+
+fn last() -> String {
+    // SAFETY: `mad_last_error` returns a valid NUL-terminated string of this thread.
+    unsafe { CStr::from_ptr(mad_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[track_caller]
+fn ok(rc: i32) {
+    assert_eq!(rc, MAD_OK, "status {rc}: {}", last());
+}
+
+/// Handles may cross threads as raw pointers do in C.
+#[derive(Clone, Copy)]
+struct Ch(*mut MadChannel);
+// SAFETY: a channel is shared by threads in C; its calls are thread-safe.
+unsafe impl Send for Ch {}
+// SAFETY: as above.
+unsafe impl Sync for Ch {}
+
+fn open(s: *mut MadSession, name: &str, spec: &str) -> Ch {
+    let (n, sp) = (CString::new(name).unwrap(), CString::new(spec).unwrap());
+    let mut ch = null_mut();
+    // SAFETY: valid session, strings and out pointer.
+    ok(unsafe { mad_channel_open_spec(s, n.as_ptr(), sp.as_ptr(), &mut ch) });
+    Ch(ch)
+}
+
+/// A message of a 16-byte EXPRESS header (sender, sequence number) and a CHEAPER body whose
+/// length the sequence number gives (beyond any ring or buffer every 50th message).
+fn send(ch: Ch, to: usize, me: usize, seq: usize) {
+    let len = if seq % 50 == 49 {
+        3 << 20
+    } else {
+        seq * 7 % 4096
+    };
+    let head = [me as u64, seq as u64];
+    let body: Vec<u8> = (0..len).map(|i| (i + seq + me) as u8).collect();
+    let mut p = null_mut();
+    // SAFETY: valid channel and pointers; `body` lives until `mad_end_packing`.
+    unsafe {
+        ok(mad_begin_packing(ch.0, to, &mut p));
+        ok(mad_pack(
+            p,
+            head.as_ptr().cast(),
+            16,
+            MAD_SEND_SAFER,
+            MAD_RECV_EXPRESS,
+        ));
+        ok(mad_pack(
+            p,
+            body.as_ptr().cast(),
+            len,
+            MAD_SEND_CHEAPER,
+            MAD_RECV_CHEAPER,
+        ));
+        ok(mad_end_packing(p));
+    }
+}
+
+/// Receive one message of [`send`] (from `from`, or from any peer) and check it; returns its
+/// sender and sequence number.
+fn recv(ch: Ch, from: Option<usize>) -> (usize, usize) {
+    let mut u = null_mut();
+    let mut head = [0u64; 2];
+    // SAFETY: valid channel and pointers; `body` lives until `mad_end_unpacking`.
+    unsafe {
+        match from {
+            Some(r) => ok(mad_begin_unpacking_from(ch.0, r, &mut u)),
+            None => ok(mad_begin_unpacking(ch.0, &mut u)),
+        }
+        let remote = mad_unpacker_remote(u);
+        if let Some(r) = from {
+            assert_eq!(remote, r);
+        }
+        ok(mad_unpack(
+            u,
+            head.as_mut_ptr().cast(),
+            16,
+            MAD_SEND_SAFER,
+            MAD_RECV_EXPRESS,
+        ));
+        let (sender, seq) = (head[0] as usize, head[1] as usize);
+        assert_eq!(sender, remote, "header names its sender");
+        let len = if seq % 50 == 49 {
+            3 << 20
+        } else {
+            seq * 7 % 4096
+        };
+        let mut body = vec![0u8; len];
+        ok(mad_unpack(
+            u,
+            body.as_mut_ptr().cast::<c_void>(),
+            len,
+            MAD_SEND_CHEAPER,
+            MAD_RECV_CHEAPER,
+        ));
+        ok(mad_end_unpacking(u));
+        assert!(
+            body.iter()
+                .enumerate()
+                .all(|(i, b)| *b == (i + seq + sender) as u8),
+            "message {seq} from {sender}: body corrupted"
+        );
+        (sender, seq)
+    }
+}
+
+fn rank(spec: &str) {
+    let mut s = null_mut();
+    // SAFETY: a valid out pointer.
+    ok(unsafe { mad_session_init(&mut s) });
+    // SAFETY: a valid session.
+    let me = unsafe { mad_session_rank(s) };
+    let ch = open(s, "c", spec);
+    if me == 0 {
+        // One thread per peer, each with its messages to and from that peer open while the
+        // other thread's are: each handle is the channel's slot for that peer.
+        std::thread::scope(|sc| {
+            for peer in 1..RANKS {
+                sc.spawn(move || {
+                    for seq in 0..MESSAGES {
+                        send(ch, peer, 0, seq);
+                        assert_eq!(recv(ch, Some(peer)), (peer, seq));
+                    }
+                });
+            }
+        });
+        // Any-source: both peers send at once, each in order.
+        let mut next = [0usize; RANKS];
+        for _ in 0..2 * MESSAGES {
+            let (from, seq) = recv(ch, None);
+            assert_eq!(seq, next[from], "order from rank {from}");
+            next[from] += 1;
+        }
+        // A second message to a peer while this thread's first is open is refused, and the
+        // first goes on.
+        let (mut p, mut q) = (null_mut(), null_mut());
+        let x = 7u64;
+        // SAFETY: valid channel and pointers.
+        unsafe {
+            ok(mad_begin_packing(ch.0, 1, &mut p));
+            assert_eq!(
+                mad_begin_packing(ch.0, 1, &mut q),
+                MAD_E_IN_USE,
+                "{}",
+                last()
+            );
+            ok(mad_pack(
+                p,
+                (&x as *const u64).cast(),
+                8,
+                MAD_SEND_SAFER,
+                MAD_RECV_EXPRESS,
+            ));
+            ok(mad_end_packing(p));
+        }
+    } else {
+        for seq in 0..MESSAGES {
+            assert_eq!(recv(ch, Some(0)), (0, seq));
+            send(ch, 0, me, seq);
+        }
+        for seq in 0..MESSAGES {
+            send(ch, 0, me, seq);
+        }
+        if me == 1 {
+            let mut u = null_mut();
+            let mut x = 0u64;
+            // SAFETY: valid channel and pointers.
+            unsafe {
+                ok(mad_begin_unpacking_from(ch.0, 0, &mut u));
+                ok(mad_unpack(
+                    u,
+                    (&mut x as *mut u64).cast(),
+                    8,
+                    MAD_SEND_SAFER,
+                    MAD_RECV_EXPRESS,
+                ));
+                ok(mad_end_unpacking(u));
+            }
+            assert_eq!(x, 7);
+        }
+    }
+    // A channel freed while this rank's message on it is open: the handle stays valid, and
+    // ending it fails with a status, not a crash.
+    let late = open(s, "late", spec);
+    if me == 0 {
+        let mut p = null_mut();
+        let body = vec![1u8; 1 << 20];
+        // SAFETY: valid channel and pointers; the handle is used after the free on purpose
+        // (the API keeps a channel whose handles are out).
+        unsafe {
+            ok(mad_begin_packing(late.0, 1, &mut p));
+            ok(mad_pack(
+                p,
+                body.as_ptr().cast(),
+                body.len(),
+                MAD_SEND_CHEAPER,
+                MAD_RECV_CHEAPER,
+            ));
+            mad_channel_free(late.0);
+            let rc = mad_end_packing(p);
+            assert!(rc < 0, "ending a message of a freed channel: status {rc}");
+        }
+    } else {
+        // Rank 1 sees the close: at the start of the message, or (when part of it had left
+        // before the free) at its end; never the whole message.
+        if me == 1 {
+            let mut u = null_mut();
+            let mut body = vec![0u8; 1 << 20];
+            // SAFETY: valid channel and pointers.
+            let rc = unsafe {
+                match mad_begin_unpacking_from(late.0, 0, &mut u) {
+                    MAD_OK => {
+                        let rc = mad_unpack(
+                            u,
+                            body.as_mut_ptr().cast(),
+                            body.len(),
+                            MAD_SEND_CHEAPER,
+                            MAD_RECV_CHEAPER,
+                        );
+                        if rc == MAD_OK {
+                            mad_end_unpacking(u)
+                        } else {
+                            mad_unpacker_abandon(u);
+                            rc
+                        }
+                    }
+                    rc => rc,
+                }
+            };
+            assert!(
+                rc < 0,
+                "a message ended after its channel was freed: status {rc}"
+            );
+        }
+        // SAFETY: a valid channel, freed once.
+        unsafe { mad_channel_free(late.0) };
+    }
+    // SAFETY: valid handles, freed once.
+    unsafe {
+        mad_channel_free(ch.0);
+        mad_session_free(s);
+    }
+}
+
+fn job(test: &str, spec: &str) {
+    if std::env::var_os("MAD_BOOTSTRAP").is_some() {
+        rank(spec);
+        return;
+    }
+    let secret = Secret::random().unwrap();
+    let server = BootstrapServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        RANKS,
+        secret.clone(),
+        Box::new(|m| eprintln!("{m}")),
+    )
+    .unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut kids: Vec<_> = (0..RANKS)
+        .map(|r| {
+            Command::new(&exe)
+                .args(["--exact", test, "--nocapture", "--test-threads=1"])
+                .env("MAD_RANK", r.to_string())
+                .env("MAD_SIZE", RANKS.to_string())
+                .env("MAD_BOOTSTRAP", server.advertised_addr().to_string())
+                .env("MAD_SECRET", secret.to_hex())
+                .env("MAD_LOCAL_SIZE", RANKS.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut codes = vec![None; RANKS];
+    while codes.iter().any(Option::is_none) {
+        for (r, k) in kids.iter_mut().enumerate() {
+            if codes[r].is_none() {
+                codes[r] = k.try_wait().unwrap().map(|s| s.code());
+            }
+        }
+        if Instant::now() > deadline {
+            kids.iter_mut().for_each(|k| drop(k.kill()));
+            panic!("ranks still running after 180 s: {codes:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        codes.iter().all(|c| *c == Some(Some(0))),
+        "rank exit codes: {codes:?}"
+    );
+}
+
+#[test]
+fn three_ranks_tcp() {
+    job("three_ranks_tcp", "tcp");
+}
+
+#[test]
+fn three_ranks_shm() {
+    job("three_ranks_shm", "shm");
+}
