@@ -81,7 +81,6 @@ pub fn rank_role(session: &Session, role: &str, spec: &str) -> bool {
                 .expect("pack");
             p.pack(&body, RecvMode::Cheaper).expect("pack");
             p.end_packing().expect("end_packing");
-            println!("late-sender: sent");
         }
         "vanish" => {
             let _ch = open(session, "anysrc", spec);
