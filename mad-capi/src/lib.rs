@@ -349,6 +349,8 @@ fn code(e: &Error) -> c_int {
         Error::Io { .. } => MAD_E_IO,
         Error::RemoteFailure { .. } => MAD_E_REMOTE_FAILURE,
         Error::CollectiveTimeout { .. } => MAD_E_COLLECTIVE_TIMEOUT,
+        // The caller's message is too long for the channel: an argument that is wrong.
+        Error::MessageTooLarge { .. } => MAD_E_BAD_CONFIG,
         _ => MAD_E_IO,
     }
 }

@@ -1,5 +1,6 @@
 //! The hardened acceptor drivers share at channel open: accept the connections a rank expects
-//! until each has arrived, refusing strangers without giving up.
+//! until each has arrived, refusing strangers without giving up; and its connector side over
+//! TCP ([`dial`]: retry until the peer listens, then bound the handshake by the deadline).
 //!
 //! [`accept_all`] polls a non-blocking listener until a deadline. Every accepted connection
 //! gets a detached handshake thread running the driver's own handshake (a silent stranger
@@ -21,6 +22,55 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+/// The connector's side of a channel open over TCP: dial `addr` until it answers or
+/// `deadline` passes (the peer's listener may not be up yet: a refused or interrupted
+/// connect is retried every 10 ms), then bound the socket's reads and writes by the deadline
+/// ([`set_timeouts`]) for the handshake that follows.
+///
+/// # Errors
+///
+/// The connect's error other than a refusal; [`io::ErrorKind::TimedOut`] at the deadline.
+pub fn dial(addr: std::net::SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
+    let st = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "setup timeout: no answer before the open's deadline",
+            ));
+        }
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(st) => break st,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::Interrupted
+                ) =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    set_timeouts(&st, deadline, Duration::MAX)?;
+    Ok(st)
+}
+
+/// Bound a set-up socket's reads and writes by what is left until `deadline`, at most `cap`
+/// (and at least 1 ms: a zero timeout would mean none).
+///
+/// # Errors
+///
+/// The `setsockopt` error.
+pub fn set_timeouts(st: &TcpStream, deadline: Instant, cap: Duration) -> io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .min(cap)
+        .max(Duration::from_millis(1));
+    st.set_read_timeout(Some(left))?;
+    st.set_write_timeout(Some(left))
+}
 
 /// A listening socket [`accept_all`] can drive.
 pub trait Listener: AsFd {
@@ -332,5 +382,31 @@ mod tests {
         let stop = AtomicBool::new(true);
         let e = accept_all(&w, &l, &stop, &[1usize], handshake).unwrap_err();
         assert!(e.to_string().contains("cancelled"), "{e}");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "real sockets: not under Miri")]
+    fn dial_waits_for_a_late_listener_and_gives_up_at_the_deadline() {
+        // A port nobody listens on (yet): bound, its address noted, closed.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let e = dial(addr, Instant::now() + Duration::from_millis(100)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        // The listener comes up after the first refusals.
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let l = TcpListener::bind(addr).unwrap();
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"x").unwrap();
+        });
+        let mut st = dial(addr, Instant::now() + Duration::from_secs(20)).unwrap();
+        let t = st.read_timeout().unwrap().expect("bounded by the deadline");
+        assert!(t <= Duration::from_secs(20), "{t:?}");
+        let mut b = [0u8; 1];
+        st.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"x");
+        late.join().unwrap();
     }
 }

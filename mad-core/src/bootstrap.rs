@@ -191,6 +191,41 @@ pub trait Bootstrap: Send + Sync {
     }
 }
 
+/// This host as the other ranks should see it: `hostname/boot id` (the kernel's boot id
+/// tells two hosts apart even when their names are alike). The PMI bootstrap derives
+/// `local_ranks` from it; a channel open exchanges it ([`HostIdentity`]).
+pub(crate) fn host_identity() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let (host, boot) = (
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id"),
+    );
+    format!("{}/{}", host.trim(), boot.trim())
+}
+
+/// A [`host_identity`] as another rank sent it: its host name and its kernel's boot id
+/// (either empty when unknown).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HostIdentity {
+    pub(crate) name: String,
+    pub(crate) boot: String,
+}
+
+impl HostIdentity {
+    pub(crate) fn parse(s: &str) -> Self {
+        let (name, boot) = s.trim().rsplit_once('/').unwrap_or((s.trim(), ""));
+        HostIdentity {
+            name: name.to_string(),
+            boot: boot.to_string(),
+        }
+    }
+
+    /// Whether `other` certainly runs on another kernel (both boot ids known, and different).
+    pub(crate) fn other_kernel(&self, other: &HostIdentity) -> bool {
+        !self.boot.is_empty() && !other.boot.is_empty() && self.boot != other.boot
+    }
+}
+
 /// The bootstrap of a one-process session (a program started without a launcher).
 #[derive(Debug)]
 pub struct SingleBootstrap {

@@ -34,7 +34,13 @@ use crate::error::{Error, Result};
 use crate::progress::{ProgressMode, ProgressPolicy};
 
 /// The keys every channel accepts, whatever its driver (`tm.<name>` stands for any TM name).
-pub const CORE_KEYS: &[&str] = &["checked", "progress", "timeout_ms", "tm.<name>"];
+pub const CORE_KEYS: &[&str] = &[
+    "checked",
+    "progress",
+    "timeout_ms",
+    "local_only",
+    "tm.<name>",
+];
 
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
 pub const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
@@ -169,6 +175,12 @@ pub struct ChannelConfig {
     pub thresholds: BTreeMap<String, usize>,
     /// Other driver-specific options.
     pub options: BTreeMap<String, String>,
+    /// For a driver that reaches only its own host
+    /// ([`Capabilities::intra_node_only`](crate::driver::Capabilities::intra_node_only)): open
+    /// the channel even when the session has ranks on other hosts, connecting the ranks of
+    /// each host only (a message to another host's rank fails with [`Error::BadConfig`]).
+    /// Without it such an open fails. Spec key `local_only=true`.
+    pub local_only: bool,
 }
 
 impl ChannelConfig {
@@ -183,6 +195,7 @@ impl ChannelConfig {
             op_timeout: None,
             thresholds: BTreeMap::new(),
             options: BTreeMap::new(),
+            local_only: false,
         }
     }
 
@@ -197,6 +210,13 @@ impl ChannelConfig {
     #[must_use]
     pub fn checked(mut self, on: bool) -> Self {
         self.checked = on;
+        self
+    }
+
+    /// Set `local_only` (see the field of that name).
+    #[must_use]
+    pub fn local_only(mut self, on: bool) -> Self {
+        self.local_only = on;
         self
     }
 
@@ -441,6 +461,9 @@ impl ChannelConfig {
             |what: &str| Error::BadConfig(format!("channel `{}`: {k}={v}: {what}", self.name));
         match k {
             "checked" => self.checked = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
+            "local_only" => {
+                self.local_only = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
+            }
             "progress" => self.progress = ProgressPolicy::parse_mode(v)?,
             "timeout_ms" => {
                 self.op_timeout = parse_timeout_ms(v).ok_or_else(|| {
@@ -799,7 +822,7 @@ mod tests {
         );
         assert!(m.contains("unknown option `chekced`"), "{m}");
         assert!(
-            m.contains("ring, cma, checked, progress, timeout_ms, tm.<name>"),
+            m.contains("ring, cma, checked, progress, timeout_ms, local_only, tm.<name>"),
             "{m}"
         );
         // A core key put among the driver options (in code) is named as such.

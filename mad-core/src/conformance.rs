@@ -49,6 +49,7 @@ use crate::error::{Error, Result};
 use crate::modes::{RecvMode, SendMode};
 use crate::{Channel, Session};
 
+pub mod death;
 mod events;
 pub mod jobs;
 

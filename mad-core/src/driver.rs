@@ -298,9 +298,17 @@ pub struct Capabilities {
     /// Whether the driver can tell a dead peer from a slow one by itself (EOF, process
     /// liveness). Kits skip peer-death tests when false.
     pub detects_peer_death: bool,
-    /// Whether this channel only reaches peers on the same host.
+    /// Whether this channel only reaches peers on the same host. The engine then refuses to
+    /// open it ([`Error::BadConfig`] naming the ranks and hosts out of reach) in a session
+    /// with ranks on other hosts: those the bootstrap does not count among this host's
+    /// ([`Bootstrap::local_ranks`]) and those running another kernel (boot id, exchanged
+    /// at open). A channel configured `local_only` ([`ChannelConfig`]'s field) accepts
+    /// that: it connects the ranks of each host only.
     pub intra_node_only: bool,
-    /// Largest message the driver can carry, if bounded.
+    /// Largest message the driver can carry, if bounded: the sum of the lengths of a
+    /// message's pieces (the engine's own framing, a header and a few bytes per piece, comes
+    /// on top: leave room for it). The engine refuses a piece that would exceed it with
+    /// [`Error::MessageTooLarge`] before any of it is sent; the message goes on without it.
     pub max_message: Option<u64>,
 }
 

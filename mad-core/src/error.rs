@@ -179,6 +179,26 @@ pub enum Error {
         /// Its error's text.
         message: String,
     },
+    /// A piece would make its message longer than the channel's driver carries in one
+    /// message ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)). The
+    /// piece was refused before any of it was sent; the message stays open (end it, or drop
+    /// the packer to abandon it) and the connection usable.
+    #[error(
+        "channel `{channel}`: a message of {len} B to rank {rank} is longer than driver \
+         `{driver}` carries in one message ({max} B); the piece was refused, nothing of it was sent"
+    )]
+    MessageTooLarge {
+        /// The channel's name.
+        channel: String,
+        /// The driver's name.
+        driver: String,
+        /// The peer's rank.
+        rank: usize,
+        /// The message's payload length had the piece been packed.
+        len: u64,
+        /// The driver's bound on a message's payload.
+        max: u64,
+    },
     /// A collective operation (a channel open) did not complete within its deadline.
     #[error("{what} timed out after {after:?}{}", waiting_for(.missing))]
     CollectiveTimeout {
@@ -306,6 +326,8 @@ pub enum ErrorKind {
     Resource,
     /// Another I/O failure ([`Error::Io`]).
     Io,
+    /// A message longer than the driver carries ([`Error::MessageTooLarge`]).
+    TooLarge,
 }
 
 impl fmt::Display for ErrorKind {
@@ -325,6 +347,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Auth => "authentication failed",
             ErrorKind::Resource => "resource exhausted",
             ErrorKind::Io => "I/O error",
+            ErrorKind::TooLarge => "message too large",
         })
     }
 }
@@ -417,6 +440,7 @@ impl Error {
             Error::Resource(_) => ErrorKind::Resource,
             Error::Io { .. } => ErrorKind::Io,
             Error::RemoteFailure { .. } => ErrorKind::RemoteFailure,
+            Error::MessageTooLarge { .. } => ErrorKind::TooLarge,
         }
     }
 
@@ -453,6 +477,7 @@ impl Error {
             "Resource" => ErrorKind::Resource,
             "Io" => ErrorKind::Io,
             "RemoteFailure" => ErrorKind::RemoteFailure,
+            "MessageTooLarge" => ErrorKind::TooLarge,
             _ => return None,
         })
     }
@@ -489,6 +514,7 @@ impl Error {
             Error::Io { .. } => "Io",
             Error::RemoteFailure { .. } => "RemoteFailure",
             Error::CollectiveTimeout { .. } => "CollectiveTimeout",
+            Error::MessageTooLarge { .. } => "MessageTooLarge",
         }
     }
 }

@@ -178,3 +178,228 @@ impl<'c> Any<'_, 'c> {
         Ok(None)
     }
 }
+
+/// Token of the wake-up socket in a [`ReadinessSet`]'s epoll set (peers use their rank).
+pub const WAKE_TOKEN: u64 = u64::MAX;
+/// Tokens of the one-shot send registrations of a [`ReadinessSet`] have this bit set.
+pub const SEND_TOKEN: u64 = 1 << 62;
+
+struct SetPeer {
+    rank: usize,
+    /// Duplicates of the descriptors whose input may be what a receive from `rank` waits for.
+    fds: Vec<std::os::fd::OwnedFd>,
+    /// The core gave up on the peer ([`ReadinessSet::forget`]): out of the set, so that an
+    /// ended socket does not keep it readable.
+    forgotten: std::sync::atomic::AtomicBool,
+}
+
+/// The readiness descriptor of a socket driver's channel, the driver side of
+/// [`Incoming::arm`](crate::driver::Incoming::arm) and
+/// [`TxLink::arm_send`](crate::driver::TxLink::arm_send): an epoll set, made at first use (a
+/// program that never arms pays nothing), of every peer's descriptors (level-triggered input
+/// and hang-ups) and of a wake-up socket, plus the one-shot registrations of armed sends.
+/// Forgotten peers leave the set; waking it writes the wake-up socket, which waiters drain.
+pub struct ReadinessSet {
+    driver: &'static str,
+    set: std::sync::OnceLock<nix::sys::epoll::Epoll>,
+    /// Orders the making of the set with taking forgotten peers out of it.
+    making: std::sync::Mutex<()>,
+    peers: Vec<SetPeer>,
+    wake_rx: std::os::unix::net::UnixStream,
+    wake_tx: std::os::unix::net::UnixStream,
+}
+
+impl std::fmt::Debug for ReadinessSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<usize> = self.peers.iter().map(|p| p.rank).collect();
+        f.debug_struct("ReadinessSet")
+            .field("driver", &self.driver)
+            .field("peers", &peers)
+            .field("made", &self.set.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReadinessSet {
+    /// A set over `peers` (rank, the descriptors to watch for its input: duplicates the set
+    /// owns). `driver` names the driver in errors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the wake-up socket pair cannot be made.
+    pub fn new(
+        driver: &'static str,
+        peers: impl IntoIterator<Item = (usize, Vec<std::os::fd::OwnedFd>)>,
+    ) -> Result<Self> {
+        let io = |e| Error::io(format!("{driver}: wake-up socket pair"), e);
+        let (wake_rx, wake_tx) = std::os::unix::net::UnixStream::pair().map_err(io)?;
+        wake_rx.set_nonblocking(true).map_err(io)?;
+        wake_tx.set_nonblocking(true).map_err(io)?;
+        Ok(ReadinessSet {
+            driver,
+            set: std::sync::OnceLock::new(),
+            making: std::sync::Mutex::new(()),
+            peers: peers
+                .into_iter()
+                .map(|(rank, fds)| SetPeer {
+                    rank,
+                    fds,
+                    forgotten: std::sync::atomic::AtomicBool::new(false),
+                })
+                .collect(),
+            wake_rx,
+            wake_tx,
+        })
+    }
+
+    fn err(&self, what: &str) -> impl Fn(nix::errno::Errno) -> Error + '_ {
+        let what = what.to_string();
+        move |e| Error::io(format!("{}: {what}", self.driver), e.into())
+    }
+
+    /// The epoll set, made now if it was not yet.
+    fn set(&self) -> Result<&nix::sys::epoll::Epoll> {
+        use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+        use std::sync::atomic::Ordering;
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = self.set.get() {
+            return Ok(s);
+        }
+        let err = self.err("epoll set");
+        let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(&err)?;
+        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
+        set.add(&self.wake_rx, EpollEvent::new(input, WAKE_TOKEN))
+            .map_err(&err)?;
+        for p in self
+            .peers
+            .iter()
+            .filter(|p| !p.forgotten.load(Ordering::Acquire))
+        {
+            for fd in &p.fds {
+                set.add(fd, EpollEvent::new(input, p.rank as u64))
+                    .map_err(&err)?;
+            }
+        }
+        Ok(self.set.get_or_init(|| set))
+    }
+
+    /// The readiness descriptor ([`Incoming::readiness_fd`](crate::driver::Incoming::readiness_fd));
+    /// `None` when the set cannot be made.
+    pub fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.set().ok().map(|s| s.0.as_fd())
+    }
+
+    /// Take `rank`'s descriptors out of the set, for good
+    /// ([`Incoming::forget`](crate::driver::Incoming::forget)).
+    pub fn forget(&self, rank: usize) {
+        use std::sync::atomic::Ordering;
+        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        for p in self.peers.iter().filter(|p| p.rank == rank) {
+            if !p.forgotten.swap(true, Ordering::AcqRel) {
+                if let Some(set) = self.set.get() {
+                    for fd in &p.fds {
+                        let _ = set.delete(fd);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the `i`-th peer given to [`new`](Self::new) was forgotten.
+    pub fn is_forgotten(&self, i: usize) -> bool {
+        self.peers
+            .get(i)
+            .is_none_or(|p| p.forgotten.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// Wake the waiters: a byte on the wake-up socket (which stays readable until drained).
+    pub fn wake(&self) {
+        use std::io::Write;
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    /// Consume the wake-ups (after a wait that the wake-up socket ended, and before arming).
+    pub fn drain_wake(&self) {
+        use std::io::Read;
+        let mut sink = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+    }
+
+    /// The wake-up socket's readable end, for a `poll(2)` of the driver's own.
+    pub fn wake_fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.wake_rx.as_fd()
+    }
+
+    /// Register `fd` once (`EPOLLONESHOT`: it disables itself when it fires) for `write`
+    /// readiness and, if `read`, input, under `token` ([`SEND_TOKEN`] and whatever the driver
+    /// adds). `again`: `fd` was registered before (its registration is changed, not added).
+    /// `fd` must be the driver's own descriptor, not one the set watches for input.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the set cannot be made or the registration fails.
+    pub fn register_once(
+        &self,
+        fd: BorrowedFd<'_>,
+        write: bool,
+        read: bool,
+        token: u64,
+        again: bool,
+    ) -> Result<()> {
+        use nix::sys::epoll::{EpollEvent, EpollFlags};
+        let set = self.set()?;
+        let mut flags = EpollFlags::EPOLLONESHOT;
+        if write {
+            flags |= EpollFlags::EPOLLOUT;
+        }
+        if read {
+            flags |= EpollFlags::EPOLLIN;
+        }
+        let mut ev = EpollEvent::new(flags, token);
+        let r = if again {
+            set.modify(fd, &mut ev)
+        } else {
+            set.add(fd, ev)
+        };
+        r.map_err(self.err("arming a send in epoll"))
+    }
+
+    /// Take a registration of [`register_once`](Self::register_once) out (the descriptor's
+    /// owner goes; the registration belongs to the open file, which other descriptors may keep
+    /// open).
+    pub fn unregister(&self, fd: BorrowedFd<'_>) {
+        if let Some(set) = self.set.get() {
+            let _ = set.delete(fd);
+        }
+    }
+
+    /// Whether the set is readable now (a level-triggered look: it consumes nothing but the
+    /// one-shot events of armed sends).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the set cannot be made or `epoll_wait` fails.
+    pub fn any_ready(&self) -> Result<bool> {
+        use nix::sys::epoll::{EpollEvent, EpollTimeout};
+        let mut evs = [EpollEvent::empty(); 4];
+        let n = self
+            .set()?
+            .wait(&mut evs, EpollTimeout::ZERO)
+            .map_err(self.err("epoll_wait"))?;
+        Ok(n > 0)
+    }
+
+    /// Make the set now (before arming: what happens afterwards makes it readable).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the set cannot be made.
+    pub fn make(&self) -> Result<()> {
+        self.set().map(drop)
+    }
+}

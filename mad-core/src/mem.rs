@@ -7,8 +7,10 @@
 //! and serving as the smallest complete example of the driver contract. Use it with
 //! [`ThreadBootstrap`](crate::bootstrap::ThreadBootstrap).
 //!
-//! Spec: `mem[,buf=<bytes>][,frames=<n>][,copy_max=<bytes>]` (`frames` ≤ 8: the frame pool is
-//! allocated at open, so nothing is allocated afterwards). TMs: `copy` (Bmm::Copy, buffers
+//! Spec: `mem[,buf=<bytes>][,frames=<n>][,copy_max=<bytes>][,max_message=<bytes>]` (`frames`
+//! ≤ 8: the frame pool is allocated at open, so nothing is allocated afterwards;
+//! `max_message` declares a bound on a message's payload in the driver's
+//! [`Capabilities`], which the engine enforces: a test knob for drivers that have one). TMs: `copy` (Bmm::Copy, buffers
 //! of `buf` bytes, default 4096) up to `copy_max` (default 1024), then `gather` (Bmm::Gather,
 //! groups of up to 8 slices). Each direction holds at most `frames` frames (default 64): a
 //! sender that finds it full gets `Poll::Pending` (back-pressure).
@@ -178,6 +180,7 @@ struct Params {
     buf: usize,
     frames: usize,
     copy_max: usize,
+    max_message: Option<u64>,
 }
 
 fn params(c: &ChannelConfig) -> Result<Params> {
@@ -185,6 +188,9 @@ fn params(c: &ChannelConfig) -> Result<Params> {
         buf: c.option_in("buf", 1, 64 << 20)?.unwrap_or(4096),
         frames: c.option_in("frames", 1, 1 << 16)?.unwrap_or(64),
         copy_max: c.option_in("copy_max", 0, usize::MAX)?.unwrap_or(1024),
+        max_message: c
+            .option_size_in("max_message", 0, usize::MAX)?
+            .map(|n| n as u64),
     })
 }
 
@@ -198,7 +204,10 @@ impl Driver for MemDriver {
     }
 
     fn accepted_options(&self, _config: &ChannelConfig) -> DriverOptions {
-        DriverOptions::new(Adapters::None, &["buf", "frames", "copy_max"])
+        DriverOptions::new(
+            Adapters::None,
+            &["buf", "frames", "copy_max", "max_message"],
+        )
     }
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
@@ -214,12 +223,14 @@ impl Driver for MemDriver {
         ])
     }
 
-    fn capabilities(&self, _config: &ChannelConfig) -> Capabilities {
+    fn capabilities(&self, config: &ChannelConfig) -> Capabilities {
+        // A malformed `max_message` fails `tm_table`, which the session calls first.
+        let max = params(config).ok().and_then(|p| p.max_message);
         Capabilities::default()
             .with_direct_poll_limit(64)
             .with_detects_peer_death(true)
             .with_intra_node_only(true)
-            .with_max_message(None)
+            .with_max_message(max)
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {

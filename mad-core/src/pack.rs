@@ -361,6 +361,9 @@ struct PackState<'c> {
     trying: bool,
     /// The plan of this message's end was recorded.
     planned: bool,
+    /// Payload bytes this message may still take: the driver's
+    /// [`max_message`](crate::driver::Capabilities::max_message) minus what was packed.
+    room: u64,
 }
 
 /// View LATER data as bytes for the duration of `end_packing`.
@@ -758,6 +761,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             recording: false,
             trying: false,
             planned: false,
+            room: ch.caps.max_message.unwrap_or(u64::MAX),
         };
         let spare = &mut st.tx.spare;
         let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
@@ -776,6 +780,33 @@ impl<'c, 'b> Packer<'c, 'b> {
         spare.group.restore(std::mem::take(&mut self.group));
         spare.tail.restore(std::mem::take(&mut self.tail));
         spare.held.restore(std::mem::take(&mut self.held));
+    }
+
+    /// Count a piece of `len` bytes against the driver's bound on a message
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)): refused, with
+    /// nothing sent and the message still open, when it would exceed it.
+    #[inline]
+    fn admit(&mut self, len: usize) -> Result<()> {
+        self.alive()?;
+        let len = len as u64;
+        if len > self.st.room {
+            return Err(self.too_large(len));
+        }
+        self.st.room -= len;
+        Ok(())
+    }
+
+    #[cold]
+    fn too_large(&self, len: u64) -> Error {
+        let ch = self.st.ch;
+        let max = ch.caps.max_message.unwrap_or(u64::MAX);
+        Error::MessageTooLarge {
+            channel: ch.config.name.clone(),
+            driver: ch.config.driver.clone(),
+            rank: self.st.remote,
+            len: (max - self.st.room).saturating_add(len),
+            max,
+        }
     }
 
     #[inline]
@@ -1117,9 +1148,14 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        self.admit(data.len())?;
         let res = self.pack_cheaper_inner(data, r);
         self.check(res)
     }
@@ -1135,9 +1171,14 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        self.admit(data.len())?;
         let res = self.pack_safer_inner(data, r);
         self.check(res)
     }
@@ -1157,9 +1198,14 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
+        self.admit(data.len())?;
         let res = self.pack_later_inner(Later::Cells(data), r);
         self.check(res)
     }
@@ -1176,9 +1222,14 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
+        self.admit(data.len())?;
         let res = self.pack_later_inner(Later::Atomics(data), r);
         self.check(res)
     }
@@ -1218,7 +1269,11 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_value<T: bytemuck::NoUninit>(&mut self, v: &T, r: RecvMode) -> Result<()> {
         self.pack_safer(bytemuck::bytes_of(v), r)
@@ -1234,7 +1289,11 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`](crate::Error::Timeout) when the
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
-    /// message is abandoned (see the [`Packer`] documentation).
+    /// message is abandoned (see the [`Packer`] documentation), except after
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge): the piece would make the
+    /// message longer than the channel's driver carries
+    /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)), so it was
+    /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_slice<T: bytemuck::NoUninit>(&mut self, v: &'b [T], r: RecvMode) -> Result<()> {
         self.pack(bytemuck::cast_slice(v), r)

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::bootstrap::{Bootstrap, RankFailure, Scope, SingleBootstrap};
+use crate::bootstrap::{Bootstrap, HostIdentity, RankFailure, Scope, SingleBootstrap};
 use crate::channel::{Channel, ChannelInner};
 use crate::config::ChannelConfig;
 use crate::driver::{Driver, OpenContext};
@@ -426,7 +426,8 @@ impl Session {
         let b: &dyn Bootstrap = scope;
         // Every rank must agree on the driver and the switch table, or the switch decisions
         // would differ and data would be misread. The same exchange carries each rank's CPU set
-        // (after a newline), from which the host's core count is known exactly.
+        // (after a newline), from which the host's core count is known exactly, and its host
+        // (after another), which an intra-node driver must share.
         let mine = format!(
             "{}|{}|{:016x}",
             config.driver,
@@ -436,12 +437,20 @@ impl Session {
         let cpu_list = cpus::allowed()
             .map(|c| cpus::format(&c))
             .unwrap_or_default();
-        let all = b.allgather(&scope.tag("core"), format!("{mine}\n{cpu_list}").as_bytes())?;
+        let host = crate::bootstrap::host_identity();
+        let all = b.allgather(
+            &scope.tag("core"),
+            format!("{mine}\n{cpu_list}\n{host}").as_bytes(),
+        )?;
         let mut host_cpus = BTreeSet::new();
         let local_ranks = b.local_ranks();
+        let mut hosts = Vec::with_capacity(all.len());
         for (r, theirs) in all.iter().enumerate() {
             let theirs = String::from_utf8_lossy(theirs);
-            let (conf, list) = theirs.split_once('\n').unwrap_or((&theirs, ""));
+            let mut lines = theirs.splitn(3, '\n');
+            let conf = lines.next().unwrap_or("");
+            let list = lines.next().unwrap_or("");
+            hosts.push(HostIdentity::parse(lines.next().unwrap_or("")));
             if conf != mine {
                 return Err(Error::BadConfig(format!(
                     "channel `{}`: rank {r} opened it as `{conf}` but rank {} as `{mine}` (driver|adapter|TM table \
@@ -453,6 +462,15 @@ impl Session {
             if local_ranks.contains(&r) {
                 host_cpus.extend(cpus::parse(list).unwrap_or_default());
             }
+        }
+        if caps.intra_node_only {
+            check_reach(&config, b.rank(), &local_ranks, &hosts)?;
+        } else if config.local_only {
+            return Err(Error::BadConfig(format!(
+                "channel `{}`: local_only=true is for drivers that reach only their own host; \
+                 driver `{}` reaches other hosts: remove the option",
+                config.name, config.driver
+            )));
         }
         let local = local_ranks.len().max(1);
         if !host_cpus.is_empty() {
@@ -528,6 +546,61 @@ impl Session {
         }
         Ok(ch)
     }
+}
+
+/// Ranks an intra-node driver cannot reach from `me`: those the bootstrap does not count
+/// among this host's (`local`), and those running another kernel than this rank's (by the
+/// boot ids of `hosts`, one per rank; a bootstrap that does not know the hosts counts every
+/// rank as local).
+fn off_host(me: usize, local: &[usize], hosts: &[HostIdentity]) -> Vec<usize> {
+    let mine = hosts.get(me).cloned().unwrap_or_default();
+    (0..hosts.len())
+        .filter(|&r| r != me && (!local.contains(&r) || mine.other_kernel(&hosts[r])))
+        .collect()
+}
+
+/// An intra-node channel must reach every rank, unless it was opened `local_only`:
+/// `Err(BadConfig)` naming the channel, the driver and the ranks (with their hosts) it cannot
+/// reach. At open only: nothing on the message path.
+fn check_reach(
+    config: &ChannelConfig,
+    me: usize,
+    local: &[usize],
+    hosts: &[HostIdentity],
+) -> Result<()> {
+    let away = off_host(me, local, hosts);
+    if away.is_empty() || config.local_only {
+        if !away.is_empty() {
+            tracing::debug!(
+                unreachable = away.len(),
+                "local_only: no connection to the ranks on other hosts"
+            );
+        }
+        return Ok(());
+    }
+    let name = |r: usize| match hosts.get(r).map(|h| h.name.as_str()) {
+        Some(n) if !n.is_empty() => n.to_string(),
+        _ => "an unnamed host".to_string(),
+    };
+    const SHOWN: usize = 8;
+    let mut list: Vec<String> = away
+        .iter()
+        .take(SHOWN)
+        .map(|&r| format!("rank {r} (on {})", name(r)))
+        .collect();
+    if away.len() > SHOWN {
+        list.push(format!("and {} more", away.len() - SHOWN));
+    }
+    Err(Error::BadConfig(format!(
+        "channel `{}`: driver `{}` reaches only the ranks of its own host, but rank {me} (on {}) \
+         has {} peer(s) on other hosts: {}; use a driver that crosses hosts for this channel (tcp, \
+         via, mpi), or set local_only=true to connect the ranks of each host only",
+        config.name,
+        config.driver,
+        name(me),
+        away.len(),
+        list.join(", ")
+    )))
 }
 
 /// Bound on a channel open when neither `open_timeout_ms` nor `MAD_OPEN_TIMEOUT_MS` is set
@@ -776,6 +849,38 @@ mod tests {
         // Malformed launcher variables are reported, not taken for "alone".
         let bad = env_of(&[("PMI_RANK", "x"), ("PMI_SIZE", "2")]);
         assert!(matches!(refuse_mpi_launch(&bad), Err(Error::BadConfig(_))));
+    }
+
+    #[test]
+    fn ranks_out_of_an_intra_node_drivers_reach_are_those_elsewhere_or_on_another_kernel() {
+        let h = |s: &str| HostIdentity::parse(s);
+        let hosts = [h("a/k1"), h("a/k1"), h("b/k2"), h("c/k1"), h("")];
+        // The bootstrap counts 0, 1, 2 and 4 as local; 2 runs another kernel.
+        assert_eq!(off_host(0, &[0, 1, 2, 4], &hosts), [2, 3]);
+        // A bootstrap that knows no better (every rank local): only the boot ids tell.
+        assert_eq!(off_host(1, &[0, 1, 2, 3, 4], &hosts), [2]);
+        assert!(off_host(0, &[0, 1, 3, 4], &[h("a/k"), h("b/k"), h(""), h("x/")]).len() == 1);
+        let c = ChannelConfig::new("c", "shm");
+        match check_reach(&c, 0, &[0, 1, 2, 4], &hosts) {
+            Err(Error::BadConfig(m)) => assert_eq!(
+                m,
+                "channel `c`: driver `shm` reaches only the ranks of its own host, but rank 0 \
+                 (on a) has 2 peer(s) on other hosts: rank 2 (on b), rank 3 (on c); use a \
+                 driver that crosses hosts for this channel (tcp, via, mpi), or set \
+                 local_only=true to connect the ranks of each host only"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(check_reach(&c.clone().local_only(true), 0, &[0], &hosts).is_ok());
+        assert!(check_reach(&c, 1, &[0, 1, 2, 3, 4], &vec![h("a/k"); 5]).is_ok());
+        let many: Vec<HostIdentity> = (0..20).map(|r| h(&format!("n{r}/k{r}"))).collect();
+        match check_reach(&c, 0, &[0], &many) {
+            Err(Error::BadConfig(m)) => {
+                assert!(m.contains("has 19 peer(s)"), "{m}");
+                assert!(m.contains("rank 8 (on n8), and 11 more;"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -48,7 +48,7 @@ use mad_core::driver::{
     Adapters, Capabilities, Driver, DriverOptions, LinkPair, OpenContext, OpenedChannel, TmSpec,
     TmTable,
 };
-use mad_core::hostmem::{self, MappedPeer, PeerSignals};
+use mad_core::hostmem::{self, MappedPeer};
 use mad_core::{Error, Result};
 
 use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
@@ -360,46 +360,21 @@ impl Driver for ShmDriver {
             }
         }
         // Readiness: this rank's sockets reach every peer's, and the epoll set takes their pidfds.
-        let mut sigs: Vec<Option<PeerSignals>> = (0..n).map(|_| None).collect();
-        let mut readiness = None;
-        if let Some(ep) = &endpoint {
-            let mut ok = true;
-            for (r, p) in peers.iter().enumerate() {
-                if let Some(MappedPeer { info: pi, .. }) = p {
-                    match ep.towards(&pi.name) {
-                        Ok(s) => sigs[r] = Some(s),
-                        Err(_) => ok = false,
-                    }
-                }
-            }
-            ok = ok && hostmem::reachable(sigs.iter().flatten());
-            let watches = peers
-                .iter()
-                .enumerate()
-                .filter_map(|(r, p)| Some((r, p.as_ref()?.watch.clone())));
-            readiness = ok
-                .then(|| hostmem::Readiness::new(ep.clone(), &name, watches).ok())
-                .flatten();
-        }
-        let ready_ok = readiness.is_some();
+        let mut ready =
+            hostmem::PeerReadiness::connect(endpoint.as_ref(), &name, &peers, |pi: &PeerInfo| {
+                &pi.name
+            });
+        let ready_ok = ready.ready();
         let votes = b.allgather(&ctx.tag("cma"), &[cma_ok as u8 | (ready_ok as u8) << 1])?;
         drop(probe_buf);
         // Every rank has mapped every segment: remove the files.
         own.unlink()?;
-        let vote = |bit: u8| {
-            local.iter().all(|&r| {
-                votes
-                    .get(r)
-                    .and_then(|v| v.first())
-                    .is_some_and(|v| v & bit != 0)
-            })
-        };
-        let all_ok = vote(1);
-        if !vote(2) {
-            // Some rank has no descriptor: nobody arms, nobody signals.
-            sigs.iter_mut().for_each(|s| *s = None);
-            readiness = None;
-        }
+        let all_ok = hostmem::vote(&votes, &local, 1);
+        ready.settle(hostmem::vote(&votes, &local, 2));
+        let hostmem::PeerReadiness {
+            mut sigs,
+            readiness,
+        } = ready;
         let path = if cma_tm.is_some() && all_ok {
             GatherPath::Cma
         } else {

@@ -3,14 +3,16 @@
 //!
 //! * the conformance kit over 2 and 3 processes, then no segment of any child left in
 //!   `/dev/shm`;
-//! * an any-source receiver whose peer died without closing (no destructor ran) sleeps while
-//!   it waits for another peer (CPU time well below wall time);
+//! * peer death, in the shapes every driver shares (`mad_core::conformance::death`): a
+//!   sender killed mid-message, a sender blocked on a killed receiver, a send to a peer that
+//!   died while idle, an any-source receiver whose peer died without closing (no destructor
+//!   ran) sleeping while it waits for another peer, an armed readiness descriptor woken by a
+//!   peer's death (its pidfd);
 //! * Cross Memory Attach forbidden by a seccomp filter installed in each child before its
 //!   channel opens: the selection table names the ring fallback and messages of several MiB
 //!   arrive intact;
 //! * short-lived receivers: rank 0 sends 100 KiB (through CMA, then the ring) to each of 23 ranks, which
-//!   check it and exit at once; no delivered message may be reported lost to the sender;
-//! * an armed readiness descriptor fires when a peer dies without closing (its pidfd).
+//!   check it and exit at once; no delivered message may be reported lost to the sender.
 
 // Real mappings, futexes and processes: nothing here runs under miri.
 #![cfg(not(miri))]
@@ -18,80 +20,33 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mad_core::auth::Secret;
-use mad_core::conformance::{jobs, run_rank, KitOptions};
-use mad_core::launch::server::BootstrapServer;
-use mad_core::launch::{vars, MadrunBootstrap, MadrunEnv};
-use mad_core::{ChannelConfig, RecvMode, SendMode, Session};
+use mad_core::bootstrap::Bootstrap;
+use mad_core::conformance::death;
+use mad_core::conformance::jobs::{self, Launch};
+use mad_core::{RecvMode, Result, SendMode, Session};
 use mad_shm::ShmDriver;
 
-const ROLE: &str = "MAD_SHM_TEST_ROLE";
-const SPEC: &str = "MAD_SHM_TEST_SPEC";
-/// Bound on any child run.
-const CHILD_BOUND: Duration = Duration::from_secs(240);
-
-fn env_of(addr: &str, secret: &Secret, rank: usize, size: usize) -> HashMap<String, String> {
-    HashMap::from([
-        (vars::RANK.to_string(), rank.to_string()),
-        (vars::SIZE.to_string(), size.to_string()),
-        (vars::BOOTSTRAP.to_string(), addr.to_string()),
-        (vars::SECRET.to_string(), secret.to_hex()),
-        (vars::LOCAL_SIZE.to_string(), size.to_string()),
-    ])
-}
-
-fn spawn(role: &str, spec: &str, env: &HashMap<String, String>) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "rank_program",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .envs(env)
-        .env(ROLE, role)
-        .env(SPEC, spec)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap()
-}
-
-fn wait_bounded(mut c: Child) -> (bool, String) {
-    let end = Instant::now() + CHILD_BOUND;
-    loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            let mut out = String::new();
-            if let Some(mut o) = c.stdout.take() {
-                let _ = std::io::Read::read_to_string(&mut o, &mut out);
-            }
-            return (st.success(), out);
-        }
-        if Instant::now() > end {
-            let _ = c.kill();
-            let _ = c.wait();
-            return (false, "timed out".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn session_with(b: MadrunBootstrap) -> Session {
+fn session(b: Box<dyn Bootstrap>) -> Result<Session> {
     Session::builder()
         .driver(ShmDriver::new())
-        .bootstrap(Box::new(b))
+        .bootstrap(b)
         .build()
-        .unwrap()
 }
+
+/// Ranks are this test binary's `rank_program`; none may leave a segment in `/dev/shm`.
+const LAUNCH: Launch = Launch::new(
+    "rank_program",
+    "MAD_SHM_TEST_ROLE",
+    "MAD_SHM_TEST_SPEC",
+    session,
+)
+.with_leftovers(common::segments_of);
 
 fn open(session: &Session, spec: &str) -> mad_core::Channel {
     session
-        .open_channel_with(ChannelConfig::parse("procs", spec).unwrap())
+        .open_channel_with(mad_core::ChannelConfig::parse("procs", spec).unwrap())
         .unwrap()
 }
 
@@ -133,10 +88,9 @@ fn big_exchange(session: &Session, ch: &mad_core::Channel) {
 #[test]
 #[ignore = "rank program of the process tests"]
 fn rank_program() {
-    let Ok(role) = std::env::var(ROLE) else {
+    let Some((role, spec)) = LAUNCH.role() else {
         return;
     };
-    let spec = std::env::var(SPEC).unwrap();
     if let Some(block) = role.strip_prefix("no-cma-") {
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         {
@@ -154,38 +108,13 @@ fn rank_program() {
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         let _ = block;
     }
-    let b = MadrunBootstrap::from_env().unwrap().expect("bootstrap env");
-    let session = session_with(b);
+    let session = LAUNCH.child_session();
     let rank = session.rank();
+    if death::rank_role(&session, &role, &spec) {
+        return;
+    }
     match role.as_str() {
-        "kit" => {
-            let mut opts = KitOptions::new(&spec);
-            opts.volume = 100;
-            let ran = run_rank(&session, &opts).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            println!("kit: rank {rank} ran {} cases", ran.len());
-        }
-        "late-sender" => {
-            let ch = open(&session, &spec);
-            std::thread::sleep(Duration::from_millis(2000));
-            let body = common::pattern(100_000, 9);
-            let mut p = ch.begin_packing(0).unwrap();
-            p.pack_value(&(body.len() as u64), RecvMode::Express)
-                .unwrap();
-            p.pack(&body, RecvMode::Cheaper).unwrap();
-            p.end_packing().unwrap();
-            println!("late-sender: sent");
-        }
-        "vanish" => {
-            let _ch = open(&session, &spec);
-            // Gone without a destructor (no writer-closed flag): only the pidfd tells.
-            std::process::exit(0);
-        }
-        "vanish-later" => {
-            let _ch = open(&session, &spec);
-            // Long enough for rank 0 to arm and sleep; then gone without a destructor.
-            std::thread::sleep(Duration::from_millis(300));
-            std::process::exit(0);
-        }
+        "kit" => jobs::kit_role(&session, &spec),
         "quick-receiver" => {
             let ch = open(&session, &spec);
             let mut u = ch.begin_unpacking_from(0).unwrap();
@@ -218,189 +147,61 @@ fn rank_program() {
     }
 }
 
-/// Start a job of `roles.len()` ranks: rank `r` runs `roles[r]` in a child process, except
-/// rank 0 when `roles[0]` is `None` (this process: its session is returned).
-fn job(roles: &[Option<&str>], spec: &str) -> (Vec<(usize, Child)>, Option<Session>) {
-    let n = roles.len();
-    let secret = Secret::random().unwrap();
-    let server = BootstrapServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        n,
-        secret.clone(),
-        Box::new(|l| eprintln!("{l}")),
-    )
-    .unwrap();
-    let addr = server.advertised_addr().to_string();
-    let kids: Vec<(usize, Child)> = roles
-        .iter()
-        .enumerate()
-        .filter_map(|(r, role)| {
-            role.map(|role| (r, spawn(role, spec, &env_of(&addr, &secret, r, n))))
-        })
-        .collect();
-    let me = roles[0].is_none().then(|| {
-        let env0 = env_of(&addr, &secret, 0, n);
-        let env = MadrunEnv::parse(|k| env0.get(k).cloned()).unwrap().unwrap();
-        session_with(MadrunBootstrap::connect(env).unwrap())
-    });
-    std::mem::forget(server); // serves until the test process exits
-    (kids, me)
-}
-
-/// Wait for every child; returns their outputs (asserting success) and checks that none of
-/// their segments is left in `/dev/shm`.
-fn finish(kids: Vec<(usize, Child)>, what: &str) -> Vec<String> {
-    let pids: Vec<u32> = kids.iter().map(|(_, c)| c.id()).collect();
-    let outs = kids
-        .into_iter()
-        .map(|(r, c)| {
-            let (ok, out) = wait_bounded(c);
-            assert!(ok, "{what}: rank {r} failed:\n{out}");
-            out
-        })
-        .collect();
-    let left = common::segments_of(&pids);
-    assert!(
-        left.is_empty(),
-        "{what}: segments of the child ranks {pids:?} left in /dev/shm: {left:?}"
-    );
-    outs
-}
-
-fn kit_processes(n: usize, spec: &str) {
-    let (kids, _) = job(&vec![Some("kit"); n], spec);
-    let outs = finish(kids, &format!("{spec} x{n} processes"));
-    for (r, out) in outs.iter().enumerate() {
-        assert!(out.contains(&format!("kit: rank {r} ran ")), "{out}");
-    }
-}
-
 #[test]
 fn kit_2_processes() {
-    kit_processes(2, "shm");
+    LAUNCH.kit_processes(2, "shm");
 }
 
 #[test]
 fn kit_3_processes_small_ring() {
-    kit_processes(3, "shm,ring=8192");
+    LAUNCH.kit_processes(3, "shm,ring=8192");
 }
 
 #[test]
 fn kit_2_processes_cma() {
-    kit_processes(2, "shm,cma=auto");
+    LAUNCH.kit_processes(2, "shm,cma=auto");
 }
 
-/// Rank 2 dies right after the channel opens, without closing anything; rank 0 (this
-/// process) then waits in an any-source `begin_unpacking()` for rank 1, which sends after
-/// 2 s. The wait must sleep: before the fix, the dead peer kept `ShmIncoming::wait`
-/// returning at once for the rest of the channel's life.
+/// An any-source receiver whose peer died (no destructor ran) sleeps while it waits for
+/// another peer: before the fix, the dead peer kept `ShmIncoming::wait` returning at once for
+/// the rest of the channel's life.
 #[test]
 fn any_source_sleeps_after_a_peer_died() {
     for spec in ["shm", "shm,progress=block"] {
-        let (mut kids, me) = job(&[None, Some("late-sender"), Some("vanish")], spec);
-        let session = me.unwrap();
-        let ch = open(&session, spec);
-        let (_, vanished) = kids.pop().unwrap();
-        let (ok, out) = wait_bounded(vanished);
-        assert!(ok, "{spec}: rank 2 failed: {out}");
-        let cpu0 = common::thread_cpu_time();
-        let t0 = Instant::now();
-        let mut u = ch.begin_unpacking().unwrap();
-        let wall = t0.elapsed();
-        let cpu = common::thread_cpu_time() - cpu0;
-        assert_eq!(u.remote(), 1);
-        let n: u64 = u.unpack_value().unwrap();
-        let mut body = vec![0u8; n as usize];
-        u.unpack(&mut body, SendMode::Cheaper).unwrap();
-        u.end_unpacking().unwrap();
-        assert!(
-            body == common::pattern(100_000, 9),
-            "{spec}: message altered"
-        );
-        eprintln!("{spec}: any-source wait of {wall:?} with a dead peer used {cpu:?} of CPU");
-        assert!(
-            wall >= Duration::from_millis(500),
-            "{spec}: wait too short ({wall:?})"
-        );
-        assert!(
-            cpu.as_secs_f64() < 0.3 * wall.as_secs_f64(),
-            "{spec}: the any-source receiver spun: {cpu:?} of CPU over a {wall:?} wait"
-        );
-        finish(kids, spec);
+        death::any_source_sleeps_after_a_peer_died(&LAUNCH, spec);
     }
 }
 
-/// Rank 1 dies 300 ms after the open without closing anything (no flag, no signal: only its
-/// pidfd, which is in rank 0's epoll set): rank 0 (this process), armed and asleep on its
-/// readiness descriptor, must be woken, and its next poll reports that no peer is left.
+/// A peer that dies without closing (only its pidfd, in rank 0's epoll set, tells) wakes an
+/// armed readiness descriptor.
 #[test]
 fn armed_descriptor_fires_when_a_peer_dies() {
-    use mad_core::driver::Armed;
-    let spec = "shm";
-    let (kids, me) = job(&[None, Some("vanish-later")], spec);
-    let session = me.unwrap();
-    let ch = open(&session, spec);
-    let fd = ch.readiness_fd().expect("shm has a readiness descriptor");
-    let t0 = Instant::now();
-    let mut sleeps = 0;
-    let err = loop {
-        match ch.try_begin_unpacking() {
-            Err(e) => break e,
-            Ok(Some(_)) => panic!("rank 1 sent nothing"),
-            Ok(None) => {}
-        }
-        if ch.arm().unwrap() == Armed::Armed {
-            sleeps += 1;
-            let woke = mad_core::events::wait_readable(&[fd], Some(Duration::from_secs(5)));
-            assert!(
-                !woke.unwrap().is_empty(),
-                "rank 1 died and the armed descriptor stayed quiet ({:?} in)",
-                t0.elapsed()
-            );
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "never reported");
-    };
-    let wall = t0.elapsed();
-    eprintln!("death reported after {wall:?} ({sleeps} sleep(s) on the descriptor): {err}");
-    assert!((1..=3).contains(&sleeps), "{sleeps} sleeps");
-    finish(kids, spec);
+    death::armed_descriptor_fires_when_a_peer_dies(&LAUNCH, "shm");
 }
 
-/// Rank 1 dies right after the open without closing anything (no flag in the rings: only its
-/// pidfd tells); rank 0 (this process) sleeps 2 s, then sends small messages. The first one
-/// must fail: before `begin_message` probed the peer, 16 384 sends in a row returned `Ok`
-/// (the ring had room) and were lost. A receive from the dead peer fails too.
+/// The first send to a peer that died while this rank was idle fails: before `begin_message`
+/// probed the peer, 16 384 sends in a row returned `Ok` (the ring had room) and were lost.
 #[test]
 fn send_to_a_peer_that_died_while_idle_fails() {
-    let spec = "shm";
-    let (mut kids, me) = job(&[None, Some("vanish")], spec);
-    let session = me.unwrap();
-    let ch = open(&session, spec);
-    let (_, vanished) = kids.pop().unwrap();
-    let (ok, out) = wait_bounded(vanished);
-    assert!(ok, "rank 1 failed: {out}");
-    std::thread::sleep(Duration::from_secs(2));
-    let body = [5u8; 1024];
-    let mut sent = 0usize;
-    let err = loop {
-        let r = ch.begin_packing(1).and_then(|mut p| {
-            p.pack(&body, RecvMode::Cheaper)?;
-            p.end_packing()
-        });
-        match r {
-            Ok(()) => sent += 1,
-            Err(e) => break e,
-        }
-        assert!(sent < 100_000, "sends to a dead peer never fail");
-    };
-    assert_eq!(
-        sent, 0,
-        "{sent} sends to a dead peer returned Ok before: {err}"
-    );
-    let t0 = Instant::now();
-    assert!(ch.begin_unpacking_from(1).is_err());
-    assert!(t0.elapsed() < Duration::from_secs(5));
-    finish(kids, spec);
+    death::send_to_a_peer_that_died_while_idle_fails(&LAUNCH, "shm");
+}
+
+/// A sender killed in the middle of a message fails the receiver's unpack with `PeerClosed`
+/// (ring and CMA).
+#[test]
+fn killed_sender_mid_message_gives_peer_closed() {
+    for spec in ["shm", "shm,cma=auto"] {
+        death::killed_sender_mid_message(&LAUNCH, spec);
+    }
+}
+
+/// A sender blocked on a receiver that never reads fails with `PeerClosed` once the receiver
+/// is killed.
+#[test]
+fn sender_blocked_on_killed_receiver_gives_peer_closed() {
+    for spec in ["shm", "shm,ring=8192"] {
+        death::sender_blocked_on_killed_receiver(&LAUNCH, spec);
+    }
 }
 
 /// Cross Memory Attach refused by seccomp in both ranks (children), installed before their
@@ -416,11 +217,11 @@ fn cma_forbidden(block: &str, expect: &[&str]) {
 fn cma_forbidden_in(blocks: &[&str], expect: &[&str]) {
     let roles: Vec<String> = blocks.iter().map(|b| format!("no-cma-{b}")).collect();
     let role = roles.join("+");
-    let (kids, _) = job(
+    let (kids, _) = LAUNCH.job(
         &roles.iter().map(|r| Some(r.as_str())).collect::<Vec<_>>(),
         "shm,cma=auto",
     );
-    let outs = finish(kids, &role);
+    let outs = LAUNCH.finish(kids, &role);
     for (r, out) in outs.iter().enumerate() {
         eprintln!("{role}: rank {r}:\n{out}");
         assert!(
@@ -503,7 +304,7 @@ fn delivered_messages_are_not_reported_lost() {
         };
         let mut roles = vec![Some("quick-receiver"); RANKS];
         roles[0] = None;
-        let (kids, me) = job(&roles, spec);
+        let (kids, me) = LAUNCH.job(&roles, spec);
         let session = me.unwrap();
         let ch = open(&session, spec);
         // Four busy threads keep both cores taken, as the other ranks of a crowded host do:
@@ -535,7 +336,7 @@ fn delivered_messages_are_not_reported_lost() {
         for h in hogs {
             let _ = h.join();
         }
-        let outs = finish(kids, "quick receivers");
+        let outs = LAUNCH.finish(kids, "quick receivers");
         for (i, out) in outs.iter().enumerate() {
             let r = i + 1;
             assert!(
@@ -580,8 +381,8 @@ fn full_dev_shm_job() {
         return;
     }
     let spec = "shm,ring=262144";
-    let (kids, _) = job(&[Some("all-to-all:32768:10"); 20], spec);
-    let ended = jobs::wait_job(kids, Duration::from_secs(10), CHILD_BOUND);
+    let (kids, _) = LAUNCH.job(&[Some("all-to-all:32768:10"); 20], spec);
+    let ended = jobs::wait_job(kids, Duration::from_secs(10), LAUNCH.child_bound);
     jobs::check_no_space_job(&ended, "all-to-all: rank", common::segments_of);
     println!("full-dev-shm: checked");
 }

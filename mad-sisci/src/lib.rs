@@ -59,7 +59,7 @@ use mad_core::{Error, Result};
 use fabric::{Local, LocalOwn, LocalRx, LocalShut, LocalTx};
 use layout::Geometry;
 use link::{Ends, RxShared, SciIncoming, SciRx, SciTx, Watched};
-use mad_core::hostmem::{self, MappedPeer, PeerSignals};
+use mad_core::hostmem::{self, MappedPeer};
 use mad_core::liveness::Teardown;
 use segment::Segment;
 
@@ -382,44 +382,21 @@ impl Driver for SisciDriver {
             Ok((pi.name, seg, pi.pid))
         })?;
         // Readiness: this rank's sockets reach every peer's, and the epoll set takes their pidfds.
-        let mut sigs: Vec<Option<PeerSignals>> = (0..n).map(|_| None).collect();
-        let mut readiness = None;
-        if let Some(ep) = &endpoint {
-            let mut ok = true;
-            for (r, p) in peers.iter().enumerate() {
-                if let Some(MappedPeer {
-                    info: peer_name, ..
-                }) = p
-                {
-                    match ep.towards(peer_name) {
-                        Ok(s) => sigs[r] = Some(s),
-                        Err(_) => ok = false,
-                    }
-                }
-            }
-            ok = ok && hostmem::reachable(sigs.iter().flatten());
-            let watches = peers
-                .iter()
-                .enumerate()
-                .filter_map(|(r, p)| Some((r, p.as_ref()?.watch.clone())));
-            readiness = ok
-                .then(|| hostmem::Readiness::new(ep.clone(), &name, watches).ok())
-                .flatten();
-        }
+        let mut ready = hostmem::PeerReadiness::connect(
+            endpoint.as_ref(),
+            &name,
+            &peers,
+            |peer_name: &String| peer_name.as_str(),
+        );
         // Everyone has mapped everyone: remove the files. Bit 1: this rank has a readiness
         // descriptor; all must, or nobody arms and nobody signals.
-        let votes = b.allgather(&ctx.tag("mapped"), &[1 | (readiness.is_some() as u8) << 1])?;
+        let votes = b.allgather(&ctx.tag("mapped"), &[1 | (ready.ready() as u8) << 1])?;
         own.unlink()?;
-        let all_ready = b.local_ranks().iter().all(|&r| {
-            votes
-                .get(r)
-                .and_then(|v| v.first())
-                .is_some_and(|v| v & 2 != 0)
-        });
-        if !all_ready {
-            sigs.iter_mut().for_each(|s| *s = None);
-            readiness = None;
-        }
+        ready.settle(hostmem::vote(&votes, &b.local_ranks(), 2));
+        let hostmem::PeerReadiness {
+            mut sigs,
+            readiness,
+        } = ready;
 
         let own = Arc::new(own);
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();

@@ -113,15 +113,6 @@ pub(crate) fn connect_all(
     Ok(streams)
 }
 
-fn set_timeouts(st: &TcpStream, deadline: Instant, cap: Duration) -> io::Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .min(cap)
-        .max(Duration::from_millis(1));
-    st.set_read_timeout(Some(left))?;
-    st.set_write_timeout(Some(left))
-}
-
 /// Dial rank `r` and run the connector side of the handshake.
 fn connect_one(
     p: &SetupParams<'_>,
@@ -138,28 +129,7 @@ fn connect_one(
             e,
         )
     };
-    let st = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ctx_err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "setup timeout",
-            )));
-        }
-        match TcpStream::connect_timeout(&addr, left) {
-            Ok(st) => break st,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionRefused | io::ErrorKind::Interrupted
-                ) =>
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => return Err(ctx_err(e)),
-        }
-    };
-    set_timeouts(&st, deadline, Duration::MAX).map_err(ctx_err)?;
+    let st = accept::dial(addr, deadline).map_err(ctx_err)?;
     let mut stream = &st;
     let mut cb = [0u8; handshake::CHALLENGE_LEN];
     stream.read_exact(&mut cb).map_err(ctx_err)?;
@@ -272,7 +242,7 @@ fn accept_one(c: &AcceptCtx, st: TcpStream, a: String) -> Accepted<usize, TcpStr
     let refused = |why: String| Accepted::Refused(a.clone(), why);
     if let Err(e) = st
         .set_nonblocking(false)
-        .and_then(|_| set_timeouts(&st, c.deadline, HANDSHAKE_TIMEOUT))
+        .and_then(|_| accept::set_timeouts(&st, c.deadline, HANDSHAKE_TIMEOUT))
     {
         return refused(format!("cannot configure socket: {e}"));
     }

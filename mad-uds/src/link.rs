@@ -4,50 +4,43 @@
 //! streams and of the wake-up pipe, made when first asked for (blocking programs never pay
 //! for it). A send armed with `arm_send` registers its own descriptor, one-shot, for room.
 
-use std::fs::File;
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::Shutdown;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{
     AbortOutcome, Armed, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink,
 };
+use mad_core::events::{ReadinessSet, SEND_TOKEN};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
-use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use smallvec::SmallVec;
 
 use crate::MAX_GROUP;
 
 /// Build the channel from connected streams.
 pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChannel> {
-    let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)
-        .map_err(|e| Error::io("uds: wake pipe", e.into()))?;
     let dup = |s: &UnixStream| s.try_clone().map_err(|e| Error::io("uds: dup", e));
     let mut watched = Vec::new();
+    let mut in_set = Vec::new();
     for (peer, s) in streams.iter().enumerate() {
         if let Some(s) = s {
             watched.push(Watched {
                 peer,
                 s: dup(s)?,
                 torn: Arc::new(Teardown::new()),
-                gone: AtomicBool::new(false),
             });
+            in_set.push((peer, vec![OwnedFd::from(dup(s)?)]));
         }
     }
     let watch = Arc::new(Watch {
         watched,
-        wake_r: File::from(r),
-        wake_w: File::from(w),
-        set: OnceLock::new(),
-        making: Mutex::new(()),
+        ready: ReadinessSet::new("uds", in_set)?,
     });
     let mut links = Vec::with_capacity(streams.len());
     let mut torn = watch.watched.iter().map(|w| w.torn.clone());
@@ -258,20 +251,16 @@ impl TxLink for Tx {
         if self.torn.is_torn() {
             return Ok(Armed::Busy);
         }
-        let set = self.watch.set()?;
         // One-shot: the registration disables itself when it fires, so a socket with room
         // does not keep the set readable. This descriptor is ours alone (the watcher
         // registers its own duplicate for input).
-        let mut ev = EpollEvent::new(
-            EpollFlags::EPOLLOUT | EpollFlags::EPOLLONESHOT,
+        self.watch.ready.register_once(
+            self.s.as_fd(),
+            true,
+            false,
             SEND_TOKEN | self.peer as u64,
-        );
-        let r = if self.armed_once {
-            set.modify(self.s.as_fd(), &mut ev)
-        } else {
-            set.add(self.s.as_fd(), ev)
-        };
-        r.map_err(|e| Error::io("uds: arming a send in epoll", e.into()))?;
+            self.armed_once,
+        )?;
         self.armed_once = true;
         // Armed first, then look: room that came meanwhile has fired the registration too.
         let mut fds = [PollFd::new(self.s.as_fd(), PollFlags::POLLOUT)];
@@ -285,8 +274,8 @@ impl TxLink for Tx {
 impl Drop for Tx {
     fn drop(&mut self) {
         // The registration belongs to the socket, which other descriptors keep open.
-        if let (true, Some(set)) = (self.armed_once, self.watch.set.get()) {
-            let _ = set.delete(self.s.as_fd());
+        if self.armed_once {
+            self.watch.ready.unregister(self.s.as_fd());
         }
         // The receive half and the readiness watcher hold duplicates of the descriptor: say
         // goodbye explicitly so the peer sees end-of-file now.
@@ -409,21 +398,11 @@ impl RxLink for Rx {
     }
 }
 
-/// Token of the wake-up pipe in the epoll set (ranks use their own number).
-const WAKE_TOKEN: u64 = u64::MAX;
-/// Tokens of one-shot send registrations: this bit and the rank.
-const SEND_TOKEN: u64 = 1 << 62;
-
-/// Any-source readiness: `poll(2)` over every peer's descriptor and a wake-up pipe; for event
-/// loops, an epoll set of the same.
+/// Any-source readiness: `poll(2)` over every peer's descriptor and the wake-up socket; for
+/// event loops, the channel's [`ReadinessSet`] of the same.
 struct Watch {
     watched: Vec<Watched>,
-    wake_r: File,
-    wake_w: File,
-    /// The readiness descriptor, made when first asked for.
-    set: OnceLock<Epoll>,
-    /// Orders the making of the set with taking forgotten peers out of it.
-    making: Mutex<()>,
+    ready: ReadinessSet,
 }
 
 struct Watched {
@@ -432,9 +411,6 @@ struct Watched {
     s: UnixStream,
     /// Shared with the connection's halves.
     torn: Arc<Teardown>,
-    /// The core gave up on that peer (`Incoming::forget`). A hung-up socket stays readable,
-    /// so polling it would end every wait at once.
-    gone: AtomicBool,
 }
 
 /// The channel's [`Incoming`] (the watcher is shared with the sending halves).
@@ -444,13 +420,15 @@ impl Watch {
     fn poll_all(&self, timeout: PollTimeout, ready: &mut dyn FnMut(usize)) -> Result<bool> {
         let mut ranks: SmallVec<[usize; 8]> = SmallVec::new();
         let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
-        for w in &self.watched {
-            if !w.gone.load(Ordering::Relaxed) {
+        for (i, w) in self.watched.iter().enumerate() {
+            // A forgotten peer's hung-up socket stays readable: polling it would end every
+            // wait at once.
+            if !self.ready.is_forgotten(i) {
                 ranks.push(w.peer);
                 fds.push(PollFd::new(w.s.as_fd(), PollFlags::POLLIN));
             }
         }
-        fds.push(PollFd::new(self.wake_r.as_fd(), PollFlags::POLLIN));
+        fds.push(PollFd::new(self.ready.wake_fd(), PollFlags::POLLIN));
         match poll(&mut fds, timeout) {
             Ok(0) | Err(nix::errno::Errno::EINTR) => return Ok(false),
             Ok(_) => {}
@@ -463,37 +441,6 @@ impl Watch {
         }
         Ok(fds[ranks.len()].revents().is_some_and(|r| !r.is_empty()))
     }
-
-    fn drain_wake(&self) {
-        let mut sink = [0u8; 64];
-        while matches!((&self.wake_r).read(&mut sink), Ok(n) if n > 0) {}
-    }
-
-    /// The epoll set, made now if it was not yet: level-triggered input and hang-ups of the
-    /// peers not forgotten, and the wake-up pipe.
-    fn set(&self) -> Result<&Epoll> {
-        if let Some(s) = self.set.get() {
-            return Ok(s);
-        }
-        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = self.set.get() {
-            return Ok(s);
-        }
-        let err = |e: nix::errno::Errno| Error::io("uds: epoll set", e.into());
-        let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(err)?;
-        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
-        set.add(self.wake_r.as_fd(), EpollEvent::new(input, WAKE_TOKEN))
-            .map_err(err)?;
-        for w in self
-            .watched
-            .iter()
-            .filter(|w| !w.gone.load(Ordering::Acquire))
-        {
-            set.add(w.s.as_fd(), EpollEvent::new(input, w.peer as u64))
-                .map_err(err)?;
-        }
-        Ok(self.set.get_or_init(|| set))
-    }
 }
 
 impl Incoming for Incomings {
@@ -504,41 +451,35 @@ impl Incoming for Incomings {
     fn wait(&self, timeout: Duration) -> Result<()> {
         if self.0.poll_all(ms(timeout), &mut |_| {})? {
             // Woken: consume the wake-ups (only waiters do, so `poll` cannot steal one).
-            self.0.drain_wake();
+            self.0.ready.drain_wake();
         }
         Ok(())
     }
 
     fn wake(&self) {
-        let _ = (&self.0.wake_w).write(&[1]);
+        self.0.ready.wake();
     }
 
     fn forget(&self, rank: usize) {
-        let _g = self.0.making.lock().unwrap_or_else(|p| p.into_inner());
-        for w in self.0.watched.iter().filter(|w| w.peer == rank) {
-            if !w.gone.swap(true, Ordering::AcqRel) {
-                if let Some(set) = self.0.set.get() {
-                    let _ = set.delete(w.s.as_fd());
-                }
-            }
-        }
+        self.0.ready.forget(rank);
     }
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.0.set().ok().map(|s| s.0.as_fd())
+        self.0.ready.readiness_fd()
     }
 
     fn arm(&self) -> Result<Armed> {
-        let set = self.0.set()?;
+        let ready = &self.0.ready;
+        ready.make()?;
         // Clear, then look: the set is level-triggered, so looking consumes nothing but the
         // one-shot events of armed sends (which make this arm `Busy`); whatever happens after
         // the drain makes the set readable again.
-        self.0.drain_wake();
-        let mut evs = [EpollEvent::empty(); 4];
-        let n = set
-            .wait(&mut evs, EpollTimeout::ZERO)
-            .map_err(|e| Error::io("uds: epoll_wait", e.into()))?;
-        Ok(if n > 0 { Armed::Busy } else { Armed::Armed })
+        ready.drain_wake();
+        Ok(if ready.any_ready()? {
+            Armed::Busy
+        } else {
+            Armed::Armed
+        })
     }
 
     fn shutdown(&self) {

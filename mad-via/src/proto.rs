@@ -45,19 +45,18 @@
 //! sending link's own descriptors are registered one-shot for room in the NIC's queues.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{
     AbortOutcome, Armed, Incoming, LinkPair, OpenedChannel, RxLink, TmId, TxLink,
 };
+use mad_core::events::{ReadinessSet, SEND_TOKEN};
 use mad_core::{Error, Result};
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
 use crate::provider::{
     Device, Dst, Interest, Interests, Nic, Qp, RecvSge, Remote, Sge, Src, WaitFds, Wc, WcKind,
@@ -1001,9 +1000,9 @@ impl<D: Device, N: Nic> ViaTx<D, N> {
 impl<D: Device, N: Nic> Drop for ViaTx<D, N> {
     fn drop(&mut self) {
         // The registrations belong to the sockets, which other descriptors keep open.
-        if let Some(set) = self.events.as_ref().and_then(|e| e.set.get()) {
+        if let Some(e) = &self.events {
             for (fd, _) in self.fds.iter().zip(&self.in_set).filter(|(_, r)| **r) {
-                let _ = set.delete(fd);
+                e.ready.unregister(fd.as_fd());
             }
         }
         if self.st.active {
@@ -1177,7 +1176,7 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         let Some(events) = &self.events else {
             return Ok(Armed::Busy);
         };
-        let set = events.set()?;
+        events.ready.make()?;
         let mut c = lock(&self.conn);
         if c.failed.is_some() {
             return Ok(Armed::Busy); // the send call reports it
@@ -1201,26 +1200,16 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         // What only the wire can bring: room in the NIC's queues, data-QP input. The first
         // descriptor's input (control traffic: credits, CTS) is in the channel's set already.
         for i in &interest {
-            let mut flags = EpollFlags::empty();
-            if i.write {
-                flags |= EpollFlags::EPOLLOUT;
-            }
-            if i.read && i.fd != 0 {
-                flags |= EpollFlags::EPOLLIN;
-            }
+            let read = i.read && i.fd != 0;
             let Some(fd) = self.fds.get(i.fd) else {
                 continue;
             };
-            if flags.is_empty() {
+            if !i.write && !read {
                 continue;
             }
-            let mut ev = EpollEvent::new(flags | EpollFlags::EPOLLONESHOT, SEND_TOKEN);
-            let r = if self.in_set[i.fd] {
-                set.modify(fd, &mut ev)
-            } else {
-                set.add(fd, ev)
-            };
-            r.map_err(|e| Error::io("via: arming a send in epoll", e.into()))?;
+            events
+                .ready
+                .register_once(fd.as_fd(), i.write, read, SEND_TOKEN, self.in_set[i.fd])?;
             self.in_set[i.fd] = true;
         }
         Ok(Armed::Armed)
@@ -1332,96 +1321,32 @@ impl<D: Device, N: Nic> RxLink for ViaRx<D, N> {
     }
 }
 
-/// Token of the wake-up socket in the readiness set (connections use their rank).
-const WAKE_TOKEN: u64 = u64::MAX;
-/// Token of the one-shot registrations of armed sends.
-const SEND_TOKEN: u64 = 1 << 62;
-
-/// The channel's readiness descriptor: an epoll set, made at first use, of each connection's
-/// first wait descriptor (level-triggered input) and of the wake-up socket, plus the one-shot
+/// The channel's readiness descriptor: a [`ReadinessSet`] of each connection's wait
+/// descriptors (level-triggered input) and of the wake-up socket, plus the one-shot
 /// registrations of armed sends. Shared by [`ViaIncoming`], the sending links and the
 /// connections (which signal it when an armed send's connection moves).
 pub(crate) struct Events {
-    set: OnceLock<Epoll>,
-    /// Orders the making of the set with taking forgotten connections out of it.
-    making: Mutex<()>,
-    regs: Vec<Reg>,
-    wake_rx: UnixStream,
-    wake_tx: UnixStream,
+    ready: ReadinessSet,
     /// An armed send's connection moved: the next `arm` says `Busy`.
     send_ready: AtomicBool,
 }
 
-struct Reg {
-    rank: usize,
-    /// Duplicates of the connection's wait descriptors (control and data queue pairs): input
-    /// on any of them may be what a pending receive waits for (a rendezvous's data arrives
-    /// on the data queue pair).
-    fds: Vec<OwnedFd>,
-    /// The core gave up on the connection (`Incoming::forget`): out of the set, so that an
-    /// ended socket does not keep it readable.
-    forgotten: AtomicBool,
-}
-
 impl Events {
     fn new<N: Nic>(conns: &[(usize, Shared<N>)]) -> Result<Arc<Events>> {
-        let (wake_rx, wake_tx) = UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
-        wake_rx
-            .set_nonblocking(true)
-            .and_then(|_| wake_tx.set_nonblocking(true))
-            .map_err(|e| Error::io("socketpair", e))?;
-        let mut regs = Vec::with_capacity(conns.len());
+        // Input on any of a connection's descriptors may be what a pending receive waits for
+        // (a rendezvous's data arrives on the data queue pair).
+        let mut peers = Vec::with_capacity(conns.len());
         for (rank, c) in conns {
-            regs.push(Reg {
-                rank: *rank,
-                fds: dup_fds(c)?,
-                forgotten: AtomicBool::new(false),
-            });
+            peers.push((*rank, dup_fds(c)?));
         }
         Ok(Arc::new(Events {
-            set: OnceLock::new(),
-            making: Mutex::new(()),
-            regs,
-            wake_rx,
-            wake_tx,
+            ready: ReadinessSet::new("via", peers)?,
             send_ready: AtomicBool::new(false),
         }))
     }
 
-    /// The set, made now if it was not yet.
-    fn set(&self) -> Result<&Epoll> {
-        if let Some(s) = self.set.get() {
-            return Ok(s);
-        }
-        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = self.set.get() {
-            return Ok(s);
-        }
-        let err = |e: nix::errno::Errno| Error::io("via: epoll set", e.into());
-        let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(err)?;
-        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
-        set.add(self.wake_rx.as_fd(), EpollEvent::new(input, WAKE_TOKEN))
-            .map_err(err)?;
-        for r in self
-            .regs
-            .iter()
-            .filter(|r| !r.forgotten.load(Ordering::Acquire))
-        {
-            for fd in &r.fds {
-                set.add(fd, EpollEvent::new(input, r.rank as u64))
-                    .map_err(err)?;
-            }
-        }
-        Ok(self.set.get_or_init(|| set))
-    }
-
     fn wake(&self) {
-        let _ = (&self.wake_tx).write(&[1]);
-    }
-
-    fn drain_wake(&self) {
-        let mut sink = [0u8; 64];
-        while matches!((&self.wake_rx).read(&mut sink), Ok(n) if n > 0) {}
+        self.ready.wake();
     }
 
     /// An armed send's connection moved.
@@ -1503,14 +1428,14 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
                 ..*i
             }));
         }
-        fds.push(self.events.wake_rx.as_fd());
+        fds.push(self.events.ready.wake_fd());
         interest.push(Interest {
             fd: fds.len() - 1,
             read: true,
             write: false,
         });
         wait_fds(&fds, &interest, timeout.min(Duration::from_millis(10)))?;
-        self.events.drain_wake();
+        self.events.ready.drain_wake();
         Ok(())
     }
 
@@ -1519,32 +1444,23 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
     }
 
     fn forget(&self, rank: usize) {
-        let ev = &self.events;
-        let _g = ev.making.lock().unwrap_or_else(|p| p.into_inner());
-        for r in ev.regs.iter().filter(|r| r.rank == rank) {
-            if !r.forgotten.swap(true, Ordering::AcqRel) {
-                if let Some(set) = ev.set.get() {
-                    for fd in &r.fds {
-                        let _ = set.delete(fd);
-                    }
-                }
-            }
-        }
+        self.events.ready.forget(rank);
     }
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.events.set().ok().map(|s| s.0.as_fd())
+        self.events.ready.readiness_fd()
     }
 
     fn arm(&self) -> Result<Armed> {
         let ev = &self.events;
-        let set = ev.set()?;
+        ev.ready.make()?;
         // Clear first; whatever happens afterwards makes the set readable again.
-        ev.drain_wake();
+        ev.ready.drain_wake();
         let mut busy = ev.send_ready.swap(false, Ordering::AcqRel);
         let mut one = Interests::new();
-        for ((_, c, _), r) in self.conns.iter().zip(&ev.regs) {
-            if r.forgotten.load(Ordering::Acquire) {
+        // The set's peers are the connections, in the same order.
+        for (i, (_, c, _)) in self.conns.iter().enumerate() {
+            if ev.ready.is_forgotten(i) {
                 continue;
             }
             let mut c = lock(c);
@@ -1567,11 +1483,7 @@ impl<N: Nic> Incoming for ViaIncoming<N> {
         }
         if !busy {
             // Level-triggered: looking consumes nothing but armed sends' one-shot events.
-            let mut evs = [EpollEvent::empty(); 4];
-            let n = set
-                .wait(&mut evs, EpollTimeout::ZERO)
-                .map_err(|e| Error::io("via: epoll_wait", e.into()))?;
-            busy = n > 0;
+            busy = ev.ready.any_ready()?;
         }
         Ok(if busy { Armed::Busy } else { Armed::Armed })
     }

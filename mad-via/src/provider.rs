@@ -36,7 +36,7 @@ use std::io::IoSliceMut;
 use std::os::fd::BorrowedFd;
 use std::task::Poll;
 
-use mad_core::Result;
+use mad_core::{Error, Result};
 
 /// The two queue pairs of a connection.
 ///
@@ -136,6 +136,77 @@ pub(crate) struct Wc {
     pub kind: WcKind,
 }
 
+/// The completion side of one connection end, the same for every provider: completions
+/// learnt before the protocol asked for them (the soft NIC's sends complete when posted;
+/// verbs finds some while arming its notifications), handed over first by the next
+/// [`take`](Completions::take), and the connection's first fatal failure, after which every
+/// call reports it ([`Error::Poisoned`]) and nothing more completes.
+#[derive(Debug, Default)]
+pub(crate) struct Completions {
+    early: Vec<Wc>,
+    failed: Option<String>,
+}
+
+impl Completions {
+    /// `Err(Poisoned)` for peer `rank` once the connection failed.
+    pub(crate) fn check(&self, rank: usize) -> Result<()> {
+        match &self.failed {
+            Some(cause) => Err(Error::Poisoned {
+                rank,
+                cause: cause.as_str().into(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the connection failed.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// Record `cause` as the connection's failure unless one is recorded already; whether it
+    /// was the first (the provider then tells the peer, or stops its queue pairs).
+    pub(crate) fn fail(&mut self, cause: impl std::fmt::Display) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        self.failed = Some(cause.to_string());
+        true
+    }
+
+    /// A completion learnt early: handed over by the next [`take`](Completions::take).
+    pub(crate) fn push(&mut self, wc: Wc) {
+        self.early.push(wc);
+    }
+
+    /// The list of completions learnt early, to append to without allocating (give it back
+    /// with [`restore_early`](Completions::restore_early)).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // (the verbs provider's)
+    pub(crate) fn lend_early(&mut self) -> Vec<Wc> {
+        std::mem::take(&mut self.early)
+    }
+
+    /// Give back what [`lend_early`](Completions::lend_early) lent.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // (the verbs provider's)
+    pub(crate) fn restore_early(&mut self, early: Vec<Wc>) {
+        self.early = early;
+    }
+
+    /// Whether completions learnt early wait to be taken.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // (the verbs provider's)
+    pub(crate) fn any_early(&self) -> bool {
+        !self.early.is_empty()
+    }
+
+    /// The start of every poll: the failure if the connection failed, else the completions
+    /// learnt early, appended to `out` in the order they completed.
+    pub(crate) fn take(&mut self, rank: usize, out: &mut Vec<Wc>) -> Result<()> {
+        self.check(rank)?;
+        out.append(&mut self.early);
+        Ok(())
+    }
+}
+
 /// Descriptors a blocked thread polls ([`Nic::wait_fds`]); inline, so that a wait allocates
 /// nothing.
 pub(crate) type WaitFds<'a> = smallvec::SmallVec<[BorrowedFd<'a>; 4]>;
@@ -212,9 +283,28 @@ pub(crate) trait Nic: Send + 'static {
     /// Post a receive.
     fn post_recv(&mut self, qp: Qp, wr_id: u64, dst: Dst<'_>) -> Result<()>;
 
+    /// Post a send (`to`: `None`) or an RDMA write to `to`, with `imm` (a write's consumes
+    /// one posted receive at the peer). `Pending`: the send queue is full (poll, then post
+    /// again).
+    fn post(
+        &mut self,
+        qp: Qp,
+        wr_id: u64,
+        src: Src<'_>,
+        to: Option<Remote>,
+        imm: Option<u32>,
+    ) -> Result<Poll<()>>;
+
     /// Post a send. `Pending`: the send queue is full (poll, then post again).
-    fn post_send(&mut self, qp: Qp, wr_id: u64, src: Src<'_>, imm: Option<u32>)
-        -> Result<Poll<()>>;
+    fn post_send(
+        &mut self,
+        qp: Qp,
+        wr_id: u64,
+        src: Src<'_>,
+        imm: Option<u32>,
+    ) -> Result<Poll<()>> {
+        self.post(qp, wr_id, src, None, imm)
+    }
 
     /// Post an RDMA write to `to`, with `imm` consuming one posted receive at the peer.
     /// `Pending`: the send queue is full.
@@ -225,7 +315,9 @@ pub(crate) trait Nic: Send + 'static {
         src: Src<'_>,
         to: Remote,
         imm: Option<u32>,
-    ) -> Result<Poll<()>>;
+    ) -> Result<Poll<()>> {
+        self.post(qp, wr_id, src, Some(to), imm)
+    }
 
     /// Allow the peer to RDMA-write `[addr, addr + len)` (covered by the registration with
     /// keys `lkey`/`rkey`); returns the key the peer must present. Verbs: the region's rkey;

@@ -102,15 +102,6 @@ fn read_hello(s: &mut TcpStream) -> std::result::Result<Hello, String> {
     Hello::decode(&b).map_err(|e| e.to_string())
 }
 
-fn set_timeouts(s: &TcpStream, deadline: Instant, cap: Duration) -> std::io::Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .min(cap)
-        .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))?;
-    s.set_write_timeout(Some(left))
-}
-
 /// Connect to rank `j` for queue pair `qp` and run the connector's side of the handshake.
 fn connect_one(
     p: &Params,
@@ -129,25 +120,7 @@ fn connect_one(
             e,
         )
     };
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ctx_err(std::io::ErrorKind::TimedOut.into()));
-        }
-        match TcpStream::connect_timeout(&target, left) {
-            Ok(s) => break s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::Interrupted
-                ) =>
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => return Err(ctx_err(e)),
-        }
-    };
-    set_timeouts(&s, deadline, Duration::MAX).map_err(ctx_err)?;
+    let mut s = accept::dial(target, deadline).map_err(ctx_err)?;
     let ha = read_hello(&mut s).map_err(|w| {
         Error::Auth(format!(
             "via:soft channel `{}`: {who} at {target}: {w}",
@@ -214,7 +187,7 @@ fn accept_one(
     let refused = |why: String| Accepted::Refused(a.clone(), why);
     if let Err(e) = s
         .set_nonblocking(false)
-        .and_then(|_| set_timeouts(&s, deadline, HANDSHAKE_TIMEOUT))
+        .and_then(|_| accept::set_timeouts(&s, deadline, HANDSHAKE_TIMEOUT))
     {
         return refused(format!("cannot configure the socket: {e}"));
     }

@@ -34,8 +34,8 @@ use mad_core::{Error, Result};
 use crate::proto::{self, Conn, ConnStats, Shared, SlotConfig};
 pub use crate::proto::{TM_LARGE, TM_MEDIUM, TM_SMALL};
 use crate::provider::{
-    Device, Dst, Interest, Interests, MemoryRegion, Nic, Qp, RecvSge, Remote, Src, WaitFds, Wc,
-    WcKind,
+    Completions, Device, Dst, Interest, Interests, MemoryRegion, Nic, Qp, RecvSge, Remote, Src,
+    WaitFds, Wc, WcKind,
 };
 use crate::reg::{Pd, RegCache};
 use crate::sys;
@@ -483,9 +483,8 @@ pub struct SoftNic {
     peer_credit: Remote,
     posted: [VecDeque<(u64, Posted)>; 2],
     exposed: HashMap<u32, Exposed>,
-    /// Completions of work requests that completed when posted.
-    done: Vec<Wc>,
-    failed: Option<String>,
+    /// Sends complete when posted; the connection's failure.
+    cq: Completions,
     /// Also process the data QP when no receive is posted there (raw endpoints' `progress`,
     /// so a refused write is reported at once; normal polls leave unexpected data alone).
     eager: bool,
@@ -549,20 +548,13 @@ impl SoftNic {
             peer_credit,
             posted: [VecDeque::new(), VecDeque::new()],
             exposed,
-            done: Vec::new(),
-            failed: None,
+            cq: Completions::default(),
             eager: false,
         })
     }
 
     fn check(&self) -> Result<()> {
-        match &self.failed {
-            Some(cause) => Err(Error::Poisoned {
-                rank: self.rank,
-                cause: cause.as_str().into(),
-            }),
-            None => Ok(()),
-        }
+        self.cq.check(self.rank)
     }
 
     fn proto(&self, what: impl Into<String>) -> (Error, Option<u32>) {
@@ -571,8 +563,7 @@ impl SoftNic {
 
     /// Record a fatal error, telling the peer when it is a local detection.
     fn failure(&mut self, (e, report): (Error, Option<u32>)) -> Error {
-        if self.failed.is_none() {
-            self.failed = Some(e.to_string());
+        if self.cq.fail(&e) {
             if let Some(code) = report {
                 let w = &mut self.q[Qp::Ctrl as usize];
                 wire::encode_error(&mut w.out, code, &e.to_string());
@@ -598,66 +589,6 @@ impl SoftNic {
             }
         }
         Ok(())
-    }
-
-    fn post(
-        &mut self,
-        qp: Qp,
-        wr_id: u64,
-        src: Src<'_>,
-        to: Option<Remote>,
-        imm: Option<u32>,
-    ) -> Result<Poll<()>> {
-        self.check()?;
-        let q = qp as usize;
-        if self.q[q].out_pending() > OUT_LIMIT {
-            if let Err(e) = self.q[q].flush() {
-                let e = self.io(e);
-                return Err(self.failure(e));
-            }
-            if self.q[q].out_pending() > OUT_LIMIT {
-                return Ok(Poll::Pending);
-            }
-        }
-        let mut parts: smallvec::SmallVec<[&[u8]; 17]> = smallvec::SmallVec::new();
-        let total = match src {
-            Src::Slot { slot, len } => {
-                let Some(b) = self.arena.tx.get(slot).and_then(|b| b.get(..len)) else {
-                    return Err(Error::protocol(
-                        self.rank,
-                        format!("send from static buffer {slot} of {len} B: no such buffer"),
-                    ));
-                };
-                parts.push(b);
-                len
-            }
-            Src::User(sges) => {
-                self.check_sges(
-                    sges.iter()
-                        .map(|s| (s.buf.as_ptr() as usize, s.buf.len(), s.lkey)),
-                )?;
-                parts.extend(sges.iter().map(|s| s.buf));
-                sges.iter().map(|s| s.buf.len()).sum()
-            }
-        };
-        if total > MAX_PAYLOAD {
-            return Err(Error::protocol(
-                self.rank,
-                format!("work request of {total} B: the soft NIC carries at most {MAX_PAYLOAD} B"),
-            ));
-        }
-        let (h, kind) = match to {
-            None => (Header::send(total, imm), WcKind::Send),
-            Some(r) => (Header::write(total, r.rkey, r.addr, imm), WcKind::Write),
-        };
-        if let Err(e) = self.q[q].write_frame(&h, &parts) {
-            drop(parts);
-            let e = self.io(e);
-            return Err(self.failure(e));
-        }
-        drop(parts);
-        self.done.push(Wc { qp, wr_id, kind });
-        Ok(Poll::Ready(()))
     }
 
     fn check_write(&self, key: u32, addr: u64, len: usize) -> std::result::Result<Exposed, String> {
@@ -1004,25 +935,64 @@ impl Nic for SoftNic {
         Ok(())
     }
 
-    fn post_send(
+    fn post(
         &mut self,
         qp: Qp,
         wr_id: u64,
         src: Src<'_>,
+        to: Option<Remote>,
         imm: Option<u32>,
     ) -> Result<Poll<()>> {
-        self.post(qp, wr_id, src, None, imm)
-    }
-
-    fn post_write(
-        &mut self,
-        qp: Qp,
-        wr_id: u64,
-        src: Src<'_>,
-        to: Remote,
-        imm: Option<u32>,
-    ) -> Result<Poll<()>> {
-        self.post(qp, wr_id, src, Some(to), imm)
+        self.check()?;
+        let q = qp as usize;
+        if self.q[q].out_pending() > OUT_LIMIT {
+            if let Err(e) = self.q[q].flush() {
+                let e = self.io(e);
+                return Err(self.failure(e));
+            }
+            if self.q[q].out_pending() > OUT_LIMIT {
+                return Ok(Poll::Pending);
+            }
+        }
+        let mut parts: smallvec::SmallVec<[&[u8]; 17]> = smallvec::SmallVec::new();
+        let total = match src {
+            Src::Slot { slot, len } => {
+                let Some(b) = self.arena.tx.get(slot).and_then(|b| b.get(..len)) else {
+                    return Err(Error::protocol(
+                        self.rank,
+                        format!("send from static buffer {slot} of {len} B: no such buffer"),
+                    ));
+                };
+                parts.push(b);
+                len
+            }
+            Src::User(sges) => {
+                self.check_sges(
+                    sges.iter()
+                        .map(|s| (s.buf.as_ptr() as usize, s.buf.len(), s.lkey)),
+                )?;
+                parts.extend(sges.iter().map(|s| s.buf));
+                sges.iter().map(|s| s.buf.len()).sum()
+            }
+        };
+        if total > MAX_PAYLOAD {
+            return Err(Error::protocol(
+                self.rank,
+                format!("work request of {total} B: the soft NIC carries at most {MAX_PAYLOAD} B"),
+            ));
+        }
+        let (h, kind) = match to {
+            None => (Header::send(total, imm), WcKind::Send),
+            Some(r) => (Header::write(total, r.rkey, r.addr, imm), WcKind::Write),
+        };
+        if let Err(e) = self.q[q].write_frame(&h, &parts) {
+            drop(parts);
+            let e = self.io(e);
+            return Err(self.failure(e));
+        }
+        drop(parts);
+        self.cq.push(Wc { qp, wr_id, kind });
+        Ok(Poll::Ready(()))
     }
 
     fn expose(&mut self, lkey: u32, _rkey: u32, addr: usize, len: usize) -> Result<u32> {
@@ -1053,8 +1023,7 @@ impl Nic for SoftNic {
     }
 
     fn poll(&mut self, lent: &mut [IoSliceMut<'_>], out: &mut Vec<Wc>) -> Result<()> {
-        self.check()?;
-        out.append(&mut self.done);
+        self.cq.take(self.rank, out)?;
         match self.poll_inner(lent, out) {
             Ok(()) => Ok(()),
             Err(e) => Err(self.failure(e)),
@@ -1062,9 +1031,7 @@ impl Nic for SoftNic {
     }
 
     fn reap(&mut self, out: &mut Vec<Wc>) -> Result<()> {
-        self.check()?;
-        out.append(&mut self.done);
-        Ok(())
+        self.cq.take(self.rank, out)
     }
 
     fn peer_closed(&self, qp: Qp) -> bool {
@@ -1082,7 +1049,7 @@ impl Nic for SoftNic {
 
     fn prepare_wait(&mut self, message_only: bool, interest: &mut Interests) -> Result<bool> {
         interest.clear();
-        let failed = self.failed.is_some();
+        let failed = self.cq.failed();
         interest.push(Interest {
             fd: 0,
             read: !failed && !self.q[0].eof,

@@ -11,7 +11,7 @@
 //! | [`Bell`] | sleep and wake across processes on a futex word and its sleeper count |
 //! | [`PeerWatch`], [`Liveness`], [`DeathCheck`] | peer death by pidfd, at a bounded rate; "reported once" for any-source |
 //! | [`index`] | SPSC ring index arithmetic over monotonic offsets, hostile values rejected |
-//! | [`Endpoint`], [`Readiness`], [`Signal`] | readiness descriptors for event loops: abstract datagram sockets and peers' pidfds in an epoll set, signalled by writers only while armed ([`ready`]) |
+//! | [`Endpoint`], [`Readiness`], [`Signal`], [`PeerReadiness`], [`vote`] | readiness descriptors for event loops, built and agreed on at open the same way by both drivers: abstract datagram sockets and peers' pidfds in an epoll set, signalled by writers only while armed ([`ready`]) |
 //! | [`sys`] | every unsafe foreign call and raw-memory access of the module (`mmap`, futex, `kill`, `pidfd_open`, `poll`; [`ready`]'s sockets and epoll use nix's safe wrappers) |
 //!
 //! The core itself uses none of it; a driver crate enables the feature
@@ -25,7 +25,7 @@ pub mod sys;
 pub mod watch;
 
 pub use bell::Bell;
-pub use ready::{reachable, Endpoint, PeerSignals, Readiness, Signal, ARMED};
+pub use ready::{reachable, vote, Endpoint, PeerReadiness, PeerSignals, Readiness, Signal, ARMED};
 pub use segment::{
     creator_pid, fnv1a, map_peers, segment_name, sweep_stale, MappedPeer, SegmentFile, SHM_DIR,
 };

@@ -166,6 +166,81 @@ pub fn reachable<'a>(peers: impl IntoIterator<Item = &'a PeerSignals>) -> bool {
         .all(|p| socket::connect(probe.as_raw_fd(), &p.recv.to).is_ok())
 }
 
+/// A channel's readiness as its open builds it, the same for every intra-host driver: the
+/// signals towards every mapped peer and, when this rank has an endpoint and every peer's
+/// sockets can be reached from here, its [`Readiness`]. Every rank of the host must have one,
+/// or nobody arms and nobody signals: the open votes ([`PeerReadiness::ready`] is this rank's
+/// vote) and then [`settle`](PeerReadiness::settle)s.
+#[derive(Debug)]
+pub struct PeerReadiness {
+    /// Signals towards each peer, indexed by rank (`None`: this rank, another host's, or no
+    /// readiness).
+    pub sigs: Vec<Option<PeerSignals>>,
+    /// The any-source side, if every peer can be signalled.
+    pub readiness: Option<Readiness>,
+}
+
+impl PeerReadiness {
+    /// Signals towards every peer of `peers` (indexed by rank; `endpoint_of` gives the
+    /// segment name a peer announced), through `ep` (this rank's endpoint, bound as `name`;
+    /// `None` when it could not be opened). A peer that cannot be reached leaves the channel
+    /// without a readiness descriptor, never fails the open.
+    pub fn connect<I, S>(
+        ep: Option<&Arc<Endpoint>>,
+        name: &str,
+        peers: &[Option<super::MappedPeer<I, S>>],
+        endpoint_of: impl Fn(&I) -> &str,
+    ) -> Self {
+        let mut sigs: Vec<Option<PeerSignals>> = (0..peers.len()).map(|_| None).collect();
+        let mut readiness = None;
+        if let Some(ep) = ep {
+            let mut ok = true;
+            for (r, p) in peers.iter().enumerate() {
+                if let Some(p) = p {
+                    match ep.towards(endpoint_of(&p.info)) {
+                        Ok(s) => sigs[r] = Some(s),
+                        Err(_) => ok = false,
+                    }
+                }
+            }
+            ok = ok && reachable(sigs.iter().flatten());
+            let watches = peers
+                .iter()
+                .enumerate()
+                .filter_map(|(r, p)| Some((r, p.as_ref()?.watch.clone())));
+            readiness = ok
+                .then(|| Readiness::new(ep.clone(), name, watches).ok())
+                .flatten();
+        }
+        PeerReadiness { sigs, readiness }
+    }
+
+    /// This rank's vote: whether it has a readiness descriptor.
+    pub fn ready(&self) -> bool {
+        self.readiness.is_some()
+    }
+
+    /// After the vote: unless every rank of the host has a descriptor (`all_ready`), drop
+    /// this one's and every signal.
+    pub fn settle(&mut self, all_ready: bool) {
+        if !all_ready {
+            self.sigs.iter_mut().for_each(|s| *s = None);
+            self.readiness = None;
+        }
+    }
+}
+
+/// Whether every rank of `local` set `bit` in the first byte of its entry of `votes` (an
+/// allgather of one-byte votes; a missing or empty entry votes no).
+pub fn vote(votes: &[Vec<u8>], local: &[usize], bit: u8) -> bool {
+    local.iter().all(|&r| {
+        votes
+            .get(r)
+            .and_then(|v| v.first())
+            .is_some_and(|v| v & bit != 0)
+    })
+}
+
 /// The two signals towards one peer: its receive-event socket (a writer rang its doorbell,
 /// closed, or tore the connection down) and its send-progress socket (its reader freed room).
 #[derive(Clone, Debug)]

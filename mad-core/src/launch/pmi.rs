@@ -468,16 +468,6 @@ impl std::fmt::Debug for PmiBootstrap {
     }
 }
 
-/// This host as the other ranks should see it: host name and kernel boot id.
-fn host_identity() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let (host, boot) = (
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id"),
-    );
-    format!("{}/{}", host.trim(), boot.trim())
-}
-
 impl PmiBootstrap {
     /// Connect to the process manager named by the environment. `Ok(None)` when the process
     /// was not started by one (`PMI_FD` unset).
@@ -560,7 +550,7 @@ impl PmiBootstrap {
                 .unwrap_or_default();
             mine.extend_from_slice(format!("{}\n{addr}\n", secret.to_hex()).as_bytes());
         }
-        mine.extend_from_slice(host_identity().as_bytes());
+        mine.extend_from_slice(crate::bootstrap::host_identity().as_bytes());
         let all = {
             let mut g = conn.lock().unwrap_or_else(|p| p.into_inner());
             let framed = positional::frame("pmi-init", &mine);

@@ -46,7 +46,8 @@ use rdma_sys as ffi;
 
 use crate::proto::{self, SlotConfig};
 use crate::provider::{
-    Device, Dst, Interest, Interests, MemoryRegion as _, Nic, Qp, Remote, Src, WaitFds, Wc, WcKind,
+    Completions, Device, Dst, Interest, Interests, MemoryRegion as _, Nic, Qp, Remote, Src,
+    WaitFds, Wc, WcKind,
 };
 use crate::reg::{Pd, RegCache};
 use crate::verbs::{unavailable, ConnInfo, PeerQps};
@@ -759,10 +760,10 @@ pub struct VerbsNic {
     /// Posted minus completed work requests: [ctrl send, ctrl recv, data send, data recv].
     outstanding: [u64; 4],
     raw: Vec<ffi::ibv_wc>,
-    pending: Vec<Wc>,
+    /// Completions found while arming; the connection's failure.
+    cq_state: Completions,
     /// A completion event was requested (`prepare_wait`) and may be waiting on the channel.
     armed: bool,
-    failed: Option<String>,
 }
 
 /// Work request ids on the wire carry whether they are receives (an error completion's
@@ -811,9 +812,8 @@ impl VerbsNic {
             outstanding: [0; 4],
             // SAFETY: an all-zero ibv_wc is a valid value (integers and a union of integers).
             raw: (0..32).map(|_| unsafe { std::mem::zeroed() }).collect(),
-            pending: Vec::new(),
+            cq_state: Completions::default(),
             armed: false,
-            failed: None,
         })
     }
 
@@ -830,18 +830,11 @@ impl VerbsNic {
     }
 
     fn check(&self) -> Result<()> {
-        match &self.failed {
-            Some(cause) => Err(Error::Poisoned {
-                rank: self.rank,
-                cause: cause.as_str().into(),
-            }),
-            None => Ok(()),
-        }
+        self.cq_state.check(self.rank)
     }
 
     fn fatal(&mut self, e: Error) -> Error {
-        if self.failed.is_none() {
-            self.failed = Some(e.to_string());
+        if self.cq_state.fail(&e) {
             for q in &self.qps {
                 let _ = q.to_error();
             }
@@ -876,46 +869,6 @@ impl VerbsNic {
         })
     }
 
-    fn post_any(
-        &mut self,
-        qp: Qp,
-        wr_id: u64,
-        src: Src<'_>,
-        to: Option<Remote>,
-        imm: Option<u32>,
-    ) -> Result<Poll<()>> {
-        self.check()?;
-        let cap = if qp == Qp::Ctrl {
-            TX_SLOTS as u64
-        } else {
-            DATA_WINDOW as u64
-        };
-        let k = 2 * qp as usize;
-        if self.outstanding[k] >= cap {
-            return Ok(Poll::Pending);
-        }
-        let mut sges = self.sges_of(src)?;
-        if sges.len() > MAX_SGE {
-            return Err(Error::protocol(self.rank, "too many gather elements"));
-        }
-        // SAFETY: module rule 1: static buffers are arena memory freed after the QPs; user
-        // memory is kept alive and unmodified by the protocol until this request completes
-        // (gather sends return Ready only after their completions) or the QP is failed.
-        let r =
-            unsafe { self.qps[qp as usize].post_send(wire_id(wr_id, false), &mut sges, to, imm) };
-        match r {
-            Ok(()) => {
-                self.outstanding[k] += 1;
-                Ok(Poll::Ready(()))
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => Ok(Poll::Pending),
-            Err(e) => Err(self.fatal(Error::ConnectionLost {
-                rank: self.rank,
-                source: e,
-            })),
-        }
-    }
-
     fn translate(&mut self, wc: &ffi::ibv_wc) -> Result<Option<Wc>> {
         let qp = if wc.qp_num == self.qps[0].qpn() {
             Qp::Ctrl
@@ -927,7 +880,7 @@ impl VerbsNic {
         let k = 2 * qp as usize + recv as usize;
         self.outstanding[k] = self.outstanding[k].saturating_sub(1);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-            if self.failed.is_some() {
+            if self.cq_state.failed() {
                 return Ok(None); // flushed after a failure we already reported
             }
             // SAFETY: ibv_wc_status_str returns a static NUL-terminated string.
@@ -1019,9 +972,7 @@ impl VerbsNic {
         for q in &self.qps {
             let _ = q.to_error();
         }
-        if self.failed.is_none() {
-            self.failed = Some("connection stopped".into());
-        }
+        self.cq_state.fail("connection stopped");
         let deadline = Instant::now() + DRAIN;
         let mut sink = Vec::new();
         while self.outstanding.iter().any(|&n| n > 0) && Instant::now() < deadline {
@@ -1119,25 +1070,44 @@ impl Nic for VerbsNic {
         }
     }
 
-    fn post_send(
+    fn post(
         &mut self,
         qp: Qp,
         wr_id: u64,
         src: Src<'_>,
+        to: Option<Remote>,
         imm: Option<u32>,
     ) -> Result<Poll<()>> {
-        self.post_any(qp, wr_id, src, None, imm)
-    }
-
-    fn post_write(
-        &mut self,
-        qp: Qp,
-        wr_id: u64,
-        src: Src<'_>,
-        to: Remote,
-        imm: Option<u32>,
-    ) -> Result<Poll<()>> {
-        self.post_any(qp, wr_id, src, Some(to), imm)
+        self.check()?;
+        let cap = if qp == Qp::Ctrl {
+            TX_SLOTS as u64
+        } else {
+            DATA_WINDOW as u64
+        };
+        let k = 2 * qp as usize;
+        if self.outstanding[k] >= cap {
+            return Ok(Poll::Pending);
+        }
+        let mut sges = self.sges_of(src)?;
+        if sges.len() > MAX_SGE {
+            return Err(Error::protocol(self.rank, "too many gather elements"));
+        }
+        // SAFETY: module rule 1: static buffers are arena memory freed after the QPs; user
+        // memory is kept alive and unmodified by the protocol until this request completes
+        // (gather sends return Ready only after their completions) or the QP is failed.
+        let r =
+            unsafe { self.qps[qp as usize].post_send(wire_id(wr_id, false), &mut sges, to, imm) };
+        match r {
+            Ok(()) => {
+                self.outstanding[k] += 1;
+                Ok(Poll::Ready(()))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => Ok(Poll::Pending),
+            Err(e) => Err(self.fatal(Error::ConnectionLost {
+                rank: self.rank,
+                source: e,
+            })),
+        }
     }
 
     fn expose(&mut self, _lkey: u32, rkey: u32, _addr: usize, _len: usize) -> Result<u32> {
@@ -1149,8 +1119,7 @@ impl Nic for VerbsNic {
     fn unexpose(&mut self, _rkey: u32) {}
 
     fn poll(&mut self, _lent: &mut [IoSliceMut<'_>], out: &mut Vec<Wc>) -> Result<()> {
-        self.check()?;
-        out.append(&mut self.pending);
+        self.cq_state.take(self.rank, out)?;
         self.poll_cq(out)
     }
 
@@ -1169,7 +1138,7 @@ impl Nic for VerbsNic {
 
     fn prepare_wait(&mut self, _message_only: bool, interest: &mut Interests) -> Result<bool> {
         interest.clear();
-        if self.failed.is_some() {
+        if self.cq_state.failed() {
             return Ok(true);
         }
         if let Err(e) = self.cq.arm() {
@@ -1180,10 +1149,10 @@ impl Nic for VerbsNic {
         }
         self.armed = true;
         // A completion that arrived before the request raises no event: look once more.
-        let mut got = std::mem::take(&mut self.pending);
+        let mut got = self.cq_state.lend_early();
         let r = self.poll_cq(&mut got);
-        let ready = !got.is_empty();
-        self.pending = got;
+        self.cq_state.restore_early(got);
+        let ready = self.cq_state.any_early();
         r?;
         interest.push(Interest {
             fd: 0,
