@@ -38,11 +38,13 @@ pub use mad_shm;
 pub use mad_sisci;
 #[cfg(feature = "tcp")]
 pub use mad_tcp;
+#[cfg(feature = "uds")]
+pub use mad_uds;
 #[cfg(feature = "via")]
 pub use mad_via;
 
 /// A session builder with every driver of this build registered (`mem` always; `tcp`, `shm`,
-/// `via`, `sisci`, `mpi` as enabled by features).
+/// `via`, `sisci`, `uds`, `mpi` as enabled by features).
 pub fn builder() -> SessionBuilder {
     #[allow(unused_mut)]
     let mut b = Session::builder().driver(mad_core::mem::MemDriver);
@@ -61,6 +63,10 @@ pub fn builder() -> SessionBuilder {
     #[cfg(feature = "sisci")]
     {
         b = b.driver(mad_sisci::SisciDriver::new());
+    }
+    #[cfg(feature = "uds")]
+    {
+        b = b.driver(mad_uds::UdsDriver::new());
     }
     #[cfg(feature = "mpi")]
     {

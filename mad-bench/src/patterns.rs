@@ -223,6 +223,70 @@ fn latency_nocheck(
     Ok(t0.elapsed().as_secs_f64() / c.iters as f64 / 2.0 * 1e6)
 }
 
+/// Messages per burst in [`cpu`].
+pub const BURST: usize = 32;
+
+/// Which side [`cpu`] times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The sender's `BURST` sends, without waiting for the receiver.
+    Send,
+    /// The receiver's `BURST` receives of messages that were all sent before it starts.
+    Recv,
+}
+
+/// Processor time per message of one side alone (`cpu_send`, `cpu_recv`): each iteration, one
+/// side sends a burst of [`BURST`] messages of `n` bytes, the other receives them. `Send`: the
+/// initiator sends and times its sends, the peer receives, then both meet at `sync`. `Recv`:
+/// the peer sends, both meet at `sync` (every message has left), then the initiator times its
+/// receives. Microseconds per message on the initiator (a burst must fit the transport's
+/// buffers, or the sends wait for the receiver).
+#[allow(clippy::too_many_arguments)]
+pub fn cpu(
+    net: &mut dyn Net,
+    peer: usize,
+    initiator: bool,
+    side: Side,
+    n: usize,
+    c: Counts,
+    sbuf: &[u8],
+    rbuf: &mut [u8],
+    sync: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut secs = 0.0;
+    for i in 0..c.warm + c.iters {
+        if side == Side::Recv {
+            if !initiator {
+                for _ in 0..BURST {
+                    net.send(peer, &sbuf[..n])?;
+                }
+            }
+            sync()?;
+        }
+        let t0 = Instant::now();
+        match (side, initiator) {
+            (Side::Send, true) => {
+                for _ in 0..BURST {
+                    net.send(peer, &sbuf[..n])?;
+                }
+            }
+            (Side::Send, false) | (Side::Recv, true) => {
+                for _ in 0..BURST {
+                    net.recv(peer, &mut rbuf[..n])?;
+                }
+            }
+            (Side::Recv, false) => {}
+        }
+        if i >= c.warm {
+            secs += t0.elapsed().as_secs_f64();
+        }
+        if side == Side::Send {
+            sync()?;
+        }
+    }
+    Ok(secs / (c.iters * BURST) as f64 * 1e6)
+}
+
 /// memcpy of `n` bytes: microseconds per copy.
 pub fn memcpy(n: usize, c: Counts, sbuf: &[u8], rbuf: &mut [u8]) -> f64 {
     let mut t0 = Instant::now();
