@@ -53,11 +53,13 @@ options of run:
                        [+ ';mpi' with --features mpi]; `uds` with --features uds)
   --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (the default); raw-flag (a
                        one-message polled mailbox per direction: one copy in, one flag, one copy
-                       out); driver:SPEC (the links of channel SPEC's driver without the engine,
-                       busy-polling, e.g. driver:tcp); raw-mpi, raw-mpi-packed (RPC only),
+                       out); raw-mpi, raw-mpi-packed (RPC only),
                        raw-mpi-test (MPI_Irecv + MPI_Test loop) when built with --features
                        bench-mpi and started by mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API,
                        busy-polling; in the default list) when built with --features bench-ucx
+  --drivers LIST       channel specs separated by ';' whose driver runs without the engine
+                       (its links through the driver contract, busy-polling; rows
+                       `driver:SPEC`; default none)
   --modes LIST         mode pairs: cheaper, safer, and/or a number K >= 2 (the message in K
                        CHEAPER pieces). Default: cheaper,safer,16 on the tcp and shm channels
                        without progress=, cheaper on the others; given: on every channel
@@ -79,6 +81,7 @@ struct Opts {
     benches: Vec<String>,
     channels: Vec<String>,
     baselines: Vec<String>,
+    drivers: Vec<String>,
     modes: Vec<Mode>,
     /// `--modes` was given: its modes apply to every channel.
     modes_given: bool,
@@ -103,6 +106,7 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
         benches: Vec::new(),
         channels: default_channels(),
         baselines: default_baselines(),
+        drivers: Vec::new(),
         modes: vec![Mode::Cc, Mode::Se, Mode::Pieces(16)],
         modes_given: false,
         pin: true,
@@ -142,6 +146,7 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
                 Arg::Long("bench") => o.benches = list(&cli::string(p)?, ','),
                 Arg::Long("channels") => o.channels = list(&cli::string(p)?, ';'),
                 Arg::Long("baselines") => o.baselines = list(&cli::string(p)?, ','),
+                Arg::Long("drivers") => o.drivers = list(&cli::string(p)?, ';'),
                 Arg::Long("modes") => {
                     o.modes = cli::value_with(p, "--modes", "cheaper, safer and/or K >= 2", |v| {
                         list(v, ',')
@@ -574,13 +579,6 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                 Some(Box::new(RawFlag::open(session, &format!("raw{i}b"), o.max)?)),
             ),
             "memcpy" => (None, None),
-            d if d.starts_with("driver:") => {
-                let spec = &d["driver:".len()..];
-                (
-                    Some(Box::new(DriverNet::open(session, &format!("raw{i}a"), spec)?)),
-                    Some(Box::new(DriverNet::open(session, &format!("raw{i}b"), spec)?)),
-                )
-            }
             #[cfg(feature = "bench-mpi")]
             "raw-mpi" | "raw-mpi-packed" | "raw-mpi-test" => {
                 let (idiom, wait) = match raw.as_str() {
@@ -642,6 +640,25 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                 "raw-flag" => Some(&PAIR_BENCHES[..]),
                 _ => None,
             },
+        });
+    }
+    for (i, spec) in o.drivers.iter().enumerate() {
+        v.push(Imp {
+            name: format!("driver:{spec}"),
+            mode: None,
+            baseline: None,
+            a: Some(Box::new(DriverNet::open(
+                session,
+                &format!("drv{i}a"),
+                spec,
+            )?)),
+            b: Some(Box::new(DriverNet::open(
+                session,
+                &format!("drv{i}b"),
+                spec,
+            )?)),
+            mt: None,
+            only: None,
         });
     }
     Ok(v)
@@ -837,31 +854,7 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
             } else {
                 "us"
             };
-            let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
-            for (k, imp) in imps.iter().enumerate() {
-                if samples[k].is_empty() {
-                    continue;
-                }
-                let (median, min, max) = report::stats(&samples[k]);
-                let base_median = imp
-                    .baseline
-                    .and_then(|b| imps.iter().position(|x| x.name == b))
-                    .map_or(f64::NAN, |j| medians[j]);
-                bench_rows.push(Row {
-                    bench: bench.into(),
-                    imp: imp.name.clone(),
-                    mode: imp.mode_name(),
-                    size,
-                    unit: unit.into(),
-                    median,
-                    min,
-                    max,
-                    runs: samples[k].len(),
-                    iters: used[k],
-                    baseline: imp.baseline.unwrap_or("").into(),
-                    base_median,
-                });
-            }
+            bench_rows.extend(rows_at(bench, unit, size, &imps, &samples, &used));
         }
         if threaded {
             if let Some(c) = pin_core {
@@ -875,6 +868,45 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
         }
     }
     Ok(rows)
+}
+
+/// One row per implementation measured at `size` (the median and min–max of its samples, its
+/// baseline's median beside it).
+fn rows_at(
+    bench: &str,
+    unit: &str,
+    size: usize,
+    imps: &[Imp],
+    samples: &[Vec<f64>],
+    used: &[usize],
+) -> Vec<Row> {
+    let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
+    let mut rows = Vec::new();
+    for (k, imp) in imps.iter().enumerate() {
+        if samples[k].is_empty() {
+            continue;
+        }
+        let (median, min, max) = report::stats(&samples[k]);
+        let base_median = imp
+            .baseline
+            .and_then(|b| imps.iter().position(|x| x.name == b))
+            .map_or(f64::NAN, |j| medians[j]);
+        rows.push(Row {
+            bench: bench.into(),
+            imp: imp.name.clone(),
+            mode: imp.mode_name(),
+            size,
+            unit: unit.into(),
+            median,
+            min,
+            max,
+            runs: samples[k].len(),
+            iters: used[k],
+            baseline: imp.baseline.unwrap_or("").into(),
+            base_median,
+        });
+    }
+    rows
 }
 
 /// Rows grouped by implementation (stable), sizes ascending inside each group.
@@ -947,35 +979,15 @@ fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
         if me != 0 {
             continue;
         }
-        let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
-        for (k, imp) in imps.iter().enumerate() {
-            let base_median = imp
-                .baseline
-                .and_then(|bn| imps.iter().position(|x| x.name == bn))
-                .map_or(f64::NAN, |j| medians[j]);
-            let (median, min, max) = report::stats(&samples[k]);
-            let mb = Row {
-                bench: "mbw_mr".into(),
-                imp: imp.name.clone(),
-                mode: imp.mode_name(),
-                size,
-                unit: "MB/s".into(),
-                median,
-                min,
-                max,
-                runs: samples[k].len(),
-                iters: used[k],
-                baseline: imp.baseline.unwrap_or("").into(),
-                base_median,
-            };
+        for mb in rows_at("mbw_mr", "MB/s", size, &imps, &samples, &used) {
             let per = 1e6 / size as f64;
             let mr = Row {
                 bench: "msg_rate".into(),
                 unit: "msg/s".into(),
-                median: median * per,
-                min: min * per,
-                max: max * per,
-                base_median: base_median * per,
+                median: mb.median * per,
+                min: mb.min * per,
+                max: mb.max * per,
+                base_median: mb.base_median * per,
                 ..mb.clone()
             };
             rows.push(mb);
@@ -1087,11 +1099,11 @@ mod tests {
             o.channels = vec!["uds,timeout_ms=60000".into()];
             o.modes = vec![Mode::Cc, Mode::Pieces(4)];
             o.modes_given = true;
-            o.baselines = [
-                "raw-flag",
-                "driver:tcp,tm.small=64",
-                "driver:shm",
-                "driver:sisci:local,tm.short=8,tm.ring=256",
+            o.baselines = vec!["raw-flag".into()];
+            o.drivers = [
+                "tcp,tm.small=64",
+                "shm",
+                "sisci:local,tm.short=8,tm.ring=256",
             ]
             .map(String::from)
             .to_vec();
@@ -1145,6 +1157,8 @@ mod tests {
         assert_eq!(o.channels, ["tcp,progress=poll", "shm"]);
         assert_eq!(baseline_of("tcp,progress=block"), "raw-tcp-block");
         assert_eq!(baseline_of("shm"), "raw-shm");
+        let o = parse_opts(&["--drivers".into(), "tcp,tm.small=64;shm".into()]).expect("ok");
+        assert_eq!(o.drivers, ["tcp,tm.small=64", "shm"]);
         let o = parse_opts(&["--modes".into(), "safer,8".into()]).expect("ok");
         assert_eq!(o.modes, [Mode::Cc, Mode::Se, Mode::Pieces(8)]);
         assert!(o.modes_given);

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use mad_core::driver::{
-    Bmm, Driver, LinkPair, OpenContext, OpenedChannel, RxLink, TmId, TmTable, TxLink,
-};
+use mad_core::driver::{Bmm, LinkPair, OpenContext, OpenedChannel, RxLink, TmId, TmTable, TxLink};
 use mad_core::progress::ProgressPolicy;
 use mad_core::{Channel, ChannelConfig, Error, RecvMode, Result, SendMode, Session};
 
@@ -711,7 +709,7 @@ impl Net for RawFlag {
 }
 
 /// A driver's links driven directly, without the engine (no `Channel`, no packer): what the
-/// driver alone costs. A message whose body the driver's TM table sends through TM 0 (its copy
+/// driver alone costs (`--drivers`, rows named `driver:SPEC`). A message whose body the driver's TM table sends through TM 0 (its copy
 /// TM) is just the body (one byte for an empty one); otherwise an 8-byte header through TM 0,
 /// a commit, then the body through its TM (copy or gather). An RPC is always header then body.
 /// Busy-polls, whatever the channel's `progress=`.
@@ -720,37 +718,20 @@ pub struct DriverNet {
     table: TmTable,
 }
 
-/// A driver of this build by name (a new instance, not the session's).
-fn driver_named(name: &str) -> Option<Box<dyn Driver>> {
-    Some(match name {
-        "mem" => Box::new(mad_core::mem::MemDriver),
-        #[cfg(feature = "tcp")]
-        "tcp" => Box::new(madeleine::mad_tcp::TcpDriver::new()),
-        #[cfg(feature = "shm")]
-        "shm" => Box::new(madeleine::mad_shm::ShmDriver::new()),
-        #[cfg(feature = "via")]
-        "via" => Box::new(madeleine::mad_via::ViaDriver::new()),
-        #[cfg(feature = "sisci")]
-        "sisci" => Box::new(madeleine::mad_sisci::SisciDriver::new()),
-        #[cfg(feature = "uds")]
-        "uds" => Box::new(madeleine::mad_uds::UdsDriver::new()),
-        #[cfg(feature = "mpi")]
-        "mpi" => Box::new(madeleine::mad_mpi::MpiDriver::new()),
-        _ => return None,
-    })
-}
-
 impl DriverNet {
     /// Open `spec`'s driver directly among the session's ranks (collective; `name` must be
     /// unique per endpoint).
     pub fn open(session: &Session, name: &str, spec: &str) -> Result<DriverNet> {
         let config = ChannelConfig::parse(name, spec)?;
-        let driver = driver_named(&config.driver).ok_or_else(|| {
-            Error::BadConfig(format!(
-                "mad-bench: baseline driver:{spec}: no driver `{}` in this build",
-                config.driver
-            ))
-        })?;
+        let driver = madeleine::drivers()
+            .into_iter()
+            .find(|d| d.name() == config.driver)
+            .ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "mad-bench: --drivers {spec}: no driver `{}` in this build",
+                    config.driver
+                ))
+            })?;
         config.check_against(&driver.accepted_options(&config))?;
         let mut table = driver.tm_table(&config)?;
         for (tm, max) in &config.thresholds {

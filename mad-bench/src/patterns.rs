@@ -19,6 +19,18 @@ pub struct Counts {
     pub iters: usize,
 }
 
+/// Run `step` `c.warm + c.iters` times; the seconds the last `c.iters` took.
+fn timed(c: Counts, mut step: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..c.warm {
+        step()?;
+    }
+    let t0 = Instant::now();
+    for _ in 0..c.iters {
+        step()?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Blocking ping-pong: returns the one-way latency in microseconds (round trip / 2). The
 /// initiator checks that the echoed bytes are the ones it sent.
 pub fn latency(
@@ -31,37 +43,17 @@ pub fn latency(
     rbuf: &mut [u8],
 ) -> Result<f64> {
     let (s, r) = (&sbuf[..n], &mut rbuf[..n]);
-    if let Some(t) = net.pingpong(peer, initiator, c.warm, c.iters, s, r) {
-        let t = t?;
-        if initiator && r != s {
-            return Err(Error::protocol(
-                peer,
-                format!("latency: the echoed {n}-byte message differs from the one sent"),
-            ));
-        }
-        return Ok(t / c.iters as f64 / 2.0 * 1e6);
-    }
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
-        if initiator {
-            net.send(peer, s)?;
-            net.recv(peer, r)?;
-        } else {
-            net.recv(peer, r)?;
-            net.send(peer, r)?;
-        }
-    }
-    let t = t0.elapsed().as_secs_f64();
+    let us = match net.pingpong(peer, initiator, c.warm, c.iters, s, r) {
+        Some(t) => t? / c.iters as f64 / 2.0 * 1e6,
+        None => latency_nocheck(net, peer, initiator, n, c, s, r)?,
+    };
     if initiator && r != s {
         return Err(Error::protocol(
             peer,
             format!("latency: the echoed {n}-byte message differs from the one sent"),
         ));
     }
-    Ok(t / c.iters as f64 / 2.0 * 1e6)
+    Ok(us)
 }
 
 /// RPC: an EXPRESS header giving the size of a CHEAPER body, answered by an empty RPC.
@@ -75,11 +67,7 @@ pub fn rpc(
     sbuf: &[u8],
     rbuf: &mut [u8],
 ) -> Result<f64> {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if initiator {
             net.send_rpc(peer, &sbuf[..n])?;
             let got = net.recv_rpc(peer, rbuf)?;
@@ -96,8 +84,9 @@ pub fn rpc(
             }
             net.send_rpc(peer, &[])?;
         }
-    }
-    Ok(t0.elapsed().as_secs_f64() / c.iters as f64 * 1e6)
+        Ok(())
+    })?;
+    Ok(t / c.iters as f64 * 1e6)
 }
 
 /// One side of a streaming window: the sender sends `WINDOW` messages then waits for a 1-byte
@@ -113,11 +102,7 @@ pub fn window(
     rbuf: &mut [u8],
 ) -> Result<(f64, f64)> {
     let mut ack = [0u8; 1];
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if sender {
             for _ in 0..WINDOW {
                 net.send(peer, &sbuf[..n])?;
@@ -129,8 +114,8 @@ pub fn window(
             }
             net.send(peer, &ack)?;
         }
-    }
-    let t = t0.elapsed().as_secs_f64();
+        Ok(())
+    })?;
     let bytes = (n * WINDOW * c.iters) as f64;
     Ok((bytes / t / 1e6, t))
 }
@@ -196,8 +181,8 @@ pub fn latency_mt(
     Ok((ra?? + rb?) / 2.0)
 }
 
-/// Ping-pong where replies may be served to the other thread of the side (equal sizes, so
-/// the echoed bytes are not compared).
+/// Ping-pong without comparing the echoed bytes ([`latency`] compares them; in `latency_mt`
+/// replies may be served to the other thread of the side): one-way µs.
 fn latency_nocheck(
     net: &mut dyn Net,
     peer: usize,
@@ -207,20 +192,16 @@ fn latency_nocheck(
     sbuf: &[u8],
     rbuf: &mut [u8],
 ) -> Result<f64> {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if initiator {
             net.send(peer, &sbuf[..n])?;
-            net.recv(peer, &mut rbuf[..n])?;
+            net.recv(peer, &mut rbuf[..n])
         } else {
             net.recv(peer, &mut rbuf[..n])?;
-            net.send(peer, &rbuf[..n])?;
+            net.send(peer, &rbuf[..n])
         }
-    }
-    Ok(t0.elapsed().as_secs_f64() / c.iters as f64 / 2.0 * 1e6)
+    })?;
+    Ok(t / c.iters as f64 / 2.0 * 1e6)
 }
 
 /// Messages per burst in [`cpu`].
@@ -289,13 +270,10 @@ pub fn cpu(
 
 /// memcpy of `n` bytes: microseconds per copy.
 pub fn memcpy(n: usize, c: Counts, sbuf: &[u8], rbuf: &mut [u8]) -> f64 {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         rbuf[..n].copy_from_slice(std::hint::black_box(&sbuf[..n]));
         std::hint::black_box(&mut rbuf[..n]);
-    }
-    t0.elapsed().as_secs_f64() / c.iters as f64 * 1e6
+        Ok(())
+    });
+    t.unwrap_or(f64::NAN) / c.iters as f64 * 1e6
 }

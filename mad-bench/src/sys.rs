@@ -89,63 +89,65 @@ impl Shared {
         }
     }
 
-    /// The ring at `offset` (a multiple of 256) with `cap` data bytes (a power of two).
-    pub fn ring(&self, offset: usize, cap: usize) -> Result<Ring<'_>> {
+    /// The three header words (at offsets 0, 8 and 128) and the data area of the `what` at
+    /// `offset` (a multiple of 256) with `cap` data bytes.
+    fn slot(&self, what: &str, offset: usize, cap: usize) -> Result<([&AtomicU64; 3], *mut u8)> {
         if offset % RING_HEADER != 0
-            || !cap.is_power_of_two()
             || offset
                 .checked_add(RING_HEADER + cap)
                 .is_none_or(|end| end > self.len)
         {
             return Err(Error::BadConfig(format!(
-                "ring at {offset} with {cap} bytes does not fit a {}-byte mapping",
+                "{what} at {offset} with {cap} bytes does not fit a {}-byte mapping",
                 self.len
             )));
         }
         let _ = &self.map;
         // SAFETY: `offset + RING_HEADER + cap <= len` was checked, so every pointer below
         // stays inside the mapping; the mapping is page-aligned and `offset` a multiple of
-        // 256, so the two u64 indices are 8-byte aligned. AtomicU64 has the layout of u64 and
-        // the memory is only ever accessed atomically at these two places.
+        // 256, so the three u64 words are 8-byte aligned. AtomicU64 has the layout of u64 and
+        // the header words are only ever accessed atomically.
         unsafe {
             let h = self.base.add(offset);
-            Ok(Ring {
-                head: &*(h as *const AtomicU64),
-                tail: &*(h.add(128) as *const AtomicU64),
-                data: h.add(RING_HEADER),
-                cap,
-                _m: PhantomData,
-            })
+            Ok((
+                [
+                    &*(h as *const AtomicU64),
+                    &*(h.add(8) as *const AtomicU64),
+                    &*(h.add(128) as *const AtomicU64),
+                ],
+                h.add(RING_HEADER),
+            ))
         }
+    }
+
+    /// The ring at `offset` (a multiple of 256) with `cap` data bytes (a power of two).
+    pub fn ring(&self, offset: usize, cap: usize) -> Result<Ring<'_>> {
+        if !cap.is_power_of_two() {
+            return Err(Error::BadConfig(format!(
+                "a ring of {cap} bytes: not a power of two"
+            )));
+        }
+        let ([head, _, tail], data) = self.slot("ring", offset, cap)?;
+        Ok(Ring {
+            head,
+            tail,
+            data,
+            cap,
+            _m: PhantomData,
+        })
     }
 
     /// The mailbox at `offset` (a multiple of 256) with room for messages of `cap` bytes.
     pub fn mailbox(&self, offset: usize, cap: usize) -> Result<Mailbox<'_>> {
-        if offset % RING_HEADER != 0
-            || offset
-                .checked_add(RING_HEADER + cap)
-                .is_none_or(|end| end > self.len)
-        {
-            return Err(Error::BadConfig(format!(
-                "mailbox at {offset} with {cap} bytes does not fit a {}-byte mapping",
-                self.len
-            )));
-        }
-        let _ = &self.map;
-        // SAFETY: as in `ring`: `offset + RING_HEADER + cap <= len`, the three u64 words at
-        // offsets 0, 8 and 128 of the header are 8-byte aligned, inside the mapping and only
-        // ever accessed atomically.
-        unsafe {
-            let h = self.base.add(offset);
-            Ok(Mailbox {
-                posted: &*(h as *const AtomicU64),
-                len: &*(h.add(8) as *const AtomicU64),
-                taken: &*(h.add(128) as *const AtomicU64),
-                data: h.add(RING_HEADER),
-                cap,
-                _m: PhantomData,
-            })
-        }
+        let ([posted, len, taken], data) = self.slot("mailbox", offset, cap)?;
+        Ok(Mailbox {
+            posted,
+            len,
+            taken,
+            data,
+            cap,
+            _m: PhantomData,
+        })
     }
 }
 
