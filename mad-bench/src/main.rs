@@ -47,7 +47,8 @@ options of run:
                        is lowered from a calibration run (the count used is in the CSV)
   --bench LIST         latency,bw,bibw,latency_mt,rpc (2 ranks; the default) and
                        cpu_send,cpu_recv (processor time per message of one side, bursts of 32,
-                       sizes up to 256 B) / mbw_mr (4+ ranks)
+                       sizes up to 256 B), poll (processor time of one poll that finds
+                       nothing) / mbw_mr (4+ ranks)
   --channels LIST      Madeleine channel specs separated by ';' (default
                        'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft;sisci:local'
                        [+ ';mpi' with --features mpi]; `uds` with --features uds)
@@ -636,8 +637,7 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
             only: match raw.as_str() {
                 // The packed RPC idiom differs from raw-mpi in RPC only.
                 "raw-mpi-packed" => Some(&["rpc"][..]),
-                // A burst waits for each message to be taken: not what the cpu patterns time.
-                "raw-flag" => Some(&PAIR_BENCHES[..]),
+                "raw-flag" => Some(&FLAG_BENCHES[..]),
                 _ => None,
             },
         });
@@ -681,7 +681,11 @@ fn pattern_wants(bench: &str, imp: &Imp) -> bool {
 const PAIR_BENCHES: [&str; 5] = ["latency", "bw", "bibw", "latency_mt", "rpc"];
 
 /// The benchmarks of the pair suite run only on request (`--bench`).
-const CPU_BENCHES: [&str; 2] = ["cpu_send", "cpu_recv"];
+const ON_REQUEST: [&str; 3] = ["cpu_send", "cpu_recv", "poll"];
+
+/// What `raw-flag` runs: a burst waits for each message to be taken, not what the cpu
+/// patterns time.
+const FLAG_BENCHES: [&str; 6] = ["latency", "bw", "bibw", "latency_mt", "rpc", "poll"];
 
 fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Vec<Row>> {
     let me = session.rank();
@@ -693,7 +697,7 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
     } else {
         PAIR_BENCHES
             .iter()
-            .chain(&CPU_BENCHES)
+            .chain(&ON_REQUEST)
             .copied()
             .filter(|b| o.benches.iter().any(|x| x == b))
             .collect()
@@ -717,6 +721,8 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
             // Small messages: a burst of 32 must fit what the transport buffers without the
             // receiver (or cpu_send waits for it, and cpu_recv's sender stalls).
             "cpu_send" | "cpu_recv" => sizes(0, o.max.min(256)),
+            // Nothing is sent.
+            "poll" => vec![0],
             _ => sizes(1, o.max),
         };
         let mut bench_rows = Vec::new();
@@ -757,7 +763,25 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                                 size as f64 / t
                             }
                         }
-                        (Some(a), Some(_)) if CPU_BENCHES.contains(&bench) => {
+                        (Some(a), Some(_)) if bench == "poll" => {
+                            let mut sync = || {
+                                seq += 1;
+                                session.bootstrap().barrier(&format!("bench/poll/{seq}"))
+                            };
+                            // Polls are short: a hundred per ping-pong iteration of the count.
+                            let c = Counts {
+                                warm: c.warm,
+                                iters: c.iters * 100,
+                            };
+                            match patterns::poll(a, peer, init, c, &mut sync)? {
+                                Some(v) => {
+                                    used[k] = used[k].max(c.iters);
+                                    v
+                                }
+                                None => continue,
+                            }
+                        }
+                        (Some(a), Some(_)) if bench.starts_with("cpu_") => {
                             // Bursts, not calibrated (a meeting between bursts is most of
                             // their time); every rank computes the same count.
                             let side = if bench == "cpu_send" {
@@ -1091,11 +1115,15 @@ mod tests {
 
     /// The baselines, benchmarks and modes that are not in the default run: the raw mailbox,
     /// drivers without the engine (through their copy TMs and past them), the processor time
-    /// of each side, K pieces on a channel given with --modes, the uds driver.
+    /// of each side and of an idle poll, K pieces on a channel given with --modes, the uds
+    /// driver.
     #[test]
     fn on_request_baselines_benches_and_modes() {
         let rows = rows_on_threads(2, |s| {
-            let mut o = tiny(&["latency", "bw", "rpc", "cpu_send", "cpu_recv"], 4096);
+            let mut o = tiny(
+                &["latency", "bw", "rpc", "cpu_send", "cpu_recv", "poll"],
+                4096,
+            );
             o.channels = vec!["uds,timeout_ms=60000".into()];
             o.modes = vec![Mode::Cc, Mode::Pieces(4)];
             o.modes_given = true;
@@ -1133,6 +1161,16 @@ mod tests {
                 .iter()
                 .filter(|r| r.bench == bench)
                 .all(|r| r.size <= 256));
+        }
+        for imp in [
+            "uds,timeout_ms=60000",
+            "raw-flag",
+            "driver:shm",
+            "driver:tcp,tm.small=64",
+        ] {
+            assert!(rows
+                .iter()
+                .any(|r| r.bench == "poll" && r.imp == imp && r.size == 0));
         }
         for r in &rows {
             assert!(r.median.is_finite() && r.median > 0.0, "{r:?}");

@@ -41,6 +41,19 @@ pub trait Net: Send {
         let _ = (peer, initiator, warm, iters, s, r);
         None
     }
+
+    /// One poll for a message from `peer` while none is sent: the cost of looking and finding
+    /// nothing. `None`: this endpoint has no such poll (its receives block, or it polls inside
+    /// its own runtime).
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        let _ = peer;
+        None
+    }
+}
+
+/// What [`Net::poll_idle`] returns when it finds a message.
+fn found(peer: usize) -> Error {
+    Error::protocol(peer, "poll: a message arrived while none was sent")
 }
 
 /// The mode pair a Madeleine endpoint packs with.
@@ -176,6 +189,14 @@ impl Net for MadNet {
         u.unpack(&mut buf[..n], SendMode::Cheaper)?;
         u.end_unpacking()?;
         Ok(n)
+    }
+
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        Some(match self.ch.try_begin_unpacking_from(peer) {
+            Ok(None) => Ok(()),
+            Ok(Some(_)) => Err(found(peer)),
+            Err(e) => Err(e),
+        })
     }
 }
 
@@ -497,6 +518,22 @@ impl Net for RawTcp {
         self.read_exact(peer, &mut buf[..n])?;
         Ok(n)
     }
+
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        if self.wait != Wait::Poll {
+            return None;
+        }
+        let mut one = [0u8; 1];
+        Some(self.sock(peer).and_then(|s| match s.peek(&mut one) {
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(()),
+            Ok(0) => Err(Error::PeerClosed { rank: peer }),
+            Ok(_) => Err(found(peer)),
+            Err(e) => Err(Error::ConnectionLost {
+                rank: peer,
+                source: e,
+            }),
+        }))
+    }
 }
 
 /// Bytes of each raw shared-memory ring.
@@ -623,6 +660,17 @@ impl Net for RawShm {
         self.read_exact(peer, &mut buf[..n])?;
         Ok(n)
     }
+
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        let ring = self.segs[self.me].ring(Self::offset(peer), RING_BYTES);
+        Some(ring.and_then(|r| {
+            if r.is_empty() {
+                Ok(())
+            } else {
+                Err(found(peer))
+            }
+        }))
+    }
 }
 
 /// Raw polled flag: one mailbox per ordered pair of ranks in `/dev/shm` (no ring: a message is
@@ -705,6 +753,11 @@ impl Net for RawFlag {
             .ok()
             .filter(|&b| b <= cap && b + 8 == n)
             .ok_or_else(|| Error::protocol(peer, "raw flag: bad RPC header"))
+    }
+
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        let mb = self.segs[self.me].mailbox(self.offset(peer), self.cap);
+        Some(mb.and_then(|m| m.take(&mut []).map_or(Ok(()), |_| Err(found(peer)))))
     }
 }
 
@@ -902,5 +955,15 @@ impl Net for DriverNet {
                 .filter(|&n| n <= cap)
                 .ok_or_else(|| Error::protocol(peer, "driver: RPC body too large"))
         })
+    }
+
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        Some(
+            self.parts(peer)
+                .and_then(|(_, link)| match link.rx.poll_message()? {
+                    Poll::Pending => Ok(()),
+                    Poll::Ready(()) => Err(found(peer)),
+                }),
+        )
     }
 }

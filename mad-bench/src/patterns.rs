@@ -268,6 +268,27 @@ pub fn cpu(
     Ok(secs / (c.iters * BURST) as f64 * 1e6)
 }
 
+/// The processor time of one poll that finds nothing (`poll`): the initiator polls its peer
+/// `c.warm + c.iters` times while the peer sends nothing, then both meet at `sync`.
+/// Microseconds per poll on the initiator; `None` on the peer and for an endpoint without such
+/// a poll ([`Net::poll_idle`]).
+pub fn poll(
+    net: &mut dyn Net,
+    peer: usize,
+    initiator: bool,
+    c: Counts,
+    sync: &mut dyn FnMut() -> Result<()>,
+) -> Result<Option<f64>> {
+    let v = if initiator && net.poll_idle(peer).transpose()?.is_some() {
+        let t = timed(c, || net.poll_idle(peer).unwrap_or(Ok(())))?;
+        Some(t / c.iters as f64 * 1e6)
+    } else {
+        None
+    };
+    sync()?;
+    Ok(v)
+}
+
 /// memcpy of `n` bytes: microseconds per copy.
 pub fn memcpy(n: usize, c: Counts, sbuf: &[u8], rbuf: &mut [u8]) -> f64 {
     let t = timed(c, || {

@@ -106,6 +106,20 @@ impl RawMpi {
 }
 
 impl Net for RawMpi {
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        let w = world();
+        let probe = w
+            .process_at_rank(peer as i32)
+            .immediate_probe_with_tag(self.tag);
+        Some(match probe {
+            None => Ok(()),
+            Some(_) => Err(Error::protocol(
+                peer,
+                "poll: a message arrived while none was sent",
+            )),
+        })
+    }
+
     fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
         world()
             .process_at_rank(peer as i32)

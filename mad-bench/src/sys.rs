@@ -191,6 +191,11 @@ impl Ring<'_> {
         n
     }
 
+    /// Consumer side: nothing to read.
+    pub fn is_empty(&self) -> bool {
+        self.head.load(Ordering::Acquire) == self.tail.load(Ordering::Relaxed)
+    }
+
     /// Consumer side: copy up to `dst.len()` available bytes; returns the number read.
     pub fn pop(&self, dst: &mut [u8]) -> usize {
         let tail = self.tail.load(Ordering::Relaxed);
