@@ -158,8 +158,8 @@ for mpi in mpich openmpi; do
     if [ $mpi = mpich ]; then launch=("${MPICH_RUN[@]}" -n 2); else launch=("${OMPI_RUN[@]}" -n 2); fi
     run "$mpi, 2 ranks, mad-bench quick over mpi" "${launch[@]}" "${CI_PREFIX}$mpi/debug/mad-bench" \
         --quick --div 1000 --no-pin --channels mpi --modes cheaper --max 4k \
-        --bench latency,rpc,cpu_send,cpu_recv --baselines raw-mpi,raw-mpi-test,raw-mpi-packed --drivers mpi
-    for t in "latency: raw-mpi-test [-]" "latency: driver:mpi [-]" "rpc: raw-mpi-packed [-]" "cpu_recv: mpi [cheaper/cheaper]"; do
+        --bench latency,rpc,cpu_send,cpu_recv,poll --baselines raw-mpi,raw-mpi-test,raw-mpi-packed --drivers mpi
+    for t in "latency: raw-mpi-test [-]" "latency: driver:mpi [-]" "rpc: raw-mpi-packed [-]" "cpu_recv: mpi [cheaper/cheaper]" "poll: raw-mpi [-]"; do
         need "$mpi mad-bench" "# $t"
     done
 done
