@@ -51,13 +51,14 @@ options of run:
                        nothing) / mbw_mr (4+ ranks)
   --channels LIST      Madeleine channel specs separated by ';' (default
                        'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft;sisci:local'
-                       [+ ';mpi' with --features mpi]; `uds` with --features uds)
+                       [+ ';mpi' with --features mpi]); any driver of the build: also uds,
+                       and mem with --threads
   --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (the default); raw-flag (a
                        one-message polled mailbox per direction: one copy in, one flag, one copy
-                       out); raw-mpi, raw-mpi-packed (RPC only),
-                       raw-mpi-test (MPI_Irecv + MPI_Test loop) when built with --features
-                       bench-mpi and started by mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API,
-                       busy-polling; in the default list) when built with --features bench-ucx
+                       out); raw-mpi, raw-mpi-packed (RPC only), raw-mpi-test (MPI_Irecv +
+                       MPI_Test loop) when built with --features bench-mpi and started by
+                       mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API, busy-polling; in the
+                       default list) when built with --features bench-ucx
   --drivers LIST       channel specs separated by ';' whose driver runs without the engine
                        (its links through the driver contract, busy-polling; rows
                        `driver:SPEC`; default none)

@@ -1,5 +1,6 @@
-//! What the patterns run over: Madeleine channels (in a given mode pair) and the raw
-//! baselines (TCP sockets, a shared-memory polled ring, memcpy).
+//! What the patterns run over: Madeleine channels (in a given mode pair), drivers without the
+//! engine, and the raw baselines (TCP sockets, a shared-memory polled ring and mailbox; memcpy
+//! needs no endpoint).
 
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
