@@ -4,6 +4,7 @@
 # with 2 and 4 ranks, the embedded test (a program that owns MPI runs a session over its own
 # communicator, and keeps its error handlers), the kit through the datatype, blocking-progress and serialised paths, the
 # thread levels below MULTIPLE, a mixed job (TCP + shm + MPI channels over the MPI bootstrap),
+# mad-bench's raw MPI baselines and the MPI driver without the engine (quick),
 # the wrong-launcher checks, and a build without the `mpi` feature under MPICH's mpiexec (runs
 # over the PMI bootstrap), Open MPI's mpirun (must refuse) and in a Slurm batch script (must
 # start its own ranks). Every run's output is checked for the number of kit cases that
@@ -141,12 +142,26 @@ echo "$out" | grep -q "no MPI launcher detected" || { echo "$out" >&2; echo "FAI
 # The examples' command line (mad_core::cli, read before MPI starts): --help and --version exit 0,
 # an unknown option exits 2 (tests/cli.rs checks every other example).
 echo "== mad-mpi examples: --help, --version, an unknown option"
-for e in mixed_job mpi_bench mpi_calls; do
+for e in mixed_job mpi_calls; do
     exe="${CI_PREFIX}mpich/debug/examples/$e"
     out=$("$exe" --help) && grep -q -- "--version" <<<"$out" || { echo "FAILED: $e --help" >&2; exit 1; }
     out=$("$exe" --version) && [[ "$out" == "$e "[0-9]* ]] || { echo "FAILED: $e --version: $out" >&2; exit 1; }
     rc=0; "$exe" --no-such-option 2>/dev/null || rc=$?
     [ "$rc" = 2 ] || { echo "FAILED: $e --no-such-option exited $rc, not 2" >&2; exit 1; }
+done
+
+# mad-bench's MPI side (--features bench-mpi): the raw MPI baselines, the MPI driver without the
+# engine (--drivers) and the processor-time benchmarks, quick, under each MPI.
+for mpi in mpich openmpi; do
+    CARGO_TARGET_DIR="${CI_PREFIX}$mpi" MPICC="mpicc.$mpi" \
+        cargo build -p mad-bench --no-default-features --features shm,bench-mpi >&2
+    if [ $mpi = mpich ]; then launch=("${MPICH_RUN[@]}" -n 2); else launch=("${OMPI_RUN[@]}" -n 2); fi
+    run "$mpi, 2 ranks, mad-bench quick over mpi" "${launch[@]}" "${CI_PREFIX}$mpi/debug/mad-bench" \
+        --quick --div 1000 --no-pin --channels mpi --modes cheaper --max 4k \
+        --bench latency,rpc,cpu_send,cpu_recv,poll --baselines raw-mpi,raw-mpi-test,raw-mpi-packed --drivers mpi
+    for t in "latency: raw-mpi-test [-]" "latency: driver:mpi [-]" "rpc: raw-mpi-packed [-]" "cpu_recv: mpi [cheaper/cheaper]" "poll: raw-mpi [-]"; do
+        need "$mpi mad-bench" "# $t"
+    done
 done
 
 # A binary started by the other MPI's launcher must refuse to run (BadConfig), not run as

@@ -8,8 +8,8 @@
 #   NO_UCX=1 bench/run.sh   skip the UCX build and job even when libucx-dev is installed
 #
 # Steps: the pair suite (madrun -n 2), the message-rate suite (madrun -n 4), two MPI jobs per
-# installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build with
-# --no-default-features --features shm,bench-mpi in target-bench-<mpi>/): the pair patterns
+# installed MPI (MPICH: mpiexec.mpich, Open MPI: mpirun.openmpi; each its own build of package
+# mad-bench with --no-default-features --features shm,bench-mpi in target-bench-<mpi>/): the pair patterns
 # with 2 ranks, the message rate with 4), the UCX job (madrun -n 2 of a --features bench-ucx
 # build in target-bench-ucx/, or $UCX_TARGET_DIR: shm, sisci:local and tcp beside raw-ucx-shm,
 # raw-ucx-tcp, the raw ring and raw TCP, interleaved), Figure 4 of the paper
@@ -72,7 +72,7 @@ step() {
 }
 
 echo "== build (release): mad-bench, madrun, examples/rpc"
-if ! cargo build --release --bin mad-bench --bin madrun --example rpc; then
+if ! cargo build --release -p mad-bench -p madeleine-rs --bin mad-bench --bin madrun --example rpc; then
     echo "bench/run.sh: the build failed" >&2
     exit 1
 fi
@@ -125,8 +125,8 @@ ucx_job() {
     echo
     echo "== ucx: build with --features tcp,shm,sisci,bench-ucx in $target"
     t0=$(date +%s)
-    if ! CARGO_TARGET_DIR="$target" cargo build --release --no-default-features \
-            --features tcp,shm,sisci,bench-ucx --bin mad-bench 2>&1 | tee "$OUT/ucx-build.log"; then
+    if ! CARGO_TARGET_DIR="$target" cargo build --release -p mad-bench --no-default-features \
+            --features tcp,shm,sisci,bench-ucx 2>&1 | tee "$OUT/ucx-build.log"; then
         status ucx failed $(( $(date +%s) - t0 )) "the build with --features bench-ucx failed (see $OUT/ucx-build.log)"
         FAILED+=(ucx)
         return
@@ -186,8 +186,8 @@ mpi_job() {
     echo "== $name: build with --features shm,bench-mpi in $target"
     t0=$(date +%s)
     # Only the drivers the job uses (shm; mpi comes with bench-mpi): half the build time.
-    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build --release \
-            --no-default-features --features shm,bench-mpi --bin mad-bench 2>&1 | tee "$OUT/$name-build.log"; then
+    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build --release -p mad-bench \
+            --no-default-features --features shm,bench-mpi 2>&1 | tee "$OUT/$name-build.log"; then
         status "$name" failed $(( $(date +%s) - t0 )) "the build with --features shm,bench-mpi failed (needs libclang-dev; see $OUT/$name-build.log)"
         FAILED+=("$name")
         return

@@ -38,35 +38,61 @@ pub use mad_shm;
 pub use mad_sisci;
 #[cfg(feature = "tcp")]
 pub use mad_tcp;
+#[cfg(feature = "uds")]
+pub use mad_uds;
 #[cfg(feature = "via")]
 pub use mad_via;
 
-/// A session builder with every driver of this build registered (`mem` always; `tcp`, `shm`,
-/// `via`, `sisci`, `mpi` as enabled by features).
-pub fn builder() -> SessionBuilder {
+/// Every driver of this build, new instances: `mem` always; `tcp`, `shm`, `via`, `sisci`,
+/// `uds`, `mpi` as enabled by features. [`builder`] registers them; a tool that drives a
+/// driver's links itself (`mad-bench --drivers`) picks one by [`Driver::name`](driver::Driver::name).
+pub fn drivers() -> Vec<Box<dyn driver::Driver>> {
     #[allow(unused_mut)]
-    let mut b = Session::builder().driver(mad_core::mem::MemDriver);
+    let mut v: Vec<Box<dyn driver::Driver>> = vec![Box::new(mad_core::mem::MemDriver)];
     #[cfg(feature = "tcp")]
-    {
-        b = b.driver(mad_tcp::TcpDriver::new());
-    }
+    v.push(Box::new(mad_tcp::TcpDriver::new()));
     #[cfg(feature = "shm")]
-    {
-        b = b.driver(mad_shm::ShmDriver::new());
-    }
+    v.push(Box::new(mad_shm::ShmDriver::new()));
     #[cfg(feature = "via")]
-    {
-        b = b.driver(mad_via::ViaDriver::new());
-    }
+    v.push(Box::new(mad_via::ViaDriver::new()));
     #[cfg(feature = "sisci")]
-    {
-        b = b.driver(mad_sisci::SisciDriver::new());
-    }
+    v.push(Box::new(mad_sisci::SisciDriver::new()));
+    #[cfg(feature = "uds")]
+    v.push(Box::new(mad_uds::UdsDriver::new()));
     #[cfg(feature = "mpi")]
-    {
-        b = b.driver(mad_mpi::MpiDriver::new());
+    v.push(Box::new(mad_mpi::MpiDriver::new()));
+    v
+}
+
+/// A session builder with every driver of this build registered ([`drivers`]).
+pub fn builder() -> SessionBuilder {
+    drivers()
+        .into_iter()
+        .fold(Session::builder(), |b, d| b.driver(Boxed(d)))
+}
+
+/// A boxed driver registered as a driver.
+struct Boxed(Box<dyn driver::Driver>);
+
+impl driver::Driver for Boxed {
+    fn name(&self) -> &'static str {
+        self.0.name()
     }
-    b
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn accepted_options(&self, config: &ChannelConfig) -> config::DriverOptions {
+        self.0.accepted_options(config)
+    }
+    fn tm_table(&self, config: &ChannelConfig) -> Result<driver::TmTable> {
+        self.0.tm_table(config)
+    }
+    fn capabilities(&self, config: &ChannelConfig) -> driver::Capabilities {
+        self.0.capabilities(config)
+    }
+    fn open(&self, ctx: &driver::OpenContext<'_>) -> Result<driver::OpenedChannel> {
+        self.0.open(ctx)
+    }
 }
 
 /// Build the session of this process with every driver of this build: under `mpiexec` /

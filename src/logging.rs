@@ -1,8 +1,8 @@
 //! The one place where the tools and examples install a `tracing` subscriber.
 //!
 //! The library crates (mad-core and the drivers) only *emit* `tracing` events and spans; an
-//! application chooses where they go. The binaries of this package (`madrun`, `mad-bench`,
-//! `mad-info`) and the examples call [`init_logging`], which prints them on stderr filtered
+//! application chooses where they go. The binaries of this package (`madrun`, `mad-info`),
+//! `mad-bench` and the examples call [`init_logging`], which prints them on stderr filtered
 //! by `MAD_LOG` (or `RUST_LOG` when `MAD_LOG` is not set), in `tracing-subscriber`'s
 //! env-filter syntax: `MAD_LOG=mad_core=debug,mad_tcp=info madrun -n 2 ./app`. Without
 //! either variable, warnings and errors are printed (`warn`); `MAD_LOG=off` prints nothing.

@@ -1,6 +1,6 @@
 //! A minimal stand-in for the core's pack/unpack engine, driving `TxLink`/`RxLink` directly
 //! in the order the core does (copy pieces through TM 0, commit, gather groups through TM 1,
-//! end of message), with a bounded wait. Used by the MPI job test and the benchmark.
+//! end of message), with a bounded wait. Used by the MPI job test.
 
 #![allow(dead_code)]
 

@@ -19,6 +19,18 @@ pub struct Counts {
     pub iters: usize,
 }
 
+/// Run `step` `c.warm + c.iters` times; the seconds the last `c.iters` took.
+fn timed(c: Counts, mut step: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..c.warm {
+        step()?;
+    }
+    let t0 = Instant::now();
+    for _ in 0..c.iters {
+        step()?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Blocking ping-pong: returns the one-way latency in microseconds (round trip / 2). The
 /// initiator checks that the echoed bytes are the ones it sent.
 pub fn latency(
@@ -31,37 +43,17 @@ pub fn latency(
     rbuf: &mut [u8],
 ) -> Result<f64> {
     let (s, r) = (&sbuf[..n], &mut rbuf[..n]);
-    if let Some(t) = net.pingpong(peer, initiator, c.warm, c.iters, s, r) {
-        let t = t?;
-        if initiator && r != s {
-            return Err(Error::protocol(
-                peer,
-                format!("latency: the echoed {n}-byte message differs from the one sent"),
-            ));
-        }
-        return Ok(t / c.iters as f64 / 2.0 * 1e6);
-    }
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
-        if initiator {
-            net.send(peer, s)?;
-            net.recv(peer, r)?;
-        } else {
-            net.recv(peer, r)?;
-            net.send(peer, r)?;
-        }
-    }
-    let t = t0.elapsed().as_secs_f64();
+    let us = match net.pingpong(peer, initiator, c.warm, c.iters, s, r) {
+        Some(t) => t? / c.iters as f64 / 2.0 * 1e6,
+        None => latency_nocheck(net, peer, initiator, n, c, s, r)?,
+    };
     if initiator && r != s {
         return Err(Error::protocol(
             peer,
             format!("latency: the echoed {n}-byte message differs from the one sent"),
         ));
     }
-    Ok(t / c.iters as f64 / 2.0 * 1e6)
+    Ok(us)
 }
 
 /// RPC: an EXPRESS header giving the size of a CHEAPER body, answered by an empty RPC.
@@ -75,11 +67,7 @@ pub fn rpc(
     sbuf: &[u8],
     rbuf: &mut [u8],
 ) -> Result<f64> {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if initiator {
             net.send_rpc(peer, &sbuf[..n])?;
             let got = net.recv_rpc(peer, rbuf)?;
@@ -96,8 +84,9 @@ pub fn rpc(
             }
             net.send_rpc(peer, &[])?;
         }
-    }
-    Ok(t0.elapsed().as_secs_f64() / c.iters as f64 * 1e6)
+        Ok(())
+    })?;
+    Ok(t / c.iters as f64 * 1e6)
 }
 
 /// One side of a streaming window: the sender sends `WINDOW` messages then waits for a 1-byte
@@ -113,11 +102,7 @@ pub fn window(
     rbuf: &mut [u8],
 ) -> Result<(f64, f64)> {
     let mut ack = [0u8; 1];
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if sender {
             for _ in 0..WINDOW {
                 net.send(peer, &sbuf[..n])?;
@@ -129,8 +114,8 @@ pub fn window(
             }
             net.send(peer, &ack)?;
         }
-    }
-    let t = t0.elapsed().as_secs_f64();
+        Ok(())
+    })?;
     let bytes = (n * WINDOW * c.iters) as f64;
     Ok((bytes / t / 1e6, t))
 }
@@ -196,8 +181,8 @@ pub fn latency_mt(
     Ok((ra?? + rb?) / 2.0)
 }
 
-/// Ping-pong where replies may be served to the other thread of the side (equal sizes, so
-/// the echoed bytes are not compared).
+/// Ping-pong without comparing the echoed bytes ([`latency`] compares them; in `latency_mt`
+/// replies may be served to the other thread of the side): one-way µs.
 fn latency_nocheck(
     net: &mut dyn Net,
     peer: usize,
@@ -207,31 +192,109 @@ fn latency_nocheck(
     sbuf: &[u8],
     rbuf: &mut [u8],
 ) -> Result<f64> {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         if initiator {
             net.send(peer, &sbuf[..n])?;
-            net.recv(peer, &mut rbuf[..n])?;
+            net.recv(peer, &mut rbuf[..n])
         } else {
             net.recv(peer, &mut rbuf[..n])?;
-            net.send(peer, &rbuf[..n])?;
+            net.send(peer, &rbuf[..n])
+        }
+    })?;
+    Ok(t / c.iters as f64 / 2.0 * 1e6)
+}
+
+/// Messages per burst in [`cpu`].
+pub const BURST: usize = 32;
+
+/// Which side [`cpu`] times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The sender's `BURST` sends, without waiting for the receiver.
+    Send,
+    /// The receiver's `BURST` receives of messages that were all sent before it starts.
+    Recv,
+}
+
+/// Processor time per message of one side alone (`cpu_send`, `cpu_recv`): each iteration, one
+/// side sends a burst of [`BURST`] messages of `n` bytes, the other receives them. `Send`: the
+/// initiator sends and times its sends, the peer receives, then both meet at `sync`. `Recv`:
+/// the peer sends, both meet at `sync` (every message has left), then the initiator times its
+/// receives. Microseconds per message on the initiator (a burst must fit the transport's
+/// buffers, or the sends wait for the receiver).
+#[allow(clippy::too_many_arguments)]
+pub fn cpu(
+    net: &mut dyn Net,
+    peer: usize,
+    initiator: bool,
+    side: Side,
+    n: usize,
+    c: Counts,
+    sbuf: &[u8],
+    rbuf: &mut [u8],
+    sync: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    let mut secs = 0.0;
+    for i in 0..c.warm + c.iters {
+        if side == Side::Recv {
+            if !initiator {
+                for _ in 0..BURST {
+                    net.send(peer, &sbuf[..n])?;
+                }
+            }
+            sync()?;
+        }
+        let t0 = Instant::now();
+        match (side, initiator) {
+            (Side::Send, true) => {
+                for _ in 0..BURST {
+                    net.send(peer, &sbuf[..n])?;
+                }
+            }
+            (Side::Send, false) | (Side::Recv, true) => {
+                for _ in 0..BURST {
+                    net.recv(peer, &mut rbuf[..n])?;
+                }
+            }
+            (Side::Recv, false) => {}
+        }
+        if i >= c.warm {
+            secs += t0.elapsed().as_secs_f64();
+        }
+        if side == Side::Send {
+            sync()?;
         }
     }
-    Ok(t0.elapsed().as_secs_f64() / c.iters as f64 / 2.0 * 1e6)
+    Ok(secs / (c.iters * BURST) as f64 * 1e6)
+}
+
+/// The processor time of one poll that finds nothing (`poll`): the initiator polls its peer
+/// `c.warm + c.iters` times while the peer sends nothing, then both meet at `sync`.
+/// Microseconds per poll on the initiator; `None` on the peer and for an endpoint without such
+/// a poll ([`Net::poll_idle`]).
+pub fn poll(
+    net: &mut dyn Net,
+    peer: usize,
+    initiator: bool,
+    c: Counts,
+    sync: &mut dyn FnMut() -> Result<()>,
+) -> Result<Option<f64>> {
+    let v = if initiator && net.poll_idle(peer).transpose()?.is_some() {
+        let t = timed(c, || net.poll_idle(peer).unwrap_or(Ok(())))?;
+        Some(t / c.iters as f64 * 1e6)
+    } else {
+        None
+    };
+    sync()?;
+    Ok(v)
 }
 
 /// memcpy of `n` bytes: microseconds per copy.
 pub fn memcpy(n: usize, c: Counts, sbuf: &[u8], rbuf: &mut [u8]) -> f64 {
-    let mut t0 = Instant::now();
-    for i in 0..c.warm + c.iters {
-        if i == c.warm {
-            t0 = Instant::now();
-        }
+    let t = timed(c, || {
         rbuf[..n].copy_from_slice(std::hint::black_box(&sbuf[..n]));
         std::hint::black_box(&mut rbuf[..n]);
-    }
-    t0.elapsed().as_secs_f64() / c.iters as f64 * 1e6
+        Ok(())
+    });
+    t.unwrap_or(f64::NAN) / c.iters as f64 * 1e6
 }

@@ -176,6 +176,9 @@ pub fn describe(bench: &str) -> &'static str {
         "bibw" => "bidirectional bandwidth, 2 threads per side, MB/s (both directions)",
         "mbw_mr" => "aggregate bandwidth of all pairs, window of 64, MB/s",
         "msg_rate" => "aggregate message rate of all pairs, messages/s",
+        "cpu_send" => "processor time per send in a burst of 32, receiver not waited for, µs",
+        "cpu_recv" => "processor time per receive of a burst of 32 already sent, µs",
+        "poll" => "processor time of one poll that finds nothing, µs",
         _ => "",
     }
 }
@@ -245,10 +248,13 @@ pub fn text_table(rows: &[Row]) -> String {
 
 /// The order benchmarks are reported in.
 pub fn bench_rank(bench: &str) -> usize {
-    const ORDER: [&str; 7] = [
+    const ORDER: [&str; 10] = [
         "latency",
         "latency_mt",
         "rpc",
+        "cpu_send",
+        "cpu_recv",
+        "poll",
         "bw",
         "bibw",
         "mbw_mr",

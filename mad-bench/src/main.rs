@@ -1,10 +1,13 @@
-//! `mad-bench`: the cross-process benchmark suite (see `BENCHMARKS.md`).
+//! `mad-bench`: the cross-process benchmark tool of madeleine-rs (see `BENCHMARKS.md` and
+//! `mad-bench --help`).
 //!
 //! Two processes (under `madrun -n 2`, `mpiexec -n 2`, or started by itself when run alone)
 //! run latency, bandwidth, bidirectional bandwidth, multi-threaded latency and RPC over every
 //! channel type of this build, beside raw baselines measured in the same run; four or more
 //! processes run the message-rate test (`osu_mbw_mr`). `mad-bench report` turns CSV files
 //! into Markdown tables and SVG plots.
+
+#![deny(unsafe_code)]
 
 mod net;
 mod patterns;
@@ -18,11 +21,12 @@ mod sys;
 
 use std::path::PathBuf;
 
+use mad_core::bootstrap::ThreadBootstrap;
 use mad_core::cli::{self, Arg, Cli};
 use mad_core::config::parse_size;
 use mad_core::{Error, Result, Session};
 
-use net::{AsyncNet, MadNet, Mode, Net, RawShm, RawTcp, Wait};
+use net::{AsyncNet, DriverNet, MadNet, Mode, Net, RawFlag, RawShm, RawTcp, Wait};
 use patterns::Counts;
 use report::Row;
 
@@ -41,19 +45,30 @@ options of run:
   --budget SIZE        at most this many bytes per direction per measurement (default 256m)
   --time SECONDS       about this long per measurement (default 0.1): the OSU count
                        is lowered from a calibration run (the count used is in the CSV)
-  --bench LIST         latency,bw,bibw,latency_mt,rpc (2 ranks) / mbw_mr (4+ ranks); default all
+  --bench LIST         latency,bw,bibw,latency_mt,rpc (2 ranks; the default) and
+                       cpu_send,cpu_recv (processor time per message of one side, bursts of 32,
+                       sizes up to 256 B), poll (processor time of one poll that finds
+                       nothing) / mbw_mr (4+ ranks)
   --channels LIST      Madeleine channel specs separated by ';' (default
                        'tcp,progress=poll;tcp,progress=block;tcp;shm;via:soft;sisci:local'
-                       [+ ';mpi' with --features mpi])
-  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (default all); raw-mpi,
-                       raw-mpi-packed (RPC only) when built with --features bench-mpi and
-                       started by mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API, busy-polling;
-                       in the default list) when built with --features bench-ucx
-  --modes LIST         mode pairs of the tcp and shm channels without progress=:
-                       cheaper,safer,16 (default all three); other channels: cheaper only
+                       [+ ';mpi' with --features mpi]); any driver of the build: also uds,
+                       and mem with --threads
+  --baselines LIST     raw-tcp-poll,raw-tcp-block,raw-shm,memcpy (the default); raw-flag (a
+                       one-message polled mailbox per direction: one copy in, one flag, one copy
+                       out); raw-mpi, raw-mpi-packed (RPC only), raw-mpi-test (MPI_Irecv +
+                       MPI_Test loop) when built with --features bench-mpi and started by
+                       mpiexec; raw-ucx-shm,raw-ucx-tcp (UCP tag API, busy-polling; in the
+                       default list) when built with --features bench-ucx
+  --drivers LIST       channel specs separated by ';' whose driver runs without the engine
+                       (its links through the driver contract, busy-polling; rows
+                       `driver:SPEC`; default none)
+  --modes LIST         mode pairs: cheaper, safer, and/or a number K >= 2 (the message in K
+                       CHEAPER pieces). Default: cheaper,safer,16 on the tcp and shm channels
+                       without progress=, cheaper on the others; given: on every channel
   --no-pin             do not pin ranks to cores
   --csv FILE           append the figures to FILE
   -n N                 ranks to start when run alone (default 2)
+  --threads            the ranks are threads of this process (-n of them), not processes
 
 Options take their value as `--opt value` or `--opt=value`; a lone `--` is skipped.
   -h, --help           this text
@@ -68,8 +83,12 @@ struct Opts {
     benches: Vec<String>,
     channels: Vec<String>,
     baselines: Vec<String>,
+    drivers: Vec<String>,
     modes: Vec<Mode>,
+    /// `--modes` was given: its modes apply to every channel.
+    modes_given: bool,
     pin: bool,
+    threads: bool,
     csv: Option<PathBuf>,
     ranks: usize,
 }
@@ -89,8 +108,11 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
         benches: Vec::new(),
         channels: default_channels(),
         baselines: default_baselines(),
-        modes: vec![Mode::Cc, Mode::Se, Mode::Multi16],
+        drivers: Vec::new(),
+        modes: vec![Mode::Cc, Mode::Se, Mode::Pieces(16)],
+        modes_given: false,
         pin: true,
+        threads: false,
         csv: None,
         ranks: 2,
     };
@@ -126,22 +148,20 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
                 Arg::Long("bench") => o.benches = list(&cli::string(p)?, ','),
                 Arg::Long("channels") => o.channels = list(&cli::string(p)?, ';'),
                 Arg::Long("baselines") => o.baselines = list(&cli::string(p)?, ','),
+                Arg::Long("drivers") => o.drivers = list(&cli::string(p)?, ';'),
                 Arg::Long("modes") => {
-                    o.modes = cli::value_with(p, "--modes", "cheaper, safer and/or 16", |v| {
+                    o.modes = cli::value_with(p, "--modes", "cheaper, safer and/or K >= 2", |v| {
                         list(v, ',')
                             .iter()
-                            .map(|m| match m.as_str() {
-                                "cheaper" => Some(Mode::Cc),
-                                "safer" => Some(Mode::Se),
-                                "16" => Some(Mode::Multi16),
-                                _ => None,
-                            })
+                            .map(|m| Mode::parse(m))
                             .collect::<Option<Vec<_>>>()
                     })?;
                     if !o.modes.contains(&Mode::Cc) {
                         o.modes.insert(0, Mode::Cc);
                     }
+                    o.modes_given = true;
                 }
+                Arg::Long("threads") => o.threads = true,
                 Arg::Long("no-pin") => o.pin = false,
                 Arg::Long("csv") => o.csv = Some(PathBuf::from(p.value()?)),
                 other => CLI.other(other)?,
@@ -205,8 +225,8 @@ fn baseline_of(spec: &str) -> &'static str {
     }
 }
 
-/// Entry point of the binary.
-pub fn main() {
+fn main() {
+    madeleine::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let r = if args.first().map(String::as_str) == Some("report") {
         let r = parse_report(&args[1..]).unwrap_or_else(|e| CLI.fail(e));
@@ -317,10 +337,42 @@ fn report_cmd(r: Report) -> Result<()> {
 }
 
 fn run_cmd(o: Opts) -> Result<()> {
+    if o.threads {
+        on_threads(o.ranks, |s| run_rank(s, &o))?;
+        return Ok(());
+    }
     if let Some(code) = madeleine::run_local_if_alone(o.ranks)? {
         std::process::exit(code);
     }
-    let session = madeleine::session()?;
+    run_rank(&madeleine::session()?, &o)
+}
+
+/// Run `f` on every rank of an `n`-rank session whose ranks are threads of this process (a
+/// thread bootstrap; the channels are as real as between processes); each rank's result, in
+/// rank order.
+fn on_threads<T: Send>(n: usize, f: impl Fn(&Session) -> Result<T> + Sync) -> Result<Vec<T>> {
+    std::thread::scope(|sc| {
+        let f = &f;
+        let hs: Vec<_> = ThreadBootstrap::group(n)
+            .into_iter()
+            .map(|b| {
+                sc.spawn(move || {
+                    let s = madeleine::builder().bootstrap(Box::new(b)).build()?;
+                    f(&s)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| Error::BadConfig("mad-bench: a rank thread panicked".into()))?
+            })
+            .collect()
+    })
+}
+
+/// One rank's part of `mad-bench run`.
+fn run_rank(session: &Session, o: &Opts) -> Result<()> {
     let (me, n) = (session.rank(), session.size());
     let cores = sys::cpu_count();
     let local = session.bootstrap().local_ranks();
@@ -343,9 +395,9 @@ fn run_cmd(o: Opts) -> Result<()> {
         );
     }
     let rows = if n == 2 {
-        pair_suite(&session, &o, pin_core)?
+        pair_suite(session, o, pin_core)?
     } else if n >= 4 && n % 2 == 0 {
-        mr_suite(&session, &o)?
+        mr_suite(session, o)?
     } else {
         return Err(Error::BadConfig(format!(
             "mad-bench runs with 2 ranks (pair suite) or an even number >= 4 (message rate), not {n}"
@@ -460,7 +512,7 @@ struct Imp {
 
 impl Imp {
     fn mode_name(&self) -> String {
-        self.mode.map_or("-".into(), |m| m.name().into())
+        self.mode.map_or("-".into(), Mode::name)
     }
 }
 
@@ -487,11 +539,12 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
         let base = Some(baseline_of(spec));
         // The other mode pairs on the default-progress tcp and shm channels only (time).
         let head = spec.split(',').next().unwrap_or("");
-        let modes = if (head == "tcp" || head == "shm") && !spec.contains("progress=") {
-            o.modes.clone()
-        } else {
-            vec![Mode::Cc]
-        };
+        let modes =
+            if o.modes_given || (head == "tcp" || head == "shm") && !spec.contains("progress=") {
+                o.modes.clone()
+            } else {
+                vec![Mode::Cc]
+            };
         for m in modes {
             v.push(Imp {
                 name: spec.clone(),
@@ -523,17 +576,21 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
                 Some(Box::new(RawShm::open(session, &format!("raw{i}a"))?)),
                 Some(Box::new(RawShm::open(session, &format!("raw{i}b"))?)),
             ),
+            "raw-flag" => (
+                Some(Box::new(RawFlag::open(session, &format!("raw{i}a"), o.max)?)),
+                Some(Box::new(RawFlag::open(session, &format!("raw{i}b"), o.max)?)),
+            ),
             "memcpy" => (None, None),
             #[cfg(feature = "bench-mpi")]
-            "raw-mpi" | "raw-mpi-packed" => {
-                let idiom = if raw == "raw-mpi" {
-                    rawmpi::RpcIdiom::TwoMessages
-                } else {
-                    rawmpi::RpcIdiom::Packed
+            "raw-mpi" | "raw-mpi-packed" | "raw-mpi-test" => {
+                let (idiom, wait) = match raw.as_str() {
+                    "raw-mpi" => (rawmpi::RpcIdiom::TwoMessages, rawmpi::RecvWait::Blocking),
+                    "raw-mpi-test" => (rawmpi::RpcIdiom::TwoMessages, rawmpi::RecvWait::Test),
+                    _ => (rawmpi::RpcIdiom::Packed, rawmpi::RecvWait::Blocking),
                 };
                 (
-                    Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
-                    Some(Box::new(rawmpi::RawMpi::open(idiom)?)),
+                    Some(Box::new(rawmpi::RawMpi::open(idiom, wait)?)),
+                    Some(Box::new(rawmpi::RawMpi::open(idiom, wait)?)),
                 )
             }
             #[cfg(feature = "bench-ucx")]
@@ -578,8 +635,31 @@ fn open_imps(session: &Session, o: &Opts) -> Result<Vec<Imp>> {
             a,
             b,
             mt: None,
-            // The packed RPC idiom differs from raw-mpi in RPC only.
-            only: (raw == "raw-mpi-packed").then_some(&["rpc"][..]),
+            only: match raw.as_str() {
+                // The packed RPC idiom differs from raw-mpi in RPC only.
+                "raw-mpi-packed" => Some(&["rpc"][..]),
+                "raw-flag" => Some(&FLAG_BENCHES[..]),
+                _ => None,
+            },
+        });
+    }
+    for (i, spec) in o.drivers.iter().enumerate() {
+        v.push(Imp {
+            name: format!("driver:{spec}"),
+            mode: None,
+            baseline: None,
+            a: Some(Box::new(DriverNet::open(
+                session,
+                &format!("drv{i}a"),
+                spec,
+            )?)),
+            b: Some(Box::new(DriverNet::open(
+                session,
+                &format!("drv{i}b"),
+                spec,
+            )?)),
+            mt: None,
+            only: None,
         });
     }
     Ok(v)
@@ -598,17 +678,31 @@ fn pattern_wants(bench: &str, imp: &Imp) -> bool {
     }
 }
 
+/// The benchmarks of the pair suite run by default.
+const PAIR_BENCHES: [&str; 5] = ["latency", "bw", "bibw", "latency_mt", "rpc"];
+
+/// The benchmarks of the pair suite run only on request (`--bench`).
+const ON_REQUEST: [&str; 3] = ["cpu_send", "cpu_recv", "poll"];
+
+/// What `raw-flag` runs: a burst waits for each message to be taken, not what the cpu
+/// patterns time.
+const FLAG_BENCHES: [&str; 6] = ["latency", "bw", "bibw", "latency_mt", "rpc", "poll"];
+
 fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Vec<Row>> {
     let me = session.rank();
     let peer = 1 - me;
     let init = me == 0;
     let mut imps = open_imps(session, o)?;
-    let all = ["latency", "bw", "bibw", "latency_mt", "rpc"];
-    let benches: Vec<&str> = all
-        .iter()
-        .copied()
-        .filter(|b| o.benches.is_empty() || o.benches.iter().any(|x| x == b))
-        .collect();
+    let benches: Vec<&str> = if o.benches.is_empty() {
+        PAIR_BENCHES.to_vec()
+    } else {
+        PAIR_BENCHES
+            .iter()
+            .chain(&ON_REQUEST)
+            .copied()
+            .filter(|b| o.benches.iter().any(|x| x == b))
+            .collect()
+    };
     let big = o.max.max(16);
     let s0: Vec<u8> = (0..big).map(|i| (i * 7 + 1) as u8).collect();
     let s1 = s0.clone();
@@ -625,6 +719,11 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
         let szs = match bench {
             "latency" | "latency_mt" => sizes(0, o.max),
             "rpc" => sizes(0, o.max.min(1 << 20)),
+            // Small messages: a burst of 32 must fit what the transport buffers without the
+            // receiver (or cpu_send waits for it, and cpu_recv's sender stalls).
+            "cpu_send" | "cpu_recv" => sizes(0, o.max.min(256)),
+            // Nothing is sent.
+            "poll" => vec![0],
             _ => sizes(1, o.max),
         };
         let mut bench_rows = Vec::new();
@@ -638,8 +737,7 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
             let mut used = vec![0usize; imps.len()];
             for _run in 0..o.runs {
                 for (k, imp) in imps.iter_mut().enumerate() {
-                    if !pattern_wants(bench, imp) || (imp.mode == Some(Mode::Multi16) && size < 16)
-                    {
+                    if !pattern_wants(bench, imp) || imp.mode.is_some_and(|m| size < m.min_size()) {
                         continue;
                     }
                     let Imp { a, b, mt, .. } = imp;
@@ -665,6 +763,44 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
                             } else {
                                 size as f64 / t
                             }
+                        }
+                        (Some(a), Some(_)) if bench == "poll" => {
+                            let mut sync = || {
+                                seq += 1;
+                                session.bootstrap().barrier(&format!("bench/poll/{seq}"))
+                            };
+                            // Polls are short: a hundred per ping-pong iteration of the count.
+                            let c = Counts {
+                                warm: c.warm,
+                                iters: c.iters * 100,
+                            };
+                            match patterns::poll(a, peer, init, c, &mut sync)? {
+                                Some(v) => {
+                                    used[k] = used[k].max(c.iters);
+                                    v
+                                }
+                                None => continue,
+                            }
+                        }
+                        (Some(a), Some(_)) if bench.starts_with("cpu_") => {
+                            // Bursts, not calibrated (a meeting between bursts is most of
+                            // their time); every rank computes the same count.
+                            let side = if bench == "cpu_send" {
+                                patterns::Side::Send
+                            } else {
+                                patterns::Side::Recv
+                            };
+                            let bursts = (c.iters / patterns::BURST).max(2);
+                            used[k] = used[k].max(bursts);
+                            let mut sync = || {
+                                seq += 1;
+                                session.bootstrap().barrier(&format!("bench/cpu/{seq}"))
+                            };
+                            let c = Counts {
+                                warm: 1,
+                                iters: bursts,
+                            };
+                            patterns::cpu(a, peer, init, side, size, c, &s0, &mut r0, &mut sync)?
                         }
                         (Some(a), Some(b)) => {
                             // latency_mt: Madeleine's two threads share one channel.
@@ -743,31 +879,7 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
             } else {
                 "us"
             };
-            let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
-            for (k, imp) in imps.iter().enumerate() {
-                if samples[k].is_empty() {
-                    continue;
-                }
-                let (median, min, max) = report::stats(&samples[k]);
-                let base_median = imp
-                    .baseline
-                    .and_then(|b| imps.iter().position(|x| x.name == b))
-                    .map_or(f64::NAN, |j| medians[j]);
-                bench_rows.push(Row {
-                    bench: bench.into(),
-                    imp: imp.name.clone(),
-                    mode: imp.mode_name(),
-                    size,
-                    unit: unit.into(),
-                    median,
-                    min,
-                    max,
-                    runs: samples[k].len(),
-                    iters: used[k],
-                    baseline: imp.baseline.unwrap_or("").into(),
-                    base_median,
-                });
-            }
+            bench_rows.extend(rows_at(bench, unit, size, &imps, &samples, &used));
         }
         if threaded {
             if let Some(c) = pin_core {
@@ -781,6 +893,45 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
         }
     }
     Ok(rows)
+}
+
+/// One row per implementation measured at `size` (the median and min–max of its samples, its
+/// baseline's median beside it).
+fn rows_at(
+    bench: &str,
+    unit: &str,
+    size: usize,
+    imps: &[Imp],
+    samples: &[Vec<f64>],
+    used: &[usize],
+) -> Vec<Row> {
+    let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
+    let mut rows = Vec::new();
+    for (k, imp) in imps.iter().enumerate() {
+        if samples[k].is_empty() {
+            continue;
+        }
+        let (median, min, max) = report::stats(&samples[k]);
+        let base_median = imp
+            .baseline
+            .and_then(|b| imps.iter().position(|x| x.name == b))
+            .map_or(f64::NAN, |j| medians[j]);
+        rows.push(Row {
+            bench: bench.into(),
+            imp: imp.name.clone(),
+            mode: imp.mode_name(),
+            size,
+            unit: unit.into(),
+            median,
+            min,
+            max,
+            runs: samples[k].len(),
+            iters: used[k],
+            baseline: imp.baseline.unwrap_or("").into(),
+            base_median,
+        });
+    }
+    rows
 }
 
 /// Rows grouped by implementation (stable), sizes ascending inside each group.
@@ -853,35 +1004,15 @@ fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
         if me != 0 {
             continue;
         }
-        let medians: Vec<f64> = samples.iter().map(|s| report::stats(s).0).collect();
-        for (k, imp) in imps.iter().enumerate() {
-            let base_median = imp
-                .baseline
-                .and_then(|bn| imps.iter().position(|x| x.name == bn))
-                .map_or(f64::NAN, |j| medians[j]);
-            let (median, min, max) = report::stats(&samples[k]);
-            let mb = Row {
-                bench: "mbw_mr".into(),
-                imp: imp.name.clone(),
-                mode: imp.mode_name(),
-                size,
-                unit: "MB/s".into(),
-                median,
-                min,
-                max,
-                runs: samples[k].len(),
-                iters: used[k],
-                baseline: imp.baseline.unwrap_or("").into(),
-                base_median,
-            };
+        for mb in rows_at("mbw_mr", "MB/s", size, &imps, &samples, &used) {
             let per = 1e6 / size as f64;
             let mr = Row {
                 bench: "msg_rate".into(),
                 unit: "msg/s".into(),
-                median: median * per,
-                min: min * per,
-                max: max * per,
-                base_median: base_median * per,
+                median: mb.median * per,
+                min: mb.min * per,
+                max: mb.max * per,
+                base_median: mb.base_median * per,
                 ..mb.clone()
             };
             rows.push(mb);
@@ -903,7 +1034,6 @@ fn mr_suite(session: &Session, o: &Opts) -> Result<Vec<Row>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mad_core::bootstrap::ThreadBootstrap;
 
     fn tiny(benches: &[&str], max: usize) -> Opts {
         let mut o = parse_opts(&["--quick".to_string()]).expect("opts");
@@ -932,32 +1062,17 @@ mod tests {
         }
     }
 
-    /// Run `f` on every rank of an `n`-thread session (real sockets and shared memory).
-    fn on_threads(n: usize, f: fn(&Session) -> Result<Vec<Row>>) -> Vec<Row> {
-        let hs: Vec<_> = ThreadBootstrap::group(n)
-            .into_iter()
-            .map(|b| {
-                std::thread::spawn(move || {
-                    let s = madeleine::builder().bootstrap(Box::new(b)).build()?;
-                    f(&s)
-                })
-            })
-            .collect();
-        let mut rows = Vec::new();
-        for (r, h) in hs.into_iter().enumerate() {
-            let got = h.join().expect("rank thread").expect("suite");
-            if r == 0 {
-                rows = got;
-            } else {
-                assert!(got.is_empty(), "only rank 0 reports");
-            }
-        }
-        rows
+    /// Rank 0's rows of `f` run on every rank of an `n`-thread session (real sockets and
+    /// shared memory); the other ranks report none.
+    fn rows_on_threads(n: usize, f: impl Fn(&Session) -> Result<Vec<Row>> + Sync) -> Vec<Row> {
+        let mut all = on_threads(n, f).expect("suite");
+        assert!(all[1..].iter().all(Vec::is_empty), "only rank 0 reports");
+        all.swap_remove(0)
     }
 
     #[test]
     fn pair_suite_runs_every_pattern_with_tiny_counts() {
-        let rows = on_threads(2, |s| {
+        let rows = rows_on_threads(2, |s| {
             pair_suite(
                 s,
                 &tiny(&["latency", "bw", "bibw", "latency_mt", "rpc"], 4096),
@@ -999,9 +1114,73 @@ mod tests {
         }
     }
 
+    /// The baselines, benchmarks and modes that are not in the default run: the raw mailbox,
+    /// drivers without the engine (through their copy TMs and past them), the processor time
+    /// of each side and of an idle poll, K pieces on a channel given with --modes, the uds
+    /// driver.
+    #[test]
+    fn on_request_baselines_benches_and_modes() {
+        let rows = rows_on_threads(2, |s| {
+            let mut o = tiny(
+                &["latency", "bw", "rpc", "cpu_send", "cpu_recv", "poll"],
+                4096,
+            );
+            o.channels = vec!["uds,timeout_ms=60000".into()];
+            o.modes = vec![Mode::Cc, Mode::Pieces(4)];
+            o.modes_given = true;
+            o.baselines = vec!["raw-flag".into()];
+            o.drivers = [
+                "tcp,tm.small=64",
+                "shm",
+                "sisci:local,tm.short=8,tm.ring=256",
+            ]
+            .map(String::from)
+            .to_vec();
+            pair_suite(s, &o, None)
+        });
+        let has = |bench: &str, imp: &str, mode: &str| {
+            rows.iter()
+                .any(|r| r.bench == bench && r.imp == imp && r.mode == mode)
+        };
+        for imp in [
+            "raw-flag",
+            "driver:tcp,tm.small=64",
+            "driver:shm",
+            "driver:sisci:local,tm.short=8,tm.ring=256",
+        ] {
+            for bench in ["latency", "bw", "rpc"] {
+                assert!(has(bench, imp, "-"), "no {bench} row for {imp}");
+            }
+        }
+        assert!(has("latency", "uds,timeout_ms=60000", "4 pieces"));
+        for bench in ["cpu_send", "cpu_recv"] {
+            assert!(has(bench, "uds,timeout_ms=60000", "cheaper/cheaper"));
+            assert!(has(bench, "driver:shm", "-"));
+            // The mailbox waits for each message to be taken: not in the burst patterns.
+            assert!(!has(bench, "raw-flag", "-"));
+            assert!(rows
+                .iter()
+                .filter(|r| r.bench == bench)
+                .all(|r| r.size <= 256));
+        }
+        for imp in [
+            "uds,timeout_ms=60000",
+            "raw-flag",
+            "driver:shm",
+            "driver:tcp,tm.small=64",
+        ] {
+            assert!(rows
+                .iter()
+                .any(|r| r.bench == "poll" && r.imp == imp && r.size == 0));
+        }
+        for r in &rows {
+            assert!(r.median.is_finite() && r.median > 0.0, "{r:?}");
+        }
+    }
+
     #[test]
     fn message_rate_suite_with_four_ranks() {
-        let rows = on_threads(4, |s| mr_suite(s, &tiny(&[], 1024)));
+        let rows = rows_on_threads(4, |s| mr_suite(s, &tiny(&[], 1024)));
         assert!(rows
             .iter()
             .any(|r| r.bench == "mbw_mr" && r.imp.starts_with("shm")));
@@ -1017,5 +1196,11 @@ mod tests {
         assert_eq!(o.channels, ["tcp,progress=poll", "shm"]);
         assert_eq!(baseline_of("tcp,progress=block"), "raw-tcp-block");
         assert_eq!(baseline_of("shm"), "raw-shm");
+        let o = parse_opts(&["--drivers".into(), "tcp,tm.small=64;shm".into()]).expect("ok");
+        assert_eq!(o.drivers, ["tcp,tm.small=64", "shm"]);
+        let o = parse_opts(&["--modes".into(), "safer,8".into()]).expect("ok");
+        assert_eq!(o.modes, [Mode::Cc, Mode::Se, Mode::Pieces(8)]);
+        assert!(o.modes_given);
+        assert!(parse_opts(&["--modes".into(), "1".into()]).is_err());
     }
 }

@@ -12,6 +12,9 @@
 //!   receives it whole with `MPI_Mrecv` into a buffer of that size (reused) and uses the body
 //!   where it landed, after the header (no copy out).
 //!
+//! `raw-mpi-test` is `raw-mpi` whose receives are `MPI_Irecv` completed by `MPI_Test` in a loop
+//! ([`RecvWait::Test`]): the non-blocking style a driver that must not block uses.
+//!
 //! Each endpoint uses its own tag on the world communicator, so two endpoints (the two
 //! connections of the two-thread patterns) never take each other's messages. mad-mpi's
 //! bootstrap and channels use duplicates of the world communicator: no interference.
@@ -35,6 +38,16 @@ pub enum RpcIdiom {
     Packed,
 }
 
+/// How a raw MPI endpoint receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvWait {
+    /// Blocking `MPI_Recv`.
+    Blocking,
+    /// `MPI_Irecv`, then `MPI_Test` in a loop: the style of a driver that must not block
+    /// (`raw-mpi-test`).
+    Test,
+}
+
 /// Next endpoint tag (every rank opens its endpoints in the same order, so tags agree).
 static NEXT_TAG: AtomicI32 = AtomicI32::new(0x5100);
 
@@ -42,6 +55,7 @@ static NEXT_TAG: AtomicI32 = AtomicI32::new(0x5100);
 pub struct RawMpi {
     tag: i32,
     idiom: RpcIdiom,
+    wait: RecvWait,
     /// The packed idiom's send and receive buffers (grown once, reused).
     stage_out: Vec<u8>,
     stage_in: Vec<u8>,
@@ -49,7 +63,7 @@ pub struct RawMpi {
 
 impl RawMpi {
     /// Needs MPI initialised (the session was built under `mpiexec` with the MPI bootstrap).
-    pub fn open(idiom: RpcIdiom) -> Result<RawMpi> {
+    pub fn open(idiom: RpcIdiom, wait: RecvWait) -> Result<RawMpi> {
         if !mpi::environment::is_initialized() {
             return Err(Error::unavailable(
                 "raw-mpi",
@@ -59,6 +73,7 @@ impl RawMpi {
         Ok(RawMpi {
             tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
             idiom,
+            wait,
             stage_out: Vec::new(),
             stage_in: Vec::new(),
         })
@@ -69,7 +84,42 @@ fn world() -> SimpleCommunicator {
     SimpleCommunicator::world()
 }
 
+impl RawMpi {
+    /// Receive into `buf` from `peer` on this endpoint's tag, as `self.wait` says; the count.
+    fn receive(&self, peer: usize, buf: &mut [u8]) -> usize {
+        let w = world();
+        let p = w.process_at_rank(peer as i32);
+        let st = match self.wait {
+            RecvWait::Blocking => p.receive_into_with_tag(buf, self.tag),
+            RecvWait::Test => mpi::request::scope(|sc| {
+                let mut req = p.immediate_receive_into_with_tag(sc, buf, self.tag);
+                loop {
+                    match req.test() {
+                        Ok(st) => break st,
+                        Err(r) => req = r,
+                    }
+                }
+            }),
+        };
+        usize::try_from(st.count(u8::equivalent_datatype())).unwrap_or(usize::MAX)
+    }
+}
+
 impl Net for RawMpi {
+    fn poll_idle(&mut self, peer: usize) -> Option<Result<()>> {
+        let w = world();
+        let probe = w
+            .process_at_rank(peer as i32)
+            .immediate_probe_with_tag(self.tag);
+        Some(match probe {
+            None => Ok(()),
+            Some(_) => Err(Error::protocol(
+                peer,
+                "poll: a message arrived while none was sent",
+            )),
+        })
+    }
+
     fn send(&mut self, peer: usize, msg: &[u8]) -> Result<()> {
         world()
             .process_at_rank(peer as i32)
@@ -78,10 +128,7 @@ impl Net for RawMpi {
     }
 
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<()> {
-        let st = world()
-            .process_at_rank(peer as i32)
-            .receive_into_with_tag(buf, self.tag);
-        if st.count(u8::equivalent_datatype()) as usize != buf.len() {
+        if self.receive(peer, buf) != buf.len() {
             return Err(Error::protocol(peer, "raw mpi: message of the wrong size"));
         }
         Ok(())
@@ -113,15 +160,14 @@ impl Net for RawMpi {
         match self.idiom {
             RpcIdiom::TwoMessages => {
                 let mut h = [0u8; 8];
-                let st = p.receive_into_with_tag(&mut h[..], self.tag);
-                if st.count(u8::equivalent_datatype()) != 8 {
+                if self.receive(peer, &mut h) != 8 {
                     return Err(Error::protocol(peer, "raw mpi: bad RPC header"));
                 }
                 let n = usize::try_from(u64::from_le_bytes(h))
                     .ok()
                     .filter(|&n| n <= buf.len())
                     .ok_or_else(too_large)?;
-                p.receive_into_with_tag(&mut buf[..n], self.tag);
+                self.receive(peer, &mut buf[..n]);
                 Ok(n)
             }
             RpcIdiom::Packed => {

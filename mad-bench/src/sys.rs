@@ -1,5 +1,5 @@
-//! Every foreign call of the bench tool: the shared-memory mapping of the raw ring baseline and
-//! CPU pinning. Hands back safe types that clean up on drop.
+//! Every foreign call of the bench tool: the shared-memory mapping of the raw ring and mailbox
+//! baselines and CPU pinning. Hands back safe types that clean up on drop.
 
 #![allow(unsafe_code)]
 
@@ -89,34 +89,65 @@ impl Shared {
         }
     }
 
-    /// The ring at `offset` (a multiple of 256) with `cap` data bytes (a power of two).
-    pub fn ring(&self, offset: usize, cap: usize) -> Result<Ring<'_>> {
+    /// The three header words (at offsets 0, 8 and 128) and the data area of the `what` at
+    /// `offset` (a multiple of 256) with `cap` data bytes.
+    fn slot(&self, what: &str, offset: usize, cap: usize) -> Result<([&AtomicU64; 3], *mut u8)> {
         if offset % RING_HEADER != 0
-            || !cap.is_power_of_two()
             || offset
                 .checked_add(RING_HEADER + cap)
                 .is_none_or(|end| end > self.len)
         {
             return Err(Error::BadConfig(format!(
-                "ring at {offset} with {cap} bytes does not fit a {}-byte mapping",
+                "{what} at {offset} with {cap} bytes does not fit a {}-byte mapping",
                 self.len
             )));
         }
         let _ = &self.map;
         // SAFETY: `offset + RING_HEADER + cap <= len` was checked, so every pointer below
         // stays inside the mapping; the mapping is page-aligned and `offset` a multiple of
-        // 256, so the two u64 indices are 8-byte aligned. AtomicU64 has the layout of u64 and
-        // the memory is only ever accessed atomically at these two places.
+        // 256, so the three u64 words are 8-byte aligned. AtomicU64 has the layout of u64 and
+        // the header words are only ever accessed atomically.
         unsafe {
             let h = self.base.add(offset);
-            Ok(Ring {
-                head: &*(h as *const AtomicU64),
-                tail: &*(h.add(128) as *const AtomicU64),
-                data: h.add(RING_HEADER),
-                cap,
-                _m: PhantomData,
-            })
+            Ok((
+                [
+                    &*(h as *const AtomicU64),
+                    &*(h.add(8) as *const AtomicU64),
+                    &*(h.add(128) as *const AtomicU64),
+                ],
+                h.add(RING_HEADER),
+            ))
         }
+    }
+
+    /// The ring at `offset` (a multiple of 256) with `cap` data bytes (a power of two).
+    pub fn ring(&self, offset: usize, cap: usize) -> Result<Ring<'_>> {
+        if !cap.is_power_of_two() {
+            return Err(Error::BadConfig(format!(
+                "a ring of {cap} bytes: not a power of two"
+            )));
+        }
+        let ([head, _, tail], data) = self.slot("ring", offset, cap)?;
+        Ok(Ring {
+            head,
+            tail,
+            data,
+            cap,
+            _m: PhantomData,
+        })
+    }
+
+    /// The mailbox at `offset` (a multiple of 256) with room for messages of `cap` bytes.
+    pub fn mailbox(&self, offset: usize, cap: usize) -> Result<Mailbox<'_>> {
+        let ([posted, len, taken], data) = self.slot("mailbox", offset, cap)?;
+        Ok(Mailbox {
+            posted,
+            len,
+            taken,
+            data,
+            cap,
+            _m: PhantomData,
+        })
     }
 }
 
@@ -160,6 +191,11 @@ impl Ring<'_> {
         n
     }
 
+    /// Consumer side: nothing to read.
+    pub fn is_empty(&self) -> bool {
+        self.head.load(Ordering::Acquire) == self.tail.load(Ordering::Relaxed)
+    }
+
     /// Consumer side: copy up to `dst.len()` available bytes; returns the number read.
     pub fn pop(&self, dst: &mut [u8]) -> usize {
         let tail = self.tail.load(Ordering::Relaxed);
@@ -180,6 +216,64 @@ impl Ring<'_> {
         }
         self.tail.store(tail + n as u64, Ordering::Release);
         n
+    }
+}
+
+/// A one-message mailbox in a [`Shared`] mapping: no ring, the whole message in one copy. The
+/// sender waits until `taken` equals `posted` (the last message was read), copies the message in,
+/// stores its length and Release-increments `posted`; the receiver Acquire-polls `posted`, copies
+/// the message out and Release-stores `taken`.
+pub struct Mailbox<'a> {
+    posted: &'a AtomicU64,
+    len: &'a AtomicU64,
+    taken: &'a AtomicU64,
+    data: *mut u8,
+    cap: usize,
+    _m: PhantomData<&'a Shared>,
+}
+
+impl Mailbox<'_> {
+    /// Sender side: post the message made of `parts` (at most the box's bytes in all) if the
+    /// last message was taken; false if it was not (try again).
+    pub fn post(&self, parts: &[&[u8]]) -> bool {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(total <= self.cap, "mailbox: message larger than the box");
+        let posted = self.posted.load(Ordering::Relaxed);
+        if self.taken.load(Ordering::Acquire) != posted {
+            return false;
+        }
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: `at + p.len() <= total <= cap`, so the copy stays in the data area; the
+            // receiver took the last message (observed above) and reads the area only after
+            // the Release store below.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.data.add(at), p.len()) };
+            at += p.len();
+        }
+        self.len.store(total as u64, Ordering::Relaxed);
+        self.posted.store(posted + 1, Ordering::Release);
+        true
+    }
+
+    /// Receiver side: take the posted message, if there is one, into `parts` in order, and
+    /// return its length (`None`: nothing posted). Bytes beyond the parts are dropped.
+    pub fn take(&self, parts: &mut [&mut [u8]]) -> Option<usize> {
+        let taken = self.taken.load(Ordering::Relaxed);
+        if self.posted.load(Ordering::Acquire) == taken {
+            return None;
+        }
+        let n = (self.len.load(Ordering::Relaxed) as usize).min(self.cap);
+        let mut at = 0;
+        for p in parts.iter_mut() {
+            let k = p.len().min(n - at);
+            // SAFETY: `at + k <= n <= cap`: the copy stays in the data area, which the sender
+            // published with the Release store observed above and does not write again before
+            // our `taken` store.
+            unsafe { std::ptr::copy_nonoverlapping(self.data.add(at), p.as_mut_ptr(), k) };
+            at += k;
+        }
+        self.taken.store(taken + 1, Ordering::Release);
+        Some(n)
     }
 }
 
