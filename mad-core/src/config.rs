@@ -34,7 +34,14 @@ use crate::error::{Error, Result};
 use crate::progress::{ProgressMode, ProgressPolicy};
 
 /// The keys every channel accepts, whatever its driver (`tm.<name>` stands for any TM name).
-pub const CORE_KEYS: &[&str] = &["checked", "progress", "timeout_ms", "tm.<name>"];
+pub const CORE_KEYS: &[&str] = &[
+    "checked",
+    "progress",
+    "timeout_ms",
+    "tm.<name>",
+    "tune",
+    "tune_cache",
+];
 
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
 pub const MAX_TIMEOUT_MS: u64 = 365 * 24 * 3600 * 1000;
@@ -51,6 +58,9 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MAD_TIMEOUT_MS", "operation timeout (ms, 0 = none) of channels opened by name whose spec says none"),
     ("MAD_OPEN_TIMEOUT_MS", "bound on a channel open (ms) when the spec has no open_timeout_ms (default 60 s)"),
     ("MAD_PROTO_INFO", "1: rank 0 prints each channel's selection table on stderr when it opens"),
+    ("MAD_TUNE_CACHE", "directory of the `tune=auto` threshold cache (`off`: no cache) when the spec has no tune_cache"),
+    ("XDG_CACHE_HOME", "`tune=auto`: the threshold cache is $XDG_CACHE_HOME/madeleine"),
+    ("HOME", "`tune=auto`: the threshold cache is $HOME/.cache/madeleine when XDG_CACHE_HOME is not set"),
     // Sessions started by madrun (set by madrun, read by mad-core's launch module).
     ("MAD_BOOTSTRAP", "ip:port of madrun's bootstrap server (its presence means: started by madrun)"),
     ("MAD_RANK", "this process's rank (set by madrun)"),
@@ -169,6 +179,49 @@ pub struct ChannelConfig {
     pub thresholds: BTreeMap<String, usize>,
     /// Other driver-specific options.
     pub options: BTreeMap<String, String>,
+    /// Threshold tuning at open (`tune=off|auto|refresh`, see [`crate::tune`]).
+    pub tune: Tune,
+    /// Where `tune=auto` caches its measurements (`tune_cache=<dir>|off`).
+    pub tune_cache: TuneCache,
+}
+
+/// Whether a channel measures its TM thresholds when it opens (`tune=...`, see
+/// [`crate::tune`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Tune {
+    /// `tune=off` (the default): the driver's built-in thresholds.
+    #[default]
+    Off,
+    /// `tune=auto`: the thresholds cached for this host, driver, configuration, build and
+    /// kernel, else measured between two ranks at open (then cached).
+    Auto,
+    /// `tune=refresh`: measured at open even when cached, and the cache rewritten.
+    Refresh,
+}
+
+impl Tune {
+    /// The spelling in a channel spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tune::Off => "off",
+            Tune::Auto => "auto",
+            Tune::Refresh => "refresh",
+        }
+    }
+}
+
+/// Where `tune=auto` keeps its measurements (`tune_cache=<dir>|off`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TuneCache {
+    /// `MAD_TUNE_CACHE`, else `$XDG_CACHE_HOME/madeleine`, else `$HOME/.cache/madeleine`.
+    #[default]
+    Default,
+    /// No cache: every open measures.
+    Off,
+    /// This directory.
+    Dir(std::path::PathBuf),
 }
 
 impl ChannelConfig {
@@ -183,7 +236,23 @@ impl ChannelConfig {
             op_timeout: None,
             thresholds: BTreeMap::new(),
             options: BTreeMap::new(),
+            tune: Tune::Off,
+            tune_cache: TuneCache::Default,
         }
+    }
+
+    /// Set the threshold tuning (`tune=`).
+    #[must_use]
+    pub fn tune(mut self, t: Tune) -> Self {
+        self.tune = t;
+        self
+    }
+
+    /// Set where the tuning is cached (`tune_cache=`).
+    #[must_use]
+    pub fn tune_cache(mut self, c: TuneCache) -> Self {
+        self.tune_cache = c;
+        self
     }
 
     /// Set the adapter.
@@ -442,6 +511,23 @@ impl ChannelConfig {
         match k {
             "checked" => self.checked = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
             "progress" => self.progress = ProgressPolicy::parse_mode(v)?,
+            "tune" => {
+                self.tune = match v {
+                    "off" => Tune::Off,
+                    "auto" => Tune::Auto,
+                    "refresh" => Tune::Refresh,
+                    _ => return Err(bad("expected off, auto or refresh")),
+                }
+            }
+            "tune_cache" => {
+                self.tune_cache = if v == "off" {
+                    TuneCache::Off
+                } else if v.starts_with('/') {
+                    TuneCache::Dir(v.into())
+                } else {
+                    return Err(bad("expected an absolute directory or off"));
+                }
+            }
             "timeout_ms" => {
                 self.op_timeout = parse_timeout_ms(v).ok_or_else(|| {
                     bad(&format!(
