@@ -41,6 +41,7 @@ pub const CORE_KEYS: &[&str] = &[
     "tm.<name>",
     "tune",
     "tune_cache",
+    "tune_budget_ms",
 ];
 
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
@@ -103,6 +104,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("FIG4_BUDGET_MS", "mad-via figure4 bench: time budget per point (ms)"),
     ("FIG4_EXTRA", "mad-via figure4 bench: options appended to every variant's spec (`,progress=poll`)"),
     ("FIG4_CSV", "mad-via figure4 bench: CSV output path"),
+    ("TUNE_SPECS", "benches/tune.rs: `;`-separated channel specs (default `shm;via:soft,regcache=0;tcp`)"),
+    ("TUNE_REPS", "benches/tune.rs: repetitions per size"),
+    ("TUNE_BUDGET_MS", "benches/tune.rs: time budget per point (ms)"),
+    ("TUNE_OPENS", "benches/tune.rs: opens timed per kind (calibration, untuned, cached)"),
     ("MAD_SHM_BENCH_CHILD", "mad-shm shm_pingpong example: set in its child process"),
     ("MAD_SHM_BENCH_SECRET", "mad-shm shm_pingpong example: the session secret of its child"),
     ("MPI_BENCH_RUNS", "mad-mpi mpi_bench example: runs per point"),
@@ -183,6 +188,9 @@ pub struct ChannelConfig {
     pub tune: Tune,
     /// Where `tune=auto` caches its measurements (`tune_cache=<dir>|off`).
     pub tune_cache: TuneCache,
+    /// Bound on the calibration of `tune=auto` (`tune_budget_ms=`, default
+    /// [`crate::tune::DEFAULT_BUDGET`]).
+    pub tune_budget: Duration,
 }
 
 /// Whether a channel measures its TM thresholds when it opens (`tune=...`, see
@@ -238,6 +246,7 @@ impl ChannelConfig {
             options: BTreeMap::new(),
             tune: Tune::Off,
             tune_cache: TuneCache::Default,
+            tune_budget: crate::tune::DEFAULT_BUDGET,
         }
     }
 
@@ -517,6 +526,12 @@ impl ChannelConfig {
                     "auto" => Tune::Auto,
                     "refresh" => Tune::Refresh,
                     _ => return Err(bad("expected off, auto or refresh")),
+                }
+            }
+            "tune_budget_ms" => {
+                self.tune_budget = match v.parse::<u64>() {
+                    Ok(ms) if (1..=600_000).contains(&ms) => Duration::from_millis(ms),
+                    _ => return Err(bad("expected milliseconds from 1 to 600000")),
                 }
             }
             "tune_cache" => {

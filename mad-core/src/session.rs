@@ -586,7 +586,8 @@ impl Session {
         if let Plan::Measure(p) = plan {
             let _calibrate = tracing::debug_span!("tune", partner = p).entered();
             if b.rank() == 0 {
-                let r = tune::lead(&mut ch, p, &builtin)?;
+                let budget = ch.inner.config.tune_budget;
+                let r = tune::lead(&mut ch, p, &builtin, budget)?;
                 let fp = with_overrides(&ch.inner.config, &r.apply(&builtin)?)?.fingerprint();
                 vote.extend_from_slice(format!("{fp:016x}\n{}", r.to_text()).as_bytes());
             } else if b.rank() == p {
@@ -619,7 +620,7 @@ impl Session {
                     b.rank()
                 )));
             }
-            if let Some((dir, key)) = &cache {
+            if let Some((dir, key)) = cache.as_ref().filter(|_| r.complete) {
                 tune::store(dir, key, &r);
             }
             let info = tune::tuned_info(&ch.inner.config, &t, &r, ThresholdSource::Measured);

@@ -7,17 +7,21 @@
 //! 1. after the connections are up, rank 0 and one peer (rank 1, or for an intra-host driver
 //!    the lowest other rank on rank 0's host) ping-pong one CHEAPER/CHEAPER piece over a
 //!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced in turn
-//!    (the TMs before it given threshold 0, itself no limit), and take the median one-way
-//!    time of a few round trips per point; a TM that is well behind at two sizes running
-//!    while a later TM leads is not measured further. The whole calibration stops at
-//!    [`BUDGET`];
+//!    (the TMs before it given threshold 0, itself no limit), and take the lower quartile of
+//!    the one-way times of 3 to 5 round trips per point (a shared machine's delays only add
+//!    time); a TM that is well behind at two sizes running while a later TM leads is not
+//!    measured further. This first pass stops at three quarters of the channel's
+//!    `tune_budget_ms` (default [`DEFAULT_BUDGET`]);
 //! 2. rank 0 picks, for each size of the ladder, the TM to use, as the cheapest assignment
 //!    that keeps the table's order (each TM serves one range of sizes) counting each size's
 //!    time relative to the best TM there, with the built-in choice favoured by
-//!    [`MARGIN`] (so noise does not move a threshold), and derives the thresholds (each a
-//!    size of the ladder, or half its first rung below it, or unchanged for TMs after the
-//!    last one chosen; the built-in thresholds when the choice is the built-in one at every
-//!    size);
+//!    [`MARGIN`]; each size where that moves away from the built-in choice is measured again
+//!    for both TMs, and the move must win again (the challenger keeps its slower figure, the
+//!    built-in choice its faster one; a move not confirmed within the budget is dropped), so
+//!    noise does not move a threshold. The thresholds follow (each a size of the ladder, or
+//!    half its first rung below it, or unchanged for TMs after the last one chosen; the
+//!    built-in thresholds when the choice is the built-in one at every size; the built-in
+//!    choice above the sizes measured);
 //! 3. rank 0 sends the result to every rank with the open's last collective (its vote), and
 //!    every rank applies it, then the channel's `tm.<name>=` overrides, which still win;
 //!    rank 0's resulting table fingerprint comes with it and every rank checks its own.
@@ -56,9 +60,10 @@ pub const LADDER: [usize; 17] = {
     l
 };
 
-/// The calibration stops measuring larger sizes once it has run this long (the thresholds
-/// above the last size measured stay with the TM chosen there).
-pub const BUDGET: Duration = Duration::from_millis(700);
+/// The default bound on a calibration (`tune_budget_ms`): its first pass stops measuring
+/// larger sizes at three quarters of it, its confirmations at all of it (what was not
+/// measured or confirmed keeps the built-in choice, and such a calibration is not cached).
+pub const DEFAULT_BUDGET: Duration = Duration::from_millis(900);
 
 /// The built-in choice at a size wins unless another TM is faster there by more than this
 /// fraction (noise of the medians on a shared machine).
@@ -121,6 +126,10 @@ pub struct Tuning {
     pub figures: Vec<(usize, Vec<Option<f64>>)>,
     /// Why the built-in thresholds were kept without measuring, if they were.
     pub note: Option<String>,
+    /// Whether the calibration covered the whole ladder and confirmed every move within its
+    /// time budget (an incomplete one keeps the built-in choice where it did not, and is not
+    /// cached).
+    pub complete: bool,
 }
 
 impl Tuning {
@@ -146,6 +155,7 @@ impl Tuning {
             tms: Vec::new(),
             figures: Vec::new(),
             note: why,
+            complete: true,
         }
     }
 
@@ -182,14 +192,18 @@ impl Tuning {
                     self.calibration
                         .map(|d| format!(" in {} ms", d.as_millis()))
                         .unwrap_or_default()
-                )
+                ) + if self.complete {
+                    ""
+                } else {
+                    " (time budget out: built-in choice where not measured, not cached)"
+                }
             }
         };
         let _ = writeln!(s, "  thresholds: {head}");
         if self.figures.is_empty() {
             return;
         }
-        let _ = write!(s, "  calibration, median one-way µs: {:>8}", "size");
+        let _ = write!(s, "  calibration, one-way µs (quartile): {:>4}", "size");
         for n in &self.tms {
             let _ = write!(s, " {n:>9}");
         }
@@ -239,6 +253,9 @@ pub(crate) struct Record {
     pub(crate) measured_unix: u64,
     pub(crate) calib_ms: u64,
     pub(crate) pair: (usize, usize),
+    /// Whether the whole ladder was measured and every move confirmed within the budgets
+    /// (only complete calibrations are cached).
+    pub(crate) complete: bool,
     /// The tuned TMs, in table order, with their new thresholds.
     pub(crate) thresholds: Vec<(String, usize)>,
     /// Per ladder size: the median one-way µs of each tuned TM.
@@ -250,8 +267,12 @@ impl Record {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "measured {} {} {} {}",
-            self.measured_unix, self.calib_ms, self.pair.0, self.pair.1
+            "measured {} {} {} {} {}",
+            self.measured_unix,
+            self.calib_ms,
+            self.pair.0,
+            self.pair.1,
+            u8::from(self.complete)
         );
         for (n, v) in &self.thresholds {
             if *v == usize::MAX {
@@ -284,6 +305,7 @@ impl Record {
             measured_unix: 0,
             calib_ms: 0,
             pair: (0, 0),
+            complete: false,
             thresholds: Vec::new(),
             figures: Vec::new(),
         };
@@ -295,6 +317,11 @@ impl Record {
                     r.measured_unix = w.next()?.parse().ok()?;
                     r.calib_ms = w.next()?.parse().ok()?;
                     r.pair = (w.next()?.parse().ok()?, w.next()?.parse().ok()?);
+                    r.complete = match w.next()? {
+                        "1" => true,
+                        "0" => false,
+                        _ => return None,
+                    };
                     measured = true;
                 }
                 "tm" => {
@@ -378,41 +405,33 @@ pub(crate) fn forced(builtin: &TmTable, tunable: &[usize], k: usize) -> Result<T
     TmTable::new(tms)
 }
 
-/// The thresholds chosen from the median one-way times `t[k][j]` (TM `tunable[k]`, size
-/// `LADDER[j]`, `None` if not measured) of the first `t[k].len()` sizes.
-pub(crate) fn choose(
+/// The TM (index into `tunable`) for each size of the ladder: the cheapest assignment that
+/// keeps the table's order, from the one-way times `t[k][j]` (TM `tunable[k]`, size
+/// `LADDER[j]`, `None` if not measured; sizes past `t[k].len()` are not measured), each size
+/// counting its time relative to the best TM there, the built-in choice favoured by
+/// [`MARGIN`]. Where nothing was measured, the built-in choice. Also returns the built-in
+/// choice at each size.
+fn assign(
     builtin: &TmTable,
     tunable: &[usize],
     t: &[Vec<Option<f64>>],
-) -> Vec<(String, usize)> {
+) -> (Vec<usize>, Vec<usize>) {
     let kn = tunable.len();
-    let m = t.first().map_or(0, Vec::len);
-    let keep = || -> Vec<(String, usize)> {
-        tunable
-            .iter()
-            .map(|&i| {
-                let tm = &builtin.tms()[i];
-                (tm.name.to_string(), tm.max_len)
-            })
-            .collect()
-    };
-    if kn < 2 || m == 0 {
-        return keep();
-    }
-    // The built-in choice at each size, as an index into `tunable`.
+    let m = LADDER.len();
     let builtin_k: Vec<usize> = (0..m)
         .map(|j| {
             let id = builtin.select(LADDER[j], SendMode::Cheaper, RecvMode::Cheaper) as usize;
             tunable.iter().position(|&i| i == id).unwrap_or(kn - 1)
         })
         .collect();
+    let at = |k: usize, j: usize| t.get(k).and_then(|r| r.get(j)).copied().flatten();
     let cost: Vec<Vec<f64>> = (0..m)
         .map(|j| {
             let best = (0..kn)
-                .filter_map(|k| t[k][j])
+                .filter_map(|k| at(k, j))
                 .fold(f64::INFINITY, f64::min);
             (0..kn)
-                .map(|k| match t[k][j] {
+                .map(|k| match at(k, j) {
                     Some(v) if best.is_finite() && best > 0.0 => {
                         let c = v / best;
                         if k == builtin_k[j] {
@@ -421,9 +440,8 @@ pub(crate) fn choose(
                             c
                         }
                     }
-                    // Nothing measured at this size: only the built-in choice costs nothing.
+                    // Nothing measured at this size: the built-in choice.
                     _ if !best.is_finite() && k == builtin_k[j] => 0.0,
-                    _ if !best.is_finite() => 1.0,
                     _ => f64::INFINITY,
                 })
                 .collect()
@@ -444,17 +462,46 @@ pub(crate) fn choose(
             from[j][k] = arg;
         }
     }
-    let mut k = (0..kn)
+    let Some(mut k) = (0..kn)
+        .filter(|&k| f[m - 1][k].is_finite())
         .min_by(|&a, &b| f[m - 1][a].total_cmp(&f[m - 1][b]))
-        .unwrap_or(kn - 1);
+    else {
+        return (builtin_k.clone(), builtin_k);
+    };
     let mut pick = vec![0usize; m];
     for j in (0..m).rev() {
         pick[j] = k;
         k = from[j][k];
     }
+    (pick, builtin_k)
+}
+
+/// The thresholds chosen from the one-way times `t` (see [`assign`]): the built-in ones when
+/// the choice is the built-in one at every size of the ladder; otherwise each TM's largest
+/// size of the ladder, half the first rung for a TM before the first one chosen, no limit
+/// for the last one chosen, and unchanged for the TMs after it.
+pub(crate) fn choose(
+    builtin: &TmTable,
+    tunable: &[usize],
+    t: &[Vec<Option<f64>>],
+) -> Vec<(String, usize)> {
+    let keep = || -> Vec<(String, usize)> {
+        tunable
+            .iter()
+            .map(|&i| {
+                let tm = &builtin.tms()[i];
+                (tm.name.to_string(), tm.max_len)
+            })
+            .collect()
+    };
+    if tunable.len() < 2 {
+        return keep();
+    }
+    let (pick, builtin_k) = assign(builtin, tunable, t);
     if pick == builtin_k {
         return keep();
     }
+    let m = LADDER.len();
     let last = pick[m - 1];
     tunable
         .iter()
@@ -479,14 +526,11 @@ pub(crate) fn choose(
         .collect()
 }
 
-/// The median of `v` (sorted in place).
-fn median(v: &mut [f64]) -> f64 {
+/// The lower quartile of `v` (sorted in place): the scheduler's delays on a shared machine
+/// only add time, so the faster rounds tell the TM's cost.
+fn quartile(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
+    v.get(v.len() / 4).copied().unwrap_or(f64::NAN)
 }
 
 /// The control message rank 0 sends its partner before each measurement: `[tm + 1, size,
@@ -523,9 +567,44 @@ fn round(ch: &crate::Channel, peer: usize, leader: bool, buf: &mut [u8]) -> Resu
     }
 }
 
+/// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), one
+/// warm-up round trip and `rounds` timed ones of `buf`; the lower quartile of the one-way µs.
+fn measure(
+    ch: &mut crate::Channel,
+    peer: usize,
+    tables: &[TmTable],
+    k: usize,
+    buf: &mut [u8],
+    rounds: u64,
+) -> Result<f64> {
+    let mut p = ch.begin_packing(peer)?;
+    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, rounds + 1];
+    p.pack_value(&ctl, RecvMode::Express)?;
+    p.end_packing()?;
+    set_table(ch, &tables[k])?;
+    round(ch, peer, true, buf)?;
+    let mut samples = Vec::with_capacity(rounds as usize);
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        round(ch, peer, true, buf)?;
+        samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+    }
+    Ok(quartile(&mut samples))
+}
+
 /// Rank 0's side of the calibration with `peer`: the record of the thresholds chosen.
 /// The channel's table is `builtin` again when it returns.
-pub(crate) fn lead(ch: &mut crate::Channel, peer: usize, builtin: &TmTable) -> Result<Record> {
+///
+/// A first pass measures every TM at each size of the ladder (until three quarters of
+/// `budget`); where its choice differs from the built-in one, a second measurement of both
+/// TMs must confirm it: the challenger keeps the slower of its two figures, the built-in
+/// choice the faster (until `budget`; a move left unconfirmed is dropped).
+pub(crate) fn lead(
+    ch: &mut crate::Channel,
+    peer: usize,
+    builtin: &TmTable,
+    budget: Duration,
+) -> Result<Record> {
     let started = Instant::now();
     let tunable = tunable(builtin);
     let kn = tunable.len();
@@ -534,45 +613,33 @@ pub(crate) fn lead(ch: &mut crate::Channel, peer: usize, builtin: &TmTable) -> R
         .collect::<Result<_>>()?;
     let mut buf = vec![1u8; LADDER[LADDER.len() - 1]];
     let mut t: Vec<Vec<Option<f64>>> = vec![Vec::new(); kn];
-    let mut behind = vec![0u32; kn];
-    let mut dropped = vec![false; kn];
-    let mut samples = Vec::new();
+    let mut complete = true;
     let run = (|| -> Result<()> {
+        let mut behind = vec![0u32; kn];
+        let mut dropped = vec![false; kn];
         for (j, &size) in LADDER.iter().enumerate() {
-            if started.elapsed() >= BUDGET {
+            if started.elapsed() >= budget / 4 * 3 {
+                complete = false;
                 break;
             }
             for row in &mut t {
                 row.push(None);
             }
+            let prev = (0..kn)
+                .filter_map(|x| t[x].get(j.wrapping_sub(1)).copied().flatten())
+                .fold(f64::INFINITY, f64::min);
+            // Fewer round trips where one takes long (estimated from the previous size).
+            let rounds: u64 = if prev.is_finite() && prev > 250.0 {
+                3
+            } else {
+                5
+            };
             // Rotate the order of the TMs from size to size.
             for step in 0..kn {
                 let k = (step + j) % kn;
-                if dropped[k] {
-                    continue;
+                if !dropped[k] {
+                    t[k][j] = Some(measure(ch, peer, &tables, k, &mut buf[..size], rounds)?);
                 }
-                let prev = (0..kn)
-                    .filter_map(|x| t[x].get(j.wrapping_sub(1)).copied().flatten())
-                    .fold(f64::INFINITY, f64::min);
-                // Fewer round trips where one takes long (estimated from the previous size).
-                let rounds: u64 = if prev.is_finite() && prev * 4.0 > 1000.0 {
-                    3
-                } else {
-                    5
-                };
-                let mut p = ch.begin_packing(peer)?;
-                let ctl: Ctl = [k as u64 + 1, size as u64, rounds + 1];
-                p.pack_value(&ctl, RecvMode::Express)?;
-                p.end_packing()?;
-                set_table(ch, &tables[k])?;
-                round(ch, peer, true, &mut buf[..size])?;
-                samples.clear();
-                for _ in 0..rounds {
-                    let t0 = Instant::now();
-                    round(ch, peer, true, &mut buf[..size])?;
-                    samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
-                }
-                t[k][j] = Some(median(&mut samples));
             }
             let best = (0..kn)
                 .filter_map(|k| t[k][j].map(|v| (k, v)))
@@ -591,6 +658,26 @@ pub(crate) fn lead(ch: &mut crate::Channel, peer: usize, builtin: &TmTable) -> R
                 }
             }
         }
+        let (pick, builtin_k) = assign(builtin, &tunable, &t);
+        for j in 0..t[0].len() {
+            let (c, b) = (pick[j], builtin_k[j]);
+            if c == b {
+                continue;
+            }
+            if started.elapsed() >= budget || t[b][j].is_none() {
+                t[c][j] = None;
+                complete = false;
+                continue;
+            }
+            let rounds = if t[b][j].unwrap_or(0.0) > 250.0 { 3 } else { 5 };
+            let size = LADDER[j];
+            let order = if j % 2 == 0 { [c, b] } else { [b, c] };
+            for k in order {
+                let v = measure(ch, peer, &tables, k, &mut buf[..size], rounds)?;
+                let old = t[k][j].unwrap_or(v);
+                t[k][j] = Some(if k == c { old.max(v) } else { old.min(v) });
+            }
+        }
         let mut p = ch.begin_packing(peer)?;
         p.pack_value(&[0u64; 3], RecvMode::Express)?;
         p.end_packing()
@@ -606,6 +693,7 @@ pub(crate) fn lead(ch: &mut crate::Channel, peer: usize, builtin: &TmTable) -> R
     tracing::debug!(
         peer,
         calib_ms = calib.as_millis() as u64,
+        complete,
         ?thresholds,
         "tune: calibrated"
     );
@@ -615,6 +703,7 @@ pub(crate) fn lead(ch: &mut crate::Channel, peer: usize, builtin: &TmTable) -> R
             .map_or(0, |d| d.as_secs()),
         calib_ms: calib.as_millis() as u64,
         pair: (ch.rank(), peer),
+        complete,
         thresholds,
         figures,
     })
@@ -858,6 +947,7 @@ pub(crate) fn tuned_info(
     info.pair = Some(record.pair);
     info.tms = record.thresholds.iter().map(|(n, _)| n.clone()).collect();
     info.figures.clone_from(&record.figures);
+    info.complete = record.complete;
     info
 }
 
@@ -916,6 +1006,7 @@ mod tests {
             measured_unix: 1,
             calib_ms: 2,
             pair: (0, 1),
+            complete: true,
             thresholds: moved,
             figures: Vec::new(),
         }
@@ -929,6 +1020,19 @@ mod tests {
         let mut near = flat.clone();
         near[1] = vec![Some(9.8); 17];
         assert_eq!(choose(&t, &tun, &near), same);
+        // A calibration cut short keeps the built-in choice above the sizes it measured.
+        let part: Vec<Vec<Option<f64>>> = curves(17, 2 << 10, usize::MAX)
+            .into_iter()
+            .map(|r| r[..8].to_vec())
+            .collect();
+        assert_eq!(
+            choose(&t, &tun, &part),
+            vec![
+                ("small".into(), 2 << 10),
+                ("medium".into(), usize::MAX),
+                ("large".into(), usize::MAX)
+            ]
+        );
     }
 
     #[test]
@@ -937,6 +1041,7 @@ mod tests {
             measured_unix: 1_764_230_000,
             calib_ms: 412,
             pair: (0, 1),
+            complete: false,
             thresholds: vec![("small".into(), 4096), ("medium".into(), usize::MAX)],
             figures: vec![
                 (128, vec![Some(3.25), None]),
@@ -950,11 +1055,13 @@ mod tests {
         for bad in [
             "",
             "measured 1 2 3",
-            "measured x 2 0 1\ntm a 1\ntm b max\n",
-            "measured 1 2 0 1\ntm a 1\n",
-            "measured 1 2 0 1\ntm a 1\ntm b max\nfig 128 1.0\n",
-            "measured 1 2 0 1\ntm a 1\ntm b max\nfig 128 NaN 1\n",
-            "measured 1 2 0 1\ntm a 1 2\ntm b max\n",
+            "measured 1 2 0 1 1",
+            "measured x 2 0 1 1\ntm a 1\ntm b max\n",
+            "measured 1 2 0 1 2\ntm a 1\ntm b max\n",
+            "measured 1 2 0 1 1\ntm a 1\n",
+            "measured 1 2 0 1 1\ntm a 1\ntm b max\nfig 128 1.0\n",
+            "measured 1 2 0 1 1\ntm a 1\ntm b max\nfig 128 NaN 1\n",
+            "measured 1 2 0 1 1\ntm a 1 2\ntm b max\n",
             "\u{0}\u{1}",
         ] {
             assert_eq!(Record::parse(bad), None, "{bad:?}");

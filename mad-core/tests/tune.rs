@@ -35,8 +35,10 @@ fn scratch(what: &str) -> PathBuf {
     d
 }
 
+/// Open `spec` with its cache in `cache` and a calibration budget a loaded machine cannot
+/// exhaust (an incomplete calibration is not cached).
 fn open(s: &Session, name: &str, spec: &str, cache: &Path) -> Channel {
-    let cfg = ChannelConfig::parse(name, spec)
+    let cfg = ChannelConfig::parse(name, &format!("{spec},tune_budget_ms=600000"))
         .expect("spec")
         .tune_cache(TuneCache::Dir(cache.to_path_buf()));
     s.open_channel_with(cfg).expect("open")
@@ -89,7 +91,7 @@ fn measured_agreed_cached_then_corrupt_cache_ignored() {
     }
     assert!(r[0].4.contains("measured at this open"), "{}", r[0].4);
     assert!(
-        r[0].4.contains("calibration, median one-way µs"),
+        r[0].4.contains("calibration, one-way µs (quartile)"),
         "{}",
         r[0].4
     );
@@ -192,7 +194,20 @@ fn tune_options_parse_strictly() {
         Tune::Refresh
     );
     assert_eq!(ChannelConfig::parse("x", "tcp").unwrap().tune, Tune::Off);
-    for bad in ["tcp,tune=on", "tcp,tune=AUTO", "tcp,tune_cache=rel/dir"] {
+    assert_eq!(
+        ChannelConfig::parse("x", "tcp,tune_budget_ms=250")
+            .unwrap()
+            .tune_budget
+            .as_millis(),
+        250
+    );
+    for bad in [
+        "tcp,tune=on",
+        "tcp,tune=AUTO",
+        "tcp,tune_cache=rel/dir",
+        "tcp,tune_budget_ms=0",
+        "tcp,tune_budget_ms=1h",
+    ] {
         let e = ChannelConfig::parse("x", bad).unwrap_err().to_string();
         assert!(e.contains("tune"), "{bad}: {e}");
     }
