@@ -3,7 +3,7 @@
 //! at open.
 //!
 //! ```text
-//! cargo bench --bench tune                      # shm; via:soft,regcache=0; tcp
+//! cargo bench --bench tune                 # shm,cma=auto; via:soft,regcache=0; tcp
 //! TUNE_SPECS='shm' TUNE_REPS=5 cargo bench --bench tune
 //! ```
 //!
@@ -284,8 +284,8 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let specs =
-        std::env::var("TUNE_SPECS").unwrap_or_else(|_| "shm;via:soft,regcache=0;tcp".into());
+    let specs = std::env::var("TUNE_SPECS")
+        .unwrap_or_else(|_| "shm,cma=auto;via:soft,regcache=0;tcp".into());
     let reps = env_usize("TUNE_REPS", 3).max(1);
     let budget = Duration::from_millis(env_usize("TUNE_BUDGET_MS", 40) as u64);
     let opens = env_usize("TUNE_OPENS", 10).max(2);

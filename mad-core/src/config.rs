@@ -104,7 +104,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("FIG4_BUDGET_MS", "mad-via figure4 bench: time budget per point (ms)"),
     ("FIG4_EXTRA", "mad-via figure4 bench: options appended to every variant's spec (`,progress=poll`)"),
     ("FIG4_CSV", "mad-via figure4 bench: CSV output path"),
-    ("TUNE_SPECS", "benches/tune.rs: `;`-separated channel specs (default `shm;via:soft,regcache=0;tcp`)"),
+    ("TUNE_SPECS", "benches/tune.rs: `;`-separated channel specs (default `shm,cma=auto;via:soft,regcache=0;tcp`)"),
     ("TUNE_REPS", "benches/tune.rs: repetitions per size"),
     ("TUNE_BUDGET_MS", "benches/tune.rs: time budget per point (ms)"),
     ("TUNE_OPENS", "benches/tune.rs: opens timed per kind (calibration, untuned, cached)"),
