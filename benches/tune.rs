@@ -10,8 +10,10 @@
 //! Two ranks are two threads of this process. Per spec:
 //!
 //! * the variants `fixed:<tm>` (the TMs before it `tm.<name>=0`, itself `tm.<tm>=max`),
-//!   `built-in` (`tune=off`) and `tuned` (`tune=refresh`: measured at this open) run back to
-//!   back in a shuffled order for each size and repetition (one-way µs of `TUNE_BUDGET_MS` of
+//!   `built-in` (`tune=off`) and `tuned` (`tune=refresh`: measured at this open) first carry
+//!   one round trip of every size from 128 B to 8 MiB (the history the calibration gives the
+//!   tuned channel: the kernel grows a TCP socket's buffers after large transfers), then run
+//!   back to in a shuffled order for each size and repetition (one-way µs of `TUNE_BUDGET_MS` of
 //!   round trips); the ratio of a variant to the best fixed TM is the median over repetitions
 //!   of the ratio within the repetition (best = the fixed TM with the lowest median);
 //! * calibration: the `tuned` channel's own figure (`Channel::tuning().calibration`, rank 0)
@@ -200,6 +202,18 @@ fn bench(spec: &str, tag: usize, reps: usize, budget: Duration, opens: usize) ->
                                 .expect("channel")
                         })
                         .collect();
+                    // Every channel first carries one round trip of every size up to 8 MiB, as
+                    // the tuned one's calibration did: the same history (socket buffers grown
+                    // by the kernel, registrations) for every variant.
+                    let mut warm = vec![1u8; 8 << 20];
+                    for ch in &chans {
+                        let mut n = 128;
+                        while n <= warm.len() {
+                            round(ch, me, &mut warm[..n]);
+                            n *= 2;
+                        }
+                    }
+                    drop(warm);
                     let tuned = chans.last().expect("tuned");
                     let tuned_table = tuned.selection_table();
                     let mut calib_ms = vec![tuned

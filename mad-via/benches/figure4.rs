@@ -102,7 +102,8 @@ fn order(n: usize, rep: usize, k: usize) -> Vec<usize> {
 /// anything is timed at that size): with one shared buffer, the cached variant kept the
 /// pages pinned while the uncached ones pinned and unpinned the same pages (`mlock` does not
 /// nest), so one variant's registration state leaked into the next one's timing. Each run
-/// starts with a warm-up of a fifth of the budget (at least 3 rounds).
+/// starts with a warm-up of a fifth of the budget (at least 3 rounds), and before any run every
+/// channel carries one round trip of every size (the calibration of `adaptive+tune` does).
 fn run(specs: &[String], reps: usize, budget: Duration) -> (Vec<Vec<Vec<f64>>>, Vec<String>) {
     let boots = ThreadBootstrap::group(2);
     std::thread::scope(|s| {
@@ -127,6 +128,14 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> (Vec<Vec<Vec<f64>>>, 
                         })
                         .collect();
                     let tables: Vec<String> = chans.iter().map(|c| c.selection_table()).collect();
+                    // Every channel first carries one round trip of every size, as the
+                    // calibration of `adaptive+tune` did: the same history (the soft NIC's TCP
+                    // socket buffers grown by the kernel) for every variant.
+                    for ch in &chans {
+                        for &size in SIZES {
+                            round(ch, me, &mut vec![1u8; size]);
+                        }
+                    }
                     let mut out = vec![vec![Vec::new(); SIZES.len()]; specs.len()];
                     for (k, &size) in SIZES.iter().enumerate() {
                         let shared = std::env::var("FIG4_SHARED_BUFFER").is_ok();
