@@ -8,8 +8,8 @@
 //!    the lowest other rank on rank 0's host) ping-pong one CHEAPER/CHEAPER piece over a
 //!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced in turn
 //!    (the TMs before it given threshold 0, itself no limit), and take the lower quartile of
-//!    the one-way times of 3 to 5 round trips per point (a shared machine's delays only add
-//!    time); a TM that is well behind at two sizes running while a later TM leads is not
+//!    the one-way times of 3 to 9 round trips per point after 1 to 3 warm-up ones (a shared
+//!    machine's delays only add time); a TM that is well behind at two sizes running while a later TM leads is not
 //!    measured further. This first pass stops at three quarters of the channel's
 //!    `tune_budget_ms` (default [`DEFAULT_BUDGET`]);
 //! 2. rank 0 picks, for each size of the ladder, the TM to use, as the cheapest assignment
@@ -575,8 +575,19 @@ fn round(
     }
 }
 
-/// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), one
-/// warm-up round trip and `rounds` timed ones of `buf`; the lower quartile of the one-way µs.
+/// Timed round trips per measurement, from an estimate of the one-way µs: 9 below 50 µs, 5
+/// below 250 µs, 3 above.
+fn rounds_for(one_way_us: f64) -> u64 {
+    match one_way_us {
+        x if x < 50.0 => 9,
+        x if x < 250.0 => 5,
+        _ => 3,
+    }
+}
+
+/// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), warm-up
+/// round trips (3 below 64 KiB, else 1) and `rounds` timed ones of `buf`; the lower quartile
+/// of the one-way µs.
 fn measure(
     ch: &mut crate::Channel,
     peer: usize,
@@ -586,12 +597,15 @@ fn measure(
     rounds: u64,
 ) -> Result<f64> {
     let mut p = ch.begin_packing(peer)?;
-    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, rounds + 1];
+    let warm = if buf.len() < 64 << 10 { 3 } else { 1 };
+    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, rounds + warm];
     p.pack_value(&ctl, RecvMode::Express)?;
     p.end_packing()?;
     set_table(ch, &tables[k])?;
     let deadline = Instant::now() + PARTNER_WAIT;
-    round(ch, peer, true, buf, deadline)?;
+    for _ in 0..warm {
+        round(ch, peer, true, buf, deadline)?;
+    }
     let mut samples = Vec::with_capacity(rounds as usize);
     for _ in 0..rounds {
         let t0 = Instant::now();
@@ -638,8 +652,8 @@ pub(crate) fn lead(
                 .filter_map(|x| t[x].get(j.wrapping_sub(1)).copied().flatten())
                 .fold(f64::INFINITY, f64::min);
             // Fewer round trips where one takes long (estimated from the previous size).
-            let rounds: u64 = if prev.is_finite() && prev > 250.0 {
-                3
+            let rounds = if prev.is_finite() {
+                rounds_for(prev)
             } else {
                 5
             };
@@ -679,7 +693,7 @@ pub(crate) fn lead(
                 continue;
             }
             // (The built-in choice may not have been measured here: dropped as too slow.)
-            let rounds = if t[c][j].unwrap_or(0.0) > 250.0 { 3 } else { 5 };
+            let rounds = t[c][j].map_or(5, rounds_for);
             let size = LADDER[j];
             let order = if j % 2 == 0 { [c, b] } else { [b, c] };
             for k in order {
@@ -778,32 +792,14 @@ pub(crate) fn partner(
 
 /// The cache key of a channel: what the thresholds depend on.
 pub(crate) fn cache_key(config: &ChannelConfig, builtin: &TmTable, pair_local: bool) -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default()
-    };
-    let exe = std::fs::metadata("/proc/self/exe")
-        .or_else(|_| std::env::current_exe().and_then(std::fs::metadata))
-        .ok();
-    let build = exe.map_or_else(String::new, |m| {
-        let mtime = m
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos());
-        format!("{}+{mtime}", m.len())
-    });
     let opts: Vec<String> = config
         .options
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     format!(
-        "{FORMAT}|host={}|kernel={}|build={}+{build}|driver={}:{}|options={}|progress={:?}|checked={}|table={:016x}|pair={}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/osrelease"),
-        env!("CARGO_PKG_VERSION"),
+        "{FORMAT}|{}|driver={}:{}|options={}|progress={:?}|checked={}|table={:016x}|pair={}",
+        machine(),
         config.driver,
         config.adapter.as_deref().unwrap_or(""),
         opts.join(";"),
@@ -812,6 +808,52 @@ pub(crate) fn cache_key(config: &ChannelConfig, builtin: &TmTable, pair_local: b
         builtin.fingerprint(),
         if pair_local { "local" } else { "remote" }
     )
+}
+
+/// `host=...|kernel=...|build=...` of this process (read once: the host name, the kernel
+/// release, the crate version with the executable's size and modification time).
+fn machine() -> &'static str {
+    static MACHINE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MACHINE.get_or_init(|| {
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        };
+        let exe = std::fs::metadata("/proc/self/exe")
+            .or_else(|_| std::env::current_exe().and_then(std::fs::metadata))
+            .ok();
+        let build = exe.map_or_else(String::new, |m| {
+            let mtime = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            format!("{}+{mtime}", m.len())
+        });
+        format!(
+            "host={}|kernel={}|build={}+{build}",
+            read("/proc/sys/kernel/hostname"),
+            read("/proc/sys/kernel/osrelease"),
+            env!("CARGO_PKG_VERSION"),
+        )
+    })
+}
+
+/// Cache files this process has read or written, by path: their size and modification time
+/// then, and the record. A later open whose file has not changed takes the record from here
+/// (one `stat` instead of a read and a parse).
+type Memo = std::collections::HashMap<PathBuf, ((u64, Option<SystemTime>), String, Record)>;
+
+fn memo() -> std::sync::MutexGuard<'static, Memo> {
+    static MEMO: std::sync::OnceLock<std::sync::Mutex<Memo>> = std::sync::OnceLock::new();
+    MEMO.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+fn stamp(m: &std::fs::Metadata) -> (u64, Option<SystemTime>) {
+    (m.len(), m.modified().ok())
 }
 
 /// The cache directory of a channel, if any.
@@ -861,6 +903,14 @@ pub(crate) fn load(dir: &Path, key: &str, builtin: &TmTable) -> Option<Record> {
             return None;
         }
     };
+    let stamped = f.metadata().ok().map(|m| stamp(&m));
+    if let Some(st) = stamped {
+        if let Some((was, k, r)) = memo().get(&path) {
+            if *was == st && k == key {
+                return Some(r.clone());
+            }
+        }
+    }
     let mut text = String::new();
     let read = f.take(MAX_RECORD as u64 + 1).read_to_string(&mut text);
     let parsed = read.ok().and_then(|_| {
@@ -870,8 +920,15 @@ pub(crate) fn load(dir: &Path, key: &str, builtin: &TmTable) -> Option<Record> {
         let r = Record::parse(body)?;
         r.apply(builtin).ok().map(|_| r)
     });
-    if parsed.is_none() {
-        tracing::warn!(path = %path.display(), "tune: cache file not valid for this channel; ignored, measuring");
+    match (&parsed, stamped) {
+        (None, _) => {
+            memo().remove(&path);
+            tracing::warn!(path = %path.display(), "tune: cache file not valid for this channel; ignored, measuring");
+        }
+        (Some(r), Some(st)) => {
+            memo().insert(path, (st, key.to_string(), r.clone()));
+        }
+        (Some(_), None) => {}
     }
     parsed
 }
