@@ -1974,9 +1974,10 @@ copy,\"via:soft,regcache=0,tm.small=max\",8,0,10.0\n\
 register,\"via:soft,regcache=0,tm.small=0,tm.medium=max\",8,0,20.0\n\
 rdma,\"via:soft,regcache=0,tm.small=0,tm.medium=0\",8,0,30.0\n\
 adaptive,\"via:soft,regcache=0\",8,0,10.4\n\
-adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n";
+adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n\
+adaptive+tune,\"via:soft,regcache=0,tune=auto\",8,0,10.6\n";
         let f = parse_fig4(csv).expect("parses");
-        assert_eq!(f.len(), 5);
+        assert_eq!(f.len(), 6);
         let inp = Inputs {
             fig4: Some(f),
             ..inputs(Vec::new())
@@ -1984,6 +1985,8 @@ adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n";
         let t = targets(&inp);
         assert_eq!(find(&t, "Figure 4").verdict, Verdict::Met);
         assert_eq!(find(&t, "Figure 4").ratio, "1.040");
+        assert_eq!(find(&t, "tune=auto").ratio, "1.060");
+        assert_eq!(find(&t, "tune=auto").verdict, Verdict::NotMet);
 
         let out = "== rpc channel=tcp run=1\n\
 rank 1 (4 threads, `tcp`):       8 B args:    39008 calls/s, latency median     94.0 µs, p99    310.9 µs (8000 calls)\n\
