@@ -423,10 +423,10 @@ impl Session {
         builtin: &crate::driver::TmTable,
         partner: Option<usize>,
         local_ranks: &[usize],
-    ) -> (Plan, Option<(std::path::PathBuf, String)>) {
+    ) -> (Plan, Option<(std::path::PathBuf, String)>, Option<Record>) {
         let tunable = tune::tunable(builtin);
         let why = if config.tune == Tune::Off {
-            return (Plan::Keep(None), None);
+            return (Plan::Keep(None), None, None);
         } else if tunable.len() < 2 {
             "a single TM takes the pieces measured: nothing to tune"
         } else if tunable
@@ -440,7 +440,7 @@ impl Session {
             ""
         };
         let Some(partner) = partner.filter(|_| why.is_empty()) else {
-            return (Plan::Keep(Some(why.to_string())), None);
+            return (Plan::Keep(Some(why.to_string())), None, None);
         };
         let cache = tune::cache_dir(config).map(|dir| {
             let key = tune::cache_key(config, builtin, local_ranks.contains(&partner));
@@ -449,11 +449,16 @@ impl Session {
         if config.tune == Tune::Auto {
             if let Some((dir, key)) = &cache {
                 if let Some(r) = tune::load(dir, key, builtin) {
-                    return (Plan::Cached(r), None);
+                    // The others get the thresholds; the figures stay here.
+                    let brief = Record {
+                        figures: Vec::new(),
+                        ..r.clone()
+                    };
+                    return (Plan::Cached(brief), None, Some(r));
                 }
             }
         }
-        (Plan::Measure(partner), cache)
+        (Plan::Measure(partner), cache, None)
     }
 
     fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
@@ -468,10 +473,10 @@ impl Session {
         let partner = tune::partner(b.rank(), b.size(), &local_ranks, caps.intra_node_only);
         // Rank 0 decides whether the thresholds are measured, cached or built-in; its plan
         // rides on the first exchange, after the CPU set.
-        let (plan, cache) = if b.rank() == 0 {
+        let (plan, cache, cached) = if b.rank() == 0 {
             Self::tune_plan(&config, &builtin, partner, &local_ranks)
         } else {
-            (Plan::Keep(None), None)
+            (Plan::Keep(None), None, None)
         };
         // Every rank must agree on the driver and the switch table, or the switch decisions
         // would differ and data would be misread. The same exchange carries each rank's CPU set
@@ -539,7 +544,8 @@ impl Session {
             }
             Plan::Cached(r) => {
                 let t = with_overrides(&config, &r.apply(&builtin)?)?;
-                let info = tune::tuned_info(&config, &t, r, ThresholdSource::Cached);
+                let full = cached.as_ref().unwrap_or(r);
+                let info = tune::tuned_info(&config, &t, full, ThresholdSource::Cached);
                 (t, info)
             }
         };
