@@ -895,6 +895,14 @@ pub(crate) fn cache_file(dir: &Path, key: &str) -> PathBuf {
 pub(crate) fn load(dir: &Path, key: &str, builtin: &TmTable) -> Option<Record> {
     use std::io::Read as _;
     let path = cache_file(dir, key);
+    // Unchanged since this process read it: one stat.
+    if let Ok(m) = std::fs::metadata(&path) {
+        if let Some((was, k, r)) = memo().get(&path) {
+            if *was == stamp(&m) && k == key {
+                return Some(r.clone());
+            }
+        }
+    }
     let f = match std::fs::File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
@@ -904,13 +912,6 @@ pub(crate) fn load(dir: &Path, key: &str, builtin: &TmTable) -> Option<Record> {
         }
     };
     let stamped = f.metadata().ok().map(|m| stamp(&m));
-    if let Some(st) = stamped {
-        if let Some((was, k, r)) = memo().get(&path) {
-            if *was == st && k == key {
-                return Some(r.clone());
-            }
-        }
-    }
     let mut text = String::new();
     let read = f.take(MAX_RECORD as u64 + 1).read_to_string(&mut text);
     let parsed = read.ok().and_then(|_| {
