@@ -7,9 +7,10 @@
 //! 1. after the connections are up, rank 0 and one peer (rank 1, or for an intra-host driver
 //!    the lowest other rank on rank 0's host) ping-pong one CHEAPER/CHEAPER piece over a
 //!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced in turn
-//!    (the TMs before it given threshold 0, itself no limit), and take the lower quartile of
-//!    the one-way times of 3 to 9 round trips per point after 1 to 3 warm-up ones (a shared
-//!    machine's delays only add time); a TM that is well behind at two sizes running while a later TM leads is not
+//!    (the TMs before it given threshold 0, itself no limit), and take the median of three
+//!    batches' mean one-way times (batches of 1 to 8 round trips, after 1 to 3 warm-up ones:
+//!    a batch preempted by another process does not count, a TM that is sometimes slow in
+//!    steady state does); a TM that is well behind at two sizes running while a later TM leads is not
 //!    measured further. This first pass stops at three quarters of the channel's
 //!    `tune_budget_ms` (default [`DEFAULT_BUDGET`]);
 //! 2. rank 0 picks, for each size of the ladder, the TM to use, as the cheapest assignment
@@ -203,7 +204,7 @@ impl Tuning {
         if self.figures.is_empty() {
             return;
         }
-        let _ = write!(s, "  calibration, one-way µs (quartile): {:>4}", "size");
+        let _ = write!(s, "  calibration, one-way µs (median): {:>6}", "size");
         for n in &self.tms {
             let _ = write!(s, " {n:>9}");
         }
@@ -526,12 +527,20 @@ pub(crate) fn choose(
         .collect()
 }
 
-/// The lower quartile of `v` (sorted in place): the scheduler's delays on a shared machine
-/// only add time, so the faster rounds tell the TM's cost.
-fn quartile(v: &mut [f64]) -> f64 {
+/// The median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 4).copied().unwrap_or(f64::NAN)
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
+
+/// Batches timed per measurement: the figure is the median of the batches' mean one-way
+/// times (a batch preempted by another process does not count; a TM whose rounds are
+/// sometimes slow, as the steady state sees them, does).
+const BATCHES: u64 = 3;
 
 /// The control message rank 0 sends its partner before each measurement: `[tm + 1, size,
 /// rounds]`, or all zero at the end.
@@ -575,19 +584,19 @@ fn round(
     }
 }
 
-/// Timed round trips per measurement, from an estimate of the one-way µs: 9 below 50 µs, 5
-/// below 250 µs, 3 above.
+/// Round trips per timed batch, from an estimate of the one-way µs: 8 below 50 µs, 3 below
+/// 250 µs, 1 above.
 fn rounds_for(one_way_us: f64) -> u64 {
     match one_way_us {
-        x if x < 50.0 => 9,
-        x if x < 250.0 => 5,
-        _ => 3,
+        x if x < 50.0 => 8,
+        x if x < 250.0 => 3,
+        _ => 1,
     }
 }
 
 /// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), warm-up
-/// round trips (3 below 64 KiB, else 1) and `rounds` timed ones of `buf`; the lower quartile
-/// of the one-way µs.
+/// round trips (3 below 64 KiB, else 1), then [`BATCHES`] timed batches of `rounds` round
+/// trips of `buf`; the median of the batches' mean one-way µs.
 fn measure(
     ch: &mut crate::Channel,
     peer: usize,
@@ -598,7 +607,7 @@ fn measure(
 ) -> Result<f64> {
     let mut p = ch.begin_packing(peer)?;
     let warm = if buf.len() < 64 << 10 { 3 } else { 1 };
-    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, rounds + warm];
+    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, BATCHES * rounds + warm];
     p.pack_value(&ctl, RecvMode::Express)?;
     p.end_packing()?;
     set_table(ch, &tables[k])?;
@@ -606,13 +615,15 @@ fn measure(
     for _ in 0..warm {
         round(ch, peer, true, buf, deadline)?;
     }
-    let mut samples = Vec::with_capacity(rounds as usize);
-    for _ in 0..rounds {
+    let mut batches = [0.0; BATCHES as usize];
+    for b in &mut batches {
         let t0 = Instant::now();
-        round(ch, peer, true, buf, deadline)?;
-        samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+        for _ in 0..rounds {
+            round(ch, peer, true, buf, deadline)?;
+        }
+        *b = t0.elapsed().as_secs_f64() * 1e6 / (2 * rounds) as f64;
     }
-    Ok(quartile(&mut samples))
+    Ok(median(&mut batches))
 }
 
 /// Rank 0's side of the calibration with `peer`: the record of the thresholds chosen.

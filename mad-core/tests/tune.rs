@@ -91,7 +91,7 @@ fn measured_agreed_cached_then_corrupt_cache_ignored() {
     }
     assert!(r[0].4.contains("measured at this open"), "{}", r[0].4);
     assert!(
-        r[0].4.contains("calibration, one-way µs (quartile)"),
+        r[0].4.contains("calibration, one-way µs (median)"),
         "{}",
         r[0].4
     );
