@@ -10,9 +10,10 @@
 //!    (the TMs before it given threshold 0, itself no limit), and take the median of three
 //!    batches' mean one-way times (batches of 1 to 8 round trips, after 1 to 3 warm-up ones:
 //!    a batch preempted by another process does not count, a TM that is sometimes slow in
-//!    steady state does); a TM that is well behind at two sizes running while a later TM leads is not
-//!    measured further. This first pass stops at three quarters of the channel's
-//!    `tune_budget_ms` (default [`DEFAULT_BUDGET`]);
+//!    steady state does); a TM that is well behind at two sizes running while a later TM
+//!    leads is not measured further. This first pass stops at three quarters of the
+//!    channel's `tune_budget_ms` (default [`DEFAULT_BUDGET`]); a calibration cut short by the
+//!    budget keeps the built-in choice where it did not measure and is not cached;
 //! 2. rank 0 picks, for each size of the ladder, the TM to use, as the cheapest assignment
 //!    that keeps the table's order (each TM serves one range of sizes) counting each size's
 //!    time relative to the best TM there, with the built-in choice favoured by
@@ -33,9 +34,11 @@
 //! table, whether the measuring pair shares a host, the build (crate version, size and
 //! modification time of the executable) and the kernel release. A later open with the same
 //! key takes the cached thresholds, sent in the open's first collective, so the drivers
-//! connect with the final table and the open costs nothing more. A cache that cannot be
-//! written or read, or a file that does not parse, is a warning (the open measures), never
-//! an error; only rank 0's cache counts, so ranks cannot disagree.
+//! connect with the final table and the open costs a `stat` of the file more (once read by
+//! the process). A measuring open hands the drivers the built-in table (tcp sizes its first
+//! read from it) and swaps in the tuned one before the channel is returned. A cache that
+//! cannot be written or read, or a file that does not parse, is a warning (the open
+//! measures), never an error; only rank 0's cache counts, so ranks cannot disagree.
 //!
 //! [`Channel::tuning`](crate::Channel::tuning) and the selection table (`MAD_PROTO_INFO=1`)
 //! say where each threshold comes from (built-in, measured, cached, override), when it was
