@@ -13,13 +13,13 @@
 # with 2 ranks, the message rate with 4), the UCX job (madrun -n 2 of a --features bench-ucx
 # build in target-bench-ucx/, or $UCX_TARGET_DIR: shm, sisci:local and tcp beside raw-ucx-shm,
 # raw-ucx-tcp, the raw ring and raw TCP, interleaved), Figure 4 of the paper
-# on via:soft (mad-via/benches/figure4.rs), the RPC example over tcp and shm, rpc-bench (mad-am
+# on via:soft (mad-via/benches/figure4.rs), tune=auto per driver (benches/tune.rs), the RPC example over tcp and shm, rpc-bench (mad-am
 # against gRPC, head-of-line; its own crate mad-rpc-bench), the criterion engine benches; then
 # `mad-bench report` computes the targets table and the comparisons.
 #
 # Extra arguments go to every mad-bench run (e.g. --runs 5). Results in bench/results/:
 # pair.csv mr.csv mpich.csv openmpi.csv mpich-mr.csv openmpi-mr.csv ucx.csv (mad-bench rows),
-# figure4.csv, rpc_example.txt, rpc.csv rpc.md (rpc-bench's rows and tables),
+# figure4.csv, tune.txt, rpc_example.txt, rpc.csv rpc.md (rpc-bench's rows and tables),
 # engine.txt, the raw stdout of each step (*.txt), status.tsv (what ran, what did not and why),
 # results.md and section.md (the generated section), *.svg.
 #
@@ -231,6 +231,13 @@ figure4() {
         | tee "$OUT/figure4.txt"
 }
 step figure4 "\`${FIG4[*]} cargo bench -p mad-via --bench figure4\`" figure4
+
+# --- tune=auto per driver (issue 21): each TM forced vs built-in vs tuned; open costs ---------
+if [[ ${#QUICK[@]} -gt 0 ]]; then TUNE=(TUNE_REPS=1 TUNE_BUDGET_MS=2 TUNE_OPENS=2); else TUNE=(TUNE_REPS=5 TUNE_BUDGET_MS=40 TUNE_OPENS=10); fi
+tune_bench() {
+    env "${TUNE[@]}" cargo bench --bench tune 2>&1 | tee "$OUT/tune.txt"
+}
+step tune "\`${TUNE[*]} cargo bench --bench tune\`" tune_bench
 
 # --- the RPC example over tcp and shm -------------------------------------------------------
 if [[ ${#QUICK[@]} -gt 0 ]]; then RPCRUNS=1; RPCARGS=(--quick); else RPCRUNS=3; RPCARGS=(); fi

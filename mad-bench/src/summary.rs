@@ -1006,15 +1006,23 @@ fn ucx_targets(inp: &Inputs, t: &mut Vec<Target>) {
     }
 }
 
-/// Figure 4 per size: (size, per-variant (median, min, max), best fixed variant, adaptive / best).
+/// Figure 4 per size: (size, per-variant (median, min, max), best fixed variant, adaptive / best,
+/// adaptive+tune / best).
 ///
 /// The best fixed method is the fixed column with the lowest median; the ratio is the median,
 /// over repetitions, of adaptive / that method *within the repetition* (the variants of one
 /// repetition run back to back, so the machine's drift cancels in each pair).
-type Fig4Row = (usize, Vec<(f64, f64, f64)>, usize, f64);
+type Fig4Row = (usize, Vec<(f64, f64, f64)>, usize, f64, f64);
 
 /// The Figure 4 variants, in column order; the first three are the fixed methods.
-pub const FIG4_VARIANTS: [&str; 5] = ["copy", "register", "rdma", "adaptive", "adaptive+cache"];
+pub const FIG4_VARIANTS: [&str; 6] = [
+    "copy",
+    "register",
+    "rdma",
+    "adaptive",
+    "adaptive+cache",
+    "adaptive+tune",
+];
 
 fn fig4_table(samples: &[Fig4]) -> Vec<Fig4Row> {
     let mut sizes: Vec<usize> = samples.iter().map(|s| s.size).collect();
@@ -1051,16 +1059,21 @@ fn fig4_table(samples: &[Fig4]) -> Vec<Fig4Row> {
                 .collect();
             reps.sort_unstable();
             reps.dedup();
-            let paired: Vec<f64> = reps
-                .iter()
-                .filter_map(|&rep| Some(at(FIG4_VARIANTS[3], rep)? / at(FIG4_VARIANTS[best], rep)?))
-                .collect();
-            let r = if paired.is_empty() {
-                per[3].0 / per[best].0
-            } else {
-                report::stats(&paired).0
+            let ratio = |v: usize| {
+                let paired: Vec<f64> = reps
+                    .iter()
+                    .filter_map(|&rep| {
+                        Some(at(FIG4_VARIANTS[v], rep)? / at(FIG4_VARIANTS[best], rep)?)
+                    })
+                    .collect();
+                if paired.is_empty() {
+                    per[v].0 / per[best].0
+                } else {
+                    report::stats(&paired).0
+                }
             };
-            (size, per, best, r)
+            let (ra, rt) = (ratio(3), ratio(5));
+            (size, per, best, ra, rt)
         })
         .collect()
 }
@@ -1074,7 +1087,7 @@ fn fig4_target(inp: &Inputs, t: &mut Vec<Target>) {
         .filter(|r| r.3.is_finite())
         .max_by(|a, b| a.3.total_cmp(&b.3));
     match worst {
-        Some((size, _, best, r)) => {
+        Some((size, _, best, r, _)) => {
             let over = table.iter().filter(|r| r.3 > 1.05 || r.3.is_nan()).count();
             t.push(Target {
                 issue: "mad-via",
@@ -1091,6 +1104,26 @@ fn fig4_target(inp: &Inputs, t: &mut Vec<Target>) {
             })
         }
         None => t.push(not_run("mad-via", what, limit, inp.why_missing("figure4"))),
+    }
+    let tuned = table
+        .iter()
+        .filter(|r| r.4.is_finite())
+        .max_by(|a, b| a.4.total_cmp(&b.4));
+    if let Some((size, _, best, _, r)) = tuned {
+        let over = table.iter().filter(|r| r.4 > 1.05 || r.4.is_nan()).count();
+        t.push(Target {
+            issue: "21",
+            what: "Figure 4 on `via:soft` with `tune=auto`: adaptive+tune vs the best fixed method, every size".into(),
+            measured: format!(
+                "{} sizes, {over} above 1.05; worst at {} (best fixed: {})",
+                table.len(),
+                bytes(*size),
+                FIG4_VARIANTS[*best]
+            ),
+            ratio: format!("{r:.3}"),
+            limit: "≤ 1.05 at every size".into(),
+            verdict: Verdict::of(*r, 1.05),
+        });
     }
 }
 
@@ -1424,7 +1457,8 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
          `mad-via/benches/figure4.rs`: one-piece ping-pong, one-way µs, each transfer method \
          forced alone (`copy` = static pre-registered buffers only, `register` = dynamic \
          registration only, `rdma` = rendezvous RDMA write only; registration cache off) and the \
-         adaptive choice (`adaptive`; `adaptive+cache` with the registration cache on). Median of \
+         adaptive choice (`adaptive`; `adaptive+cache` with the registration cache on; \
+         `adaptive+tune` with `tune=auto`, thresholds measured on this machine). Median of \
          the runs (min–max); best fixed = the fixed column with the lowest median; adaptive / \
          best = the median over runs of the ratio within each run (the variants of a run ran \
          back to back)."
@@ -1440,9 +1474,9 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
         .count();
     let _ = writeln!(
         md,
-        "\n{runs} run(s) per cell.\n\n| size | copy | register | rdma | adaptive | adaptive+cache | best fixed | adaptive / best |\n|---:|---:|---:|---:|---:|---:|---|---:|"
+        "\n{runs} run(s) per cell.\n\n| size | copy | register | rdma | adaptive | adaptive+cache | adaptive+tune | best fixed | adaptive / best | adaptive+tune / best |\n|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
     );
-    for (size, per, best, r) in &table {
+    for (size, per, best, r, rt) in &table {
         let mut line = format!("| {} |", bytes(*size));
         for (m, lo, hi) in per {
             if runs > 1 {
@@ -1451,10 +1485,10 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
                 let _ = write!(line, " {} |", num(*m));
             }
         }
-        let _ = writeln!(line, " {} | {r:.3} |", FIG4_VARIANTS[*best]);
+        let _ = writeln!(line, " {} | {r:.3} | {rt:.3} |", FIG4_VARIANTS[*best]);
         md.push_str(&line);
     }
-    if let Some((size, _, _, r)) = table
+    if let Some((size, _, _, r, _)) = table
         .iter()
         .filter(|r| r.3.is_finite())
         .max_by(|a, b| a.3.total_cmp(&b.3))
@@ -1467,7 +1501,7 @@ fn fig4_section(inp: &Inputs, md: &mut String, plots: &mut Vec<Plot>) {
     }
     let rows: Vec<Row> = table
         .iter()
-        .flat_map(|(size, per, _, _)| {
+        .flat_map(|(size, per, _, _, _)| {
             FIG4_VARIANTS
                 .iter()
                 .zip(per)
@@ -1940,9 +1974,10 @@ copy,\"via:soft,regcache=0,tm.small=max\",8,0,10.0\n\
 register,\"via:soft,regcache=0,tm.small=0,tm.medium=max\",8,0,20.0\n\
 rdma,\"via:soft,regcache=0,tm.small=0,tm.medium=0\",8,0,30.0\n\
 adaptive,\"via:soft,regcache=0\",8,0,10.4\n\
-adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n";
+adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n\
+adaptive+tune,\"via:soft,regcache=0,tune=auto\",8,0,10.6\n";
         let f = parse_fig4(csv).expect("parses");
-        assert_eq!(f.len(), 5);
+        assert_eq!(f.len(), 6);
         let inp = Inputs {
             fig4: Some(f),
             ..inputs(Vec::new())
@@ -1950,6 +1985,8 @@ adaptive+cache,\"via:soft,regcache=64\",8,0,9.0\n";
         let t = targets(&inp);
         assert_eq!(find(&t, "Figure 4").verdict, Verdict::Met);
         assert_eq!(find(&t, "Figure 4").ratio, "1.040");
+        assert_eq!(find(&t, "tune=auto").ratio, "1.060");
+        assert_eq!(find(&t, "tune=auto").verdict, Verdict::NotMet);
 
         let out = "== rpc channel=tcp run=1\n\
 rank 1 (4 threads, `tcp`):       8 B args:    39008 calls/s, latency median     94.0 µs, p99    310.9 µs (8000 calls)\n\

@@ -380,6 +380,8 @@ pub(crate) struct ChannelInner {
     pub(crate) peers: Vec<usize>,
     pub(crate) incoming: Box<dyn Incoming>,
     pub(crate) notes: Vec<String>,
+    /// Where the table's thresholds come from (`tune=`).
+    pub(crate) tuning: crate::tune::Tuning,
     rr: AtomicUsize,
     waiters: AtomicUsize,
     /// An event loop armed the readiness descriptor since the last release signalled it: the
@@ -481,6 +483,7 @@ impl ChannelInner {
         links: Vec<Option<crate::driver::LinkPair>>,
         incoming: Box<dyn Incoming>,
         notes: Vec<String>,
+        tuning: crate::tune::Tuning,
     ) -> Self {
         let mut peers = Vec::new();
         let conns = links
@@ -522,12 +525,26 @@ impl ChannelInner {
             peers,
             incoming,
             notes,
+            tuning,
             rr: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             released: Mutex::new(0),
             released_cv: Condvar::new(),
+        }
+    }
+
+    /// Zero the message counters (after the open's calibration traffic).
+    pub(crate) fn reset_counters(&self) {
+        for c in self.conns.iter().flatten() {
+            for l in [&c.sent, &c.received] {
+                l.msgs.store(0, Ordering::Relaxed);
+                l.bytes.store(0, Ordering::Relaxed);
+                for p in &l.pieces {
+                    p.store(0, Ordering::Relaxed);
+                }
+            }
         }
     }
 
@@ -1174,6 +1191,13 @@ impl Channel {
         &self.inner.table
     }
 
+    /// Where the TM table's thresholds come from: built-in, measured at this open or cached
+    /// (`tune=auto`, see [`crate::tune`]), or `tm.<name>=` overrides; with the calibration's
+    /// figures.
+    pub fn tuning(&self) -> &crate::tune::Tuning {
+        &self.inner.tuning
+    }
+
     /// The driver's capabilities.
     pub fn capabilities(&self) -> &Capabilities {
         &self.inner.caps
@@ -1213,16 +1237,18 @@ impl Channel {
 }
 
 pub(crate) fn selection_table(ch: &ChannelInner) -> String {
-    format_selection_table(&ch.config, &ch.table, &ch.progress, &ch.notes)
+    format_selection_table(&ch.config, &ch.table, &ch.progress, &ch.notes, &ch.tuning)
 }
 
 /// The text of [`Channel::selection_table`] for a channel of `config` whose switch uses
-/// `table`, waits by `progress` and whose driver said `notes` at open.
+/// `table`, waits by `progress`, whose driver said `notes` at open and whose thresholds come
+/// from `tuning`.
 pub(crate) fn format_selection_table(
     config: &ChannelConfig,
     t: &TmTable,
     progress: &ProgressPolicy,
     notes: &[String],
+    tuning: &crate::tune::Tuning,
 ) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -1243,10 +1269,11 @@ pub(crate) fn format_selection_table(
         },
         if config.checked { "on" } else { "off" }
     );
+    tuning.describe(&mut s);
     let _ = writeln!(
         s,
-        "  {:<3} {:<10} {:<7} {:>12} {:<8} how",
-        "tm", "name", "bmm", "max len", "group"
+        "  {:<3} {:<10} {:<7} {:>12} {:<8} {:<9} how",
+        "tm", "name", "bmm", "max len", "group", "from"
     );
     for (i, tm) in t.tms().iter().enumerate() {
         let max = if tm.max_len == usize::MAX {
@@ -1259,14 +1286,18 @@ pub(crate) fn format_selection_table(
         } else {
             "-".into()
         };
+        let from = tuning
+            .source(tm.name)
+            .unwrap_or(crate::tune::ThresholdSource::BuiltIn);
         let _ = writeln!(
             s,
-            "  {:<3} {:<10} {:<7} {:>12} {:<8} {}",
+            "  {:<3} {:<10} {:<7} {:>12} {:<8} {:<9} {}",
             i,
             tm.name,
             format!("{:?}", tm.bmm),
             max,
             grp,
+            from.as_str(),
             tm.how
         );
     }

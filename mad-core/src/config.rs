@@ -40,6 +40,9 @@ pub const CORE_KEYS: &[&str] = &[
     "timeout_ms",
     "local_only",
     "tm.<name>",
+    "tune",
+    "tune_cache",
+    "tune_budget_ms",
 ];
 
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
@@ -57,6 +60,9 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("MAD_TIMEOUT_MS", "operation timeout (ms, 0 = none) of channels opened by name whose spec says none"),
     ("MAD_OPEN_TIMEOUT_MS", "bound on a channel open (ms) when the spec has no open_timeout_ms (default 60 s)"),
     ("MAD_PROTO_INFO", "1: rank 0 prints each channel's selection table on stderr when it opens"),
+    ("MAD_TUNE_CACHE", "directory of the `tune=auto` threshold cache (`off`: no cache) when the spec has no tune_cache"),
+    ("XDG_CACHE_HOME", "`tune=auto`: the threshold cache is $XDG_CACHE_HOME/madeleine"),
+    ("HOME", "`tune=auto`: the threshold cache is $HOME/.cache/madeleine when XDG_CACHE_HOME is not set"),
     // Sessions started by madrun (set by madrun, read by mad-core's launch module).
     ("MAD_BOOTSTRAP", "ip:port of madrun's bootstrap server (its presence means: started by madrun)"),
     ("MAD_RANK", "this process's rank (set by madrun)"),
@@ -99,6 +105,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("FIG4_BUDGET_MS", "mad-via figure4 bench: time budget per point (ms)"),
     ("FIG4_EXTRA", "mad-via figure4 bench: options appended to every variant's spec (`,progress=poll`)"),
     ("FIG4_CSV", "mad-via figure4 bench: CSV output path"),
+    ("TUNE_SPECS", "benches/tune.rs: `;`-separated channel specs (default `shm,cma=auto;via:soft,regcache=0;tcp`)"),
+    ("TUNE_REPS", "benches/tune.rs: repetitions per size"),
+    ("TUNE_BUDGET_MS", "benches/tune.rs: time budget per point (ms)"),
+    ("TUNE_OPENS", "benches/tune.rs: opens timed per kind (calibration, untuned, cached)"),
     ("MPI_CALLS_RUNS", "mad-mpi mpi_calls example: runs"),
     ("MPI_CALLS_ITERS", "mad-mpi mpi_calls example: iterations per run"),
     ("MPI_CALLS_MT", "mad-mpi mpi_calls example: 1 requests MPI_THREAD_MULTIPLE"),
@@ -171,6 +181,52 @@ pub struct ChannelConfig {
     /// each host only (a message to another host's rank fails with [`Error::BadConfig`]).
     /// Without it such an open fails. Spec key `local_only=true`.
     pub local_only: bool,
+    /// Threshold tuning at open (`tune=off|auto|refresh`, see [`crate::tune`]).
+    pub tune: Tune,
+    /// Where `tune=auto` caches its measurements (`tune_cache=<dir>|off`).
+    pub tune_cache: TuneCache,
+    /// Bound on the calibration of `tune=auto` (`tune_budget_ms=`, default
+    /// [`crate::tune::DEFAULT_BUDGET`]).
+    pub tune_budget: Duration,
+}
+
+/// Whether a channel measures its TM thresholds when it opens (`tune=...`, see
+/// [`crate::tune`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Tune {
+    /// `tune=off` (the default): the driver's built-in thresholds.
+    #[default]
+    Off,
+    /// `tune=auto`: the thresholds cached for this host, driver, configuration, build and
+    /// kernel, else measured between two ranks at open (then cached).
+    Auto,
+    /// `tune=refresh`: measured at open even when cached, and the cache rewritten.
+    Refresh,
+}
+
+impl Tune {
+    /// The spelling in a channel spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tune::Off => "off",
+            Tune::Auto => "auto",
+            Tune::Refresh => "refresh",
+        }
+    }
+}
+
+/// Where `tune=auto` keeps its measurements (`tune_cache=<dir>|off`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TuneCache {
+    /// `MAD_TUNE_CACHE`, else `$XDG_CACHE_HOME/madeleine`, else `$HOME/.cache/madeleine`.
+    #[default]
+    Default,
+    /// No cache: every open measures.
+    Off,
+    /// This directory.
+    Dir(std::path::PathBuf),
 }
 
 impl ChannelConfig {
@@ -186,7 +242,24 @@ impl ChannelConfig {
             thresholds: BTreeMap::new(),
             options: BTreeMap::new(),
             local_only: false,
+            tune: Tune::Off,
+            tune_cache: TuneCache::Default,
+            tune_budget: crate::tune::DEFAULT_BUDGET,
         }
+    }
+
+    /// Set the threshold tuning (`tune=`).
+    #[must_use]
+    pub fn tune(mut self, t: Tune) -> Self {
+        self.tune = t;
+        self
+    }
+
+    /// Set where the tuning is cached (`tune_cache=`).
+    #[must_use]
+    pub fn tune_cache(mut self, c: TuneCache) -> Self {
+        self.tune_cache = c;
+        self
     }
 
     /// Set the adapter.
@@ -455,6 +528,29 @@ impl ChannelConfig {
                 self.local_only = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
             }
             "progress" => self.progress = ProgressPolicy::parse_mode(v)?,
+            "tune" => {
+                self.tune = match v {
+                    "off" => Tune::Off,
+                    "auto" => Tune::Auto,
+                    "refresh" => Tune::Refresh,
+                    _ => return Err(bad("expected off, auto or refresh")),
+                }
+            }
+            "tune_budget_ms" => {
+                self.tune_budget = match v.parse::<u64>() {
+                    Ok(ms) if (1..=600_000).contains(&ms) => Duration::from_millis(ms),
+                    _ => return Err(bad("expected milliseconds from 1 to 600000")),
+                }
+            }
+            "tune_cache" => {
+                self.tune_cache = if v == "off" {
+                    TuneCache::Off
+                } else if v.starts_with('/') {
+                    TuneCache::Dir(v.into())
+                } else {
+                    return Err(bad("expected an absolute directory or off"));
+                }
+            }
             "timeout_ms" => {
                 self.op_timeout = parse_timeout_ms(v).ok_or_else(|| {
                     bad(&format!(

@@ -792,8 +792,10 @@ pub struct OpenContext<'a> {
     pub config: &'a ChannelConfig,
     /// The session bootstrap (rank, size, secret, allgather).
     pub bootstrap: &'a dyn Bootstrap,
-    /// The final TM table (after configuration overrides); its fingerprint must be checked
-    /// against each peer's when connecting.
+    /// The TM table (after configuration overrides); its fingerprint must be checked
+    /// against each peer's when connecting. A `tune=auto` open that measures
+    /// ([`crate::tune`]) installs other thresholds after `open` returns: links may use the
+    /// thresholds as hints only, and every TM must carry a piece of any length.
     pub table: &'a TmTable,
     /// The channel's progress policy (drivers use it for their own internal waits).
     pub progress: &'a ProgressPolicy,

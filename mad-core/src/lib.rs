@@ -71,6 +71,7 @@ mod pack;
 pub mod progress;
 mod rxplan;
 mod session;
+pub mod tune;
 mod unpack;
 pub mod wire;
 

@@ -9,9 +9,11 @@ use std::time::Duration;
 use crate::bootstrap::{Bootstrap, HostIdentity, RankFailure, Scope, SingleBootstrap};
 use crate::channel::{Channel, ChannelInner};
 use crate::config::ChannelConfig;
+use crate::config::Tune;
 use crate::driver::{Driver, OpenContext};
 use crate::error::{Error, Result};
 use crate::progress::ProgressPolicy;
+use crate::tune::{self, Plan, Record, ThresholdSource, Tuning};
 
 /// A set of processes that communicate through channels.
 ///
@@ -362,7 +364,10 @@ impl Session {
         if crate::config::env_forces_checked()? {
             config.checked = true;
         }
-        let (_, table) = self.driver_table(&config)?;
+        let (_, _, table) = self.driver_table(&config)?;
+        let why = (config.tune != Tune::Off)
+            .then(|| "not opened: an open measures or takes the cache".to_string());
+        let tuning = Tuning::untuned(&config, &table, why);
         let progress = ProgressPolicy {
             mode: config.progress,
             oversubscribed: false,
@@ -373,14 +378,16 @@ impl Session {
             &table,
             &progress,
             &[],
+            &tuning,
         ))
     }
 
-    /// The driver `config` names, and its TM table with `config`'s threshold overrides.
+    /// The driver `config` names, its built-in TM table for `config`, and that table with
+    /// `config`'s threshold overrides.
     fn driver_table(
         &self,
         config: &ChannelConfig,
-    ) -> Result<(&dyn Driver, crate::driver::TmTable)> {
+    ) -> Result<(&dyn Driver, crate::driver::TmTable, crate::driver::TmTable)> {
         let inner = &*self.inner;
         let driver = inner
             .drivers
@@ -404,16 +411,54 @@ impl Session {
                 ))
             })?;
         config.check_against(&driver.accepted_options(config))?;
-        let mut table = driver.tm_table(config)?;
-        for (tm, max) in &config.thresholds {
-            table.set_max_len(tm, *max).map_err(|e| {
-                Error::BadConfig(format!(
-                    "channel `{}`: threshold override: {e}",
-                    config.name
-                ))
-            })?;
+        let builtin = driver.tm_table(config)?;
+        let table = with_overrides(config, &builtin)?;
+        Ok((&**driver, builtin, table))
+    }
+
+    /// Rank 0's plan for the thresholds of a channel of `config` (see [`crate::tune`]), and
+    /// where to cache a measurement.
+    fn tune_plan(
+        config: &ChannelConfig,
+        builtin: &crate::driver::TmTable,
+        partner: Option<usize>,
+        local_ranks: &[usize],
+    ) -> (Plan, Option<(std::path::PathBuf, String)>, Option<Record>) {
+        let tunable = tune::tunable(builtin);
+        let why = if config.tune == Tune::Off {
+            return (Plan::Keep(None), None, None);
+        } else if tunable.len() < 2 {
+            "a single TM takes the pieces measured: nothing to tune"
+        } else if tunable
+            .iter()
+            .all(|&i| config.thresholds.contains_key(builtin.tms()[i].name))
+        {
+            "every threshold is overridden"
+        } else if partner.is_none() {
+            "no other rank to measure with"
+        } else {
+            ""
+        };
+        let Some(partner) = partner.filter(|_| why.is_empty()) else {
+            return (Plan::Keep(Some(why.to_string())), None, None);
+        };
+        let cache = tune::cache_dir(config).map(|dir| {
+            let key = tune::cache_key(config, builtin, local_ranks.contains(&partner));
+            (dir, key)
+        });
+        if config.tune == Tune::Auto {
+            if let Some((dir, key)) = &cache {
+                if let Some(r) = tune::load(dir, key, builtin) {
+                    // The others get the thresholds; the figures stay here.
+                    let brief = Record {
+                        figures: Vec::new(),
+                        ..r.clone()
+                    };
+                    return (Plan::Cached(brief), None, Some(r));
+                }
+            }
         }
-        Ok((&**driver, table))
+        (Plan::Measure(partner), cache, None)
     }
 
     fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
@@ -421,18 +466,32 @@ impl Session {
             config.checked = true;
         }
         let inner = &*self.inner;
-        let (driver, table) = self.driver_table(&config)?;
+        let (driver, builtin, table) = self.driver_table(&config)?;
         let caps = driver.capabilities(&config);
         let b: &dyn Bootstrap = scope;
+        let local_ranks = b.local_ranks();
+        let partner = tune::partner(b.rank(), b.size(), &local_ranks, caps.intra_node_only);
+        // Rank 0 decides whether the thresholds are measured, cached or built-in; its plan
+        // rides on the first exchange, after the CPU set.
+        let (plan, cache, cached) = if b.rank() == 0 {
+            Self::tune_plan(&config, &builtin, partner, &local_ranks)
+        } else {
+            (Plan::Keep(None), None, None)
+        };
         // Every rank must agree on the driver and the switch table, or the switch decisions
         // would differ and data would be misread. The same exchange carries each rank's CPU set
         // (after a newline), from which the host's core count is known exactly, and its host
         // (after another), which an intra-node driver must share.
         let mine = format!(
-            "{}|{}|{:016x}",
+            "{}|{}|{:016x}{}",
             config.driver,
             config.adapter.as_deref().unwrap_or(""),
-            table.fingerprint()
+            table.fingerprint(),
+            if config.tune == Tune::Off {
+                String::new()
+            } else {
+                format!("|tune={}", config.tune.as_str())
+            }
         );
         let cpu_list = cpus::allowed()
             .map(|c| cpus::format(&c))
@@ -440,24 +499,34 @@ impl Session {
         let host = crate::bootstrap::host_identity();
         let all = b.allgather(
             &scope.tag("core"),
-            format!("{mine}\n{cpu_list}\n{host}").as_bytes(),
+            format!("{mine}\n{cpu_list}\n{host}\n{}", plan.to_text()).as_bytes(),
         )?;
         let mut host_cpus = BTreeSet::new();
-        let local_ranks = b.local_ranks();
         let mut hosts = Vec::with_capacity(all.len());
+        let mut plan = None;
         for (r, theirs) in all.iter().enumerate() {
             let theirs = String::from_utf8_lossy(theirs);
-            let mut lines = theirs.splitn(3, '\n');
+            // The plan goes last: a cached one spans several lines.
+            let mut lines = theirs.splitn(4, '\n');
             let conf = lines.next().unwrap_or("");
             let list = lines.next().unwrap_or("");
             hosts.push(HostIdentity::parse(lines.next().unwrap_or("")));
+            let their_plan = lines.next().unwrap_or("");
             if conf != mine {
                 return Err(Error::BadConfig(format!(
                     "channel `{}`: rank {r} opened it as `{conf}` but rank {} as `{mine}` (driver|adapter|TM table \
-                     fingerprint); every rank must use the same configuration",
+                     fingerprint[|tune]); every rank must use the same configuration",
                     config.name,
                     b.rank()
                 )));
+            }
+            if r == 0 {
+                plan = Some(Plan::parse(their_plan).ok_or_else(|| {
+                    Error::protocol(
+                        0,
+                        format!("channel `{}`: malformed tuning plan", config.name),
+                    )
+                })?);
             }
             if local_ranks.contains(&r) {
                 host_cpus.extend(cpus::parse(list).unwrap_or_default());
@@ -472,12 +541,30 @@ impl Session {
                 config.name, config.driver
             )));
         }
+        let plan = plan.unwrap_or(Plan::Keep(None));
         let local = local_ranks.len().max(1);
         if !host_cpus.is_empty() {
             let cores = host_cpus.len();
             inner.oversubscribed.store(local > cores, Ordering::Relaxed);
             crate::progress::note_host_share(local, cores);
         }
+        // A cached measurement: the drivers connect with the final table.
+        let (table, tuning) = match &plan {
+            Plan::Keep(why) => {
+                let t = Tuning::untuned(&config, &table, why.clone());
+                (table, t)
+            }
+            Plan::Measure(_) => {
+                let t = Tuning::untuned(&config, &table, None);
+                (table, t)
+            }
+            Plan::Cached(r) => {
+                let t = with_overrides(&config, &r.apply(&builtin)?)?;
+                let full = cached.as_ref().unwrap_or(r);
+                let info = tune::tuned_info(&config, &t, full, ThresholdSource::Cached);
+                (t, info)
+            }
+        };
         let progress = ProgressPolicy {
             mode: config.progress,
             oversubscribed: inner.oversubscribed.load(Ordering::Relaxed),
@@ -502,32 +589,70 @@ impl Session {
                 ),
             ));
         }
+        let mut ch = Channel {
+            inner: Arc::new(ChannelInner::new(
+                config,
+                b.rank(),
+                b.size(),
+                table,
+                caps,
+                progress,
+                opened.links,
+                opened.incoming,
+                opened.notes,
+                tuning,
+            )),
+        };
+        // Measure between rank 0 and its partner; rank 0's vote carries the result.
+        let mut vote = vec![1u8];
+        if let Plan::Measure(p) = plan {
+            let _calibrate = tracing::debug_span!("tune", partner = p).entered();
+            if b.rank() == 0 {
+                let budget = ch.inner.config.tune_budget;
+                let r = tune::lead(&mut ch, p, &builtin, budget)?;
+                let fp = with_overrides(&ch.inner.config, &r.apply(&builtin)?)?.fingerprint();
+                vote.extend_from_slice(format!("{fp:016x}\n{}", r.to_text()).as_bytes());
+            } else if b.rank() == p {
+                tune::follow(&mut ch, 0, &builtin)?;
+            }
+        }
         // The vote: every rank's driver open succeeded, or the ranks whose did not have
         // abandoned the scope (or, under MPI, contribute their failure to this collective).
-        let votes = b.allgather(&scope.tag("open-ok"), &[1])?;
-        if let Some(r) = votes.iter().position(|v| v.as_slice() != [1]) {
+        let votes = b.allgather(&scope.tag("open-ok"), &vote)?;
+        let name = &ch.inner.config.name;
+        if let Some(r) = votes
+            .iter()
+            .enumerate()
+            .position(|(r, v)| v.first() != Some(&1) || (r != 0 && v.len() != 1))
+        {
             return Err(Error::protocol(
                 r,
-                format!(
-                    "channel `{}`: rank {r} sent a malformed open vote",
-                    config.name
-                ),
+                format!("channel `{name}`: rank {r} sent a malformed open vote"),
             ));
         }
-        let ch = ChannelInner::new(
-            config,
-            b.rank(),
-            b.size(),
-            table,
-            caps,
-            progress,
-            opened.links,
-            opened.incoming,
-            opened.notes,
-        );
-        let ch = Channel {
-            inner: Arc::new(ch),
-        };
+        if matches!(plan, Plan::Measure(_)) {
+            let bad = || Error::protocol(0, format!("channel `{name}`: malformed tuning result"));
+            let text = std::str::from_utf8(&votes[0][1..]).map_err(|_| bad())?;
+            let (fp, rec) = text.split_once('\n').ok_or_else(bad)?;
+            let r = Record::parse(rec).ok_or_else(bad)?;
+            let t = with_overrides(&ch.inner.config, &r.apply(&builtin)?)?;
+            if format!("{:016x}", t.fingerprint()) != fp {
+                return Err(Error::BadConfig(format!(
+                    "channel `{name}`: the tuned TM table of rank {} differs from rank 0's",
+                    b.rank()
+                )));
+            }
+            if let Some((dir, key)) = cache.as_ref().filter(|_| r.complete) {
+                tune::store(dir, key, &r);
+            }
+            let info = tune::tuned_info(&ch.inner.config, &t, &r, ThresholdSource::Measured);
+            let inner = Arc::get_mut(&mut ch.inner).ok_or_else(|| {
+                Error::BadConfig("tune: the channel is shared before its open ended".into())
+            })?;
+            inner.table = t;
+            inner.tuning = info;
+            inner.reset_counters();
+        }
         {
             let mut list = self
                 .inner
@@ -601,6 +726,23 @@ fn check_reach(
         away.len(),
         list.join(", ")
     )))
+}
+
+/// `builtin` with the threshold overrides of `config` (`tm.<name>=`).
+fn with_overrides(
+    config: &ChannelConfig,
+    builtin: &crate::driver::TmTable,
+) -> Result<crate::driver::TmTable> {
+    let mut table = builtin.clone();
+    for (tm, max) in &config.thresholds {
+        table.set_max_len(tm, *max).map_err(|e| {
+            Error::BadConfig(format!(
+                "channel `{}`: threshold override: {e}",
+                config.name
+            ))
+        })?;
+    }
+    Ok(table)
 }
 
 /// Bound on a channel open when neither `open_timeout_ms` nor `MAD_OPEN_TIMEOUT_MS` is set

@@ -21,7 +21,9 @@
 //! * `register`: `tm.small=0,tm.medium=max`: send/receive with on-the-fly registration only;
 //! * `rdma`: `tm.small=0,tm.medium=0`: rendezvous RDMA write only;
 //! * `adaptive`: the default table;
-//! * `adaptive+cache`: the default table with the registration cache on (same buffer reused).
+//! * `adaptive+cache`: the default table with the registration cache on (same buffer reused);
+//! * `adaptive+tune`: `tune=auto`: the thresholds measured at open on this machine (or taken
+//!   from the tuning cache of an earlier run), registration cache off.
 
 use std::time::{Duration, Instant};
 
@@ -100,8 +102,9 @@ fn order(n: usize, rep: usize, k: usize) -> Vec<usize> {
 /// anything is timed at that size): with one shared buffer, the cached variant kept the
 /// pages pinned while the uncached ones pinned and unpinned the same pages (`mlock` does not
 /// nest), so one variant's registration state leaked into the next one's timing. Each run
-/// starts with a warm-up of a fifth of the budget (at least 3 rounds).
-fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
+/// starts with a warm-up of a fifth of the budget (at least 3 rounds), and before any run every
+/// channel carries one round trip of every size (the calibration of `adaptive+tune` does).
+fn run(specs: &[String], reps: usize, budget: Duration) -> (Vec<Vec<Vec<f64>>>, Vec<String>) {
     let boots = ThreadBootstrap::group(2);
     std::thread::scope(|s| {
         let hs: Vec<_> = boots
@@ -124,6 +127,15 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
                             session.open_channel_with(cfg).expect("channel")
                         })
                         .collect();
+                    let tables: Vec<String> = chans.iter().map(|c| c.selection_table()).collect();
+                    // Every channel first carries one round trip of every size, as the
+                    // calibration of `adaptive+tune` did: the same history (the soft NIC's TCP
+                    // socket buffers grown by the kernel) for every variant.
+                    for ch in &chans {
+                        for &size in SIZES {
+                            round(ch, me, &mut vec![1u8; size]);
+                        }
+                    }
                     let mut out = vec![vec![Vec::new(); SIZES.len()]; specs.len()];
                     for (k, &size) in SIZES.iter().enumerate() {
                         let shared = std::env::var("FIG4_SHARED_BUFFER").is_ok();
@@ -168,7 +180,7 @@ fn run(specs: &[String], reps: usize, budget: Duration) -> Vec<Vec<Vec<f64>>> {
                             }
                         }
                     }
-                    out
+                    (out, tables)
                 })
             })
             .collect();
@@ -197,11 +209,12 @@ fn main() {
         ("rdma", "via:soft,regcache=0,tm.small=0,tm.medium=0", 0),
         ("adaptive", "via:soft,regcache=0", 0),
         ("adaptive+cache", "via:soft,regcache=64", 64),
+        ("adaptive+tune", "via:soft,regcache=0,tune=auto", 0),
     ];
     // FIG4_EXTRA=",progress=poll" appends options to every variant's spec.
     let extra = std::env::var("FIG4_EXTRA").unwrap_or_default();
     let specs: Vec<String> = variants.iter().map(|v| format!("{}{extra}", v.1)).collect();
-    let all = run(&specs, reps, budget);
+    let (all, tables) = run(&specs, reps, budget);
     if let Some(path) = std::env::var_os("FIG4_CSV") {
         let mut csv = String::from("variant,spec,size,rep,one_way_us\n");
         for (v, per_size) in all.iter().enumerate() {
@@ -228,13 +241,14 @@ fn main() {
     for (n, _, _) in variants {
         print!(" {n} |");
     }
-    println!(" best fixed | adaptive / best |");
+    println!(" best fixed | adaptive / best | adaptive+tune / best |");
     print!("|---:|");
     for _ in variants {
         print!("---:|");
     }
-    println!("---|---:|");
+    println!("---|---:|---:|");
     let mut worst: f64 = 0.0;
+    let mut worst_tuned: f64 = 0.0;
     for (k, &size) in SIZES.iter().enumerate() {
         let label = if size >= 1 << 20 {
             format!("{} MiB", size >> 20)
@@ -252,8 +266,12 @@ fn main() {
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .unwrap_or((0, f64::NAN));
         let ratio = med[3][k] / best;
+        let tuned = med[5][k] / best;
         worst = worst.max(ratio);
-        println!(" {} | {:.3} |", variants[bi].0, ratio);
+        worst_tuned = worst_tuned.max(tuned);
+        println!(" {} | {:.3} | {:.3} |", variants[bi].0, ratio, tuned);
     }
     println!("worst adaptive / best fixed ratio: {worst:.3}");
+    println!("worst adaptive+tune / best fixed ratio: {worst_tuned:.3}");
+    println!("\nadaptive+tune's table (rank 0):\n{}", tables[5]);
 }
