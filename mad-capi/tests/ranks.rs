@@ -1,9 +1,12 @@
 //! The C API with three ranks, each a separate process (the test starts the bootstrap server
 //! `madrun` runs and re-executes its own binary as the ranks), over tcp and shm: handles of
 //! messages to and from several peers open at once on several threads, any-source receives,
-//! a second message to a peer refused while the first is open, and a channel freed while a
+//! a second message to a peer refused while the first is open, no heap allocation per message
+//! once a peer's handle slots exist (piece by piece and one call), and a channel freed while a
 //! message is still open (its handle stays valid and fails cleanly).
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::ffi::{c_void, CStr, CString};
 use std::process::Command;
 use std::ptr::null_mut;
@@ -15,6 +18,139 @@ use madeleine_c::*;
 
 const RANKS: usize = 3;
 const MESSAGES: usize = 300;
+
+/// Counts the calling thread's allocations.
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: every call forwards to the system allocator unchanged; the counter is a const-init
+// thread-local `Cell`, which never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: same contract as our caller's.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as our caller's.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(Cell::get)
+}
+
+/// Ranks 0 and 1 ping-pong 8-byte messages (an EXPRESS header and a CHEAPER body) through the C
+/// API, piece by piece then with `mad_send`/`mad_recv`, and return this thread's allocations
+/// over the rounds after the first ten.
+fn ping_pong_allocations(ch: Ch, me: usize) -> u64 {
+    let peer = 1 - me;
+    let mut head = [me as u64; 1];
+    let mut body = [7u8; 8];
+    let mut before = 0;
+    for round in 0..210 {
+        if round == 10 {
+            before = allocs();
+        }
+        let one_call = round % 2 == 1;
+        for turn in 0..2 {
+            if (turn == 0) == (me == 0) {
+                // SAFETY: valid channel and buffers, alive until the end of the message.
+                unsafe {
+                    if one_call {
+                        let pieces = [
+                            MadPiece {
+                                data: head.as_mut_ptr().cast(),
+                                len: 8,
+                                send: MAD_SEND_SAFER,
+                                recv: MAD_RECV_EXPRESS,
+                            },
+                            MadPiece {
+                                data: body.as_mut_ptr().cast(),
+                                len: 8,
+                                send: MAD_SEND_CHEAPER,
+                                recv: MAD_RECV_CHEAPER,
+                            },
+                        ];
+                        ok(mad_send(ch.0, peer, pieces.as_ptr(), 2));
+                    } else {
+                        let mut p = null_mut();
+                        ok(mad_begin_packing(ch.0, peer, &mut p));
+                        ok(mad_pack(
+                            p,
+                            head.as_ptr().cast(),
+                            8,
+                            MAD_SEND_SAFER,
+                            MAD_RECV_EXPRESS,
+                        ));
+                        ok(mad_pack(
+                            p,
+                            body.as_ptr().cast(),
+                            8,
+                            MAD_SEND_CHEAPER,
+                            MAD_RECV_CHEAPER,
+                        ));
+                        ok(mad_end_packing(p));
+                    }
+                }
+            } else {
+                // SAFETY: as above.
+                unsafe {
+                    if one_call {
+                        let pieces = [
+                            MadPiece {
+                                data: head.as_mut_ptr().cast(),
+                                len: 8,
+                                send: MAD_SEND_SAFER,
+                                recv: MAD_RECV_EXPRESS,
+                            },
+                            MadPiece {
+                                data: body.as_mut_ptr().cast(),
+                                len: 8,
+                                send: MAD_SEND_CHEAPER,
+                                recv: MAD_RECV_CHEAPER,
+                            },
+                        ];
+                        ok(mad_recv(ch.0, peer, pieces.as_ptr(), 2, null_mut()));
+                    } else {
+                        let mut u = null_mut();
+                        ok(mad_begin_unpacking_from(ch.0, peer, &mut u));
+                        ok(mad_unpack(
+                            u,
+                            head.as_mut_ptr().cast(),
+                            8,
+                            MAD_SEND_SAFER,
+                            MAD_RECV_EXPRESS,
+                        ));
+                        ok(mad_unpack(
+                            u,
+                            body.as_mut_ptr().cast(),
+                            8,
+                            MAD_SEND_CHEAPER,
+                            MAD_RECV_CHEAPER,
+                        ));
+                        ok(mad_end_unpacking(u));
+                    }
+                }
+                assert_eq!(head[0], peer as u64);
+                head[0] = me as u64;
+            }
+        }
+    }
+    allocs() - before
+}
 
 fn last() -> String {
     // SAFETY: `mad_last_error` returns a valid NUL-terminated string of this thread.
@@ -198,6 +334,14 @@ fn rank(spec: &str) {
             }
             assert_eq!(x, 7);
         }
+    }
+    // No allocation per message once the peer's slots exist.
+    if me < 2 {
+        let n = ping_pong_allocations(ch, me);
+        assert_eq!(
+            n, 0,
+            "rank {me}: {n} allocations over 400 messages of the C API"
+        );
     }
     // A channel freed while this rank's message on it is open: the handle stays valid, and
     // ending it fails with a status, not a crash.
