@@ -5,52 +5,18 @@
 //! once a peer's handle slots exist (piece by piece and one call), and a channel freed while a
 //! message is still open (its handle stays valid and fails cleanly).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::ffi::{c_void, CStr, CString};
-use std::process::Command;
 use std::ptr::null_mut;
-use std::time::{Duration, Instant};
 
-use mad_core::auth::Secret;
-use mad_core::launch::server::BootstrapServer;
+use mad_core::conformance::alloc::{allocs, Counting};
+use mad_core::conformance::jobs::Launch;
 use madeleine_c::*;
 
 const RANKS: usize = 3;
 const MESSAGES: usize = 300;
 
-/// Counts the calling thread's allocations.
-struct Counting;
-
-thread_local! {
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: every call forwards to the system allocator unchanged; the counter is a const-init
-// thread-local `Cell`, which never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as our caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract as our caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as our caller's.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
 static A: Counting = Counting;
-
-fn allocs() -> u64 {
-    ALLOCS.with(Cell::get)
-}
 
 /// Ranks 0 and 1 ping-pong 8-byte messages (an EXPRESS header and a CHEAPER body) through the C
 /// API, piece by piece then with `mad_send`/`mad_recv`, and return this thread's allocations
@@ -406,59 +372,37 @@ fn rank(spec: &str) {
     }
 }
 
-fn job(test: &str, spec: &str) {
-    if std::env::var_os("MAD_BOOTSTRAP").is_some() {
-        rank(spec);
-        return;
+/// The ranks are children running `rank_program` (the C API builds each one's session from the
+/// `madrun` variables the launch sets); the parent only starts and waits for them.
+const LAUNCH: Launch = Launch::new(
+    "rank_program",
+    "MAD_CAPI_TEST_ROLE",
+    "MAD_CAPI_TEST_SPEC",
+    |b| mad_core::Session::builder().bootstrap(b).build(),
+);
+
+#[test]
+#[ignore = "rank program of the process tests"]
+fn rank_program() {
+    if let Some((_, spec)) = LAUNCH.role() {
+        rank(&spec);
+        println!("rank done");
     }
-    let secret = Secret::random().unwrap();
-    let server = BootstrapServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        RANKS,
-        secret.clone(),
-        Box::new(|m| eprintln!("{m}")),
-    )
-    .unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut kids: Vec<_> = (0..RANKS)
-        .map(|r| {
-            Command::new(&exe)
-                .args(["--exact", test, "--nocapture", "--test-threads=1"])
-                .env("MAD_RANK", r.to_string())
-                .env("MAD_SIZE", RANKS.to_string())
-                .env("MAD_BOOTSTRAP", server.advertised_addr().to_string())
-                .env("MAD_SECRET", secret.to_hex())
-                .env("MAD_LOCAL_SIZE", RANKS.to_string())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let mut codes = vec![None; RANKS];
-    while codes.iter().any(Option::is_none) {
-        for (r, k) in kids.iter_mut().enumerate() {
-            if codes[r].is_none() {
-                codes[r] = k.try_wait().unwrap().map(|s| s.code());
-            }
-        }
-        if Instant::now() > deadline {
-            kids.iter_mut().for_each(|k| drop(k.kill()));
-            panic!("ranks still running after 180 s: {codes:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
+}
+
+fn job(spec: &str) {
+    let (kids, _) = LAUNCH.job(&[Some("c"); RANKS], spec);
+    for out in LAUNCH.finish(kids, &format!("C API, {RANKS} ranks over {spec}")) {
+        assert!(out.contains("rank done"), "{out}");
     }
-    assert!(
-        codes.iter().all(|c| *c == Some(Some(0))),
-        "rank exit codes: {codes:?}"
-    );
 }
 
 #[test]
 fn three_ranks_tcp() {
-    job("three_ranks_tcp", "tcp");
+    job("tcp");
 }
 
 #[test]
 fn three_ranks_shm() {
-    job("three_ranks_shm", "shm");
+    job("shm");
 }

@@ -49,9 +49,11 @@ use crate::error::{Error, Result};
 use crate::modes::{RecvMode, SendMode};
 use crate::{Channel, Session};
 
+pub mod alloc;
 pub mod death;
 mod events;
 pub mod jobs;
+pub mod tune;
 
 /// What to run.
 #[derive(Clone, Debug)]

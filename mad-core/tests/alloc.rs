@@ -7,45 +7,16 @@
 //! piece received EXPRESS holds the rest of its message until `end_packing`, copying SAFER
 //! pieces aside: that rare mode allocates.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use mad_core::bootstrap::{Bootstrap, ThreadBootstrap};
 use mad_core::config::ChannelConfig;
+use mad_core::conformance::alloc::{allocs, Counting};
 use mad_core::mem::MemDriver;
 use mad_core::{RecvMode, SendMode, Session};
 
-struct Counting;
-
-thread_local! {
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: every call forwards to the system allocator unchanged; the counter is a const-init
-// thread-local `Cell`, which never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as our caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract as our caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as our caller's.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
 static A: Counting = Counting;
-
-fn allocs() -> u64 {
-    ALLOCS.with(|c| c.get())
-}
 
 const PIECES: usize = 16;
 const LENS: [usize; PIECES] = [
