@@ -391,6 +391,8 @@ pub(crate) struct ChannelInner {
     pub(crate) closed: AtomicBool,
     released: Mutex<u64>,
     released_cv: Condvar,
+    /// A virtual channel's parts and routes (`None` for a real channel).
+    pub(crate) virt: Option<Box<crate::vchan::Virtual>>,
 }
 
 /// A communication channel: one protocol, one adapter, connections to every reachable peer.
@@ -532,6 +534,7 @@ impl ChannelInner {
             closed: AtomicBool::new(false),
             released: Mutex::new(0),
             released_cv: Condvar::new(),
+            virt: None,
         }
     }
 
@@ -663,6 +666,9 @@ impl ChannelInner {
     }
 
     pub(crate) fn all_broken(&self) -> bool {
+        if let Some(v) = &self.virt {
+            return v.parts.iter().all(|p| p.inner.all_broken());
+        }
         self.peers.iter().all(|&p| match &self.conns[p] {
             Some(c) => match c.rx.try_lock() {
                 Ok(g) => (g.broken.is_some() && g.reported) || c.failed.get().is_some(),
@@ -804,6 +810,11 @@ impl Channel {
     /// is closed.
     pub fn try_begin_packing<'b>(&self, remote: usize) -> Result<Option<Packer<'_, 'b>>> {
         let inner = &*self.inner;
+        if let Some(v) = &inner.virt {
+            return v
+                .direct(remote, inner.rank, inner.size)?
+                .try_begin_packing(remote);
+        }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
         match conn.tx.try_lock() {
@@ -825,6 +836,12 @@ impl Channel {
         cx: &mut Context<'_>,
     ) -> Poll<Result<Packer<'_, 'b>>> {
         let inner = &*self.inner;
+        if let Some(v) = &inner.virt {
+            return match v.direct(remote, inner.rank, inner.size) {
+                Ok(p) => p.poll_begin_packing(remote, cx),
+                Err(e) => Poll::Ready(Err(e)),
+            };
+        }
         let conn = match inner
             .conn(remote)
             .and_then(|c| inner.check_open().map(|()| c))
@@ -881,6 +898,11 @@ impl Channel {
     fn begin_any<'b>(&self, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         inner.check_open()?;
+        if let Some(v) = &inner.virt {
+            let deadline =
+                deadline.or_else(|| inner.progress.op_timeout.map(|t| Instant::now() + t));
+            return v.begin_any(deadline);
+        }
         let mut busy = false;
         let (remote, rx) = inner
             .progress
@@ -910,6 +932,9 @@ impl Channel {
 
     fn try_any_start<'b>(&self) -> Result<Option<Unpacker<'_, 'b>>> {
         self.inner.check_open()?;
+        if let Some(v) = &self.inner.virt {
+            return v.try_any();
+        }
         let mut busy = false;
         match self.inner.try_any(&mut busy)? {
             Poll::Ready((remote, rx)) => Unpacker::try_start(&self.inner, remote, rx),
@@ -976,6 +1001,11 @@ impl Channel {
 
     fn try_from_start<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
         let inner = &*self.inner;
+        if let Some(v) = &inner.virt {
+            return v
+                .direct(remote, inner.rank, inner.size)?
+                .try_begin_unpacking_from(remote);
+        }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
         let mut rx = match conn.rx.try_lock() {
@@ -1029,6 +1059,11 @@ impl Channel {
 
     fn begin_from<'b>(&self, remote: usize, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
+        if let Some(v) = &inner.virt {
+            return v
+                .direct(remote, inner.rank, inner.size)?
+                .begin_from(remote, deadline);
+        }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
         let mut rx = conn
@@ -1074,6 +1109,11 @@ impl Channel {
             rank = inner.rank,
             "channel closed"
         );
+        if let Some(v) = &inner.virt {
+            for p in &v.parts {
+                p.close();
+            }
+        }
         inner.incoming.shutdown();
         inner.incoming.wake();
         {
@@ -1131,7 +1171,10 @@ impl Channel {
     /// # }
     /// ```
     pub fn readiness_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.inner.incoming.readiness_fd()
+        match &self.inner.virt {
+            Some(v) => v.readiness_fd(),
+            None => self.inner.incoming.readiness_fd(),
+        }
     }
 
     /// Arm the readiness descriptor: see [`readiness_fd`](Self::readiness_fd). Returns
@@ -1146,6 +1189,9 @@ impl Channel {
         inner.armed.store(true, Ordering::SeqCst);
         if inner.closed.load(Ordering::SeqCst) {
             return Ok(Armed::Busy);
+        }
+        if let Some(v) = &inner.virt {
+            return v.arm();
         }
         if inner.incoming.arm()? == Armed::Busy {
             return Ok(Armed::Busy);
@@ -1186,7 +1232,27 @@ impl Channel {
         &self.inner.config
     }
 
-    /// The channel's TM table (after threshold overrides).
+    /// The real channels of a virtual channel, in order of preference (see [`crate::vchan`]);
+    /// empty for a real channel.
+    pub fn parts(&self) -> &[Channel] {
+        self.inner.virt.as_ref().map_or(&[], |v| &v.parts)
+    }
+
+    /// How this channel reaches `rank`: `None` for a rank outside the session or one a real
+    /// channel does not reach; [`Route::Direct`](crate::vchan::Route::Direct) through itself
+    /// (`part` 0) for a real channel's peers.
+    pub fn route(&self, rank: usize) -> Option<crate::vchan::Route> {
+        use crate::vchan::Route;
+        match &self.inner.virt {
+            Some(v) => v.routes.get(rank).copied(),
+            None if rank == self.inner.rank => Some(Route::Me),
+            None => matches!(self.inner.conns.get(rank), Some(Some(_)))
+                .then_some(Route::Direct { part: 0 }),
+        }
+    }
+
+    /// The channel's TM table (after threshold overrides); a virtual channel's is its first
+    /// part's (each part has its own: [`parts`](Self::parts)).
     pub fn tm_table(&self) -> &TmTable {
         &self.inner.table
     }
@@ -1205,6 +1271,24 @@ impl Channel {
 
     /// A snapshot of the channel's counters (summed over its connections).
     pub fn stats(&self) -> ChannelStats {
+        if let Some(v) = &self.inner.virt {
+            let mut st = ChannelStats::default();
+            for p in &v.parts {
+                let s = p.stats();
+                let driver = &p.inner.config.driver;
+                st.messages_sent += s.messages_sent;
+                st.bytes_sent += s.bytes_sent;
+                st.messages_received += s.messages_received;
+                st.bytes_received += s.bytes_received;
+                let named = |l: Vec<(String, u64)>| {
+                    l.into_iter()
+                        .map(move |(n, c)| (format!("{driver}/{n}"), c))
+                };
+                st.pieces_sent.extend(named(s.pieces_sent));
+                st.pieces_received.extend(named(s.pieces_received));
+            }
+            return st;
+        }
         let tms = self.inner.table.tms();
         let (mut sent, mut received) = ([0u64; MAX_TMS], [0u64; MAX_TMS]);
         let mut st = ChannelStats::default();
@@ -1232,7 +1316,27 @@ impl Channel {
     /// A printable selection table: which TM and BMM serve which sizes and modes (as
     /// `UCX_PROTO_INFO` does for UCX). Printed at open when `MAD_PROTO_INFO=1`.
     pub fn selection_table(&self) -> String {
-        selection_table(&self.inner)
+        match &self.inner.virt {
+            Some(v) => {
+                let mut out = format!(
+                    "virtual channel `{}`: rank {} of {}; routes: {}\n",
+                    self.inner.config.name,
+                    self.inner.rank,
+                    self.inner.size,
+                    v.routes
+                        .iter()
+                        .enumerate()
+                        .map(|(r, route)| format!("{r}={route:?}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
+                for p in &v.parts {
+                    out.push_str(&selection_table(&p.inner));
+                }
+                out
+            }
+            None => selection_table(&self.inner),
+        }
     }
 }
 

@@ -43,6 +43,7 @@ pub const CORE_KEYS: &[&str] = &[
     "tune",
     "tune_cache",
     "tune_budget_ms",
+    "ranks",
 ];
 
 /// The largest `timeout_ms` (and `MAD_TIMEOUT_MS`): one year. 0 means no timeout.
@@ -188,7 +189,102 @@ pub struct ChannelConfig {
     /// Bound on the calibration of `tune=auto` (`tune_budget_ms=`, default
     /// [`crate::tune::DEFAULT_BUDGET`]).
     pub tune_budget: Duration,
+    /// The ranks this channel joins (`ranks=0-2:5`): the driver connects these ranks among
+    /// themselves only, a rank outside the set opens a channel with no peer, and a message to
+    /// a rank the channel does not reach fails with [`Error::BadConfig`]. `None`: every rank.
+    pub ranks: Option<RankSet>,
+    /// The real channels of a virtual channel (driver `virtual`, see [`crate::vchan`]), in
+    /// order of preference; empty for a real channel.
+    pub parts: Vec<ChannelConfig>,
 }
+
+/// A set of ranks, written as ranges separated by `:` (`0-2:5:7-9`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RankSet(Vec<(usize, usize)>);
+
+impl RankSet {
+    /// Parse `0-2:5:7-9` (inclusive ranges and single ranks, separated by `:`).
+    pub fn parse(v: &str) -> Option<RankSet> {
+        let mut out = Vec::new();
+        for item in v.split(':') {
+            let item = item.trim();
+            let (a, b) = match item.split_once('-') {
+                Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+                None => {
+                    let r = item.parse().ok()?;
+                    (r, r)
+                }
+            };
+            if a > b {
+                return None;
+            }
+            out.push((a, b));
+        }
+        (!out.is_empty()).then_some(RankSet(out))
+    }
+
+    /// The set of exactly these ranks.
+    pub fn of(ranks: impl IntoIterator<Item = usize>) -> RankSet {
+        RankSet(ranks.into_iter().map(|r| (r, r)).collect())
+    }
+
+    /// Whether `rank` is in the set.
+    pub fn contains(&self, rank: usize) -> bool {
+        self.0.iter().any(|&(a, b)| (a..=b).contains(&rank))
+    }
+
+    /// The largest rank named.
+    pub fn max(&self) -> usize {
+        self.0.iter().map(|&(_, b)| b).max().unwrap_or(0)
+    }
+}
+
+impl Display for RankSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, &(a, b)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(":")?;
+            }
+            if a == b {
+                write!(f, "{a}")?;
+            } else {
+                write!(f, "{a}-{b}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Split `s` at every `sep` outside square brackets (the parts of a virtual channel's spec,
+/// `virtual:[shm,ranks=0-1]+tcp`, hold commas of their own).
+pub fn split_spec(s: &str, sep: char) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            c if c == sep && depth == 0 => {
+                out.push(&s[start..i]);
+                start = i + c.len_utf8();
+            }
+            _ => {}
+        }
+    }
+    out.push(&s[start..]);
+    out
+}
+
+/// The core keys a virtual channel's spec hands down to every part that does not set them.
+const HANDED_DOWN: &[&str] = &[
+    "checked",
+    "progress",
+    "timeout_ms",
+    "tune",
+    "tune_cache",
+    "tune_budget_ms",
+    "open_timeout_ms",
+];
 
 /// Whether a channel measures its TM thresholds when it opens (`tune=...`, see
 /// [`crate::tune`]).
@@ -245,7 +341,36 @@ impl ChannelConfig {
             tune: Tune::Off,
             tune_cache: TuneCache::Default,
             tune_budget: crate::tune::DEFAULT_BUDGET,
+            ranks: None,
+            parts: Vec::new(),
         }
+    }
+
+    /// Join only `ranks` (`ranks=`, see the field of that name).
+    #[must_use]
+    pub fn ranks(mut self, ranks: RankSet) -> Self {
+        self.ranks = Some(ranks);
+        self
+    }
+
+    /// A virtual channel named `name` over `parts`, in order of preference (see
+    /// [`crate::vchan`]).
+    pub fn virtual_over(name: impl Into<String>, parts: Vec<ChannelConfig>) -> Self {
+        let mut c = ChannelConfig::new(name, crate::vchan::DRIVER);
+        c.adapter = Some(
+            parts
+                .iter()
+                .map(|p| format!("[{}]", p.driver))
+                .collect::<Vec<_>>()
+                .join("+"),
+        );
+        c.parts = parts;
+        c
+    }
+
+    /// Whether this is a virtual channel (driver `virtual`).
+    pub fn is_virtual(&self) -> bool {
+        self.driver == crate::vchan::DRIVER
     }
 
     /// Set the threshold tuning (`tune=`).
@@ -457,7 +582,7 @@ impl ChannelConfig {
     /// threshold).
     pub fn parse(name: &str, spec: &str) -> Result<Self> {
         let spec = spec.trim();
-        let mut parts = spec.split(',');
+        let mut parts = split_spec(spec, ',').into_iter();
         let head = parts.next().unwrap_or("").trim();
         if head.is_empty() {
             return Err(Error::BadConfig(format!(
@@ -516,7 +641,66 @@ impl ChannelConfig {
             seen.push(k);
             c.set(k, v)?;
         }
+        if c.is_virtual() {
+            c.parse_parts(spec)?;
+        }
         Ok(c)
+    }
+
+    /// The parts of a virtual channel's spec (`virtual:[shm,ranks=0-1]+tcp,progress=block`):
+    /// each part between brackets (or a bare `driver[:adapter]`) is a channel spec of its own,
+    /// and the core keys of the whole ([`HANDED_DOWN`]) go to every part that does not set them.
+    fn parse_parts(&mut self, spec: &str) -> Result<()> {
+        let name = self.name.clone();
+        let bad = |what: String| Error::BadConfig(format!("channel `{name}`: {what}"));
+        let outer: Vec<(&str, &str)> = split_spec(spec, ',')
+            .into_iter()
+            .skip(1)
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.trim(), v.trim()))
+            .collect();
+        if let Some((k, _)) = outer.iter().find(|(k, _)| !HANDED_DOWN.contains(k)) {
+            return Err(bad(format!(
+                "option `{k}` applies to one real channel of a virtual channel: give it inside                  that part's brackets (`virtual:[shm,{k}=...]+tcp`); the virtual channel itself                  takes {}",
+                HANDED_DOWN.join(", ")
+            )));
+        }
+        let list = self.adapter.clone().unwrap_or_default();
+        let mut parts = Vec::new();
+        for (i, p) in split_spec(&list, '+').into_iter().enumerate() {
+            let p = p.trim();
+            let inner = match p.strip_prefix('[') {
+                Some(rest) => rest
+                    .strip_suffix(']')
+                    .ok_or_else(|| bad(format!("part `{p}` opens `[` without closing it")))?,
+                None => p,
+            };
+            let own: Vec<&str> = split_spec(inner, ',')
+                .into_iter()
+                .skip(1)
+                .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.trim()))
+                .collect();
+            let mut text = inner.to_string();
+            for (k, v) in &outer {
+                if !own.contains(k) {
+                    text.push_str(&format!(",{k}={v}"));
+                }
+            }
+            let part = ChannelConfig::parse(&format!("{name}.{i}"), &text)?;
+            if part.is_virtual() {
+                return Err(bad(format!(
+                    "part `{p}` is itself virtual; list its real channels instead"
+                )));
+            }
+            parts.push(part);
+        }
+        if parts.is_empty() || list.trim().is_empty() {
+            return Err(bad(
+                "a virtual channel lists its real channels: `virtual:shm+tcp`".to_string(),
+            ));
+        }
+        self.parts = parts;
+        Ok(())
     }
 
     fn set(&mut self, k: &str, v: &str) -> Result<()> {
@@ -528,6 +712,12 @@ impl ChannelConfig {
                 self.local_only = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
             }
             "progress" => self.progress = ProgressPolicy::parse_mode(v)?,
+            "ranks" => {
+                self.ranks =
+                    Some(RankSet::parse(v).ok_or_else(|| {
+                        bad("expected ranks and ranges separated by `:`, e.g. 0-2:5")
+                    })?)
+            }
             "tune" => {
                 self.tune = match v {
                     "off" => Tune::Off,
@@ -617,13 +807,28 @@ impl ChannelConfig {
                 env_key(name)
             ))
         })?;
-        let mut c = Self::parse(name, &spec)
-            .map_err(|e| Error::BadConfig(format!("{e} (from {origin})")))?;
-        let keys: Vec<&str> = spec
-            .split(',')
+        let keys: Vec<&str> = split_spec(&spec, ',')
+            .into_iter()
             .skip(1)
             .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.trim()))
             .collect();
+        // A virtual channel hands the environment's defaults down to its parts.
+        let mut full = spec.clone();
+        if spec.trim_start().starts_with("virtual:") {
+            for (k, var) in [
+                ("checked", "MAD_CHECKED"),
+                ("progress", "MAD_PROGRESS"),
+                ("timeout_ms", "MAD_TIMEOUT_MS"),
+            ] {
+                if !keys.contains(&k) {
+                    if let Some(v) = env_var(var)? {
+                        full.push_str(&format!(",{k}={v}"));
+                    }
+                }
+            }
+        }
+        let mut c = Self::parse(name, &full)
+            .map_err(|e| Error::BadConfig(format!("{e} (from {origin})")))?;
         c.apply_env_defaults(&keys)?;
         Ok(c)
     }

@@ -143,7 +143,7 @@ impl Ctx<'_> {
             .filter(|e| !e.is_empty())
             .map(key)
             .collect();
-        let mut parts = self.opts.spec.split(',');
+        let mut parts = crate::config::split_spec(&self.opts.spec, ',').into_iter();
         let mut spec = parts.next().unwrap_or("").to_string();
         for kv in parts.filter(|kv| !extra_keys.contains(&key(kv))) {
             spec.push(',');
@@ -285,7 +285,13 @@ fn case_empty(c: &Ctx<'_>) -> Result<()> {
 
 fn interesting_sizes(ch: &Channel, big: bool) -> Vec<usize> {
     let mut v = vec![0, 1, 7, 8, 100, 4096, 65536 + 3, 1 << 20];
-    for tm in ch.tm_table().tms() {
+    // A virtual channel's pieces take the TMs of the part that reaches the peer.
+    let tables: Vec<&crate::driver::TmTable> = if ch.parts().is_empty() {
+        vec![ch.tm_table()]
+    } else {
+        ch.parts().iter().map(|p| p.tm_table()).collect()
+    };
+    for tm in tables.iter().flat_map(|t| t.tms()) {
         if tm.max_len != usize::MAX && tm.max_len < (256 << 20) {
             v.extend([tm.max_len.saturating_sub(1), tm.max_len, tm.max_len + 1]);
         }

@@ -830,6 +830,33 @@ impl<'a> OpenContext<'a> {
         }
     }
 
+    /// Whether this rank connects to `rank` on this channel: another rank, and both in the
+    /// channel's `ranks=` set when it has one ([`ChannelConfig::ranks`]). A driver that
+    /// connects other ranks too loses those connections (the session drops them), but
+    /// should not try: the network may not reach them.
+    pub fn reaches(&self, rank: usize) -> bool {
+        let me = self.bootstrap.rank();
+        rank != me
+            && rank < self.bootstrap.size()
+            && self
+                .config
+                .ranks
+                .as_ref()
+                .is_none_or(|s| s.contains(me) && s.contains(rank))
+    }
+
+    /// The ranks on this host that this rank connects to, and this rank
+    /// ([`Bootstrap::local_ranks`] within the channel's `ranks=` set): what an intra-node
+    /// driver connects.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        let me = self.bootstrap.rank();
+        self.bootstrap
+            .local_ranks()
+            .into_iter()
+            .filter(|&r| r == me || self.reaches(r))
+            .collect()
+    }
+
     /// A tag for bootstrap collectives that is unique to this channel.
     pub fn tag(&self, what: &str) -> String {
         format!("chan/{}/{}/{}", self.config.name, self.config.driver, what)

@@ -73,6 +73,7 @@ mod rxplan;
 mod session;
 pub mod tune;
 mod unpack;
+pub mod vchan;
 pub mod wire;
 
 pub use bytemuck;

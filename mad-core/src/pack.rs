@@ -698,6 +698,9 @@ impl<'c, 'b> Packer<'c, 'b> {
         remote: usize,
         deadline: Option<Instant>,
     ) -> Result<Packer<'c, 'b>> {
+        if let Some(v) = &ch.virt {
+            return Self::start(&v.direct(remote, ch.rank, ch.size)?.inner, remote, deadline);
+        }
         let conn = ch.conn(remote)?;
         ch.check_open()?;
         let tx = conn

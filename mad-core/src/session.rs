@@ -461,7 +461,103 @@ impl Session {
         (Plan::Measure(partner), cache, None)
     }
 
+    /// Open a virtual channel ([`crate::vchan`]): its parts in order, then the routes from
+    /// every rank's reach.
+    fn open_virtual(&self, config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+        let name = config.name.clone();
+        if config.parts.is_empty() {
+            return Err(Error::BadConfig(format!(
+                "virtual channel `{name}` has no real channel: `virtual:shm+tcp`"
+            )));
+        }
+        if config.ranks.is_some() || !config.thresholds.is_empty() || config.local_only {
+            return Err(Error::BadConfig(format!(
+                "virtual channel `{name}`: ranks=, local_only= and tm.<name>= apply to one of \
+                 its real channels: set them on that part"
+            )));
+        }
+        let b: &dyn Bootstrap = scope;
+        let mut parts = Vec::with_capacity(config.parts.len());
+        for (i, p) in config.parts.iter().enumerate() {
+            if p.is_virtual() {
+                return Err(Error::BadConfig(format!(
+                    "virtual channel `{name}`: part {i} is itself virtual"
+                )));
+            }
+            let mut p = p.clone();
+            p.name = format!("{name}.{i}");
+            parts.push(self.open_channel_with(p)?);
+        }
+        let mine = parts
+            .iter()
+            .map(|p| {
+                p.peers()
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect::<Vec<_>>()
+            .join(";");
+        let all = b.allgather(&scope.tag("reach"), mine.as_bytes())?;
+        let mut reach = Vec::with_capacity(all.len());
+        for (r, text) in all.iter().enumerate() {
+            let bad = || Error::protocol(r, format!("virtual channel `{name}`: malformed reach"));
+            let text = std::str::from_utf8(text).map_err(|_| bad())?;
+            let lists: Vec<Vec<usize>> = text
+                .split(';')
+                .map(|l| {
+                    l.split(',')
+                        .filter(|x| !x.is_empty())
+                        .map(|x| x.parse::<usize>().map_err(|_| bad()))
+                        .collect::<Result<Vec<usize>>>()
+                })
+                .collect::<Result<_>>()?;
+            if lists.len() != parts.len() {
+                return Err(bad());
+            }
+            reach.push(lists);
+        }
+        let routes = crate::vchan::routes(&name, b.rank(), &reach)?;
+        let first = &parts[0].inner;
+        let mut inner = ChannelInner::new(
+            config,
+            b.rank(),
+            b.size(),
+            first.table.clone(),
+            first.caps.clone(),
+            first.progress,
+            (0..b.size()).map(|_| None).collect(),
+            Box::new(crate::vchan::NoIncoming),
+            Vec::new(),
+            first.tuning.clone(),
+        );
+        inner.peers = routes
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| matches!(r, crate::vchan::Route::Direct { .. }))
+            .map(|(r, _)| r)
+            .collect();
+        inner.virt = Some(Box::new(crate::vchan::Virtual::new(parts, routes)?));
+        let ch = Channel {
+            inner: Arc::new(inner),
+        };
+        {
+            let mut list = self
+                .inner
+                .channels
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&ch.inner));
+        }
+        Ok(ch)
+    }
+
     fn open_in(&self, mut config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
+        if config.is_virtual() {
+            return self.open_virtual(config, scope);
+        }
         if crate::config::env_forces_checked()? {
             config.checked = true;
         }
@@ -469,8 +565,25 @@ impl Session {
         let (driver, builtin, table) = self.driver_table(&config)?;
         let caps = driver.capabilities(&config);
         let b: &dyn Bootstrap = scope;
+        if let Some(set) = &config.ranks {
+            if set.max() >= b.size() {
+                return Err(Error::BadConfig(format!(
+                    "channel `{}`: ranks={set} names rank {}, but the session has {} ranks",
+                    config.name,
+                    set.max(),
+                    b.size()
+                )));
+            }
+        }
+        let joins = |a: usize, z: usize| {
+            config
+                .ranks
+                .as_ref()
+                .is_none_or(|s| s.contains(a) && s.contains(z))
+        };
         let local_ranks = b.local_ranks();
-        let partner = tune::partner(b.rank(), b.size(), &local_ranks, caps.intra_node_only);
+        let partner = tune::partner(b.rank(), b.size(), &local_ranks, caps.intra_node_only)
+            .filter(|&p| joins(0, p));
         // Rank 0 decides whether the thresholds are measured, cached or built-in; its plan
         // rides on the first exchange, after the CPU set.
         let (plan, cache, cached) = if b.rank() == 0 {
@@ -577,6 +690,16 @@ impl Session {
         };
         for n in &opened.notes {
             tracing::debug!(note = %n, "driver note");
+        }
+        // `ranks=`: a driver that connected more than the set (it may ignore
+        // `OpenContext::reaches`) loses those connections here, on both ends alike.
+        let mut opened = opened;
+        let me = b.rank();
+        for (r, l) in opened.links.iter_mut().enumerate() {
+            if l.is_some() && !joins(me, r) {
+                *l = None;
+                opened.incoming.forget(r);
+            }
         }
         if opened.links.len() != b.size() {
             return Err(Error::protocol(

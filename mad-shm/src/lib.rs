@@ -259,7 +259,7 @@ impl Driver for ShmDriver {
         let o = options(ctx.config)?;
         let b = ctx.bootstrap;
         let (me, n) = (b.rank(), b.size());
-        let local = b.local_ranks();
+        let local = ctx.local_ranks();
         let cma_tm = ctx
             .table
             .tms()
@@ -300,32 +300,33 @@ impl Driver for ShmDriver {
             fingerprint: ctx.table.fingerprint(),
             cap: ring as u64,
         };
-        let peers = hostmem::map_peers(b, &ctx_bytes, &info.encode(), "shm", |r, bytes| {
-            let pi = PeerInfo::decode(r, bytes)?;
-            if pi.fingerprint != info.fingerprint {
-                return Err(Error::BadConfig(format!(
-                    "shm: rank {r} has a different TM table (options or thresholds differ)"
-                )));
-            }
-            if pi.cap != info.cap {
-                return Err(Error::BadConfig(format!(
-                    "shm: rank {r} uses ring={} but this rank ring={}",
-                    pi.cap, info.cap
-                )));
-            }
-            let check = |p: &[u8]| {
-                b.secret().verify(
-                    b"mad-shm segment",
-                    pi.name.as_bytes(),
-                    &[],
-                    ctx_bytes.as_bytes(),
-                    p,
-                )
-            };
-            let seg = Segment::open(&pi.name, r, n, ring, pi.pid, &check)?;
-            let pid = pi.pid;
-            Ok((pi, seg, pid))
-        })?;
+        let peers =
+            hostmem::map_peers(b, &local, &ctx_bytes, &info.encode(), "shm", |r, bytes| {
+                let pi = PeerInfo::decode(r, bytes)?;
+                if pi.fingerprint != info.fingerprint {
+                    return Err(Error::BadConfig(format!(
+                        "shm: rank {r} has a different TM table (options or thresholds differ)"
+                    )));
+                }
+                if pi.cap != info.cap {
+                    return Err(Error::BadConfig(format!(
+                        "shm: rank {r} uses ring={} but this rank ring={}",
+                        pi.cap, info.cap
+                    )));
+                }
+                let check = |p: &[u8]| {
+                    b.secret().verify(
+                        b"mad-shm segment",
+                        pi.name.as_bytes(),
+                        &[],
+                        ctx_bytes.as_bytes(),
+                        p,
+                    )
+                };
+                let seg = Segment::open(&pi.name, r, n, ring, pi.pid, &check)?;
+                let pid = pi.pid;
+                Ok((pi, seg, pid))
+            })?;
 
         // CMA probe: read every local peer's probe buffer; agree on the result.
         let mut cma_ok = cma_tm.is_some() && o.cma != CmaWish::Ring;

@@ -353,7 +353,7 @@ impl Driver for SisciDriver {
             g.slots,
             g.area_size().unwrap_or(0)
         );
-        let mut own = Segment::create(&name, n, o.geom, &proof, b.local_ranks().len(), &advice)?;
+        let mut own = Segment::create(&name, n, o.geom, &proof, ctx.local_ranks().len(), &advice)?;
         // Bound before the announcement, so every peer can reach it once the allgather returns.
         let endpoint = hostmem::Endpoint::open(&name).ok();
         let info = PeerInfo {
@@ -362,25 +362,32 @@ impl Driver for SisciDriver {
                 ^ hostmem::fnv1a(format!("{:?}", o.geom).as_bytes()),
             name: name.clone(),
         };
-        let peers = hostmem::map_peers(b, &tag, &info.encode(), "sisci", |r, bytes| {
-            let pi = PeerInfo::decode(r, bytes)?;
-            if pi.fingerprint != info.fingerprint {
-                return Err(Error::BadConfig(format!(
+        let peers = hostmem::map_peers(
+            b,
+            &ctx.local_ranks(),
+            &tag,
+            &info.encode(),
+            "sisci",
+            |r, bytes| {
+                let pi = PeerInfo::decode(r, bytes)?;
+                if pi.fingerprint != info.fingerprint {
+                    return Err(Error::BadConfig(format!(
                     "sisci: rank {r} has a different TM table or geometry (options or thresholds differ)"
                 )));
-            }
-            let check = |p: &[u8]| {
-                b.secret().verify(
-                    b"mad-sisci segment",
-                    pi.name.as_bytes(),
-                    &[],
-                    tag.as_bytes(),
-                    p,
-                )
-            };
-            let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
-            Ok((pi.name, seg, pi.pid))
-        })?;
+                }
+                let check = |p: &[u8]| {
+                    b.secret().verify(
+                        b"mad-sisci segment",
+                        pi.name.as_bytes(),
+                        &[],
+                        tag.as_bytes(),
+                        p,
+                    )
+                };
+                let seg = Segment::open(&pi.name, r, n, o.geom, pi.pid, &check)?;
+                Ok((pi.name, seg, pi.pid))
+            },
+        )?;
         // Readiness: this rank's sockets reach every peer's, and the epoll set takes their pidfds.
         let mut ready = hostmem::PeerReadiness::connect(
             endpoint.as_ref(),
@@ -392,7 +399,7 @@ impl Driver for SisciDriver {
         // descriptor; all must, or nobody arms and nobody signals.
         let votes = b.allgather(&ctx.tag("mapped"), &[1 | (ready.ready() as u8) << 1])?;
         own.unlink()?;
-        ready.settle(hostmem::vote(&votes, &b.local_ranks(), 2));
+        ready.settle(hostmem::vote(&votes, &ctx.local_ranks(), 2));
         let hostmem::PeerReadiness {
             mut sigs,
             readiness,

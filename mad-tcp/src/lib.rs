@@ -240,7 +240,14 @@ impl Driver for TcpDriver {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("tcp: reading the listener address", e))?;
-        let all = b.allgather(&ctx.tag("addr"), local.to_string().as_bytes())?;
+        let reach: Vec<bool> = (0..size).map(|r| ctx.reaches(r)).collect();
+        // A rank outside the channel's `ranks=` publishes no address.
+        let published = if reach.contains(&true) {
+            local.to_string()
+        } else {
+            "-".to_string()
+        };
+        let all = b.allgather(&ctx.tag("addr"), published.as_bytes())?;
         if all.len() != size {
             return Err(Error::protocol(
                 me,
@@ -255,6 +262,7 @@ impl Driver for TcpDriver {
             secret: b.secret(),
             fingerprint: ctx.table.fingerprint(),
             connect_timeout: opts.connect_timeout,
+            reach,
         };
         let streams = setup::connect_all(&params, listener, &addrs)?;
         // A message's first read covers a header, descriptors and small pieces up to the copy
@@ -313,7 +321,7 @@ impl Driver for TcpDriver {
         let notes = vec![format!(
             "tcp: {} listening for setup, {} connections, {} KiB buffers, liveness bound {} ms",
             local,
-            size - 1,
+            links.iter().filter(|l| l.is_some()).count(),
             opts.buffer / 1024,
             opts.liveness.as_millis()
         )];

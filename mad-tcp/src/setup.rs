@@ -30,6 +30,8 @@ pub(crate) struct SetupParams<'a> {
     pub secret: &'a Secret,
     pub fingerprint: u64,
     pub connect_timeout: Duration,
+    /// The ranks this rank connects to (`OpenContext::reaches`), indexed by rank.
+    pub reach: Vec<bool>,
 }
 
 /// A listening socket bound on the adapter address, port chosen by the kernel.
@@ -38,11 +40,14 @@ pub(crate) fn listen(ip: IpAddr) -> Result<TcpListener> {
         .map_err(|e| Error::io(format!("tcp: cannot listen on {ip}"), e))
 }
 
-/// Parse the addresses every rank published.
-pub(crate) fn parse_addrs(all: &[Vec<u8>]) -> Result<Vec<SocketAddr>> {
+/// Parse the addresses every rank published (`-`: a rank outside the channel's `ranks=`).
+pub(crate) fn parse_addrs(all: &[Vec<u8>]) -> Result<Vec<Option<SocketAddr>>> {
     all.iter()
         .enumerate()
         .map(|(r, b)| {
+            if b.as_slice() == b"-" {
+                return Ok(None);
+            }
             std::str::from_utf8(b)
                 .ok()
                 .and_then(|s| s.parse::<SocketAddr>().ok())
@@ -55,6 +60,7 @@ pub(crate) fn parse_addrs(all: &[Vec<u8>]) -> Result<Vec<SocketAddr>> {
                         ),
                     )
                 })
+                .map(Some)
         })
         .collect()
 }
@@ -64,7 +70,7 @@ pub(crate) fn parse_addrs(all: &[Vec<u8>]) -> Result<Vec<SocketAddr>> {
 pub(crate) fn connect_all(
     p: &SetupParams<'_>,
     listener: TcpListener,
-    addrs: &[SocketAddr],
+    addrs: &[Option<SocketAddr>],
 ) -> Result<Vec<Option<TcpStream>>> {
     let deadline = Instant::now() + p.connect_timeout;
     let stop = AtomicBool::new(false);
@@ -82,7 +88,11 @@ pub(crate) fn connect_all(
         let mut out: Vec<Option<TcpStream>> = Vec::with_capacity(p.me);
         let mut err = None;
         for (r, addr) in addrs.iter().enumerate().take(p.me) {
-            match connect_one(p, r, *addr, deadline) {
+            let Some(addr) = addr.filter(|_| p.reach[r]) else {
+                out.push(None);
+                continue;
+            };
+            match connect_one(p, r, addr, deadline) {
                 Ok(st) => {
                     tracing::debug!(peer = r, %addr, "connected and authenticated");
                     out.push(Some(st))
@@ -220,7 +230,7 @@ fn accept_all(
         fingerprint: p.fingerprint,
         deadline,
     };
-    let expected: Vec<usize> = (p.me + 1..p.size).collect();
+    let expected: Vec<usize> = (p.me + 1..p.size).filter(|&r| p.reach[r]).collect();
     let what = AcceptFor {
         driver: "tcp",
         channel: p.channel,
@@ -232,8 +242,10 @@ fn accept_all(
     let got = accept::accept_all(&what, listener, stop, &expected, move |st, addr| {
         accept_one(&ctx, st, addr)
     })?;
-    let mut all: Vec<Option<TcpStream>> = (0..=p.me).map(|_| None).collect();
-    all.extend(got.into_iter().map(Some));
+    let mut all: Vec<Option<TcpStream>> = (0..p.size).map(|_| None).collect();
+    for (r, st) in expected.into_iter().zip(got) {
+        all[r] = Some(st);
+    }
     Ok(all)
 }
 

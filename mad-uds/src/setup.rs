@@ -79,7 +79,7 @@ fn context(tag: &str, connector: usize, acceptor: usize) -> Vec<u8> {
 pub fn connect_all(ctx: &OpenContext<'_>) -> Result<Vec<Option<UnixStream>>> {
     let b = ctx.bootstrap;
     let (me, size) = (b.rank(), b.size());
-    let local = b.local_ranks();
+    let local = ctx.local_ranks();
     let fp = ctx.table.fingerprint();
     let secret = b.secret();
     let tag = ctx.tag("uds");

@@ -123,8 +123,9 @@ pub struct MappedPeer<I, S> {
 /// announcement under `tag`, then, for every other rank on this host, `map(rank, bytes)`
 /// decodes its announcement, checks it (fingerprints, geometry, the proof of the session
 /// secret in its header) and maps its segment, returning the decoded announcement, the
-/// segment and the peer's pid. Returns one entry per rank (`None` for this rank and for
-/// ranks on other hosts).
+/// segment and the peer's pid, for every rank of `local` (this host's ranks the channel
+/// connects: [`OpenContext::local_ranks`](crate::driver::OpenContext::local_ranks)). Returns
+/// one entry per rank (`None` for this rank and the ranks not in `local`).
 ///
 /// Each peer's process is watched ([`PeerWatch::open`]) right after its segment is mapped,
 /// while it is known alive (it waits for this rank in the driver's next collective): a peer
@@ -140,6 +141,7 @@ pub struct MappedPeer<I, S> {
 /// [`Error::Io`] when a peer's process cannot be watched.
 pub fn map_peers<I, S>(
     b: &dyn Bootstrap,
+    local: &[usize],
     tag: &str,
     announce: &[u8],
     driver: &str,
@@ -154,7 +156,7 @@ pub fn map_peers<I, S>(
         ));
     }
     let mut peers: Vec<Option<MappedPeer<I, S>>> = (0..n).map(|_| None).collect();
-    for r in b.local_ranks() {
+    for &r in local {
         if r == me || r >= n {
             continue;
         }

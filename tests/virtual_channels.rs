@@ -1,0 +1,215 @@
+//! Real channels restricted to some ranks (`ranks=`) and virtual channels over several real
+//! channels (`virtual:...`, `mad_core::vchan`): routes, any-source over every part, close,
+//! clear errors, and the conformance kit over a virtual channel whose peers are reached through
+//! different real channels. Ranks are threads of this process over real sockets and shared
+//! memory.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use mad_core::bootstrap::ThreadBootstrap;
+use mad_core::conformance::{run_threads, KitOptions};
+use mad_core::vchan::Route;
+use mad_core::{ChannelConfig, Error, RecvMode, Session};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Run `body` on `n` ranks (threads), each with a session of every default driver.
+fn ranks<F>(n: usize, body: F)
+where
+    F: Fn(Session) -> mad_core::Result<()> + Sync,
+{
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    std::thread::scope(|s| {
+        let body = &body;
+        let hs: Vec<_> = ThreadBootstrap::group(n)
+            .into_iter()
+            .map(|b| {
+                s.spawn(move || {
+                    let session = madeleine::builder().bootstrap(Box::new(b)).build()?;
+                    body(session)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            h.join()
+                .unwrap_or_else(|_| panic!("rank {r} panicked"))
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}
+
+/// `e` is a configuration error (this rank's, or another's that failed first) saying `what`.
+fn bad_config(e: &Error, what: &str) {
+    use mad_core::ErrorKind::{Config, RemoteFailure};
+    let remote_config = e.kind() == RemoteFailure && e.to_string().contains("bad configuration");
+    assert!(e.kind() == Config || remote_config, "{e}");
+    assert!(e.to_string().contains(what), "{e}");
+}
+
+fn open(s: &Session, name: &str, spec: &str) -> mad_core::Result<mad_core::Channel> {
+    s.open_channel_with(ChannelConfig::parse(name, spec)?)
+}
+
+#[test]
+fn ranks_restrict_a_real_channel() {
+    ranks(3, |s| {
+        let me = s.rank();
+        for spec in ["tcp,ranks=0-1", "shm,ranks=0-1", "sisci:local,ranks=0:1"] {
+            let ch = open(&s, "r", spec)?;
+            let want: &[usize] = match me {
+                0 => &[1],
+                1 => &[0],
+                _ => &[],
+            };
+            assert_eq!(ch.peers(), want, "{spec}: peers of rank {me}");
+            if me < 2 {
+                // The rank outside the set: a clear error, before anything is sent.
+                match ch.begin_packing(2) {
+                    Err(Error::BadConfig(m)) => assert!(m.contains("rank 2"), "{m}"),
+                    other => panic!("{spec}: send to rank 2 gave {other:?}"),
+                }
+                if me == 0 {
+                    let mut p = ch.begin_packing(1)?;
+                    p.pack_value(&7u64, RecvMode::Express)?;
+                    p.end_packing()?;
+                } else {
+                    let mut u = ch.begin_unpacking()?;
+                    assert_eq!((u.remote(), u.unpack_value::<u64>()?), (0, 7));
+                    u.end_unpacking()?;
+                }
+            } else {
+                assert!(ch.begin_packing(0).is_err());
+            }
+            s.bootstrap().barrier(&format!("r/{spec}"))?;
+        }
+        // A rank beyond the session is refused at open, on every rank.
+        match open(&s, "r2", "tcp,ranks=0-3") {
+            Err(e) => bad_config(&e, "ranks=0-3"),
+            Ok(_) => panic!("ranks=0-3 over 3 ranks opened"),
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn virtual_channel_routes_any_source_and_close() {
+    ranks(3, |s| {
+        let me = s.rank();
+        let ch = open(&s, "v", "virtual:[shm,ranks=0-1]+tcp")?;
+        assert_eq!(ch.parts().len(), 2);
+        assert_eq!(ch.parts()[0].config().driver, "shm");
+        assert_eq!(ch.route(me), Some(Route::Me));
+        let expect = |r: usize| {
+            if me.max(r) <= 1 {
+                Route::Direct { part: 0 }
+            } else {
+                Route::Direct { part: 1 }
+            }
+        };
+        for r in (0..3).filter(|&r| r != me) {
+            assert_eq!(ch.route(r), Some(expect(r)), "rank {me} to {r}");
+        }
+        // Rank 0 receives from both others by any-source; the pieces went through shm from 1
+        // and tcp from 2.
+        const ROUNDS: u64 = 50;
+        if me == 0 {
+            let mut from = [0u64; 3];
+            for _ in 0..2 * ROUNDS {
+                let mut u = ch.begin_unpacking()?;
+                let r = u.remote();
+                let v = u.unpack_value::<u64>()?;
+                let mut big = vec![0u8; 300_000];
+                u.unpack(&mut big, mad_core::SendMode::Cheaper)?;
+                u.end_unpacking()?;
+                assert_eq!(v, from[r] * 10 + r as u64, "order from rank {r}");
+                assert!(big.iter().all(|&b| b == r as u8));
+                from[r] += 1;
+            }
+            assert_eq!(from, [0, ROUNDS, ROUNDS]);
+            let st = ch.stats();
+            assert_eq!(st.messages_received, 2 * ROUNDS);
+            let shm: u64 = st
+                .pieces_received
+                .iter()
+                .filter(|(n, _)| n.starts_with("shm/"))
+                .map(|(_, c)| c)
+                .sum();
+            let tcp: u64 = st
+                .pieces_received
+                .iter()
+                .filter(|(n, _)| n.starts_with("tcp/"))
+                .map(|(_, c)| c)
+                .sum();
+            assert_eq!((shm, tcp), (2 * ROUNDS, 2 * ROUNDS), "{st:?}");
+        } else {
+            let big = vec![me as u8; 300_000];
+            for i in 0..ROUNDS {
+                let mut p = ch.begin_packing(0)?;
+                p.pack_value(&(i * 10 + me as u64), RecvMode::Express)?;
+                p.pack(&big, RecvMode::Cheaper)?;
+                p.end_packing()?;
+            }
+        }
+        s.bootstrap().barrier("v/sent")?;
+        // close() frees a receiver blocked on the virtual channel, with Closed.
+        if me == 0 {
+            std::thread::scope(|t| {
+                let h = t.spawn(|| {
+                    let t0 = Instant::now();
+                    let r = ch.begin_unpacking().map(|_| ());
+                    (r, t0.elapsed())
+                });
+                std::thread::sleep(Duration::from_millis(100));
+                ch.close();
+                let (r, _) = h.join().expect("receiver thread");
+                assert!(matches!(r, Err(Error::Closed { .. })), "{r:?}");
+            });
+            assert!(ch.parts().iter().all(|p| p.is_closed()));
+        }
+        // The peers stay until the close is tested (their leaving would end the wait first).
+        s.bootstrap().barrier("v/closed")?;
+        Ok(())
+    });
+}
+
+#[test]
+fn virtual_channel_refuses_ranks_it_cannot_join() {
+    ranks(3, |s| {
+        match open(&s, "apart", "virtual:[shm,ranks=0-1]") {
+            Err(e) => bad_config(&e, "not joined"),
+            Ok(_) => panic!("a virtual channel leaving rank 2 out opened"),
+        }
+        // Options of one part belong in its brackets.
+        match open(&s, "bad", "virtual:shm+tcp,ranks=0-1") {
+            Err(e) => bad_config(&e, "inside"),
+            Ok(_) => panic!("ranks= on the whole of a virtual channel was taken"),
+        }
+        Ok(())
+    });
+}
+
+fn kit(ranks: usize, spec: &str) {
+    let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ran = run_threads(ranks, KitOptions::new(spec), |b| {
+        madeleine::builder().bootstrap(b).build()
+    })
+    .unwrap_or_else(|e| panic!("conformance over `{spec}` with {ranks} ranks: {e}"));
+    assert!(!ran.is_empty());
+}
+
+/// Ranks 0 and 1 through shm, rank 2 through tcp.
+#[test]
+fn kit_virtual_shm_tcp_3_ranks() {
+    kit(3, "virtual:[shm,ranks=0-1]+tcp,timeout_ms=60000");
+}
+
+/// A first part that does not reach the peer: everything through the second (via's soft
+/// NIC), block mode handed down to both parts.
+#[test]
+fn kit_virtual_second_part_2_ranks() {
+    kit(
+        2,
+        "virtual:[sisci:local,ranks=1]+via:soft,progress=block,timeout_ms=60000",
+    );
+}
