@@ -590,6 +590,33 @@ impl ChannelInner {
         }
     }
 
+    /// The error a new message to or from `remote` would meet on this channel because an
+    /// earlier one broke the connection (a half busy with a message counts as intact).
+    pub(crate) fn refuses(&self, remote: usize) -> Option<Error> {
+        let c = match self.conns.get(remote) {
+            Some(Some(c)) => c,
+            _ => return None,
+        };
+        if let Err(e) = c.usable(remote) {
+            return Some(e);
+        }
+        let poisoned = |cause: &str| Error::Poisoned {
+            rank: remote,
+            cause: cause.into(),
+        };
+        if let Ok(tx) = c.tx.try_lock() {
+            if let Some(cause) = &tx.broken {
+                return Some(poisoned(cause));
+            }
+        }
+        if let Ok(rx) = c.rx.try_lock() {
+            if let Some(cause) = &rx.broken {
+                return Some(poisoned(cause));
+            }
+        }
+        None
+    }
+
     /// Called when an Unpacker releases a connection: wake any-source waiters.
     pub(crate) fn released(&self, remote: usize) {
         if let Some(Some(c)) = self.conns.get(remote) {
@@ -667,7 +694,7 @@ impl ChannelInner {
 
     pub(crate) fn all_broken(&self) -> bool {
         if let Some(v) = &self.virt {
-            return v.parts.iter().all(|p| p.inner.all_broken());
+            return v.all_broken();
         }
         self.peers.iter().all(|&p| match &self.conns[p] {
             Some(c) => match c.rx.try_lock() {
@@ -811,9 +838,18 @@ impl Channel {
     pub fn try_begin_packing<'b>(&self, remote: usize) -> Result<Option<Packer<'_, 'b>>> {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
-            return v
-                .direct(remote, inner.rank, inner.size)?
-                .try_begin_packing(remote);
+            inner.check_open()?;
+            return match v.out(remote)? {
+                crate::vchan::Out::Direct(p) => p.try_begin_packing(remote),
+                crate::vchan::Out::Forward {
+                    transit,
+                    next,
+                    envelope,
+                } => match transit.try_begin_packing(next)? {
+                    Some(p) => p.forwarded(remote, &envelope).map(Some),
+                    None => Ok(None),
+                },
+            };
         }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
@@ -837,8 +873,19 @@ impl Channel {
     ) -> Poll<Result<Packer<'_, 'b>>> {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
-            return match v.direct(remote, inner.rank, inner.size) {
-                Ok(p) => p.poll_begin_packing(remote, cx),
+            if let Err(e) = inner.check_open() {
+                return Poll::Ready(Err(e));
+            }
+            return match v.out(remote) {
+                Ok(crate::vchan::Out::Direct(p)) => p.poll_begin_packing(remote, cx),
+                Ok(crate::vchan::Out::Forward {
+                    transit,
+                    next,
+                    envelope,
+                }) => match transit.poll_begin_packing(next, cx) {
+                    Poll::Ready(Ok(p)) => Poll::Ready(p.forwarded(remote, &envelope)),
+                    other => other,
+                },
                 Err(e) => Poll::Ready(Err(e)),
             };
         }
@@ -1002,9 +1049,8 @@ impl Channel {
     fn try_from_start<'b>(&self, remote: usize) -> Result<Option<Unpacker<'_, 'b>>> {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
-            return v
-                .direct(remote, inner.rank, inner.size)?
-                .try_begin_unpacking_from(remote);
+            inner.check_open()?;
+            return v.inbound(remote)?.try_begin_unpacking_from(remote);
         }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
@@ -1060,9 +1106,8 @@ impl Channel {
     fn begin_from<'b>(&self, remote: usize, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
-            return v
-                .direct(remote, inner.rank, inner.size)?
-                .begin_from(remote, deadline);
+            inner.check_open()?;
+            return v.inbound(remote)?.begin_from(remote, deadline);
         }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
@@ -1110,9 +1155,7 @@ impl Channel {
             "channel closed"
         );
         if let Some(v) = &inner.virt {
-            for p in &v.parts {
-                p.close();
-            }
+            v.close();
         }
         inner.incoming.shutdown();
         inner.incoming.wake();

@@ -335,6 +335,85 @@ impl Driver for MemDriver {
     }
 }
 
+/// An in-process relay for a virtual channel's forwarder ([`crate::vchan`]): the links
+/// between this rank (`me`) and one endpoint per rank of `origins`, each endpoint standing in
+/// for that rank. Returns this rank's links and incoming (a channel whose peers are
+/// `origins`), and each origin's (a channel whose one peer is `me`). Frames are `buf` bytes,
+/// at most `frames` per direction (back-pressure).
+pub(crate) fn relay(
+    me: usize,
+    size: usize,
+    origins: &[usize],
+    frames: usize,
+    buf: usize,
+) -> (OpenedChannel, Vec<(usize, OpenedChannel)>) {
+    let bells: Vec<Arc<Doorbell>> = (0..size).map(|_| Arc::new(Doorbell::default())).collect();
+    let pipe = |from: usize, to: usize| {
+        Arc::new(Pipe {
+            st: Mutex::new(PipeState {
+                frames: VecDeque::with_capacity(frames),
+                free: Vec::new(),
+                free_lens: Vec::new(),
+                closed: false,
+                tx_armed: false,
+            }),
+            cv: Condvar::new(),
+            max_frames: frames,
+            doorbell: bells[to].clone(),
+            writer_bell: bells[from].clone(),
+        })
+    };
+    let pair = |peer: usize, out: &Arc<Pipe>, inbound: &Arc<Pipe>| {
+        let torn = Arc::new(Teardown::new());
+        LinkPair {
+            tx: Box::new(MemTx {
+                peer,
+                pipe: out.clone(),
+                back: inbound.clone(),
+                torn: torn.clone(),
+                gate: ProbeGate::new(),
+                buf: vec![0; buf],
+                used: 0,
+                tm: 0,
+                msg: 0,
+                pushed: false,
+            }) as Box<dyn TxLink>,
+            rx: Box::new(MemRx {
+                pipe: inbound.clone(),
+                back: out.clone(),
+                torn,
+                cur: None,
+                off: 0,
+                peer,
+            }) as Box<dyn RxLink>,
+        }
+    };
+    let mut mine: Vec<Option<LinkPair>> = (0..size).map(|_| None).collect();
+    let (mut inbound, mut outbound, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
+    for &o in origins {
+        let (to_me, from_me) = (pipe(o, me), pipe(me, o));
+        mine[o] = Some(pair(o, &from_me, &to_me));
+        inbound.push((o, to_me.clone()));
+        outbound.push(from_me.clone());
+        let mut links: Vec<Option<LinkPair>> = (0..size).map(|_| None).collect();
+        links[me] = Some(pair(me, &to_me, &from_me));
+        let incoming = MemIncoming {
+            inbound: vec![(me, from_me)],
+            outbound: vec![to_me],
+            forgotten: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            bell: bells[o].clone(),
+        };
+        theirs.push((o, OpenedChannel::new(links, Box::new(incoming))));
+    }
+    let incoming = MemIncoming {
+        inbound,
+        outbound,
+        forgotten: (0..size).map(|_| AtomicBool::new(false)).collect(),
+        bell: bells[me].clone(),
+    };
+    (OpenedChannel::new(mine, Box::new(incoming)), theirs)
+}
+
 struct MemTx {
     peer: usize,
     pipe: Arc<Pipe>,

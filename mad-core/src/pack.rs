@@ -364,6 +364,27 @@ struct PackState<'c> {
     /// Payload bytes this message may still take: the driver's
     /// [`max_message`](crate::driver::Capabilities::max_message) minus what was packed.
     room: u64,
+    /// A message of a virtual channel to a rank behind gateways ([`crate::vchan`]): every
+    /// piece goes as a descriptor and fragments ([`crate::vchan::fwd`]) to the first gateway.
+    fwd: Option<Box<Forwarding>>,
+}
+
+/// The state of a forwarded message ([`PackState::fwd`]).
+struct Forwarding {
+    /// The final destination.
+    dest: usize,
+    /// The envelope, until it goes ahead of the first piece, flush or end (a packer dropped
+    /// before leaves nothing behind).
+    envelope: Option<[u8; crate::vchan::fwd::ENVELOPE_LEN]>,
+    /// The end descriptor was packed.
+    ended: bool,
+}
+
+/// A piece of a forwarded message, in its send mode.
+enum FwdPiece<'a, 'b> {
+    Cheaper(&'b [u8]),
+    Safer(&'a [u8]),
+    Later(Later<'b>),
 }
 
 /// View LATER data as bytes for the duration of `end_packing`.
@@ -699,7 +720,15 @@ impl<'c, 'b> Packer<'c, 'b> {
         deadline: Option<Instant>,
     ) -> Result<Packer<'c, 'b>> {
         if let Some(v) = &ch.virt {
-            return Self::start(&v.direct(remote, ch.rank, ch.size)?.inner, remote, deadline);
+            ch.check_open()?;
+            return match v.out(remote)? {
+                crate::vchan::Out::Direct(p) => Self::start(&p.inner, remote, deadline),
+                crate::vchan::Out::Forward {
+                    transit,
+                    next,
+                    envelope,
+                } => Self::start(&transit.inner, next, deadline)?.forwarded(remote, &envelope),
+            };
         }
         let conn = ch.conn(remote)?;
         ch.check_open()?;
@@ -765,6 +794,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             trying: false,
             planned: false,
             room: ch.caps.max_message.unwrap_or(u64::MAX),
+            fwd: None,
         };
         let spare = &mut st.tx.spare;
         let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
@@ -1137,7 +1167,95 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     /// The peer this message goes to.
     pub fn remote(&self) -> usize {
-        self.st.remote
+        match &self.st.fwd {
+            Some(f) => f.dest,
+            None => self.st.remote,
+        }
+    }
+
+    /// Checked mode for this message as `on` says, whatever the channel's (a relayed message
+    /// keeps its origin's): before any piece only.
+    pub(crate) fn checked_as(mut self, on: bool) -> Self {
+        if self.st.index == 0 && self.st.header.is_some() {
+            self.st.checked = on;
+            self.st.header = Some(wire::encode_header(wire::Header {
+                checked: on,
+                seq: self.st.tx.seq,
+            }));
+        }
+        self
+    }
+
+    /// Make this message (to the first gateway) a forwarded one to `dest`: its first piece is
+    /// `envelope`, and every piece packed from now on goes as a descriptor and fragments
+    /// ([`crate::vchan::fwd`]).
+    pub(crate) fn forwarded(
+        mut self,
+        dest: usize,
+        envelope: &[u8; crate::vchan::fwd::ENVELOPE_LEN],
+    ) -> Result<Self> {
+        self.st.fwd = Some(Box::new(Forwarding {
+            dest,
+            envelope: Some(*envelope),
+            ended: false,
+        }));
+        Ok(self)
+    }
+
+    /// A forwarded message's envelope, ahead of its first piece, flush or end.
+    #[cold]
+    fn fwd_envelope(&mut self) -> Result<()> {
+        let Some(env) = self.st.fwd.as_mut().and_then(|f| f.envelope.take()) else {
+            return Ok(());
+        };
+        let res = self.pack_safer_inner(&env, RecvMode::Express);
+        self.check(res)
+    }
+
+    /// A piece of a forwarded message: its descriptor, then its bytes in fragments, each
+    /// received EXPRESS by the gateway (which forwards it on) and sent in the piece's mode.
+    #[cold]
+    #[inline(never)]
+    fn fwd_piece(&mut self, piece: FwdPiece<'_, 'b>, r: RecvMode) -> Result<()> {
+        use crate::vchan::fwd;
+        let (len, s) = match &piece {
+            FwdPiece::Cheaper(d) => (d.len(), SendMode::Cheaper),
+            FwdPiece::Safer(d) => (d.len(), SendMode::Safer),
+            FwdPiece::Later(l) => (l.len(), SendMode::Later),
+        };
+        self.fwd_envelope()?;
+        self.admit(fwd::DESC_LEN)?;
+        let res = self.pack_safer_inner(&fwd::piece(len, s, r), RecvMode::Express);
+        self.check(res)?;
+        let e = RecvMode::Express;
+        for at in (0..len).step_by(fwd::FRAGMENT) {
+            let end = (at + fwd::FRAGMENT).min(len);
+            self.admit(end - at)?;
+            let res = match &piece {
+                FwdPiece::Cheaper(d) => self.pack_cheaper_inner(&d[at..end], e),
+                FwdPiece::Safer(d) => self.pack_safer_inner(&d[at..end], e),
+                FwdPiece::Later(Later::Cells(c)) => {
+                    self.pack_later_inner(Later::Cells(&c[at..end]), e)
+                }
+                FwdPiece::Later(Later::Atomics(a)) => {
+                    self.pack_later_inner(Later::Atomics(&a[at..end]), e)
+                }
+            };
+            self.check(res)?;
+        }
+        Ok(())
+    }
+
+    /// A forwarded message's end descriptor, once, before its end.
+    #[cold]
+    fn fwd_end(&mut self) -> Result<()> {
+        match &mut self.st.fwd {
+            Some(f) if !f.ended => f.ended = true,
+            _ => return Ok(()),
+        }
+        self.fwd_envelope()?;
+        let res = self.pack_safer_inner(&crate::vchan::fwd::end(), RecvMode::Express);
+        self.check(res)
     }
 
     /// Pack `data` in send mode **CHEAPER** (the default): the library chooses how to send it;
@@ -1158,6 +1276,9 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(FwdPiece::Cheaper(data), r);
+        }
         self.admit(data.len())?;
         let res = self.pack_cheaper_inner(data, r);
         self.check(res)
@@ -1181,6 +1302,9 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(FwdPiece::Safer(data), r);
+        }
         self.admit(data.len())?;
         let res = self.pack_safer_inner(data, r);
         self.check(res)
@@ -1208,6 +1332,9 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_later(&mut self, data: &'b [Cell<u8>], r: RecvMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(FwdPiece::Later(Later::Cells(data)), r);
+        }
         self.admit(data.len())?;
         let res = self.pack_later_inner(Later::Cells(data), r);
         self.check(res)
@@ -1232,6 +1359,9 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_later_atomic(&mut self, data: &'b [AtomicU8], r: RecvMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(FwdPiece::Later(Later::Atomics(data)), r);
+        }
         self.admit(data.len())?;
         let res = self.pack_later_inner(Later::Atomics(data), r);
         self.check(res)
@@ -1338,6 +1468,12 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
     /// message is abandoned (see the [`Packer`] documentation).
     pub fn flush(&mut self) -> Result<()> {
+        if self.st.fwd.is_some() {
+            self.fwd_envelope()?;
+            // Every gateway on the way flushes too.
+            let res = self.pack_safer_inner(&crate::vchan::fwd::flush(), RecvMode::Express);
+            self.check(res)?;
+        }
         let res = self.flush_inner();
         self.check(res)
     }
@@ -1378,6 +1514,11 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline(always)]
     fn end_here(&mut self) -> Result<()> {
+        if self.st.fwd.is_some() {
+            if let Err(e) = self.fwd_end() {
+                return Err(self.end_failed(e));
+            }
+        }
         let r = self.finish_inner();
         match r {
             Ok(()) => {
@@ -1436,6 +1577,11 @@ impl<'c, 'b> Packer<'c, 'b> {
     pub fn poll_end_packing(&mut self) -> Poll<Result<()>> {
         if let Err(e) = self.alive() {
             return Poll::Ready(Err(e));
+        }
+        if self.st.fwd.is_some() {
+            if let Err(e) = self.fwd_end() {
+                return Poll::Ready(Err(self.end_failed(e)));
+            }
         }
         if !self.st.planned {
             self.st.tx.spare.plan.clear();

@@ -77,6 +77,19 @@ struct SessionInner {
     attempts: Mutex<HashMap<String, u32>>,
     /// Every channel opened, for [`Session::close`] (weak: a channel lives while it has handles).
     channels: Mutex<Vec<std::sync::Weak<crate::channel::ChannelInner>>>,
+    /// The transit channels of virtual channels ([`crate::vchan`]): their forwarding threads
+    /// serve the other ranks while this session lives, even after this rank dropped the
+    /// virtual channel; the session's end closes them (which ends the threads).
+    transit: Mutex<Vec<std::sync::Weak<crate::channel::ChannelInner>>>,
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        let list = std::mem::take(self.transit.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for inner in list.iter().filter_map(|w| w.upgrade()) {
+            Channel { inner }.close();
+        }
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -166,6 +179,7 @@ impl SessionBuilder {
                 oversubscribed: AtomicBool::new(local > cores),
                 attempts: Mutex::new(HashMap::new()),
                 channels: Mutex::new(Vec::new()),
+                transit: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -518,8 +532,22 @@ impl Session {
             }
             reach.push(lists);
         }
-        let routes = crate::vchan::routes(&name, b.rank(), &reach)?;
-        let first = &parts[0].inner;
+        // Some pair needs a gateway: every rank opens the transit copies of the parts, in
+        // order (every rank sees the same reach, so every rank opens them).
+        let mut transit = Vec::new();
+        if crate::vchan::needs_gateways(&reach) {
+            for (i, p) in config.parts.iter().enumerate() {
+                let t = self.open_channel_with(crate::vchan::transit_config(p, &name, i))?;
+                self.inner
+                    .transit
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Arc::downgrade(&t.inner));
+                transit.push(t);
+            }
+        }
+        let virt = crate::vchan::assemble(&name, b.rank(), b.size(), parts, transit, &reach)?;
+        let first = &virt.parts[0].inner;
         let mut inner = ChannelInner::new(
             config,
             b.rank(),
@@ -532,13 +560,14 @@ impl Session {
             Vec::new(),
             first.tuning.clone(),
         );
-        inner.peers = routes
+        inner.peers = virt
+            .routes
             .iter()
             .enumerate()
-            .filter(|(_, r)| matches!(r, crate::vchan::Route::Direct { .. }))
+            .filter(|(_, r)| !matches!(r, crate::vchan::Route::Me))
             .map(|(r, _)| r)
             .collect();
-        inner.virt = Some(Box::new(crate::vchan::Virtual::new(parts, routes)?));
+        inner.virt = Some(Box::new(virt));
         let ch = Channel {
             inner: Arc::new(inner),
         };

@@ -1,5 +1,6 @@
 //! Virtual channels: one channel over several real channels, each of which may reach only
-//! some ranks (Madeleine II's step towards clusters of clusters).
+//! some ranks, with forwarding through gateway ranks where no real channel joins two ranks
+//! (Madeleine II's step towards clusters of clusters).
 //!
 //! A virtual channel is configured like any channel, `virtual:<part>+<part>+...`, each part a
 //! real channel's spec, in brackets when it has options of its own:
@@ -13,27 +14,66 @@
 //!   [`Packer`](crate::Packer) / [`Unpacker`](crate::Unpacker), so a message costs what it
 //!   costs on the real channel (one branch more), with its TM table, its modes and its
 //!   ordering per connection;
-//! * any-source [`begin_unpacking`](crate::Channel::begin_unpacking) covers every part (a
-//!   rotating first look, then the parts' readiness descriptors at once, as
-//!   [`events::begin_unpacking_any`](crate::events::begin_unpacking_any) does);
-//! * to a rank no part reaches, the shortest path through gateway ranks
-//!   ([`Route::Gateway`]); a configuration in which some two ranks are not joined at all
-//!   fails to open on every rank with [`Error::BadConfig`] naming them.
+//! * to a rank no part reaches, a shortest path through gateway ranks ([`Route::Gateway`]);
+//!   the path of a pair is the same both ways (found from the lower rank). A configuration in
+//!   which some two ranks are not joined at all fails to open on every rank with
+//!   [`Error::BadConfig`] naming them;
+//! * any-source [`begin_unpacking`](crate::Channel::begin_unpacking) covers every part and
+//!   the relay of forwarded messages (a rotating first look, then every readiness descriptor
+//!   at once, as [`events::begin_unpacking_any`](crate::events::begin_unpacking_any) does).
 //!
-//! The virtual channel's readiness descriptor is an epoll set of its parts' descriptors
-//! (none when a part has none: MPI); [`Channel::close`](crate::Channel::close) closes every
-//! part. [`Channel::parts`](crate::Channel::parts) and [`Channel::route`](crate::Channel::route)
-//! show what was built.
+//! ## Forwarding
+//!
+//! When some pair needs a gateway, every rank opens each part a second time (`<name>.t<i>`,
+//! the *transit* channels, never in poll mode) and runs one forwarding thread per transit
+//! neighbour, blocked in `begin_unpacking_from` (no CPU while idle). A message to a rank behind
+//! gateways ([`fwd`]):
+//!
+//! 1. the sender's [`Packer`](crate::Packer) goes to the first gateway on the transit channel,
+//!    its first piece an envelope (origin, destination, path); every piece packed then goes as
+//!    a 16-byte descriptor (length, send and receive modes) and fragments of at most
+//!    [`fwd::FRAGMENT`] bytes, each in the piece's send mode and received EXPRESS; `flush`
+//!    sends a flush descriptor, `end_packing` an end descriptor;
+//! 2. each gateway's thread reads the envelope and forwards descriptor by descriptor and
+//!    fragment by fragment to the next rank of the path (SAFER, through one fragment buffer),
+//!    so the next network's switch picks its own TM by the fragment's length, the gateway never
+//!    holds more than a fragment, and its memory is bounded (the next hop's back-pressure
+//!    stops it reading); it flushes where the sender flushed, and ends its message only after
+//!    the incoming one ended whole;
+//! 3. the destination's thread packs each piece, as it arrives, in its original modes into an
+//!    in-process relay (the `mem` driver's links, one connection per origin), from which the
+//!    application's [`Unpacker`](crate::Unpacker) reads it with [`Unpacker::remote`] the
+//!    origin: EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`, and
+//!    `begin_unpacking_from(origin)` works as for a direct peer. CHEAPER and LATER pieces are
+//!    kept by the relay until the message ends (they are the application's then).
+//!
+//! Order per (origin, destination) holds: one path, one connection per hop, one thread per
+//! connection. A failure anywhere on the path abandons the message at every hop after it
+//! (never delivered half or twice, never as complete) and tears the hop's connection down,
+//! so the sender's calls fail. A thread whose neighbour is gone fails the relay connections of
+//! the origins whose path came through it and floods a *gone* notice for that neighbour to the
+//! other neighbours, so a destination waiting for a dead origin behind a live gateway fails
+//! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]).
+//!
+//! The virtual channel's readiness descriptor is an epoll set of its parts' and relay's
+//! descriptors (none when a part has none: MPI); [`Channel::close`](crate::Channel::close)
+//! closes every part, transit channel and the relay. [`Channel::parts`](crate::Channel::parts)
+//! and [`Channel::route`](crate::Channel::route) show what was built.
 
+use std::cell::Cell;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 
-use crate::driver::{Armed, Incoming};
+use crate::channel::ChannelInner;
+use crate::config::ChannelConfig;
+use crate::driver::{Armed, Driver, Incoming};
 use crate::error::{Error, Result};
-use crate::{Channel, Unpacker};
+use crate::progress::{ProgressMode, ProgressPolicy};
+use crate::{Channel, RecvMode, SendMode, Unpacker};
 
 /// The driver name of a virtual channel's spec (`virtual:shm+tcp`).
 pub const DRIVER: &str = "virtual";
@@ -62,65 +102,298 @@ pub enum Route {
     },
 }
 
+/// The wire format of forwarded messages (the pieces of a message on a transit channel).
+pub mod fwd {
+    use crate::{RecvMode, SendMode};
+
+    /// Pieces longer than this travel in fragments of this size.
+    pub const FRAGMENT: usize = 256 << 10;
+    /// Length of a descriptor piece.
+    pub const DESC_LEN: usize = 16;
+    /// Length of the envelope, the first piece of a forwarded message.
+    pub const ENVELOPE_LEN: usize = 64;
+    /// The longest path an envelope holds (ranks, both ends included).
+    pub const MAX_PATH: usize = 12;
+    const DESC_MAGIC: u8 = 0xD5;
+    const ENV_MAGIC: u8 = 0xE7;
+
+    /// What a descriptor announces.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Desc {
+        /// A piece of `len` bytes, packed in these modes.
+        Piece {
+            /// Its length.
+            len: usize,
+            /// Its send mode.
+            s: SendMode,
+            /// Its receive mode.
+            r: RecvMode,
+        },
+        /// The sender flushed here.
+        Flush,
+        /// The end of the message.
+        End,
+    }
+
+    fn desc(kind: u8, len: usize, s: u8, r: u8) -> [u8; DESC_LEN] {
+        let mut b = [0u8; DESC_LEN];
+        b[0] = DESC_MAGIC;
+        b[1] = kind;
+        b[2] = s;
+        b[3] = r;
+        b[8..].copy_from_slice(&(len as u64).to_le_bytes());
+        b
+    }
+
+    /// The descriptor of a piece.
+    pub fn piece(len: usize, s: SendMode, r: RecvMode) -> [u8; DESC_LEN] {
+        desc(1, len, s as u8, r as u8)
+    }
+
+    /// The flush descriptor.
+    pub fn flush() -> [u8; DESC_LEN] {
+        desc(2, 0, 0, 0)
+    }
+
+    /// The end descriptor.
+    pub fn end() -> [u8; DESC_LEN] {
+        desc(0, 0, 0, 0)
+    }
+
+    /// Decode a descriptor; `None` when malformed.
+    pub fn decode(b: &[u8; DESC_LEN]) -> Option<Desc> {
+        if b[0] != DESC_MAGIC {
+            return None;
+        }
+        let len = usize::try_from(u64::from_le_bytes(b[8..].try_into().ok()?)).ok()?;
+        let s = match b[2] {
+            0 => SendMode::Safer,
+            1 => SendMode::Later,
+            2 => SendMode::Cheaper,
+            _ => return None,
+        };
+        let r = match b[3] {
+            0 => RecvMode::Express,
+            1 => RecvMode::Cheaper,
+            _ => return None,
+        };
+        match b[1] {
+            0 => Some(Desc::End),
+            1 => Some(Desc::Piece { len, s, r }),
+            2 => Some(Desc::Flush),
+            _ => None,
+        }
+    }
+
+    /// The first piece of a forwarded message, or a notice that a rank is gone.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct Envelope {
+        /// A notice that `origin` is gone (no message follows).
+        pub gone: bool,
+        /// The sender.
+        pub origin: usize,
+        /// The destination.
+        pub dest: usize,
+        /// The ranks from origin to destination (empty for a notice).
+        pub path: Vec<usize>,
+    }
+
+    impl Envelope {
+        /// Encode; `None` when the path is longer than [`MAX_PATH`].
+        pub fn encode(&self) -> Option<[u8; ENVELOPE_LEN]> {
+            if self.path.len() > MAX_PATH {
+                return None;
+            }
+            let mut b = [0u8; ENVELOPE_LEN];
+            b[0] = ENV_MAGIC;
+            b[1] = u8::from(self.gone);
+            b[2] = self.path.len() as u8;
+            b[4..8].copy_from_slice(&u32::try_from(self.origin).ok()?.to_le_bytes());
+            b[8..12].copy_from_slice(&u32::try_from(self.dest).ok()?.to_le_bytes());
+            for (i, &r) in self.path.iter().enumerate() {
+                b[16 + 4 * i..20 + 4 * i].copy_from_slice(&u32::try_from(r).ok()?.to_le_bytes());
+            }
+            Some(b)
+        }
+
+        /// Decode; `None` when malformed or naming a rank not below `size`.
+        pub fn decode(b: &[u8; ENVELOPE_LEN], size: usize) -> Option<Envelope> {
+            let rd = |at: usize| -> Option<usize> {
+                let v = u32::from_le_bytes(b[at..at + 4].try_into().ok()?) as usize;
+                (v < size).then_some(v)
+            };
+            if b[0] != ENV_MAGIC || b[1] > 1 || b[2] as usize > MAX_PATH {
+                return None;
+            }
+            let path = (0..b[2] as usize)
+                .map(|i| rd(16 + 4 * i))
+                .collect::<Option<Vec<usize>>>()?;
+            Some(Envelope {
+                gone: b[1] == 1,
+                origin: rd(4)?,
+                dest: rd(8)?,
+                path,
+            })
+        }
+    }
+}
+
+/// Where a message to a rank goes first ([`Virtual::out`]).
+pub(crate) enum Out<'a> {
+    /// The part that reaches it.
+    Direct(&'a Channel),
+    /// The transit channel to `next`, the first gateway, with this envelope.
+    Forward {
+        transit: &'a Channel,
+        next: usize,
+        envelope: [u8; fwd::ENVELOPE_LEN],
+    },
+}
+
 /// What a virtual channel holds besides the core's channel state (`ChannelInner::virt`).
 pub(crate) struct Virtual {
     pub(crate) parts: Vec<Channel>,
     pub(crate) routes: Vec<Route>,
-    /// An epoll set of the parts' readiness descriptors (when every part has one).
+    /// Per rank behind gateways: the path from this rank (empty otherwise).
+    paths: Vec<Vec<usize>>,
+    /// The transit copies of the parts (empty when no pair needs a gateway).
+    transit: Vec<Channel>,
+    /// Where forwarded messages reach this rank's application (when some rank is behind
+    /// gateways from here).
+    relay: Option<Channel>,
+    /// The parts and the relay: what any-source looks at.
+    sources: Vec<Channel>,
+    /// An epoll set of the sources' readiness descriptors (when every one has one).
     set: Option<Epoll>,
-    /// The part the next any-source look starts with.
+    /// The source the next any-source look starts with.
     next: AtomicUsize,
+    me: usize,
+    size: usize,
+    /// This rank's forwarding threads' state (when some pair needs a gateway).
+    fwd: Option<Arc<Forwarder>>,
+}
+
+impl Drop for Virtual {
+    fn drop(&mut self) {
+        // The relay is this handle's; the transit channels serve the other ranks until the
+        // session ends (or `Channel::close`). The ranks behind gateways learn that this one
+        // left, as direct peers do from the closed connections.
+        if let Some(r) = &self.relay {
+            r.close();
+        }
+        if let Some(f) = &self.fwd {
+            f.gone(self.me, None);
+        }
+    }
 }
 
 impl Virtual {
-    /// The real channel that reaches `remote` directly, or the error to report.
+    /// Where a message to `remote` goes first, or the error to report.
     #[inline]
-    pub(crate) fn direct(&self, remote: usize, me: usize, size: usize) -> Result<&Channel> {
+    pub(crate) fn out(&self, remote: usize) -> Result<Out<'_>> {
         match self.routes.get(remote) {
-            Some(Route::Direct { part }) => Ok(&self.parts[*part]),
-            Some(Route::Gateway { via, hops, .. }) => Err(Error::unavailable(
-                DRIVER,
-                format!(
-                    "rank {remote} is reached only through gateway rank {via} ({hops} hops); \
-                     forwarding through gateways is not implemented yet"
-                ),
-            )),
+            Some(Route::Direct { part }) => Ok(Out::Direct(&self.parts[*part])),
+            Some(Route::Gateway { part, via, .. }) => {
+                if self.fwd.as_ref().is_some_and(|f| f.is_gone(remote)) {
+                    return Err(Error::PeerClosed { rank: remote });
+                }
+                // A connection is refused both ways once broken: here, the relay's from
+                // `remote` (its message abandoned by this side, say).
+                if let Some(e) = self.relay.as_ref().and_then(|r| r.inner.refuses(remote)) {
+                    return Err(e);
+                }
+                let envelope = fwd::Envelope {
+                    gone: false,
+                    origin: self.me,
+                    dest: remote,
+                    path: self.paths[remote].clone(),
+                }
+                .encode()
+                .ok_or_else(|| {
+                    Error::unavailable(
+                        DRIVER,
+                        format!(
+                            "the path to rank {remote} has more than {} ranks",
+                            fwd::MAX_PATH
+                        ),
+                    )
+                })?;
+                Ok(Out::Forward {
+                    transit: &self.transit[*part],
+                    next: *via,
+                    envelope,
+                })
+            }
             _ => Err(Error::BadRank {
                 rank: remote,
-                size,
-                me,
+                size: self.size,
+                me: self.me,
             }),
         }
     }
 
-    /// The readiness descriptor: the epoll set of the parts' descriptors.
+    /// The channel a message from `remote` arrives on: its part, or the relay.
+    #[inline]
+    pub(crate) fn inbound(&self, remote: usize) -> Result<&Channel> {
+        match self.routes.get(remote) {
+            Some(Route::Direct { part }) => Ok(&self.parts[*part]),
+            Some(Route::Gateway { part, via, .. }) => {
+                // Refused both ways once broken: here, the way out towards `remote`.
+                if let Some(e) = self.transit[*part].inner.refuses(*via) {
+                    return Err(e);
+                }
+                self.relay.as_ref().ok_or_else(|| {
+                    Error::protocol(self.me, "virtual channel: no relay for a gateway route")
+                })
+            }
+            _ => Err(Error::BadRank {
+                rank: remote,
+                size: self.size,
+                me: self.me,
+            }),
+        }
+    }
+
+    /// Every channel this one closes.
+    pub(crate) fn close(&self) {
+        for c in self.sources.iter().chain(&self.transit) {
+            c.close();
+        }
+    }
+
+    /// No source can deliver any more.
+    pub(crate) fn all_broken(&self) -> bool {
+        self.sources.iter().all(|p| p.inner.all_broken())
+    }
+
+    /// The readiness descriptor: the epoll set of the sources' descriptors.
     pub(crate) fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         self.set.as_ref().map(|s| s.0.as_fd())
     }
 
-    /// Arm every part; `Busy` when one is.
+    /// Arm every source; `Busy` when one is.
     pub(crate) fn arm(&self) -> Result<Armed> {
         let mut busy = false;
-        for p in &self.parts {
+        for p in &self.sources {
             busy |= p.arm()? == Armed::Busy;
         }
         Ok(if busy { Armed::Busy } else { Armed::Armed })
     }
 
-    /// One non-blocking look at every part, starting with a rotating one so that a busy part
-    /// does not starve the others.
+    /// One non-blocking look at every source, starting with a rotating one so that a busy
+    /// source does not starve the others.
     pub(crate) fn try_any<'c, 'b>(&'c self) -> Result<Option<Unpacker<'c, 'b>>> {
-        let n = self.parts.len();
+        let n = self.sources.len();
         let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
         let mut gone = 0;
         let mut first_err = None;
         for k in 0..n {
-            let p = &self.parts[(first + k) % n];
+            let p = &self.sources[(first + k) % n];
             match p.try_begin_unpacking() {
                 Ok(Some(u)) => return Ok(Some(u)),
                 Ok(None) => {}
-                // A part none of whose peers is left is not an error of the whole while
-                // another part may still deliver.
+                // A source none of whose peers is left is not an error of the whole while
+                // another may still deliver.
                 Err(e) if !p.is_closed() && p.inner.all_broken() => {
                     gone += 1;
                     first_err.get_or_insert(e);
@@ -134,7 +407,7 @@ impl Virtual {
         }
     }
 
-    /// Any-source receive over every part, until `deadline`.
+    /// Any-source receive over every source, until `deadline`.
     pub(crate) fn begin_any<'c, 'b>(
         &'c self,
         deadline: Option<Instant>,
@@ -142,15 +415,28 @@ impl Virtual {
         if let Some(u) = self.try_any()? {
             return Ok(u);
         }
-        let refs: smallvec::SmallVec<[&Channel; 4]> = self.parts.iter().collect();
+        let refs: smallvec::SmallVec<[&Channel; 4]> = self.sources.iter().collect();
         crate::events::begin_unpacking_any(&refs, deadline).map(|(_, u)| u)
     }
 }
 
-/// Routes from `me` given, for every rank, the ranks each of its parts reaches
-/// (`reach[rank][part]`). Every rank computes the same graph, so every rank refuses a
-/// configuration that leaves two ranks apart.
-pub(crate) fn routes(name: &str, me: usize, reach: &[Vec<Vec<usize>>]) -> Result<Vec<Route>> {
+/// The ranks each rank's parts reach directly (`reach[rank][part]`) and whether some pair
+/// needs a gateway.
+pub(crate) fn needs_gateways(reach: &[Vec<Vec<usize>>]) -> bool {
+    let size = reach.len();
+    (0..size).any(|a| (0..size).any(|b| a != b && !reach[a].iter().any(|l| l.contains(&b))))
+}
+
+/// Check `reach` (every connection seen from both ends, the whole graph connected) and
+/// compute the routes from `me` and, for the ranks behind gateways, the paths. Every rank
+/// computes the same graph, so every rank refuses a configuration that leaves two ranks
+/// apart; a pair's path is the same both ways (found from the lower rank, the lowest-ranked
+/// neighbour first).
+pub(crate) fn routes(
+    name: &str,
+    me: usize,
+    reach: &[Vec<Vec<usize>>],
+) -> Result<(Vec<Route>, Vec<Vec<usize>>)> {
     let size = reach.len();
     for (a, parts) in reach.iter().enumerate() {
         for (i, peers) in parts.iter().enumerate() {
@@ -177,51 +463,67 @@ pub(crate) fn routes(name: &str, me: usize, reach: &[Vec<Vec<usize>>]) -> Result
         v.dedup();
         v
     };
-    // Breadth-first from every rank: the whole graph must be connected (every rank then
-    // agrees), and from `me` the first hop of a shortest path (the lowest-ranked one).
-    let bfs = |from: usize| -> Vec<Option<(usize, usize)>> {
-        // (distance, first hop)
-        let mut seen: Vec<Option<(usize, usize)>> = vec![None; size];
-        seen[from] = Some((0, from));
+    // Breadth-first from `from`: each rank's parent on a shortest path.
+    let bfs = |from: usize| -> Vec<Option<usize>> {
+        let mut parent: Vec<Option<usize>> = vec![None; size];
+        parent[from] = Some(from);
         let mut queue = std::collections::VecDeque::from([from]);
         while let Some(a) = queue.pop_front() {
-            let (d, hop) = seen[a].unwrap_or((0, from));
             for b in adjacent(a) {
-                if seen[b].is_none() {
-                    seen[b] = Some((d + 1, if a == from { b } else { hop }));
+                if parent[b].is_none() {
+                    parent[b] = Some(a);
                     queue.push_back(b);
                 }
             }
         }
-        seen
+        parent
     };
-    let from0 = bfs(0);
-    if let Some(far) = from0.iter().position(|s| s.is_none()) {
+    if let Some(far) = bfs(0).iter().position(|p| p.is_none()) {
         return Err(Error::BadConfig(format!(
             "virtual channel `{name}`: ranks 0 and {far} are not joined by any of its real \
              channels, even through gateways; add a real channel that reaches rank {far} \
              (e.g. `+tcp`) or widen a part's `ranks=`"
         )));
     }
-    let mine = bfs(me);
-    Ok((0..size)
-        .map(|r| {
-            if r == me {
-                return Route::Me;
-            }
-            if let Some(part) = reach[me].iter().position(|l| l.contains(&r)) {
-                return Route::Direct { part };
-            }
-            let (hops, via) = mine[r].unwrap_or((0, r));
-            let part = reach[me].iter().position(|l| l.contains(&via)).unwrap_or(0);
-            Route::Gateway { part, via, hops }
-        })
-        .collect())
+    let mut routes = Vec::with_capacity(size);
+    let mut paths = vec![Vec::new(); size];
+    for (r, path_to_r) in paths.iter_mut().enumerate() {
+        if r == me {
+            routes.push(Route::Me);
+            continue;
+        }
+        if let Some(part) = reach[me].iter().position(|l| l.contains(&r)) {
+            routes.push(Route::Direct { part });
+            continue;
+        }
+        // The pair's path, from the lower rank's tree.
+        let (lo, hi) = (me.min(r), me.max(r));
+        let parent = bfs(lo);
+        let mut path = vec![hi];
+        let mut at = hi;
+        while at != lo {
+            at = parent[at].unwrap_or(lo);
+            path.push(at);
+        }
+        // `path` runs hi -> lo; make it me -> r.
+        if me == lo {
+            path.reverse();
+        }
+        let via = path[1];
+        let part = reach[me].iter().position(|l| l.contains(&via)).unwrap_or(0);
+        routes.push(Route::Gateway {
+            part,
+            via,
+            hops: path.len() - 1,
+        });
+        *path_to_r = path;
+    }
+    Ok((routes, paths))
 }
 
-/// The parts' epoll set (when every part has a descriptor).
-pub(crate) fn readiness_set(parts: &[Channel]) -> Result<Option<Epoll>> {
-    let fds: Option<Vec<BorrowedFd<'_>>> = parts.iter().map(|p| p.readiness_fd()).collect();
+/// The sources' epoll set (when every source has a descriptor).
+fn readiness_set(sources: &[Channel]) -> Result<Option<Epoll>> {
+    let fds: Option<Vec<BorrowedFd<'_>>> = sources.iter().map(|p| p.readiness_fd()).collect();
     let Some(fds) = fds else { return Ok(None) };
     let err = |e: nix::Error| Error::io("virtual channel: epoll set", std::io::Error::from(e));
     let set = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(err)?;
@@ -232,20 +534,330 @@ pub(crate) fn readiness_set(parts: &[Channel]) -> Result<Option<Epoll>> {
     Ok(Some(set))
 }
 
-impl Virtual {
-    pub(crate) fn new(parts: Vec<Channel>, routes: Vec<Route>) -> Result<Virtual> {
-        let set = readiness_set(&parts)?;
-        Ok(Virtual {
-            parts,
-            routes,
-            set,
-            next: AtomicUsize::new(0),
+/// A transit copy of a part's configuration: named `<name>.t<i>`, never in poll mode (its
+/// forwarding threads would each burn a core).
+pub(crate) fn transit_config(part: &ChannelConfig, name: &str, i: usize) -> ChannelConfig {
+    let mut c = part.clone();
+    c.name = format!("{name}.t{i}");
+    if c.progress == ProgressMode::Poll {
+        c.progress = ProgressPolicy::default().mode;
+    }
+    c
+}
+
+/// Build a virtual channel's state from its opened parts (and transit copies), every rank's
+/// reach and the routes; starts the forwarding threads.
+pub(crate) fn assemble(
+    name: &str,
+    me: usize,
+    size: usize,
+    parts: Vec<Channel>,
+    transit: Vec<Channel>,
+    reach: &[Vec<Vec<usize>>],
+) -> Result<Virtual> {
+    let (routes, paths) = routes(name, me, reach)?;
+    let behind: Vec<usize> = (0..size)
+        .filter(|&r| matches!(routes[r], Route::Gateway { .. }))
+        .collect();
+    let progress = parts[0].inner.progress;
+    let relay_progress = ProgressPolicy {
+        mode: if progress.mode == ProgressMode::Poll {
+            ProgressPolicy::default().mode
+        } else {
+            progress.mode
+        },
+        op_timeout: None,
+        ..progress
+    };
+    let mut relay = None;
+    let mut stand_ins: Vec<Option<Channel>> = (0..size).map(|_| None).collect();
+    if !behind.is_empty() {
+        let config = ChannelConfig::new(format!("{name}.relay"), "mem");
+        let table = crate::mem::MemDriver.tm_table(&config)?;
+        let caps = crate::mem::MemDriver.capabilities(&config);
+        let make = |rank: usize, opened: crate::driver::OpenedChannel| Channel {
+            inner: Arc::new(ChannelInner::new(
+                config.clone(),
+                rank,
+                size,
+                table.clone(),
+                caps.clone(),
+                relay_progress,
+                opened.links,
+                opened.incoming,
+                Vec::new(),
+                crate::tune::Tuning::untuned(&config, &table, None),
+            )),
+        };
+        let (mine, theirs) = crate::mem::relay(me, size, &behind, 64, 64 << 10);
+        relay = Some(make(me, mine));
+        for (o, opened) in theirs {
+            stand_ins[o] = Some(make(o, opened));
+        }
+    }
+    let mut sources = parts.clone();
+    sources.extend(relay.clone());
+    let set = readiness_set(&sources)?;
+    let mut forwarder = None;
+    if !transit.is_empty() {
+        let first: Vec<Option<usize>> = (0..size)
+            .map(|r| reach[me].iter().position(|l| l.contains(&r)))
+            .collect();
+        let neighbours: Vec<usize> = (0..size).filter(|&r| first[r].is_some()).collect();
+        let f = Arc::new(Forwarder {
+            me,
+            size,
+            transit: transit.clone(),
+            first,
+            last_hop: (0..size)
+                .map(|r| paths[r].get(1).copied().filter(|_| r != me))
+                .collect(),
+            stand_ins: Mutex::new(stand_ins),
+            gone: Mutex::new(vec![false; size]),
+            neighbours: neighbours.clone(),
+        });
+        for x in neighbours {
+            let f = f.clone();
+            std::thread::Builder::new()
+                .name(format!("mad-fwd-{x}"))
+                .spawn(move || f.serve(x))
+                .map_err(|e| Error::io("virtual channel: starting a forwarding thread", e))?;
+        }
+        forwarder = Some(f);
+    }
+    Ok(Virtual {
+        parts,
+        routes,
+        paths,
+        transit,
+        relay,
+        sources,
+        set,
+        next: AtomicUsize::new(0),
+        me,
+        size,
+        fwd: forwarder,
+    })
+}
+
+/// The shared state of a rank's forwarding threads.
+struct Forwarder {
+    me: usize,
+    size: usize,
+    transit: Vec<Channel>,
+    /// Per rank: the first transit channel that reaches it directly.
+    first: Vec<Option<usize>>,
+    /// Per rank behind gateways: the first hop of the pair's path from here, which is the
+    /// last hop of its path to here.
+    last_hop: Vec<Option<usize>>,
+    /// Per rank behind gateways: the relay's end that stands in for it (dropped when it is
+    /// gone, which ends its connection to the application).
+    stand_ins: Mutex<Vec<Option<Channel>>>,
+    /// Ranks already reported gone (each notice is flooded once).
+    gone: Mutex<Vec<bool>>,
+    neighbours: Vec<usize>,
+}
+
+/// Read a forwarded piece's fragments into `buf`.
+fn read_into(u: &mut Unpacker<'_, '_>, buf: &mut [u8], s: SendMode) -> Result<()> {
+    for c in buf.chunks_mut(fwd::FRAGMENT) {
+        u.unpack_express(c, s)?;
+    }
+    Ok(())
+}
+
+/// How long a gone notice waits for a busy connection.
+const NOTICE_WAIT: Duration = Duration::from_millis(200);
+
+impl Forwarder {
+    /// The thread of the transit connection from `x`: one message after the other.
+    fn serve(&self, x: usize) {
+        let Some(part) = self.first[x] else { return };
+        let ch = &self.transit[part];
+        let mut frag = vec![0u8; fwd::FRAGMENT];
+        loop {
+            let r = ch
+                .begin_unpacking_from(x)
+                .and_then(|u| self.one(u, x, &mut frag));
+            if let Err(e) = r {
+                if !ch.is_closed() {
+                    tracing::debug!(from = x, error = %e, "forwarding: connection ended");
+                    self.lost(x);
+                }
+                return;
+            }
+        }
+    }
+
+    /// One message from `x`: a gone notice, one for this rank, or one to forward.
+    fn one(&self, mut u: Unpacker<'_, '_>, x: usize, frag: &mut [u8]) -> Result<()> {
+        let mut raw = [0u8; fwd::ENVELOPE_LEN];
+        u.unpack_express(&mut raw, SendMode::Safer)?;
+        let env = fwd::Envelope::decode(&raw, self.size)
+            .ok_or_else(|| Error::protocol(x, "malformed forwarding envelope"))?;
+        if env.gone {
+            u.end_unpacking()?;
+            self.gone(env.origin, Some(x));
+            return Ok(());
+        }
+        // The origin sends fragments in the piece's mode; gateways send them SAFER.
+        let from_origin = x == env.origin;
+        let s_in = move |s: SendMode| if from_origin { s } else { SendMode::Safer };
+        if env.dest == self.me {
+            return self.deliver(u, &env, s_in);
+        }
+        let at = env
+            .path
+            .iter()
+            .position(|&r| r == self.me)
+            .filter(|&i| env.path.get(i.wrapping_sub(1)) == Some(&x))
+            .ok_or_else(|| Error::protocol(x, "forwarded message off its path"))?;
+        let next = *env
+            .path
+            .get(at + 1)
+            .ok_or_else(|| Error::protocol(x, "forwarded message past its path"))?;
+        let part = self.first[next].ok_or_else(|| {
+            Error::protocol(x, "forwarded message to a rank not reached from here")
+        })?;
+        let mut p = self.transit[part].begin_packing(next)?;
+        p.pack_safer(&raw, RecvMode::Express)?;
+        loop {
+            let mut d = [0u8; fwd::DESC_LEN];
+            u.unpack_express(&mut d, SendMode::Safer)?;
+            p.pack_safer(&d, RecvMode::Express)?;
+            match fwd::decode(&d).ok_or_else(|| Error::protocol(x, "malformed descriptor"))? {
+                fwd::Desc::End => break,
+                fwd::Desc::Flush => p.flush()?,
+                fwd::Desc::Piece { len, s, .. } => {
+                    for at in (0..len).step_by(fwd::FRAGMENT) {
+                        let n = (len - at).min(fwd::FRAGMENT);
+                        u.unpack_express(&mut frag[..n], s_in(s))?;
+                        p.pack_safer(&frag[..n], RecvMode::Express)?;
+                    }
+                }
+            }
+        }
+        // Whole on the way in before it is whole on the way out.
+        u.end_unpacking()?;
+        p.end_packing()
+    }
+
+    /// A message for this rank: into the relay, piece by piece in its original modes, from
+    /// its origin's stand-in.
+    fn deliver(
+        &self,
+        mut u: Unpacker<'_, '_>,
+        env: &fwd::Envelope,
+        s_in: impl Fn(SendMode) -> SendMode,
+    ) -> Result<()> {
+        let relay = crate::channel::lock(&self.stand_ins)[env.origin]
+            .clone()
+            .ok_or(Error::PeerClosed { rank: env.origin })?;
+        // CHEAPER and LATER pieces stay where the relay can read them until the message ends.
+        let kept = typed_arena::Arena::<Vec<u8>>::new();
+        let mut scratch = Vec::new();
+        let mut p = relay.begin_packing(self.me)?.checked_as(u.is_checked());
+        loop {
+            let mut d = [0u8; fwd::DESC_LEN];
+            u.unpack_express(&mut d, SendMode::Safer)?;
+            let desc = fwd::decode(&d)
+                .ok_or_else(|| Error::protocol(env.origin, "malformed descriptor"))?;
+            let (len, s, r) = match desc {
+                fwd::Desc::End => break,
+                fwd::Desc::Flush => {
+                    p.flush()?;
+                    continue;
+                }
+                fwd::Desc::Piece { len, s, r } => (len, s, r),
+            };
+            let s_wire = s_in(s);
+            match s {
+                SendMode::Safer => {
+                    scratch.clear();
+                    scratch.resize(len, 0);
+                    read_into(&mut u, &mut scratch, s_wire)?;
+                    p.pack_safer(&scratch, r)?;
+                }
+                SendMode::Cheaper => {
+                    let b = kept.alloc(vec![0u8; len]);
+                    read_into(&mut u, b, s_wire)?;
+                    let b: &Vec<u8> = b;
+                    p.pack(b, r)?;
+                }
+                SendMode::Later => {
+                    let b = kept.alloc(vec![0u8; len]);
+                    read_into(&mut u, b, s_wire)?;
+                    p.pack_later(Cell::from_mut(&mut b[..]).as_slice_of_cells(), r)?;
+                }
+            }
+        }
+        u.end_unpacking()?;
+        p.end_packing()
+    }
+
+    /// The connection from neighbour `x` ended (not by a close of this channel): the ranks
+    /// whose path to here came through it, and `x` itself, are gone for this rank and for
+    /// the ranks behind it.
+    fn lost(&self, x: usize) {
+        for o in 0..self.size {
+            if self.last_hop[o] == Some(x) {
+                self.gone(o, Some(x));
+            }
+        }
+        self.gone(x, Some(x));
+    }
+
+    /// Whether `o` was reported gone.
+    fn is_gone(&self, o: usize) -> bool {
+        crate::channel::lock(&self.gone)
+            .get(o)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// `o` is gone: end its relay connection (the application's waits on it fail) and tell
+    /// every other neighbour, once.
+    fn gone(&self, o: usize, from: Option<usize>) {
+        {
+            let mut g = crate::channel::lock(&self.gone);
+            if std::mem::replace(&mut g[o], true) {
+                return;
+            }
+        }
+        let stand_in = crate::channel::lock(&self.stand_ins)[o].take();
+        if let Some(c) = stand_in {
+            c.close();
+        }
+        let Some(notice) = (fwd::Envelope {
+            gone: true,
+            origin: o,
+            dest: o,
+            path: Vec::new(),
         })
+        .encode() else {
+            return;
+        };
+        for &n in &self.neighbours {
+            if Some(n) == from || n == o {
+                continue;
+            }
+            let Some(part) = self.first[n] else { continue };
+            let ch = &self.transit[part];
+            let sent = ch
+                .begin_packing_until(n, Instant::now() + NOTICE_WAIT)
+                .and_then(|mut p| {
+                    p.pack_safer(&notice, RecvMode::Express)?;
+                    p.end_packing()
+                });
+            if let Err(e) = sent {
+                tracing::debug!(to = n, gone = o, error = %e, "forwarding: gone notice not sent");
+            }
+        }
     }
 }
 
 /// The core's `Incoming` of a virtual channel: it has no connection of its own (its parts
-/// do); the core asks the parts instead.
+/// and relay do); the core asks those instead.
 pub(crate) struct NoIncoming;
 
 impl Incoming for NoIncoming {
@@ -282,43 +894,40 @@ mod tests {
             .collect()
     }
 
+    fn reversed(mut v: Vec<usize>) -> Vec<usize> {
+        v.reverse();
+        v
+    }
+
     #[test]
     fn first_part_that_reaches_wins() {
         let r = reach(3, &[&[0, 1], &[0, 1, 2]]);
-        let from0 = routes("v", 0, &r).unwrap();
-        assert_eq!(
-            from0,
-            vec![
-                Route::Me,
-                Route::Direct { part: 0 },
-                Route::Direct { part: 1 }
-            ]
-        );
+        let (from0, paths) = routes("v", 0, &r).unwrap();
+        let want = [
+            Route::Me,
+            Route::Direct { part: 0 },
+            Route::Direct { part: 1 },
+        ];
+        assert_eq!(from0, want);
+        assert!(paths.iter().all(|p| p.is_empty()));
+        assert!(!needs_gateways(&r));
     }
 
     #[test]
     fn gateways_on_the_shortest_path() {
-        // 0-1-2 on part 0, 2-3-4 on part 1: rank 0 reaches 4 through 1 then 2.
+        // 0-1-2 on part 0, 2-3-4 on part 1: rank 0 reaches 4 through 2.
         let r = reach(5, &[&[0, 1, 2], &[2, 3, 4]]);
-        let from0 = routes("v", 0, &r).unwrap();
+        assert!(needs_gateways(&r));
+        let (from0, paths0) = routes("v", 0, &r).unwrap();
         assert_eq!(from0[2], Route::Direct { part: 0 });
-        assert_eq!(
-            from0[3],
-            Route::Gateway {
-                part: 0,
-                via: 2,
-                hops: 2
-            }
-        );
-        assert_eq!(
-            from0[4],
-            Route::Gateway {
-                part: 0,
-                via: 2,
-                hops: 2
-            }
-        );
-        let from4 = routes("v", 4, &r).unwrap();
+        let via2 = Route::Gateway {
+            part: 0,
+            via: 2,
+            hops: 2,
+        };
+        assert_eq!((from0[3], from0[4]), (via2, via2));
+        assert_eq!(paths0[4], [0, 2, 4]);
+        let (from4, paths4) = routes("v", 4, &r).unwrap();
         assert_eq!(
             from4[0],
             Route::Gateway {
@@ -327,16 +936,25 @@ mod tests {
                 hops: 2
             }
         );
-        // A chain: 0-1 | 1-2 | 2-3.
+        assert_eq!(paths4[0], [4, 2, 0]);
+        // A chain 0-1 | 1-2 | 2-3: three hops, the same path both ways.
         let r = reach(4, &[&[0, 1], &[1, 2], &[2, 3]]);
+        let (from0, paths0) = routes("v", 0, &r).unwrap();
         assert_eq!(
-            routes("v", 0, &r).unwrap()[3],
+            from0[3],
             Route::Gateway {
                 part: 0,
                 via: 1,
                 hops: 3
             }
         );
+        let (_, paths3) = routes("v", 3, &r).unwrap();
+        assert_eq!(paths0[3], reversed(paths3[0].clone()));
+        // Two shortest paths (0-1-3 and 0-2-3): both ends take the same one.
+        let r = reach(4, &[&[0, 1], &[0, 2], &[1, 3], &[2, 3]]);
+        let (_, p0) = routes("v", 0, &r).unwrap();
+        let (_, p3) = routes("v", 3, &r).unwrap();
+        assert_eq!(p0[3], reversed(p3[0].clone()));
     }
 
     #[test]
@@ -366,10 +984,14 @@ mod tests {
         assert!(c.parts[0].ranks.as_ref().unwrap().contains(4));
         assert!(!c.parts[0].ranks.as_ref().unwrap().contains(2));
         // A part's own setting wins; the whole's goes to the others.
-        assert_eq!(c.parts[0].progress, crate::progress::ProgressMode::Poll);
-        assert_eq!(c.parts[1].progress, crate::progress::ProgressMode::Block);
+        assert_eq!(c.parts[0].progress, ProgressMode::Poll);
+        assert_eq!(c.parts[1].progress, ProgressMode::Block);
         assert!(c.parts.iter().all(|p| p.checked));
         assert_eq!(c.parts[1].adapter.as_deref(), Some("soft"));
+        assert_eq!(
+            transit_config(&c.parts[0], "v", 0).progress,
+            ProgressPolicy::default().mode
+        );
         for bad in [
             "virtual:",
             "virtual:[shm,ranks=0-1",
@@ -385,5 +1007,35 @@ mod tests {
             );
         }
         assert_eq!(RankSet::parse("0-2:5").unwrap().to_string(), "0-2:5");
+    }
+
+    #[test]
+    fn wire() {
+        for (len, s, r) in [
+            (0, SendMode::Safer, RecvMode::Express),
+            (1 << 40, SendMode::Later, RecvMode::Cheaper),
+            (7, SendMode::Cheaper, RecvMode::Cheaper),
+        ] {
+            let d = fwd::decode(&fwd::piece(len, s, r));
+            assert_eq!(d, Some(fwd::Desc::Piece { len, s, r }));
+        }
+        assert_eq!(fwd::decode(&fwd::end()), Some(fwd::Desc::End));
+        assert_eq!(fwd::decode(&fwd::flush()), Some(fwd::Desc::Flush));
+        assert_eq!(fwd::decode(&[0u8; fwd::DESC_LEN]), None);
+        let e = fwd::Envelope {
+            gone: false,
+            origin: 3,
+            dest: 9,
+            path: vec![3, 1, 9],
+        };
+        let b = e.encode().unwrap();
+        assert_eq!(fwd::Envelope::decode(&b, 10), Some(e.clone()));
+        // A rank beyond the session, a path too long: refused.
+        assert_eq!(fwd::Envelope::decode(&b, 9), None);
+        let long = fwd::Envelope {
+            path: (0..=fwd::MAX_PATH).collect(),
+            ..e
+        };
+        assert!(long.encode().is_none());
     }
 }
