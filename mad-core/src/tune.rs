@@ -8,8 +8,8 @@
 //!    the lowest other rank on rank 0's host) ping-pong one CHEAPER/CHEAPER piece over a
 //!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced in turn
 //!    (the TMs before it given threshold 0, itself no limit), and take the median of three
-//!    batches' mean one-way times (batches of 1 to 8 round trips, after 1 to 3 warm-up ones:
-//!    a batch preempted by another process does not count, a TM that is sometimes slow in
+//!    batches' mean one-way times (batches of about 0.4 ms, 1 to 256 round trips, after a
+//!    quarter of a batch of warm-up, at least 1 to 3 round trips: a batch preempted by another process does not count, a TM that is sometimes slow in
 //!    steady state does); a TM that is well behind at two sizes running while a later TM
 //!    leads is not measured further. This first pass stops at three quarters of the
 //!    channel's `tune_budget_ms` (default [`DEFAULT_BUDGET`]); a calibration cut short by the
@@ -587,18 +587,29 @@ fn round(
     }
 }
 
-/// Round trips per timed batch, from an estimate of the one-way µs: 8 below 50 µs, 3 below
-/// 250 µs, 1 above.
+/// Round trips per timed batch, from an estimate of the one-way µs: enough for about
+/// [`BATCH_US`] (at most [`MAX_ROUNDS`], at least 1). Batches of a few round trips of a
+/// microsecond each measured the first round trips after a table switch, not the steady state:
+/// on shm the ring came out 2–3× slower than in a long ping-pong at 2–8 KiB, and CMA won there.
 fn rounds_for(one_way_us: f64) -> u64 {
-    match one_way_us {
-        x if x < 50.0 => 8,
-        x if x < 250.0 => 3,
-        _ => 1,
-    }
+    let r = (BATCH_US / (2.0 * one_way_us.max(0.01))).ceil();
+    (r as u64).clamp(1, MAX_ROUNDS)
+}
+
+/// How long a timed batch of the calibration lasts, about (µs).
+const BATCH_US: f64 = 400.0;
+
+/// Most round trips of a timed batch.
+const MAX_ROUNDS: u64 = 256;
+
+/// Warm-up round trips before the batches of a measurement: a quarter of a batch, and at least
+/// 3 below 64 KiB (1 above).
+fn warm_for(size: usize, rounds: u64) -> u64 {
+    (rounds / 4).max(if size < 64 << 10 { 3 } else { 1 })
 }
 
 /// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), warm-up
-/// round trips (3 below 64 KiB, else 1), then [`BATCHES`] timed batches of `rounds` round
+/// round trips ([`warm_for`]), then [`BATCHES`] timed batches of `rounds` round
 /// trips of `buf`; the median of the batches' mean one-way µs.
 fn measure(
     ch: &mut crate::Channel,
@@ -609,7 +620,7 @@ fn measure(
     rounds: u64,
 ) -> Result<f64> {
     let mut p = ch.begin_packing(peer)?;
-    let warm = if buf.len() < 64 << 10 { 3 } else { 1 };
+    let warm = warm_for(buf.len(), rounds);
     let ctl: Ctl = [k as u64 + 1, buf.len() as u64, BATCHES * rounds + warm];
     p.pack_value(&ctl, RecvMode::Express)?;
     p.end_packing()?;
@@ -764,7 +775,10 @@ pub(crate) fn follow(ch: &mut crate::Channel, leader: usize, builtin: &TmTable) 
             }
             let k = (tm - 1) as usize;
             let size = size as usize;
-            if k >= tables.len() || size > LADDER[LADDER.len() - 1] || rounds > 64 {
+            if k >= tables.len()
+                || size > LADDER[LADDER.len() - 1]
+                || rounds > BATCHES * MAX_ROUNDS + warm_for(0, MAX_ROUNDS)
+            {
                 return Err(Error::protocol(
                     leader,
                     format!("tune: bad calibration request {tm}/{size}/{rounds}"),
@@ -1163,6 +1177,24 @@ mod tests {
             utc(UNIX_EPOCH + Duration::from_secs(1_764_230_000)),
             "2025-11-27 07:53:20 UTC"
         );
+    }
+
+    #[test]
+    fn batches_last_about_the_same_time_at_every_speed() {
+        // A batch is about BATCH_US whatever one round trip costs, within the bounds.
+        for one_way in [1.0, 3.0, 17.0, 60.0] {
+            let r = rounds_for(one_way);
+            let us = r as f64 * 2.0 * one_way;
+            assert!(
+                (BATCH_US..BATCH_US + 2.0 * one_way).contains(&us),
+                "{one_way} µs: {r} round trips"
+            );
+        }
+        assert_eq!(rounds_for(0.0), MAX_ROUNDS);
+        assert_eq!(rounds_for(1e6), 1);
+        assert_eq!(warm_for(128, 1), 3);
+        assert_eq!(warm_for(128, 200), 50);
+        assert_eq!(warm_for(1 << 20, 1), 1);
     }
 
     #[test]
