@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # MPI checks for mad-mpi: install MPICH and Open MPI (Debian 12, idempotent), then build and run
-# the MPI job test (own checks + the core conformance kit over an MPI channel) under both MPIs
+# the MPI job test (own checks + the core conformance kit over an MPI channel + `tune=auto`:
+# measured at open, the same table on every rank, cached for the next open) under both MPIs
 # with 2 and 4 ranks, the embedded test (a program that owns MPI runs a session over its own
 # communicator, and keeps its error handlers), the kit through the datatype, blocking-progress and serialised paths, the
 # thread levels below MULTIPLE, a mixed job (TCP + shm + MPI channels over the MPI bootstrap),
@@ -79,6 +80,7 @@ run_job() { # $1 = label, $2 = kit spec, rest = command
     local label=$1 spec=$2; shift 2
     run "$label" env MAD_MPI_KIT_SPEC="$spec" "$@"
     need "$label" "mpi_job: conformance kit over \`$spec\`: $KIT_CASES cases passed"
+    need "$label" "mpi_job: tune=auto measured, agreed and cached on"
     need "$label" "mpi_job: all checks passed on"
 }
 

@@ -224,7 +224,7 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     mpi_job openmpi mpirun.openmpi --oversubscribe --bind-to none
 
 # --- Figure 4 of the paper on via:soft ------------------------------------------------------
-if [[ ${#QUICK[@]} -gt 0 ]]; then FIG4=(FIG4_REPS=1 FIG4_BUDGET_MS=2); else FIG4=(FIG4_REPS=5 FIG4_BUDGET_MS=60); fi
+if [[ ${#QUICK[@]} -gt 0 ]]; then FIG4=(FIG4_REPS=1 FIG4_BUDGET_MS=2); else FIG4=(FIG4_REPS=15 FIG4_BUDGET_MS=20); fi
 # (cargo runs a bench in its package's directory: the CSV path must be absolute.)
 figure4() {
     env "${FIG4[@]}" FIG4_CSV="$ABSOUT/figure4.csv" cargo bench -p mad-via --bench figure4 2>&1 \
@@ -233,7 +233,7 @@ figure4() {
 step figure4 "\`${FIG4[*]} cargo bench -p mad-via --bench figure4\`" figure4
 
 # --- tune=auto per driver (issue 21): each TM forced vs built-in vs tuned; open costs ---------
-if [[ ${#QUICK[@]} -gt 0 ]]; then TUNE=(TUNE_REPS=1 TUNE_BUDGET_MS=2 TUNE_OPENS=2); else TUNE=(TUNE_REPS=5 TUNE_BUDGET_MS=40 TUNE_OPENS=10); fi
+if [[ ${#QUICK[@]} -gt 0 ]]; then TUNE=(TUNE_REPS=1 TUNE_BUDGET_MS=2 TUNE_OPENS=2); else TUNE=(TUNE_REPS=15 TUNE_BUDGET_MS=15 TUNE_OPENS=10); fi
 tune_bench() {
     env "${TUNE[@]}" cargo bench --bench tune 2>&1 | tee "$OUT/tune.txt"
 }

@@ -26,14 +26,7 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
         .iter()
         .map(|fd| PollFd::new(*fd, PollFlags::POLLIN))
         .collect();
-    let t = match timeout {
-        None => PollTimeout::NONE,
-        Some(d) => {
-            // Round up: a 100 µs wait must not become a 0 ms busy poll.
-            let ms = d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
-        }
-    };
+    let t = timeout.map_or(PollTimeout::NONE, poll_timeout);
     match nix::poll::poll(&mut pfds, t) {
         Ok(0) | Err(nix::errno::Errno::EINTR) => Ok(Vec::new()),
         Ok(_) => Ok(pfds
@@ -44,6 +37,13 @@ pub fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> Resul
             .collect()),
         Err(e) => Err(Error::io("poll on readiness descriptors", e.into())),
     }
+}
+
+/// `d` in whole milliseconds, rounded up: a 100 µs wait must not become a 0 ms busy poll.
+/// (`epoll_wait` takes the same type.)
+fn poll_timeout(d: Duration) -> PollTimeout {
+    let ms = d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
 }
 
 /// The first message on any of several channels: the blocking counterpart of a
@@ -207,6 +207,9 @@ pub struct ReadinessSet {
     peers: Vec<SetPeer>,
     wake_rx: std::os::unix::net::UnixStream,
     wake_tx: std::os::unix::net::UnixStream,
+    /// A [`wait`](ReadinessSet::wait) consumed the event of an armed send: the next
+    /// [`any_ready`](ReadinessSet::any_ready) says so.
+    send_ready: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ReadinessSet {
@@ -249,6 +252,7 @@ impl ReadinessSet {
                 .collect(),
             wake_rx,
             wake_tx,
+            send_ready: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -297,8 +301,12 @@ impl ReadinessSet {
     /// ([`Incoming::forget`](crate::driver::Incoming::forget)).
     pub fn forget(&self, rank: usize) {
         use std::sync::atomic::Ordering;
+        let mine = || self.peers.iter().filter(|p| p.rank == rank);
+        if mine().all(|p| p.forgotten.load(Ordering::Acquire)) {
+            return; // already out (a connection's halves report its end more than once)
+        }
         let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
-        for p in self.peers.iter().filter(|p| p.rank == rank) {
+        for p in mine() {
             if !p.forgotten.swap(true, Ordering::AcqRel) {
                 if let Some(set) = self.set.get() {
                     for fd in &p.fds {
@@ -386,12 +394,82 @@ impl ReadinessSet {
     /// [`Error::Io`] when the set cannot be made or `epoll_wait` fails.
     pub fn any_ready(&self) -> Result<bool> {
         use nix::sys::epoll::{EpollEvent, EpollTimeout};
+        use std::sync::atomic::Ordering;
         let mut evs = [EpollEvent::empty(); 4];
         let n = self
             .set()?
             .wait(&mut evs, EpollTimeout::ZERO)
             .map_err(self.err("epoll_wait"))?;
-        Ok(n > 0)
+        Ok(self.send_ready.swap(false, Ordering::AcqRel) || n > 0)
+    }
+
+    /// Wait on the epoll set (made now if it was not yet) up to `timeout`: `ready(rank)` for
+    /// each peer with input or a hang-up; armed sends that fired are noted for the next
+    /// [`any_ready`](Self::any_ready). Returns whether the wake-up socket was readable (the
+    /// caller drains it if it is a waiter). Interrupted waits return as a timeout would.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the set cannot be made or `epoll_wait` fails.
+    pub fn wait(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<bool> {
+        use nix::sys::epoll::EpollEvent;
+        use std::sync::atomic::Ordering;
+        let mut evs = [EpollEvent::empty(); 64];
+        let n = match self.set()?.wait(&mut evs, poll_timeout(timeout)) {
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => 0,
+            Err(e) => return Err(self.err("epoll_wait")(e)),
+        };
+        let mut woken = false;
+        for ev in &evs[..n] {
+            match ev.data() {
+                WAKE_TOKEN => woken = true,
+                t if t & SEND_TOKEN != 0 => self.send_ready.store(true, Ordering::Release),
+                t => ready(t as usize),
+            }
+        }
+        Ok(woken)
+    }
+
+    /// `poll(2)` over the descriptors of the peers not forgotten and the wake-up socket, up to
+    /// `timeout`, without the epoll set (which costs a callback on every incoming segment
+    /// once it exists): `ready(rank)` for each peer with input or a hang-up. Returns whether
+    /// the wake-up socket was readable (the caller drains it if it is a waiter). Interrupted
+    /// waits return as a timeout would.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when `poll(2)` fails.
+    pub fn poll_peers(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<bool> {
+        use nix::poll::{PollFd, PollFlags};
+        use std::os::fd::AsFd;
+        use std::sync::atomic::Ordering;
+        let mut ranks: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
+        let mut fds: smallvec::SmallVec<[PollFd<'_>; 8]> = smallvec::SmallVec::new();
+        // A forgotten peer's hung-up socket stays readable: polling it would end every wait.
+        for p in self
+            .peers
+            .iter()
+            .filter(|p| !p.forgotten.load(Ordering::Acquire))
+        {
+            for fd in &p.fds {
+                ranks.push(p.rank);
+                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+            }
+        }
+        fds.push(PollFd::new(self.wake_rx.as_fd(), PollFlags::POLLIN));
+        match nix::poll::poll(&mut fds, poll_timeout(timeout)) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => return Ok(false),
+            Ok(_) => {}
+            Err(e) => return Err(self.err("poll")(e)),
+        }
+        let fired = |p: &PollFd<'_>| p.revents().is_some_and(|r| !r.is_empty());
+        for (p, rank) in fds.iter().zip(&ranks) {
+            if fired(p) {
+                ready(*rank);
+            }
+        }
+        Ok(fds.last().is_some_and(fired))
     }
 
     /// Make the set now (before arming: what happens afterwards makes it readable).
@@ -401,5 +479,75 @@ impl ReadinessSet {
     /// [`Error::Io`] when the set cannot be made.
     pub fn make(&self) -> Result<()> {
         self.set().map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::{AsFd, OwnedFd};
+    use std::os::unix::net::UnixStream;
+
+    /// A set over two peers (ranks 3 and 5), and the far ends of their sockets.
+    fn two_peers() -> (ReadinessSet, UnixStream, UnixStream) {
+        let (a, far_a) = UnixStream::pair().unwrap();
+        let (b, far_b) = UnixStream::pair().unwrap();
+        let set = ReadinessSet::new(
+            "test",
+            [(3, vec![OwnedFd::from(a)]), (5, vec![OwnedFd::from(b)])],
+        )
+        .unwrap();
+        (set, far_a, far_b)
+    }
+
+    fn ready_ranks(set: &ReadinessSet, epoll: bool) -> (Vec<usize>, bool) {
+        let mut got = Vec::new();
+        let woken = if epoll {
+            set.wait(Duration::ZERO, &mut |r| got.push(r)).unwrap()
+        } else {
+            set.poll_peers(Duration::ZERO, &mut |r| got.push(r))
+                .unwrap()
+        };
+        got.sort_unstable();
+        (got, woken)
+    }
+
+    #[test]
+    fn both_waits_report_ranks_wake_ups_and_leave_forgotten_peers_out() {
+        for epoll in [false, true] {
+            let (set, mut far_a, far_b) = two_peers();
+            assert_eq!(ready_ranks(&set, epoll), (vec![], false));
+            far_a.write_all(&[1]).unwrap();
+            assert_eq!(ready_ranks(&set, epoll), (vec![3], false));
+            // A hung-up peer is readable until forgotten.
+            drop(far_b);
+            assert_eq!(ready_ranks(&set, epoll), (vec![3, 5], false));
+            set.forget(5);
+            set.forget(5);
+            assert!(set.is_forgotten(1) && !set.is_forgotten(0));
+            assert_eq!(ready_ranks(&set, epoll), (vec![3], false));
+            // Wake-ups are reported, and stay until drained.
+            set.wake();
+            assert_eq!(ready_ranks(&set, epoll), (vec![3], true));
+            assert_eq!(ready_ranks(&set, epoll), (vec![3], true));
+            set.drain_wake();
+            assert_eq!(ready_ranks(&set, epoll), (vec![3], false));
+        }
+    }
+
+    #[test]
+    fn a_send_event_consumed_by_a_wait_makes_the_next_look_ready() {
+        let (set, _far_a, _far_b) = two_peers();
+        // A writable socket of the driver's own, armed once for room.
+        let (mine, _other) = UnixStream::pair().unwrap();
+        set.register_once(mine.as_fd(), true, false, SEND_TOKEN | 3, false)
+            .unwrap();
+        // The wait takes the one-shot event (it is neither a rank nor a wake-up)...
+        assert_eq!(ready_ranks(&set, true), (vec![], false));
+        // ...and the next look says so, once.
+        assert!(set.any_ready().unwrap());
+        assert!(!set.any_ready().unwrap());
+        set.unregister(mine.as_fd());
     }
 }

@@ -6,11 +6,12 @@
 //!
 //! 1. after the connections are up, rank 0 and one peer (rank 1, or for an intra-host driver
 //!    the lowest other rank on rank 0's host) ping-pong one CHEAPER/CHEAPER piece over a
-//!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced in turn
-//!    (the TMs before it given threshold 0, itself no limit), and take the median of three
-//!    batches' mean one-way times (batches of 1 to 8 round trips, after 1 to 3 warm-up ones:
-//!    a batch preempted by another process does not count, a TM that is sometimes slow in
-//!    steady state does); a TM that is well behind at two sizes running while a later TM
+//!    ladder of sizes ([`LADDER`]: 128 B to 8 MiB, powers of two), each TM forced (the TMs
+//!    before it given threshold 0, itself no limit) in alternation with the others, batch by
+//!    batch, and take the median of each TM's three batches' mean one-way times (batches of
+//!    about 0.4 ms, 1 to 256 round trips, each after a quarter of a batch of warm-up, at least
+//!    1 to 3 round trips: a batch preempted by another process does not count, a TM that is
+//!    sometimes slow in steady state does); a TM that is well behind at two sizes running while a later TM
 //!    leads is not measured further. This first pass stops at three quarters of the
 //!    channel's `tune_budget_ms` (default [`DEFAULT_BUDGET`]); a calibration cut short by the
 //!    budget keeps the built-in choice where it did not measure and is not cached;
@@ -587,46 +588,71 @@ fn round(
     }
 }
 
-/// Round trips per timed batch, from an estimate of the one-way µs: 8 below 50 µs, 3 below
-/// 250 µs, 1 above.
+/// Round trips per timed batch, from an estimate of the one-way µs: enough for about
+/// [`BATCH_US`] (at most [`MAX_ROUNDS`], at least 1). Batches of a few round trips of a
+/// microsecond each measured the first round trips after a table switch, not the steady state:
+/// on shm the ring came out 2–3× slower than in a long ping-pong at 2–8 KiB, and CMA won there.
 fn rounds_for(one_way_us: f64) -> u64 {
-    match one_way_us {
-        x if x < 50.0 => 8,
-        x if x < 250.0 => 3,
-        _ => 1,
-    }
+    let r = (BATCH_US / (2.0 * one_way_us.max(0.01))).ceil();
+    (r as u64).clamp(1, MAX_ROUNDS)
 }
 
-/// Rank 0's half of one measurement: tell the partner, force TM `k` (`tables[k]`), warm-up
-/// round trips (3 below 64 KiB, else 1), then [`BATCHES`] timed batches of `rounds` round
-/// trips of `buf`; the median of the batches' mean one-way µs.
+/// How long a timed batch of the calibration lasts, about (µs).
+const BATCH_US: f64 = 400.0;
+
+/// Most round trips of a timed batch.
+const MAX_ROUNDS: u64 = 256;
+
+/// Warm-up round trips before the batches of a measurement: a quarter of a batch, and at least
+/// 3 below 64 KiB (1 above).
+fn warm_for(size: usize, rounds: u64) -> u64 {
+    (rounds / 4).max(if size < 64 << 10 { 3 } else { 1 })
+}
+
+/// The order of the timed batches of one alternated measurement of the TMs `ks`: [`BATCHES`]
+/// rounds, each with one batch of every TM, the order rotated from round to round (and by
+/// `shift`), so that every TM meets the machine's load of the moment as the others do.
+fn schedule(ks: &[usize], shift: usize) -> Vec<usize> {
+    let n = ks.len();
+    (0..BATCHES as usize)
+        .flat_map(|b| (0..n).map(move |i| ks[(i + b + shift) % n]))
+        .collect()
+}
+
+/// Rank 0's half of an alternated measurement of the TMs `ks` at `buf.len()`: for each batch
+/// of the [`schedule`], tell the partner, force the TM (`tables[k]`), warm-up round trips
+/// ([`warm_for`]), then one timed batch of `rounds` round trips; per TM of `ks`, in order, the
+/// median of its batches' mean one-way µs. (Measuring one TM's batches back to back, as the
+/// calibration did, let a burst of load on the shared machine land on one TM only.)
 fn measure(
     ch: &mut crate::Channel,
     peer: usize,
     tables: &[TmTable],
-    k: usize,
+    ks: &[usize],
+    shift: usize,
     buf: &mut [u8],
     rounds: u64,
-) -> Result<f64> {
-    let mut p = ch.begin_packing(peer)?;
-    let warm = if buf.len() < 64 << 10 { 3 } else { 1 };
-    let ctl: Ctl = [k as u64 + 1, buf.len() as u64, BATCHES * rounds + warm];
-    p.pack_value(&ctl, RecvMode::Express)?;
-    p.end_packing()?;
-    set_table(ch, &tables[k])?;
-    let deadline = Instant::now() + PARTNER_WAIT;
-    for _ in 0..warm {
-        round(ch, peer, true, buf, deadline)?;
-    }
-    let mut batches = [0.0; BATCHES as usize];
-    for b in &mut batches {
+) -> Result<Vec<f64>> {
+    let warm = warm_for(buf.len(), rounds);
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
+    for k in schedule(ks, shift) {
+        let mut p = ch.begin_packing(peer)?;
+        let ctl: Ctl = [k as u64 + 1, buf.len() as u64, rounds + warm];
+        p.pack_value(&ctl, RecvMode::Express)?;
+        p.end_packing()?;
+        set_table(ch, &tables[k])?;
+        let deadline = Instant::now() + PARTNER_WAIT;
+        for _ in 0..warm {
+            round(ch, peer, true, buf, deadline)?;
+        }
         let t0 = Instant::now();
         for _ in 0..rounds {
             round(ch, peer, true, buf, deadline)?;
         }
-        *b = t0.elapsed().as_secs_f64() * 1e6 / (2 * rounds) as f64;
+        let i = ks.iter().position(|&x| x == k).unwrap_or(0);
+        times[i].push(t0.elapsed().as_secs_f64() * 1e6 / (2 * rounds) as f64);
     }
-    Ok(median(&mut batches))
+    Ok(times.iter_mut().map(|v| median(v)).collect())
 }
 
 /// Rank 0's side of the calibration with `peer`: the record of the thresholds chosen.
@@ -671,12 +697,11 @@ pub(crate) fn lead(
             } else {
                 5
             };
-            // Rotate the order of the TMs from size to size.
-            for step in 0..kn {
-                let k = (step + j) % kn;
-                if !dropped[k] {
-                    t[k][j] = Some(measure(ch, peer, &tables, k, &mut buf[..size], rounds)?);
-                }
+            // Every TM still measured, in alternation (the order rotated from size to size).
+            let ks: Vec<usize> = (0..kn).filter(|&k| !dropped[k]).collect();
+            let vs = measure(ch, peer, &tables, &ks, j, &mut buf[..size], rounds)?;
+            for (&k, v) in ks.iter().zip(vs) {
+                t[k][j] = Some(v);
             }
             let best = (0..kn)
                 .filter_map(|k| t[k][j].map(|v| (k, v)))
@@ -709,9 +734,8 @@ pub(crate) fn lead(
             // (The built-in choice may not have been measured here: dropped as too slow.)
             let rounds = t[c][j].map_or(5, rounds_for);
             let size = LADDER[j];
-            let order = if j % 2 == 0 { [c, b] } else { [b, c] };
-            for k in order {
-                let v = measure(ch, peer, &tables, k, &mut buf[..size], rounds)?;
+            let vs = measure(ch, peer, &tables, &[c, b], j, &mut buf[..size], rounds)?;
+            for (k, v) in [c, b].into_iter().zip(vs) {
                 let old = t[k][j].unwrap_or(v);
                 t[k][j] = Some(if k == c { old.max(v) } else { old.min(v) });
             }
@@ -764,7 +788,10 @@ pub(crate) fn follow(ch: &mut crate::Channel, leader: usize, builtin: &TmTable) 
             }
             let k = (tm - 1) as usize;
             let size = size as usize;
-            if k >= tables.len() || size > LADDER[LADDER.len() - 1] || rounds > 64 {
+            if k >= tables.len()
+                || size > LADDER[LADDER.len() - 1]
+                || rounds > MAX_ROUNDS + warm_for(0, MAX_ROUNDS)
+            {
                 return Err(Error::protocol(
                     leader,
                     format!("tune: bad calibration request {tm}/{size}/{rounds}"),
@@ -1163,6 +1190,39 @@ mod tests {
             utc(UNIX_EPOCH + Duration::from_secs(1_764_230_000)),
             "2025-11-27 07:53:20 UTC"
         );
+    }
+
+    #[test]
+    fn the_tms_are_measured_in_alternation() {
+        let s = schedule(&[0, 2, 5], 1);
+        assert_eq!(s.len(), 3 * BATCHES as usize);
+        for (b, round) in s.chunks(3).enumerate() {
+            let mut r = round.to_vec();
+            r.sort_unstable();
+            assert_eq!(r, [0, 2, 5], "round {b}: every TM once");
+        }
+        // The order rotates: no TM always goes first.
+        let firsts: std::collections::HashSet<usize> = s.chunks(3).map(|r| r[0]).collect();
+        assert_eq!(firsts.len(), 3);
+        assert_eq!(schedule(&[4], 0), vec![4; BATCHES as usize]);
+    }
+
+    #[test]
+    fn batches_last_about_the_same_time_at_every_speed() {
+        // A batch is about BATCH_US whatever one round trip costs, within the bounds.
+        for one_way in [1.0, 3.0, 17.0, 60.0] {
+            let r = rounds_for(one_way);
+            let us = r as f64 * 2.0 * one_way;
+            assert!(
+                (BATCH_US..BATCH_US + 2.0 * one_way).contains(&us),
+                "{one_way} µs: {r} round trips"
+            );
+        }
+        assert_eq!(rounds_for(0.0), MAX_ROUNDS);
+        assert_eq!(rounds_for(1e6), 1);
+        assert_eq!(warm_for(128, 1), 3);
+        assert_eq!(warm_for(128, 200), 50);
+        assert_eq!(warm_for(1 << 20, 1), 1);
     }
 
     #[test]

@@ -493,6 +493,7 @@ fn run() -> Result<()> {
     bs.barrier("t/end")?;
     drop((mm, other, ch));
     conformance(me)?;
+    t_tune(&bs)?;
     if me == 0 {
         println!("mpi_job: all checks passed on {} ranks", bs.size());
     }
@@ -528,6 +529,103 @@ fn conformance(me: usize) -> Result<()> {
             ran.len(),
             ran.join(" ")
         );
+    }
+    Ok(())
+}
+
+/// `tune=auto` under the launcher, over the job's kit spec: rank 0 and rank 1 measure the TMs
+/// at open while the other ranks wait in the open's vote; every rank ends with rank 0's table
+/// (the fingerprints, gathered, are one) with measured thresholds, no message counted, and
+/// pieces on both sides of every threshold arrive whole; a second open of the same spec takes
+/// the thresholds from rank 0's cache on every rank, without measuring, and the same table.
+fn t_tune(bs: &MpiBootstrap) -> Result<()> {
+    use mad_core::modes::{RecvMode, SendMode};
+    use mad_core::tune::ThresholdSource;
+    let session = mad_core::Session::builder()
+        .driver(MpiDriver::new())
+        .bootstrap(Box::new(MpiBootstrap::new()?))
+        .build()?;
+    let (me, size) = (session.rank(), session.size());
+    // One cache directory, rank 0's (only rank 0's cache counts), empty at first.
+    let mine = std::env::temp_dir().join(format!("mad-mpi-tune-{}", std::process::id()));
+    let dirs = bs.allgather("t/tune-dir", mine.to_string_lossy().as_bytes())?;
+    let dir = std::path::PathBuf::from(String::from_utf8_lossy(&dirs[0]).into_owned());
+    if me == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let kit = std::env::var("MAD_MPI_KIT_SPEC").unwrap_or_else(|_| "mpi".into());
+    // A budget no loaded machine exhausts: this checks the mechanism, not the machine.
+    let spec = format!(
+        "{kit},tune=auto,tune_budget_ms=600000,tune_cache={}",
+        dir.display()
+    );
+    let mut fps = Vec::new();
+    for (round, want) in [ThresholdSource::Measured, ThresholdSource::Cached]
+        .into_iter()
+        .enumerate()
+    {
+        bs.barrier(&format!("t/tune-{round}"))?;
+        let cfg = ChannelConfig::parse(&format!("tuned{round}"), &spec)?
+            .op_timeout(Duration::from_secs(120));
+        let ch = session.open_channel_with(cfg)?;
+        let t = ch.tuning();
+        let first = ch.tm_table().tms()[0].name;
+        check(
+            t.complete && t.source(first) == Some(want),
+            &format!(
+                "tune=auto open {round}: {want:?} thresholds expected on rank {me}:\n{}",
+                ch.selection_table()
+            ),
+        )?;
+        let st = ch.stats();
+        check(
+            st.messages_sent + st.messages_received == 0,
+            "the calibration left messages counted",
+        )?;
+        for n in [1usize, 100, 3000, 40_000, 300_000, 3 << 20] {
+            let v = (n % 251) as u8;
+            if me == 0 {
+                let buf = vec![v; n];
+                for r in 1..size {
+                    let mut p = ch.begin_packing(r)?;
+                    p.pack(&buf, RecvMode::Cheaper)?;
+                    p.end_packing()?;
+                }
+            } else {
+                let mut buf = vec![0u8; n];
+                let mut u = ch.begin_unpacking_from(0)?;
+                u.unpack(&mut buf, SendMode::Cheaper)?;
+                u.end_unpacking()?;
+                check(
+                    buf.iter().all(|&x| x == v),
+                    &format!("tuned channel: {n} B"),
+                )?;
+            }
+        }
+        let fp = ch.tm_table().fingerprint();
+        let all = bs.allgather(&format!("t/tune-fp-{round}"), &fp.to_le_bytes())?;
+        check(
+            all.iter().all(|f| f[..] == fp.to_le_bytes()),
+            &format!("tune=auto open {round}: the ranks' tables differ"),
+        )?;
+        fps.push(fp);
+        if me == 0 {
+            println!(
+                "mpi_job: tune=auto over `{kit}`, open {round}: {} thresholds, table {fp:016x} on every rank{}",
+                want.as_str(),
+                t.calibration
+                    .filter(|_| round == 0)
+                    .map(|c| format!(" (calibration {} ms)", c.as_millis()))
+                    .unwrap_or_default()
+            );
+        }
+        drop(ch);
+    }
+    check(fps[0] == fps[1], "the cached table is not the measured one")?;
+    bs.barrier("t/tune-end")?;
+    if me == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+        println!("mpi_job: tune=auto measured, agreed and cached on {size} ranks");
     }
     Ok(())
 }

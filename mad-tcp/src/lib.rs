@@ -273,11 +273,9 @@ impl Driver for TcpDriver {
             .max(MIN_FIRST_READ);
         let bulk_blocking = ctx.progress.mode == ProgressMode::Block;
         let caps = self.capabilities(ctx.config);
-        let mut incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit)?;
-        let mut links = Vec::with_capacity(size);
+        let mut conns = Vec::with_capacity(size);
         for (r, st) in streams.into_iter().enumerate() {
             let Some(st) = st else {
-                links.push(None);
                 continue;
             };
             let cfg = |e| Error::io(format!("tcp: configuring the connection to rank {r}"), e);
@@ -295,28 +293,37 @@ impl Driver for TcpDriver {
             st.set_nodelay(true).map_err(cfg)?;
             st.set_nonblocking(false).map_err(cfg)?;
             sys::set_keepalive(st.as_raw_fd(), opts.liveness).map_err(cfg)?;
-            let st = Arc::new(st);
-            let live = link::Liveness::new(st.clone(), r, opts.liveness);
-            let watch = incoming.watch(&st, r, &live)?;
-            links.push(Some(LinkPair {
+            let sock = Arc::new(st);
+            let live = link::Liveness::new(sock.clone(), r, opts.liveness);
+            conns.push(link::Watched {
+                peer: r,
+                sock,
+                live,
+            });
+        }
+        let incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit, conns)?;
+        let ready = incoming.ready();
+        let mut links: Vec<Option<LinkPair>> = (0..size).map(|_| None).collect();
+        for w in incoming.connections() {
+            links[w.peer] = Some(LinkPair {
                 tx: Box::new(TcpTx::new(
-                    st.clone(),
-                    r,
+                    w.sock.clone(),
+                    w.peer,
                     opts.buffer,
                     bulk_blocking,
-                    live.clone(),
-                    incoming.events(),
+                    w.live.clone(),
+                    ready.clone(),
                 )),
                 rx: Box::new(TcpRx::new(
-                    st,
-                    r,
+                    w.sock.clone(),
+                    w.peer,
                     opts.buffer,
                     first_read,
                     bulk_blocking,
-                    watch,
-                    live,
+                    ready.clone(),
+                    w.live.clone(),
                 )),
-            }));
+            });
         }
         let notes = vec![format!(
             "tcp: {} listening for setup, {} connections, {} KiB buffers, liveness bound {} ms",

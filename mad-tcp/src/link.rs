@@ -12,24 +12,25 @@
 //! call. In block mode, gather sends and receives wait in the kernel (no `MSG_DONTWAIT`,
 //! `MSG_WAITALL` on the user's slices only), bounded by the socket timeouts.
 //!
-//! Event loops ([`Incoming::readiness_fd`]): the descriptor is the channel's level-triggered
-//! epoll set (`Events`). A send armed with [`TxLink::arm_send`] adds a one-shot `EPOLLOUT`
-//! registration of a duplicate of its socket, which disables itself when it fires.
+//! Event loops ([`Incoming::readiness_fd`]): the descriptor is the channel's
+//! [`ReadinessSet`] (a level-triggered epoll set, as uds and via have). A send armed with
+//! [`TxLink::arm_send`] adds a one-shot `EPOLLOUT` registration of a duplicate of its socket,
+//! which disables itself when it fires.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use mad_core::driver::{AbortOutcome, Armed, Incoming, RxLink, TmId, TxLink};
+use mad_core::events::{ReadinessSet, SEND_TOKEN};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 use smallvec::SmallVec;
 
-use crate::sys::{self, Epoll, EventFd, Interest, IOV_MAX};
+use crate::sys::{self, Interest, IOV_MAX};
 
 /// Map an I/O failure on the connection to `peer` into the core's error.
 fn lost(peer: usize, e: io::Error) -> Error {
@@ -39,122 +40,8 @@ fn lost(peer: usize, e: io::Error) -> Error {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Token of the wake-up eventfd in the epoll set (ranks use their own number).
-const WAKE_TOKEN: u64 = u64::MAX;
-/// Tokens of one-shot send registrations ([`TxLink::arm_send`]): this bit and the rank.
-const SEND_TOKEN: u64 = 1 << 62;
-
 /// The cause of the teardown [`Incoming::shutdown`] records on every connection.
 const CLOSED: &str = "the channel was closed";
-
-/// The channel's epoll set and wake-up eventfd, shared by [`TcpIncoming`] and the links.
-///
-/// The set is the readiness descriptor: level-triggered registrations of every connection
-/// still watched (input, hang-up) and of the eventfd, plus one-shot `EPOLLOUT` registrations
-/// of sends armed by [`TxLink::arm_send`]. With many peers it also serves any-source waits and
-/// is made at open; with few it is made when first asked for, so that a program that only
-/// blocks never pays the epoll callback on every incoming segment.
-pub(crate) struct Events {
-    set: OnceLock<Epoll>,
-    /// The connections, to register in a set made late. Its lock orders the making of the
-    /// set with taking finished connections out of it.
-    conns: Mutex<Vec<Reg>>,
-    wake: EventFd,
-    /// A poll or wait consumed the event of an armed send: the next `arm` says `Busy`.
-    send_ready: AtomicBool,
-}
-
-struct Reg {
-    sock: Arc<TcpStream>,
-    peer: usize,
-    dead: Arc<AtomicBool>,
-}
-
-impl Events {
-    /// With `eager`, the set is made now (the channel's any-source waits use it).
-    pub(crate) fn new(eager: bool) -> Result<Arc<Self>> {
-        let wake = EventFd::new().map_err(|e| Error::io("creating the tcp wake-up eventfd", e))?;
-        let ev = Events {
-            set: OnceLock::new(),
-            conns: Mutex::new(Vec::new()),
-            wake,
-            send_ready: AtomicBool::new(false),
-        };
-        if eager {
-            ev.set()
-                .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
-        }
-        Ok(Arc::new(ev))
-    }
-
-    /// The set, made now if it was not yet.
-    fn set(&self) -> io::Result<&Epoll> {
-        if let Some(ep) = self.set.get() {
-            return Ok(ep);
-        }
-        let conns = lock(&self.conns);
-        if let Some(ep) = self.set.get() {
-            return Ok(ep);
-        }
-        let ep = Epoll::new()?;
-        ep.add(self.wake.raw(), WAKE_TOKEN)?;
-        for r in conns.iter().filter(|r| !r.dead.load(Ordering::Acquire)) {
-            ep.add(r.sock.as_raw_fd(), r.peer as u64)?;
-        }
-        Ok(self.set.get_or_init(|| ep))
-    }
-
-    fn watch(&self, sock: &Arc<TcpStream>, peer: usize, dead: &Arc<AtomicBool>) -> Result<()> {
-        let mut conns = lock(&self.conns);
-        conns.push(Reg {
-            sock: sock.clone(),
-            peer,
-            dead: dead.clone(),
-        });
-        if let Some(ep) = self.set.get() {
-            ep.add(sock.as_raw_fd(), peer as u64).map_err(|e| {
-                Error::io(
-                    format!("registering the connection to rank {peer} in epoll"),
-                    e,
-                )
-            })?;
-        }
-        Ok(())
-    }
-
-    /// The connection on `fd` is over for reading: stop reporting it (a hung-up socket stays
-    /// readable, which would keep the set readable and every waiter spinning).
-    fn unwatch(&self, fd: RawFd, dead: &AtomicBool) {
-        if dead.load(Ordering::Acquire) {
-            return;
-        }
-        let _g = lock(&self.conns);
-        if !dead.swap(true, Ordering::AcqRel) {
-            if let Some(ep) = self.set.get() {
-                ep.remove(fd);
-            }
-        }
-    }
-
-    /// Wait on the set up to `timeout`: `ready(rank)` for connections with input or a
-    /// hang-up; the eventfd is drained, armed sends are noted for the next `arm`.
-    fn wait(&self, ep: &Epoll, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        ep.wait(timeout, &mut |t| {
-            if t == WAKE_TOKEN {
-                self.wake.drain();
-            } else if t & SEND_TOKEN != 0 {
-                self.send_ready.store(true, Ordering::Release);
-            } else {
-                ready(t as usize);
-            }
-        })
-        .map_err(|e| Error::io("epoll_wait on the tcp connections", e))
-    }
-}
 
 /// Judges whether the peer of a connection is still reachable; shared by the connection's two
 /// halves and the any-source watcher, consulted only when a thread waits (never on the fast
@@ -297,7 +184,7 @@ pub struct TcpTx {
     broken: Option<String>,
     /// Rate limit of the peer-gone probe in `begin_message`.
     gate: ProbeGate,
-    events: Arc<Events>,
+    events: Arc<ReadinessSet>,
     /// A duplicate of the socket for the one-shot `EPOLLOUT` registration of
     /// [`arm_send`](TxLink::arm_send) (the socket itself is registered for input), made at
     /// the first arming; `true` once registered.
@@ -324,7 +211,7 @@ impl TcpTx {
         buf_len: usize,
         bulk_blocking: bool,
         live: Arc<Liveness>,
-        events: Arc<Events>,
+        events: Arc<ReadinessSet>,
     ) -> Self {
         TcpTx {
             events,
@@ -515,10 +402,6 @@ impl TxLink for TcpTx {
         if self.check().is_err() || self.live.check().is_err() {
             return Ok(Armed::Busy); // the send call reports it
         }
-        let ep = self
-            .events
-            .set()
-            .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
         if self.send_fd.is_none() {
             let dup = self
                 ._sock
@@ -529,8 +412,13 @@ impl TxLink for TcpTx {
         let Some((dup, registered)) = &mut self.send_fd else {
             return Ok(Armed::Busy);
         };
-        ep.watch_write_once(dup.as_raw_fd(), SEND_TOKEN | self.peer as u64, !*registered)
-            .map_err(|e| Error::io("tcp: arming a send in epoll", e))?;
+        self.events.register_once(
+            dup.as_fd(),
+            true,
+            false,
+            SEND_TOKEN | self.peer as u64,
+            *registered,
+        )?;
         *registered = true;
         // Armed first, then look: room that came meanwhile has fired the registration too.
         match sys::poll_one(self.fd, Interest::Write, Duration::ZERO) {
@@ -544,8 +432,8 @@ impl Drop for TcpTx {
     fn drop(&mut self) {
         // The registration would outlive the duplicate (it belongs to the socket, which the
         // receiving half keeps open).
-        if let (Some((dup, true)), Some(ep)) = (&self.send_fd, self.events.set.get()) {
-            ep.remove(dup.as_raw_fd());
+        if let Some((dup, true)) = &self.send_fd {
+            self.events.unregister(dup.as_fd());
         }
     }
 }
@@ -567,20 +455,12 @@ pub struct TcpRx {
     first_read: usize,
     /// Block mode: gather receives wait in the kernel for the whole group.
     bulk_blocking: bool,
-    watch: Watch,
+    /// The channel's readiness set, which stops reporting the connection once it is over.
+    watch: Arc<ReadinessSet>,
     /// Bytes received so far (the progress mark).
     moved: u64,
     live: Arc<Liveness>,
     broken: Option<String>,
-}
-
-/// How a connection is watched for any-source reception, so that a dead one stops being
-/// reported (a level-triggered readiness on a closed socket would never clear).
-pub(crate) struct Watch {
-    /// Set once the connection is over for reading.
-    dead: Arc<AtomicBool>,
-    /// The channel's epoll set, which the connection is registered in once it exists.
-    events: Arc<Events>,
 }
 
 /// The peer, the descriptor and the counts; never the bytes.
@@ -603,7 +483,7 @@ impl TcpRx {
         buf_len: usize,
         first_read: usize,
         bulk_blocking: bool,
-        watch: Watch,
+        watch: Arc<ReadinessSet>,
         live: Arc<Liveness>,
     ) -> Self {
         TcpRx {
@@ -623,9 +503,11 @@ impl TcpRx {
         }
     }
 
-    /// The connection is over for reading: stop reporting it to any-source receptions.
+    /// The connection is over for reading: stop reporting it to any-source receptions (a
+    /// hung-up socket stays readable, which would keep the set readable and every waiter
+    /// spinning).
     fn deregister(&mut self) {
-        self.watch.events.unwatch(self.fd, &self.watch.dead);
+        self.watch.forget(self.peer);
     }
 
     #[inline]
@@ -847,98 +729,82 @@ impl Drop for TcpRx {
 pub struct TcpIncoming {
     /// Whether any-source polls and waits use the epoll set (many peers) or `poll(2)`.
     epoll: bool,
-    /// Every watched connection (polled directly with few peers; for liveness in any case).
+    /// Every connection, in the order of the set's peers (for liveness and shutdown).
     list: Vec<Watched>,
-    events: Arc<Events>,
+    ready: Arc<ReadinessSet>,
 }
 
 impl std::fmt::Debug for TcpIncoming {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let peers: Vec<usize> = self.list.iter().map(|w| w.peer).collect();
         f.debug_struct("TcpIncoming")
             .field("epoll", &self.epoll)
-            .field("peers", &peers)
+            .field("ready", &self.ready)
             .finish_non_exhaustive()
     }
 }
 
-struct Watched {
-    peer: usize,
-    sock: Arc<TcpStream>,
-    dead: Arc<AtomicBool>,
-    live: Arc<Liveness>,
+/// One connection of the channel, as the any-source watcher sees it.
+pub(crate) struct Watched {
+    pub(crate) peer: usize,
+    pub(crate) sock: Arc<TcpStream>,
+    pub(crate) live: Arc<Liveness>,
 }
 
 impl TcpIncoming {
-    /// Readiness for a channel; `use_epoll` for many peers.
-    pub(crate) fn new(use_epoll: bool) -> Result<Self> {
+    /// Readiness for the channel's connections; `use_epoll` for many peers (the set is then
+    /// made now: the any-source waits use it).
+    pub(crate) fn new(use_epoll: bool, list: Vec<Watched>) -> Result<Self> {
+        let dup = |w: &Watched| {
+            w.sock
+                .try_clone()
+                .map(|s| (w.peer, vec![OwnedFd::from(s)]))
+                .map_err(|e| {
+                    Error::io(format!("tcp: duplicating the socket of rank {}", w.peer), e)
+                })
+        };
+        let peers = list.iter().map(dup).collect::<Result<Vec<_>>>()?;
+        let ready = Arc::new(ReadinessSet::new("tcp", peers)?);
+        if use_epoll {
+            ready.make()?;
+        }
         Ok(TcpIncoming {
             epoll: use_epoll,
-            list: Vec::new(),
-            events: Events::new(use_epoll)?,
+            list,
+            ready,
         })
     }
 
-    /// The shared readiness state, for the sending halves ([`TxLink::arm_send`]).
-    pub(crate) fn events(&self) -> Arc<Events> {
-        self.events.clone()
+    /// The connections, in the order of rank.
+    pub(crate) fn connections(&self) -> &[Watched] {
+        &self.list
     }
 
-    /// Watch the connection to `peer`; the returned [`Watch`] goes to its receiving half.
-    pub(crate) fn watch(
-        &mut self,
-        sock: &Arc<TcpStream>,
-        peer: usize,
-        live: &Arc<Liveness>,
-    ) -> Result<Watch> {
-        let dead = Arc::new(AtomicBool::new(false));
-        self.list.push(Watched {
-            peer,
-            sock: sock.clone(),
-            dead: dead.clone(),
-            live: live.clone(),
-        });
-        self.events.watch(sock, peer, &dead)?;
-        Ok(Watch {
-            dead,
-            events: self.events.clone(),
-        })
+    /// The channel's readiness set, for the connections' halves.
+    pub(crate) fn ready(&self) -> Arc<ReadinessSet> {
+        self.ready.clone()
     }
 
     /// Before blocking: judge the liveness of every connection still watched. A peer found
     /// unreachable has its socket shut down, which makes it readable: the core then receives
     /// from it and gets the error.
     fn check_liveness(&self) {
-        for w in self.list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
-            let _ = w.live.check();
-        }
-    }
-
-    fn poll_list(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        let mut fds: SmallVec<[RawFd; 8]> = SmallVec::new();
-        let mut peers: SmallVec<[usize; 8]> = SmallVec::new();
-        for w in self.list.iter().filter(|w| !w.dead.load(Ordering::Acquire)) {
-            fds.push(w.sock.as_raw_fd());
-            peers.push(w.peer);
-        }
-        fds.push(self.events.wake.raw());
-        let wake_at = fds.len() - 1;
-        let wake = &self.events.wake;
-        sys::poll_read_many(&fds, timeout, &mut |i| {
-            if i == wake_at {
-                wake.drain();
-            } else {
-                ready(peers[i]);
+        for (i, w) in self.list.iter().enumerate() {
+            if !self.ready.is_forgotten(i) {
+                let _ = w.live.check();
             }
-        })
-        .map_err(|e| Error::io("poll on the tcp connections", e))
+        }
     }
 
     fn any(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        match self.events.set.get() {
-            Some(ep) if self.epoll => self.events.wait(ep, timeout, ready),
-            _ => self.poll_list(timeout, ready),
+        let woken = if self.epoll {
+            self.ready.wait(timeout, ready)?
+        } else {
+            self.ready.poll_peers(timeout, ready)?
+        };
+        if woken {
+            self.ready.drain_wake();
         }
+        Ok(())
     }
 }
 
@@ -953,34 +819,30 @@ impl Incoming for TcpIncoming {
     }
 
     fn wake(&self) {
-        self.events.wake.signal();
+        self.ready.wake();
     }
 
     fn forget(&self, rank: usize) {
-        for w in self.list.iter().filter(|w| w.peer == rank) {
-            self.events.unwatch(w.sock.as_raw_fd(), &w.dead);
-        }
+        self.ready.forget(rank);
     }
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.events.set().ok().map(|ep| ep.as_fd())
+        self.ready.readiness_fd()
     }
 
     fn arm(&self) -> Result<Armed> {
-        let ep = self
-            .events
-            .set()
-            .map_err(|e| Error::io("tcp: creating the epoll set", e))?;
+        self.ready.make()?;
         // A peer found unreachable is shut down here, which makes its socket readable.
         self.check_liveness();
         // Clear, then look: the set is level-triggered, so looking consumes nothing but the
         // one-shot events of armed sends (which make this arm `Busy`), and anything that
         // happens after the drain makes the set readable again.
-        self.events.wake.drain();
-        let mut busy = self.events.send_ready.swap(false, Ordering::AcqRel);
-        ep.wait(Duration::ZERO, &mut |_| busy = true)
-            .map_err(|e| Error::io("epoll_wait on the tcp connections", e))?;
-        Ok(if busy { Armed::Busy } else { Armed::Armed })
+        self.ready.drain_wake();
+        Ok(if self.ready.any_ready()? {
+            Armed::Busy
+        } else {
+            Armed::Armed
+        })
     }
 
     fn shutdown(&self) {

@@ -8,7 +8,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::IpAddr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 /// Largest number of `iovec`s one `sendmsg`/`recvmsg` takes on Linux (`IOV_MAX`).
@@ -346,189 +346,10 @@ pub fn poll_one(fd: RawFd, interest: Interest, timeout: Duration) -> io::Result<
     }
 }
 
-/// `poll(2)` on several descriptors for input; calls `ready(i)` for each ready index.
-///
-/// # Errors
-///
-/// The system call's error (`errno`).
-pub fn poll_read_many(
-    fds: &[RawFd],
-    timeout: Duration,
-    ready: &mut dyn FnMut(usize),
-) -> io::Result<()> {
-    let mut p: smallvec::SmallVec<[libc::pollfd; 8]> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    // SAFETY: `p` holds `p.len()` valid pollfds for the duration of the call.
-    let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms(timeout)) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        return if e.kind() == io::ErrorKind::Interrupted {
-            Ok(())
-        } else {
-            Err(e)
-        };
-    }
-    for (i, pf) in p.iter().enumerate() {
-        if pf.revents != 0 {
-            ready(i);
-        }
-    }
-    Ok(())
-}
-
 fn timeout_ms(t: Duration) -> libc::c_int {
     // Round up so a 300 µs wait does not become a busy 0 ms poll.
     let us = t.as_micros();
     us.div_ceil(1000).min(i32::MAX as u128) as libc::c_int
-}
-
-/// A level-triggered epoll instance.
-#[derive(Debug)]
-pub struct Epoll {
-    fd: OwnedFd,
-}
-
-impl Epoll {
-    /// A new epoll instance (close-on-exec).
-    ///
-    /// # Errors
-    ///
-    /// The system call's error (`errno`).
-    pub fn new() -> io::Result<Self> {
-        // SAFETY: plain syscall without pointers.
-        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
-        // SAFETY: `fd` was just returned by epoll_create1 and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Epoll { fd })
-    }
-
-    /// Watch `fd` for input, reporting `token`.
-    ///
-    /// # Errors
-    ///
-    /// The system call's error (`errno`).
-    pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32,
-            u64: token,
-        };
-        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
-        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })
-            .map(|_| ())
-    }
-
-    /// Watch `fd` once for room to send (or an error, a hang-up), reporting `token`:
-    /// `EPOLLOUT | EPOLLONESHOT`, added the first time (`first`), re-enabled afterwards. A
-    /// one-shot registration disables itself when it fires, so a writable socket does not keep
-    /// the set readable; `fd` must not be registered for anything else in this set (register
-    /// a duplicate of a socket that is).
-    ///
-    /// # Errors
-    ///
-    /// The system call's error (`errno`).
-    pub fn watch_write_once(&self, fd: RawFd, token: u64, first: bool) -> io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32,
-            u64: token,
-        };
-        let op = if first {
-            libc::EPOLL_CTL_ADD
-        } else {
-            libc::EPOLL_CTL_MOD
-        };
-        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
-        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) }).map(|_| ())
-    }
-
-    /// The epoll descriptor itself (readable while some registered descriptor is ready).
-    pub fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    /// Stop watching `fd` (errors are ignored: the descriptor may already be gone).
-    pub fn remove(&self, fd: RawFd) {
-        let mut ev = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: `ev` is valid (ignored by the kernel for DEL, required non-null by old ones).
-        let _ = unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) };
-    }
-
-    /// Wait up to `timeout` and call `f(token)` for each ready descriptor.
-    ///
-    /// # Errors
-    ///
-    /// The system call's error (`errno`).
-    pub fn wait(&self, timeout: Duration, f: &mut dyn FnMut(u64)) -> io::Result<()> {
-        const N: usize = 64;
-        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; N];
-        // SAFETY: `evs` has room for N events, and N is passed as maxevents.
-        let r = unsafe {
-            libc::epoll_wait(
-                self.fd.as_raw_fd(),
-                evs.as_mut_ptr(),
-                N as libc::c_int,
-                timeout_ms(timeout),
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted {
-                Ok(())
-            } else {
-                Err(e)
-            };
-        }
-        for ev in &evs[..r as usize] {
-            let token = ev.u64;
-            f(token);
-        }
-        Ok(())
-    }
-}
-
-/// An eventfd used to wake threads blocked in [`Epoll::wait`].
-#[derive(Debug)]
-pub struct EventFd {
-    fd: OwnedFd,
-}
-
-impl EventFd {
-    /// A new non-blocking eventfd.
-    ///
-    /// # Errors
-    ///
-    /// The system call's error (`errno`).
-    pub fn new() -> io::Result<Self> {
-        // SAFETY: plain syscall without pointers.
-        let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
-        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(EventFd { fd })
-    }
-
-    /// The raw descriptor (to register it in an epoll set).
-    pub fn raw(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-
-    /// Make the eventfd readable.
-    pub fn signal(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes the 8 bytes of `one`; a full counter (EAGAIN) is fine: it is readable.
-        let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    }
-
-    /// Reset the eventfd to not readable.
-    pub fn drain(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads at most 8 bytes into `v`; EAGAIN (already drained) is fine.
-        let _ = unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-    }
 }
 
 /// The addresses of the interface named `name` (IPv4 first), from `getifaddrs`.
@@ -619,6 +440,7 @@ pub fn sockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Resu
 mod tests {
     use super::*;
     use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn keepalive_options_are_applied_without_user_timeout() {

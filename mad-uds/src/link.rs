@@ -31,7 +31,6 @@ pub fn open(streams: Vec<Option<UnixStream>>, buf: usize) -> Result<OpenedChanne
     for (peer, s) in streams.iter().enumerate() {
         if let Some(s) = s {
             watched.push(Watched {
-                peer,
                 s: dup(s)?,
                 torn: Arc::new(Teardown::new()),
             });
@@ -398,15 +397,14 @@ impl RxLink for Rx {
     }
 }
 
-/// Any-source readiness: `poll(2)` over every peer's descriptor and the wake-up socket; for
-/// event loops, the channel's [`ReadinessSet`] of the same.
+/// Any-source readiness: the channel's [`ReadinessSet`] (`poll(2)` over every peer's descriptor
+/// and the wake-up socket; the epoll set of the same for event loops).
 struct Watch {
     watched: Vec<Watched>,
     ready: ReadinessSet,
 }
 
 struct Watched {
-    peer: usize,
     /// A duplicate of the connection's stream.
     s: UnixStream,
     /// Shared with the connection's halves.
@@ -416,40 +414,13 @@ struct Watched {
 /// The channel's [`Incoming`] (the watcher is shared with the sending halves).
 struct Incomings(Arc<Watch>);
 
-impl Watch {
-    fn poll_all(&self, timeout: PollTimeout, ready: &mut dyn FnMut(usize)) -> Result<bool> {
-        let mut ranks: SmallVec<[usize; 8]> = SmallVec::new();
-        let mut fds: SmallVec<[PollFd<'_>; 8]> = SmallVec::new();
-        for (i, w) in self.watched.iter().enumerate() {
-            // A forgotten peer's hung-up socket stays readable: polling it would end every
-            // wait at once.
-            if !self.ready.is_forgotten(i) {
-                ranks.push(w.peer);
-                fds.push(PollFd::new(w.s.as_fd(), PollFlags::POLLIN));
-            }
-        }
-        fds.push(PollFd::new(self.ready.wake_fd(), PollFlags::POLLIN));
-        match poll(&mut fds, timeout) {
-            Ok(0) | Err(nix::errno::Errno::EINTR) => return Ok(false),
-            Ok(_) => {}
-            Err(e) => return Err(Error::io("uds: poll", e.into())),
-        }
-        for (i, rank) in ranks.iter().enumerate() {
-            if fds[i].revents().is_some_and(|r| !r.is_empty()) {
-                ready(*rank);
-            }
-        }
-        Ok(fds[ranks.len()].revents().is_some_and(|r| !r.is_empty()))
-    }
-}
-
 impl Incoming for Incomings {
     fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
-        self.0.poll_all(PollTimeout::ZERO, ready).map(drop)
+        self.0.ready.poll_peers(Duration::ZERO, ready).map(drop)
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        if self.0.poll_all(ms(timeout), &mut |_| {})? {
+        if self.0.ready.poll_peers(timeout, &mut |_| {})? {
             // Woken: consume the wake-ups (only waiters do, so `poll` cannot steal one).
             self.0.ready.drain_wake();
         }
