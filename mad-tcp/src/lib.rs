@@ -231,23 +231,27 @@ impl Driver for TcpDriver {
     }
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
-        let opts = TcpOptions::from_config(ctx.config)?;
         let b = ctx.bootstrap;
         let (me, size) = (b.rank(), b.size());
+        let reach: Vec<bool> = (0..size).map(|r| ctx.reaches(r)).collect();
+        if !reach.contains(&true) {
+            // Outside the channel's `ranks=`: no address (its adapter may not even exist on
+            // this host, a rank of another cluster), no connection.
+            b.allgather(&ctx.tag("addr"), b"-")?;
+            let links = (0..size).map(|_| None).collect();
+            return Ok(
+                OpenedChannel::new(links, Box::new(TcpIncoming::new(false, Vec::new())?))
+                    .with_notes(vec!["tcp: this rank is outside the channel's ranks".into()]),
+            );
+        }
+        let opts = TcpOptions::from_config(ctx.config)?;
         // Two descriptors per peer at worst during setup, plus headroom for the program.
         let _ = sys::ensure_nofile(2 * size as u64 + 64);
         let listener = setup::listen(opts.ip)?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("tcp: reading the listener address", e))?;
-        let reach: Vec<bool> = (0..size).map(|r| ctx.reaches(r)).collect();
-        // A rank outside the channel's `ranks=` publishes no address.
-        let published = if reach.contains(&true) {
-            local.to_string()
-        } else {
-            "-".to_string()
-        };
-        let all = b.allgather(&ctx.tag("addr"), published.as_bytes())?;
+        let all = b.allgather(&ctx.tag("addr"), local.to_string().as_bytes())?;
         if all.len() != size {
             return Err(Error::protocol(
                 me,
@@ -301,7 +305,7 @@ impl Driver for TcpDriver {
                 live,
             });
         }
-        let incoming = TcpIncoming::new(size - 1 > caps.direct_poll_limit, conns)?;
+        let incoming = TcpIncoming::new(conns.len() > caps.direct_poll_limit, conns)?;
         let ready = incoming.ready();
         let mut links: Vec<Option<LinkPair>> = (0..size).map(|_| None).collect();
         for w in incoming.connections() {
