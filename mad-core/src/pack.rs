@@ -1242,6 +1242,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     ///
     /// [`Error::BadConfig`](crate::Error::BadConfig) when a LATER piece over cells was packed; the
     /// packer is dropped then (its message abandoned).
+    #[inline]
     pub fn into_send(self) -> Result<SendPacker<'c, 'b>> {
         let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
             || self
@@ -1414,6 +1415,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// `pack_safer` and `pack_later` never wait for the network, and the end is driven by
     /// [`poll_end_packing`](Self::poll_end_packing) without blocking. Pieces packed before
     /// were handed to the driver already.
+    #[inline]
     pub fn defer(&mut self) {
         self.st.holding = true;
     }
@@ -1567,6 +1569,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.pack_later_atomic(data, r)
     }
     /// See [`Packer::defer`].
+    #[inline]
     pub fn defer(&mut self) {
         self.0.defer()
     }
@@ -1587,6 +1590,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.remote()
     }
     /// See [`Packer::poll_end_packing`].
+    #[inline]
     pub fn poll_end_packing(&mut self) -> Poll<Result<()>> {
         self.0.poll_end_packing()
     }

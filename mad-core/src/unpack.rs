@@ -1051,6 +1051,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// waiting (the blocking `unpack_express` and `end_unpacking` still work, and wait). The
     /// bytes read are the same as a blocking receiver's: the engine's own unpack code records
     /// its steps (module `rxplan`).
+    #[inline]
     pub fn defer(&mut self) {
         if !self.st.recording {
             self.st.trying = true;

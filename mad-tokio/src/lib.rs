@@ -57,11 +57,12 @@
 //! # Ok(()) }
 //! ```
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
 use std::sync::atomic::AtomicU8;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use mad_core::progress::ProgressMode;
@@ -237,13 +238,11 @@ impl AsyncChannel {
         self.inner.ch.close()
     }
 
-    /// Drive `f` (a non-blocking call) to completion: retry for the spin budget, yielding to
-    /// the runtime, then arm the descriptor, try once more, and sleep on it.
+    /// Drive `f` (a non-blocking call that was just tried and found pending, by
+    /// [`FirstTry`]) to completion: retry for the spin budget, yielding to the runtime, then
+    /// arm the descriptor, try once more, and sleep on it.
     async fn wait<T>(&self, mut f: impl FnMut() -> Poll<Result<T>>) -> Result<T> {
         let inner = &*self.inner;
-        if let Poll::Ready(r) = f() {
-            return r;
-        }
         let start = Instant::now();
         // A ping-pong's answer takes a few microseconds at most under busy traffic: try
         // without giving the thread away first (a yield to tokio costs an `epoll_wait` of the
@@ -327,12 +326,30 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] when the connection to the peer is gone or an
     /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_packing<'b>(&self, remote: usize) -> Result<AsyncPacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let p = poll_fn(|cx| ch.poll_begin_packing(remote, cx)).await?;
+    pub fn begin_packing<'b>(
+        &self,
+        remote: usize,
+    ) -> impl Future<Output = Result<AsyncPacker<'_, 'b>>> + use<'_, 'b> {
+        // A lock with wakers: nothing to spin or arm, so no `FirstTry`.
+        poll_fn(move |cx| {
+            self.inner
+                .ch
+                .poll_begin_packing(remote, cx)
+                .map(|r| self.packer(r?))
+        })
+    }
+
+    #[inline]
+    fn packer<'c, 'b>(&'c self, p: mad_core::Packer<'c, 'b>) -> Result<AsyncPacker<'c, 'b>> {
         let mut p = p.into_send()?;
         p.defer();
         Ok(AsyncPacker { p, ch: self })
+    }
+
+    #[inline]
+    fn unpacker<'c, 'b>(&'c self, mut u: Unpacker<'c, 'b>) -> AsyncUnpacker<'c, 'b> {
+        u.defer();
+        AsyncUnpacker { u, ch: self }
     }
 
     /// The next message from any peer. Cancel-safe: dropped before it is ready, it consumes
@@ -344,11 +361,22 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] once no peer is left; the failure of one
     /// connection is reported by one call; [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_unpacking<'b>(&self) -> Result<AsyncUnpacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let mut u = self.wait(|| ready_some(ch.try_begin_unpacking())).await?;
-        u.defer();
-        Ok(AsyncUnpacker { u, ch: self })
+    pub fn begin_unpacking<'b>(
+        &self,
+    ) -> impl Future<Output = Result<AsyncUnpacker<'_, 'b>>> + use<'_, 'b> {
+        FirstTry::new(
+            self,
+            |ch: &mut &AsyncChannel| {
+                let ch = *ch;
+                ready_some(ch.inner.ch.try_begin_unpacking()).map_ok(|u| ch.unpacker(u))
+            },
+            |ch: &AsyncChannel| async move {
+                let u = ch
+                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking()))
+                    .await?;
+                Ok(ch.unpacker(u))
+            },
+        )
     }
 
     /// The next message from `remote`. Cancel-safe.
@@ -362,13 +390,94 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] when the connection to the peer is gone or an
     /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<AsyncUnpacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let mut u = self
-            .wait(|| ready_some(ch.try_begin_unpacking_from(remote)))
-            .await?;
-        u.defer();
-        Ok(AsyncUnpacker { u, ch: self })
+    pub fn begin_unpacking_from<'b>(
+        &self,
+        remote: usize,
+    ) -> impl Future<Output = Result<AsyncUnpacker<'_, 'b>>> + use<'_, 'b> {
+        FirstTry::new(
+            self,
+            move |ch: &mut &AsyncChannel| {
+                let ch = *ch;
+                ready_some(ch.inner.ch.try_begin_unpacking_from(remote)).map_ok(|u| ch.unpacker(u))
+            },
+            move |ch: &AsyncChannel| async move {
+                let u = ch
+                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking_from(remote)))
+                    .await?;
+                Ok(ch.unpacker(u))
+            },
+        )
+    }
+}
+
+/// The future of every wait but `begin_packing`'s: its first poll tries the operation once
+/// and returns at once when it is ready (no clock read, no spin, arming or readiness state:
+/// busy traffic pays nothing more); only an operation found pending moves into the channel's
+/// wait ([`AsyncChannel::wait`]), boxed. So the future is the size of its operation (an
+/// `.await` copies its future whole, often more than once), not of the wait's state.
+struct FirstTry<O, A, M, S> {
+    step: Step<O, S>,
+    /// The operation, tried without waiting.
+    attempt: A,
+    /// Makes the wait, which owns the operation from then on.
+    slow: Option<M>,
+}
+
+enum Step<O, S> {
+    Try(O),
+    Wait(Pin<Box<S>>),
+    Done,
+}
+
+impl<O, T, A, M, S> FirstTry<O, A, M, S>
+where
+    A: FnMut(&mut O) -> Poll<Result<T>>,
+    M: FnOnce(O) -> S,
+    S: Future<Output = Result<T>>,
+{
+    #[inline]
+    fn new(op: O, attempt: A, slow: M) -> Self {
+        FirstTry {
+            step: Step::Try(op),
+            attempt,
+            slow: Some(slow),
+        }
+    }
+}
+
+impl<O, T, A, M, S> Future for FirstTry<O, A, M, S>
+where
+    O: Unpin,
+    A: FnMut(&mut O) -> Poll<Result<T>> + Unpin,
+    M: FnOnce(O) -> S + Unpin,
+    S: Future<Output = Result<T>>,
+{
+    type Output = Result<T>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = self.get_mut();
+        if let Step::Try(op) = &mut this.step {
+            if let Poll::Ready(r) = (this.attempt)(op) {
+                this.step = Step::Done;
+                return Poll::Ready(r);
+            }
+            let Step::Try(op) = std::mem::replace(&mut this.step, Step::Done) else {
+                unreachable!("matched above")
+            };
+            let slow = this.slow.take().expect("made once");
+            this.step = Step::Wait(Box::pin(slow(op)));
+        }
+        match &mut this.step {
+            Step::Wait(s) => {
+                let r = s.as_mut().poll(cx);
+                if r.is_ready() {
+                    this.step = Step::Done;
+                }
+                r
+            }
+            _ => panic!("a madeleine future polled after it completed"),
+        }
     }
 }
 
@@ -493,9 +602,15 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn end_packing(mut self) -> Result<()> {
-        let ch = self.ch;
-        ch.wait(|| self.p.poll_end_packing()).await
+    pub fn end_packing(self) -> impl Future<Output = Result<()>> + use<'c, 'b> {
+        FirstTry::new(
+            self,
+            |me: &mut Self| me.p.poll_end_packing(),
+            |mut me: Self| async move {
+                let ch = me.ch;
+                ch.wait(|| me.p.poll_end_packing()).await
+            },
+        )
     }
 }
 
@@ -570,10 +685,20 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     /// in checked mode; [`Error::Protocol`] when the peer's bytes break
     /// the protocol; [`Error::Timeout`];
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
-        let ch = self.ch;
-        let u = &mut self.u;
-        ch.wait(|| u.poll_unpack_express(buf, s)).await
+    pub fn unpack_express<'s, 'x>(
+        &'s mut self,
+        buf: &'x mut [u8],
+        s: SendMode,
+    ) -> impl Future<Output = Result<()>> + use<'s, 'x, 'c, 'b> {
+        FirstTry::new(
+            (self, buf),
+            move |(me, buf): &mut (&'s mut Self, &'x mut [u8])| me.u.poll_unpack_express(buf, s),
+            move |(me, buf): (&'s mut Self, &'x mut [u8])| async move {
+                let ch = me.ch;
+                let u = &mut me.u;
+                ch.wait(|| u.poll_unpack_express(buf, s)).await
+            },
+        )
     }
     /// A plain value packed with `pack_value(.., RecvMode::Express)`.
     ///
@@ -606,8 +731,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     /// in checked mode; [`Error::Protocol`] when the peer's bytes break
     /// the protocol; [`Error::Timeout`];
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn end_unpacking(mut self) -> Result<()> {
-        let ch = self.ch;
-        ch.wait(|| self.u.poll_end_unpacking()).await
+    pub fn end_unpacking(self) -> impl Future<Output = Result<()>> + use<'c, 'b> {
+        FirstTry::new(
+            self,
+            |me: &mut Self| me.u.poll_end_unpacking(),
+            |mut me: Self| async move {
+                let ch = me.ch;
+                ch.wait(|| me.u.poll_end_unpacking()).await
+            },
+        )
     }
 }
