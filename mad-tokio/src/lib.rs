@@ -240,23 +240,22 @@ impl AsyncChannel {
 
     /// Drive `f` (a non-blocking call that was just tried and found pending, by
     /// [`FirstTry`]) to completion: retry for the spin budget, yielding to the runtime, then
-    /// arm the descriptor, try once more, and sleep on it.
-    async fn wait<T>(&self, mut f: impl FnMut() -> Poll<Result<T>>) -> Result<T> {
+    /// arm the descriptor, try once more, and sleep on it. The first microseconds are spent
+    /// on the thread by `in_place` (given `f` and how long; [`spin_calls`]: `f` in a loop).
+    async fn wait<T, F, G>(&self, mut f: F, in_place: G) -> Result<T>
+    where
+        F: FnMut() -> Poll<Result<T>>,
+        G: FnOnce(&mut F, Duration) -> Poll<Result<T>>,
+    {
         let inner = &*self.inner;
         let start = Instant::now();
         // A ping-pong's answer takes a few microseconds at most under busy traffic: try
         // without giving the thread away first (a yield to tokio costs an `epoll_wait` of the
         // reactor), for at most `SPIN_IN_PLACE`.
-        let in_place = inner.spin.map_or(SPIN_IN_PLACE, |s| s.min(SPIN_IN_PLACE));
-        let mut i = 0u32;
-        while !in_place.is_zero() {
-            std::hint::spin_loop();
-            if let Poll::Ready(r) = f() {
+        let spin = inner.spin.map_or(SPIN_IN_PLACE, |s| s.min(SPIN_IN_PLACE));
+        if !spin.is_zero() {
+            if let Poll::Ready(r) = in_place(&mut f, spin) {
                 return r;
-            }
-            i += 1;
-            if i % 64 == 0 && start.elapsed() >= in_place {
-                break;
             }
         }
         let mut backoff = Duration::from_micros(20);
@@ -372,7 +371,7 @@ impl AsyncChannel {
             },
             |ch: &AsyncChannel| async move {
                 let u = ch
-                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking()))
+                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking()), spin_calls)
                     .await?;
                 Ok(ch.unpacker(u))
             },
@@ -401,8 +400,14 @@ impl AsyncChannel {
                 ready_some(ch.inner.ch.try_begin_unpacking_from(remote)).map_ok(|u| ch.unpacker(u))
             },
             move |ch: &AsyncChannel| async move {
+                // Spinning on the connection itself, its receiving half held.
                 let u = ch
-                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking_from(remote)))
+                    .wait(
+                        || ready_some(ch.inner.ch.try_begin_unpacking_from(remote)),
+                        |_, spin| {
+                            ready_some(ch.inner.ch.try_begin_unpacking_from_spinning(remote, spin))
+                        },
+                    )
                     .await?;
                 Ok(ch.unpacker(u))
             },
@@ -477,6 +482,22 @@ where
                 r
             }
             _ => panic!("a madeleine future polled after it completed"),
+        }
+    }
+}
+
+/// A wait's first microseconds for most operations: `f` in a loop, for at most `spin`.
+fn spin_calls<T>(f: &mut impl FnMut() -> Poll<Result<T>>, spin: Duration) -> Poll<Result<T>> {
+    let start = Instant::now();
+    let mut i = 0u32;
+    loop {
+        std::hint::spin_loop();
+        if let Poll::Ready(r) = f() {
+            return Poll::Ready(r);
+        }
+        i += 1;
+        if i % 64 == 0 && start.elapsed() >= spin {
+            return Poll::Pending;
         }
     }
 }
@@ -608,7 +629,7 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
             |me: &mut Self| me.p.poll_end_packing(),
             |mut me: Self| async move {
                 let ch = me.ch;
-                ch.wait(|| me.p.poll_end_packing()).await
+                ch.wait(|| me.p.poll_end_packing(), spin_calls).await
             },
         )
     }
@@ -696,7 +717,7 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
             move |(me, buf): (&'s mut Self, &'x mut [u8])| async move {
                 let ch = me.ch;
                 let u = &mut me.u;
-                ch.wait(|| u.poll_unpack_express(buf, s)).await
+                ch.wait(|| u.poll_unpack_express(buf, s), spin_calls).await
             },
         )
     }
@@ -737,7 +758,7 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
             |me: &mut Self| me.u.poll_end_unpacking(),
             |mut me: Self| async move {
                 let ch = me.ch;
-                ch.wait(|| me.u.poll_end_unpacking()).await
+                ch.wait(|| me.u.poll_end_unpacking(), spin_calls).await
             },
         )
     }
