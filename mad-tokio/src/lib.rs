@@ -9,7 +9,12 @@
 //! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
 //! a kernel wake-up costs far more than a message on shared memory: at most 10 µs on its
 //! thread, then yielding to the runtime between tries; `progress=block` goes to the descriptor
-//! at once, `progress=poll` never sleeps.
+//! at once, `progress=poll` never sleeps. A future's first poll only tries the call: a
+//! message that is there costs no clock read, no spin or arming state and no allocation
+//! (the wait's state is allocated when the first try finds nothing), and
+//! [`begin_unpacking_from`](AsyncChannel::begin_unpacking_from) spends its microseconds on the
+//! thread polling the connection with its receiving half held
+//! ([`Channel::try_begin_unpacking_from_spinning`]), as the blocking call does.
 //! A driver without a descriptor (MPI: it progresses only inside MPI calls) is polled with a
 //! back-off from 20 µs to 1 ms.
 //!
