@@ -350,6 +350,19 @@ impl AsyncChannel {
         Ok(AsyncPacker { p, ch: self })
     }
 
+    /// A try's result as a poll, the unpacker made in place.
+    #[inline]
+    fn ready_unpacker<'c, 'b>(
+        &'c self,
+        r: Result<Option<Unpacker<'c, 'b>>>,
+    ) -> Poll<Result<AsyncUnpacker<'c, 'b>>> {
+        match r {
+            Ok(Some(u)) => Poll::Ready(Ok(self.unpacker(u))),
+            Ok(None) => Poll::Pending,
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
     #[inline]
     fn unpacker<'c, 'b>(&'c self, mut u: Unpacker<'c, 'b>) -> AsyncUnpacker<'c, 'b> {
         u.defer();
@@ -372,7 +385,7 @@ impl AsyncChannel {
             self,
             |ch: &mut &AsyncChannel| {
                 let ch = *ch;
-                ready_some(ch.inner.ch.try_begin_unpacking()).map_ok(|u| ch.unpacker(u))
+                ch.ready_unpacker(ch.inner.ch.try_begin_unpacking())
             },
             |ch: &AsyncChannel| async move {
                 let u = ch
@@ -402,7 +415,7 @@ impl AsyncChannel {
             self,
             move |ch: &mut &AsyncChannel| {
                 let ch = *ch;
-                ready_some(ch.inner.ch.try_begin_unpacking_from(remote)).map_ok(|u| ch.unpacker(u))
+                ch.ready_unpacker(ch.inner.ch.try_begin_unpacking_from(remote))
             },
             move |ch: &AsyncChannel| async move {
                 // Spinning on the connection itself, its receiving half held.
