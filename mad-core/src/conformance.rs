@@ -31,7 +31,8 @@
 //! skipped by drivers without a descriptor), `close` (`Channel::close` frees blocked receives
 //! and an `end_unpacking` moved to another thread with `Closed`; the peer's calls fail),
 //! `deadlines` (per-call deadlines leave an idle connection intact; one that expires in the
-//! middle of a message finishes it), `try_from` (`try_begin_unpacking_from`), `polled` (the
+//! middle of a message finishes it), `try_from` (`try_begin_unpacking_from` and its spinning
+//! form), `polled` (the
 //! `random` messages and 16 MiB ones from an event-driven sender: deferred pieces, the end
 //! driven by `poll_end_packing` and the readiness descriptor), `abandoned_end` (an end of
 //! message abandoned while pending, its memory reused at once: never delivered as complete

@@ -156,7 +156,7 @@ impl std::fmt::Debug for Packer<'_, '_> {
             .field("channel", &self.st.ch.config.name)
             .field("to", &self.st.remote)
             .field("pieces", &self.st.index)
-            .field("bytes", &self.st.bytes)
+            .field("bytes", &self.st.tx.spare.msg.bytes)
             .field("gathered", &self.group.len())
             .field("later", &self.tail.len())
             .field("checked", &self.st.checked)
@@ -175,6 +175,22 @@ pub(crate) struct TxSpare {
     held: Spare<HeldPieces>,
     /// The steps of a message ended without blocking ([`Packer::poll_end_packing`]).
     plan: TxPlan,
+    /// The current message's counts, deadline and room.
+    msg: TxMsg,
+}
+
+/// What a message counts and its limits, kept in the connection's sending half (held by the
+/// packer) rather than in the `Packer`: a packer is copied whole by every return and every
+/// `.await` that hands it over, so the smaller the cheaper.
+#[derive(Default)]
+struct TxMsg {
+    counts: [u32; MAX_TMS],
+    bytes: u64,
+    /// Every wait of this message gives up at this instant ([`Packer::set_deadline`]).
+    deadline: Option<Instant>,
+    /// Payload bytes this message may still take: the driver's
+    /// [`max_message`](crate::driver::Capabilities::max_message) minus what was packed.
+    room: u64,
 }
 
 /// A memory range a recorded step reads when it runs (see [`TxPlan`]).
@@ -345,13 +361,9 @@ struct PackState<'c> {
     /// Finished (successfully or not): nothing left to abandon.
     done: bool,
     index: u32,
-    counts: [u32; MAX_TMS],
-    bytes: u64,
     /// The message header, until it is copied in with the first bytes of TM 0 (so a short
     /// message is one lend, not two) or, before a switch to another TM or the end, alone.
     header: Option<[u8; wire::HEADER_LEN]>,
-    /// Every wait of this message gives up at this instant ([`Packer::set_deadline`]).
-    deadline: Option<Instant>,
     /// `end_packing`'s code is recording its steps into the connection's plan instead of
     /// running them ([`Packer::poll_end_packing`]).
     recording: bool,
@@ -361,9 +373,6 @@ struct PackState<'c> {
     trying: bool,
     /// The plan of this message's end was recorded.
     planned: bool,
-    /// Payload bytes this message may still take: the driver's
-    /// [`max_message`](crate::driver::Capabilities::max_message) minus what was packed.
-    room: u64,
     /// A message of a virtual channel to a rank behind gateways ([`crate::vchan`]): every
     /// piece goes as a descriptor and fragments ([`crate::vchan::fwd`]) to the first gateway.
     fwd: Option<Box<Forwarding>>,
@@ -409,7 +418,7 @@ impl PackState<'_> {
     /// else arm the readiness descriptor for this send (rung at once when it may progress).
     fn pending(&mut self) -> Result<()> {
         self.ch.check_open()?;
-        if let Some(d) = self.deadline {
+        if let Some(d) = self.tx.spare.msg.deadline {
             if Instant::now() >= d {
                 return Err(Error::Timeout(Duration::ZERO));
             }
@@ -425,6 +434,7 @@ impl PackState<'_> {
     #[inline]
     fn drive<T>(&mut self, attempt: impl FnMut(&mut TxState) -> Result<Poll<T>>) -> Result<T> {
         let ch = self.ch;
+        let deadline = self.tx.spare.msg.deadline;
         ch.progress.drive_until(
             &mut *self.tx,
             attempt,
@@ -433,7 +443,7 @@ impl PackState<'_> {
                 tx.link.wait(t)
             },
             |tx| tx.link.progress_mark(),
-            self.deadline,
+            deadline,
         )
     }
 
@@ -786,17 +796,19 @@ impl<'c, 'b> Packer<'c, 'b> {
             checked: ch.config.checked,
             done: false,
             index: 0,
-            counts: [0; MAX_TMS],
-            bytes: 0,
             header: Some(header),
-            deadline,
             recording: false,
             trying: false,
             planned: false,
-            room: ch.caps.max_message.unwrap_or(u64::MAX),
             fwd: None,
         };
         let spare = &mut st.tx.spare;
+        spare.msg = TxMsg {
+            counts: [0; MAX_TMS],
+            bytes: 0,
+            deadline,
+            room: ch.caps.max_message.unwrap_or(u64::MAX),
+        };
         let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
         Ok(Packer {
             st,
@@ -822,10 +834,11 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn admit(&mut self, len: usize) -> Result<()> {
         self.alive()?;
         let len = len as u64;
-        if len > self.st.room {
+        let room = &mut self.st.tx.spare.msg.room;
+        if len > *room {
             return Err(self.too_large(len));
         }
-        self.st.room -= len;
+        *room -= len;
         Ok(())
     }
 
@@ -837,7 +850,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             channel: ch.config.name.clone(),
             driver: ch.config.driver.clone(),
             rank: self.st.remote,
-            len: (max - self.st.room).saturating_add(len),
+            len: (max - self.st.tx.spare.msg.room).saturating_add(len),
             max,
         }
     }
@@ -895,8 +908,9 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline]
     fn account(&mut self, tm: TmId, len: usize) {
-        self.st.counts[tm as usize] += 1;
-        self.st.bytes += len as u64;
+        let msg = &mut self.st.tx.spare.msg;
+        msg.counts[tm as usize] += 1;
+        msg.bytes += len as u64;
     }
 
     /// A Copy-TM piece: in unchecked mode its frame goes first, through TM 0 (with the piece
@@ -1162,7 +1176,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// that expires after part of the message left abandons it, as a dropped packer does
     /// (the connection is then finished in both directions).
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
-        self.st.deadline = deadline;
+        self.st.tx.spare.msg.deadline = deadline;
     }
 
     /// The peer this message goes to.
@@ -1375,6 +1389,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     ///
     /// [`Error::BadConfig`](crate::Error::BadConfig) when a LATER piece over cells was packed; the
     /// packer is dropped then (its message abandoned).
+    #[inline]
     pub fn into_send(self) -> Result<SendPacker<'c, 'b>> {
         let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
             || self
@@ -1536,7 +1551,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         st.done = true;
         st.tx.seq = st.tx.seq.wrapping_add(1);
         if let Some(Some(c)) = st.ch.conns.get(st.remote) {
-            c.sent.add(st.bytes, &st.counts);
+            c.sent.add(st.tx.spare.msg.bytes, &st.tx.spare.msg.counts);
         }
     }
 
@@ -1558,6 +1573,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// `pack_safer` and `pack_later` never wait for the network, and the end is driven by
     /// [`poll_end_packing`](Self::poll_end_packing) without blocking. Pieces packed before
     /// were handed to the driver already.
+    #[inline]
     pub fn defer(&mut self) {
         self.st.holding = true;
     }
@@ -1716,6 +1732,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.pack_later_atomic(data, r)
     }
     /// See [`Packer::defer`].
+    #[inline]
     pub fn defer(&mut self) {
         self.0.defer()
     }
@@ -1736,6 +1753,7 @@ impl<'c, 'b> SendPacker<'c, 'b> {
         self.0.remote()
     }
     /// See [`Packer::poll_end_packing`].
+    #[inline]
     pub fn poll_end_packing(&mut self) -> Poll<Result<()>> {
         self.0.poll_end_packing()
     }

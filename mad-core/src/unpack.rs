@@ -106,7 +106,10 @@ impl std::fmt::Debug for Unpacker<'_, '_> {
             .field("channel", &self.st.ch.config.name)
             .field("from", &self.st.remote)
             .field("pieces", &self.st.index)
-            .field("bytes", &self.st.bytes)
+            .field(
+                "bytes",
+                &self.st.rx.as_deref().map_or(0, |rx| rx.spare.msg.bytes),
+            )
             .field("gathered", &self.group.len())
             .field("later", &self.tail.len())
             .field("checked", &self.st.checked)
@@ -129,6 +132,22 @@ pub(crate) struct RxSpare {
     /// its bytes and how many, for whichever receiver takes the connection next.
     hdr: [u8; wire::HEADER_LEN],
     hdr_fill: usize,
+    /// The current message's counts, deadline and pending EXPRESS buffer.
+    msg: RxMsg,
+}
+
+/// What a message counts and waits for, kept in the connection's receiving half (held by
+/// the unpacker) rather than in the `Unpacker`: an unpacker is copied whole by every return
+/// and every `.await` that hands it over, so the smaller the cheaper.
+#[derive(Default)]
+struct RxMsg {
+    counts: [u32; MAX_TMS],
+    bytes: u64,
+    /// Every wait of this message gives up at this instant ([`Unpacker::set_deadline`]).
+    deadline: Option<Instant>,
+    /// Deferred mode: the EXPRESS buffer of a pending `poll_unpack_express` (the steps
+    /// recorded for it write there), as (address, length).
+    express: Option<(usize, usize)>,
 }
 
 /// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
@@ -147,10 +166,6 @@ struct UnpackState<'c> {
     /// Unchecked mode: the end frame was already taken, right after the last piece in the
     /// same lend (see `copy_out_framed`).
     ended: bool,
-    counts: [u32; MAX_TMS],
-    bytes: u64,
-    /// Every wait of this message gives up at this instant ([`Unpacker::set_deadline`]).
-    deadline: Option<Instant>,
     /// Deferred mode: the unpack code records steps into the connection's plan
     /// ([`Unpacker::defer`]).
     recording: bool,
@@ -158,9 +173,6 @@ struct UnpackState<'c> {
     /// made once, and the first that is pending (or any other step) starts `recording`, so a
     /// deferred message whose data is there costs what a blocking one does.
     trying: bool,
-    /// Deferred mode: the EXPRESS buffer of a pending `poll_unpack_express` (the steps
-    /// recorded for it write there), as (address, length).
-    express: Option<(usize, usize)>,
     /// Deferred mode: the end of the message was recorded (`poll_end_unpacking`).
     ending: bool,
 }
@@ -193,6 +205,11 @@ impl UnpackState<'_> {
         self.rx
             .as_deref_mut()
             .expect("receive state used after release")
+    }
+
+    #[inline]
+    fn msg(&mut self) -> &mut RxMsg {
+        &mut self.rx().spare.msg
     }
 
     /// Mirror of the sender's `ensure`: check out the previous TM when the TM changes.
@@ -306,7 +323,7 @@ impl UnpackState<'_> {
     }
 
     fn recv_refs(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>]) -> Result<()> {
-        let (ch, deadline) = (self.ch, self.deadline);
+        let (ch, deadline) = (self.ch, self.msg().deadline);
         drive(ch, deadline, self.rx(), |rx| rx.link.recv_refs(tm, group))
     }
 
@@ -384,7 +401,7 @@ impl UnpackState<'_> {
             fb: [0; wire::FRAME_LEN],
         };
         let mut bad = false;
-        let (ch, deadline, trying) = (self.ch, self.deadline, self.trying);
+        let (ch, deadline, trying) = (self.ch, self.msg().deadline, self.trying);
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
@@ -563,7 +580,6 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         block: bool,
     ) -> Result<Option<Unpacker<'c, 'b>>> {
         let mut st = UnpackState {
-            deadline,
             ch,
             remote,
             rx: Some(rx),
@@ -573,12 +589,15 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             done: false,
             index: 0,
             ended: false,
-            counts: [0; MAX_TMS],
-            bytes: 0,
             recording: false,
             trying: false,
-            express: None,
             ending: false,
+        };
+        *st.msg() = RxMsg {
+            counts: [0; MAX_TMS],
+            bytes: 0,
+            deadline,
+            express: None,
         };
         let r = st.read_header(block).and_then(|h| {
             let Some(h) = h else { return Ok(None) };
@@ -728,8 +747,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[inline]
     fn account(&mut self, tm: TmId, len: usize) {
-        self.st.counts[tm as usize] += 1;
-        self.st.bytes += len as u64;
+        let msg = self.st.msg();
+        msg.counts[tm as usize] += 1;
+        msg.bytes += len as u64;
     }
 
     #[inline]
@@ -863,7 +883,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// middle of a message abandons it, as any failed unpack does (the connection is finished
     /// in both directions), so it is a bound on a peer that stalls, not a way to pause.
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
-        self.st.deadline = deadline;
+        if let Some(rx) = self.st.rx.as_deref_mut() {
+            rx.spare.msg.deadline = deadline;
+        }
     }
 
     /// The peer this message comes from.
@@ -1021,10 +1043,11 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.recycle();
         let st = &mut self.st;
         st.done = true;
+        let (ch, remote) = (st.ch, st.remote);
         let rx = st.rx();
         rx.seq = rx.seq.wrapping_add(1);
-        if let Some(Some(c)) = st.ch.conns.get(st.remote) {
-            c.received.add(st.bytes, &st.counts);
+        if let Some(Some(c)) = ch.conns.get(remote) {
+            c.received.add(rx.spare.msg.bytes, &rx.spare.msg.counts);
         }
         st.release();
     }
@@ -1051,6 +1074,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// waiting (the blocking `unpack_express` and `end_unpacking` still work, and wait). The
     /// bytes read are the same as a blocking receiver's: the engine's own unpack code records
     /// its steps (module `rxplan`).
+    #[inline]
     pub fn defer(&mut self) {
         if !self.st.recording {
             self.st.trying = true;
@@ -1072,7 +1096,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Run the recorded steps, waiting as the progress policy says.
     fn run_blocking(&mut self) -> Result<()> {
-        let (ch, deadline, remote) = (self.st.ch, self.st.deadline, self.st.remote);
+        let (ch, deadline, remote) = (self.st.ch, self.st.msg().deadline, self.st.remote);
         let rx = self.st.rx();
         drive(ch, deadline, rx, |rx| {
             let RxState { link, spare, .. } = rx;
@@ -1098,7 +1122,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
             Poll::Pending => {
                 self.st.ch.check_open()?;
-                if self.st.deadline.is_some_and(|d| Instant::now() >= d) {
+                if self.st.msg().deadline.is_some_and(|d| Instant::now() >= d) {
                     return Err(Error::Timeout(std::time::Duration::ZERO));
                 }
                 Ok(Poll::Pending)
@@ -1119,13 +1143,13 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         }
         self.defer();
         let key = (buf.as_ptr() as usize, buf.len());
-        match self.st.express {
+        match self.st.msg().express {
             None => {
                 let r = self.unpack_express_inner(buf, s);
                 if let Err(e) = self.check(r) {
                     return Poll::Ready(Err(e));
                 }
-                self.st.express = Some(key);
+                self.st.msg().express = Some(key);
             }
             Some(k) if k != key => {
                 let e = Error::protocol(
@@ -1139,7 +1163,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         }
         match self.run_polled() {
             Ok(Poll::Ready(())) => {
-                self.st.express = None;
+                self.st.msg().express = None;
                 Poll::Ready(Ok(()))
             }
             Ok(Poll::Pending) => Poll::Pending,
@@ -1158,7 +1182,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         if let Err(e) = self.alive() {
             return Poll::Ready(Err(e));
         }
-        if self.st.express.is_some() {
+        if self.st.msg().express.is_some() {
             let e = Error::protocol(
                 self.st.remote,
                 "poll_end_unpacking while an EXPRESS unpack is pending (an abandoned EXPRESS \

@@ -9,7 +9,12 @@
 //! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
 //! a kernel wake-up costs far more than a message on shared memory: at most 10 µs on its
 //! thread, then yielding to the runtime between tries; `progress=block` goes to the descriptor
-//! at once, `progress=poll` never sleeps.
+//! at once, `progress=poll` never sleeps. A future's first poll only tries the call: a
+//! message that is there costs no clock read, no spin or arming state and no allocation
+//! (the wait's state is allocated when the first try finds nothing), and
+//! [`begin_unpacking_from`](AsyncChannel::begin_unpacking_from) spends its microseconds on the
+//! thread polling the connection with its receiving half held
+//! ([`Channel::try_begin_unpacking_from_spinning`]), as the blocking call does.
 //! A driver without a descriptor (MPI: it progresses only inside MPI calls) is polled with a
 //! back-off from 20 µs to 1 ms.
 //!
@@ -57,11 +62,12 @@
 //! # Ok(()) }
 //! ```
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
 use std::sync::atomic::AtomicU8;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use mad_core::progress::ProgressMode;
@@ -237,27 +243,24 @@ impl AsyncChannel {
         self.inner.ch.close()
     }
 
-    /// Drive `f` (a non-blocking call) to completion: retry for the spin budget, yielding to
-    /// the runtime, then arm the descriptor, try once more, and sleep on it.
-    async fn wait<T>(&self, mut f: impl FnMut() -> Poll<Result<T>>) -> Result<T> {
+    /// Drive `f` (a non-blocking call that was just tried and found pending, by
+    /// [`FirstTry`]) to completion: retry for the spin budget, yielding to the runtime, then
+    /// arm the descriptor, try once more, and sleep on it. The first microseconds are spent
+    /// on the thread by `in_place` (given `f` and how long; [`spin_calls`]: `f` in a loop).
+    async fn wait<T, F, G>(&self, mut f: F, in_place: G) -> Result<T>
+    where
+        F: FnMut() -> Poll<Result<T>>,
+        G: FnOnce(&mut F, Duration) -> Poll<Result<T>>,
+    {
         let inner = &*self.inner;
-        if let Poll::Ready(r) = f() {
-            return r;
-        }
         let start = Instant::now();
         // A ping-pong's answer takes a few microseconds at most under busy traffic: try
         // without giving the thread away first (a yield to tokio costs an `epoll_wait` of the
         // reactor), for at most `SPIN_IN_PLACE`.
-        let in_place = inner.spin.map_or(SPIN_IN_PLACE, |s| s.min(SPIN_IN_PLACE));
-        let mut i = 0u32;
-        while !in_place.is_zero() {
-            std::hint::spin_loop();
-            if let Poll::Ready(r) = f() {
+        let spin = inner.spin.map_or(SPIN_IN_PLACE, |s| s.min(SPIN_IN_PLACE));
+        if !spin.is_zero() {
+            if let Poll::Ready(r) = in_place(&mut f, spin) {
                 return r;
-            }
-            i += 1;
-            if i % 64 == 0 && start.elapsed() >= in_place {
-                break;
             }
         }
         let mut backoff = Duration::from_micros(20);
@@ -327,12 +330,43 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] when the connection to the peer is gone or an
     /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_packing<'b>(&self, remote: usize) -> Result<AsyncPacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let p = poll_fn(|cx| ch.poll_begin_packing(remote, cx)).await?;
+    pub fn begin_packing<'b>(
+        &self,
+        remote: usize,
+    ) -> impl Future<Output = Result<AsyncPacker<'_, 'b>>> + use<'_, 'b> {
+        // A lock with wakers: nothing to spin or arm, so no `FirstTry`.
+        poll_fn(move |cx| {
+            self.inner
+                .ch
+                .poll_begin_packing(remote, cx)
+                .map(|r| self.packer(r?))
+        })
+    }
+
+    #[inline]
+    fn packer<'c, 'b>(&'c self, p: mad_core::Packer<'c, 'b>) -> Result<AsyncPacker<'c, 'b>> {
         let mut p = p.into_send()?;
         p.defer();
         Ok(AsyncPacker { p, ch: self })
+    }
+
+    /// A try's result as a poll, the unpacker made in place.
+    #[inline]
+    fn ready_unpacker<'c, 'b>(
+        &'c self,
+        r: Result<Option<Unpacker<'c, 'b>>>,
+    ) -> Poll<Result<AsyncUnpacker<'c, 'b>>> {
+        match r {
+            Ok(Some(u)) => Poll::Ready(Ok(self.unpacker(u))),
+            Ok(None) => Poll::Pending,
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    #[inline]
+    fn unpacker<'c, 'b>(&'c self, mut u: Unpacker<'c, 'b>) -> AsyncUnpacker<'c, 'b> {
+        u.defer();
+        AsyncUnpacker { u, ch: self }
     }
 
     /// The next message from any peer. Cancel-safe: dropped before it is ready, it consumes
@@ -344,11 +378,22 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] once no peer is left; the failure of one
     /// connection is reported by one call; [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_unpacking<'b>(&self) -> Result<AsyncUnpacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let mut u = self.wait(|| ready_some(ch.try_begin_unpacking())).await?;
-        u.defer();
-        Ok(AsyncUnpacker { u, ch: self })
+    pub fn begin_unpacking<'b>(
+        &self,
+    ) -> impl Future<Output = Result<AsyncUnpacker<'_, 'b>>> + use<'_, 'b> {
+        FirstTry::new(
+            self,
+            |ch: &mut &AsyncChannel| {
+                let ch = *ch;
+                ch.ready_unpacker(ch.inner.ch.try_begin_unpacking())
+            },
+            |ch: &AsyncChannel| async move {
+                let u = ch
+                    .wait(|| ready_some(ch.inner.ch.try_begin_unpacking()), spin_calls)
+                    .await?;
+                Ok(ch.unpacker(u))
+            },
+        )
     }
 
     /// The next message from `remote`. Cancel-safe.
@@ -362,13 +407,116 @@ impl AsyncChannel {
     /// [`Error::Poisoned`] when the connection to the peer is gone or an
     /// earlier failure left it unusable, [`Error::Closed`] once the
     /// channel is closed.
-    pub async fn begin_unpacking_from<'b>(&self, remote: usize) -> Result<AsyncUnpacker<'_, 'b>> {
-        let ch = &self.inner.ch;
-        let mut u = self
-            .wait(|| ready_some(ch.try_begin_unpacking_from(remote)))
-            .await?;
-        u.defer();
-        Ok(AsyncUnpacker { u, ch: self })
+    pub fn begin_unpacking_from<'b>(
+        &self,
+        remote: usize,
+    ) -> impl Future<Output = Result<AsyncUnpacker<'_, 'b>>> + use<'_, 'b> {
+        FirstTry::new(
+            self,
+            move |ch: &mut &AsyncChannel| {
+                let ch = *ch;
+                ch.ready_unpacker(ch.inner.ch.try_begin_unpacking_from(remote))
+            },
+            move |ch: &AsyncChannel| async move {
+                // Spinning on the connection itself, its receiving half held.
+                let u = ch
+                    .wait(
+                        || ready_some(ch.inner.ch.try_begin_unpacking_from(remote)),
+                        |_, spin| {
+                            ready_some(ch.inner.ch.try_begin_unpacking_from_spinning(remote, spin))
+                        },
+                    )
+                    .await?;
+                Ok(ch.unpacker(u))
+            },
+        )
+    }
+}
+
+/// The future of every wait but `begin_packing`'s: its first poll tries the operation once
+/// and returns at once when it is ready (no clock read, no spin, arming or readiness state:
+/// busy traffic pays nothing more); only an operation found pending moves into the channel's
+/// wait ([`AsyncChannel::wait`]), boxed. So the future is the size of its operation (an
+/// `.await` copies its future whole, often more than once), not of the wait's state.
+struct FirstTry<O, A, M, S> {
+    step: Step<O, S>,
+    /// The operation, tried without waiting.
+    attempt: A,
+    /// Makes the wait, which owns the operation from then on.
+    slow: Option<M>,
+}
+
+enum Step<O, S> {
+    Try(O),
+    Wait(Pin<Box<S>>),
+    Done,
+}
+
+impl<O, T, A, M, S> FirstTry<O, A, M, S>
+where
+    A: FnMut(&mut O) -> Poll<Result<T>>,
+    M: FnOnce(O) -> S,
+    S: Future<Output = Result<T>>,
+{
+    #[inline]
+    fn new(op: O, attempt: A, slow: M) -> Self {
+        FirstTry {
+            step: Step::Try(op),
+            attempt,
+            slow: Some(slow),
+        }
+    }
+}
+
+impl<O, T, A, M, S> Future for FirstTry<O, A, M, S>
+where
+    O: Unpin,
+    A: FnMut(&mut O) -> Poll<Result<T>> + Unpin,
+    M: FnOnce(O) -> S + Unpin,
+    S: Future<Output = Result<T>>,
+{
+    type Output = Result<T>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = self.get_mut();
+        if let Step::Try(op) = &mut this.step {
+            if let Poll::Ready(r) = (this.attempt)(op) {
+                this.step = Step::Done;
+                return Poll::Ready(r);
+            }
+            let Step::Try(op) = std::mem::replace(&mut this.step, Step::Done) else {
+                unreachable!("matched above")
+            };
+            let slow = this.slow.take().expect("made once");
+            this.step = Step::Wait(Box::pin(slow(op)));
+        }
+        match &mut this.step {
+            Step::Wait(s) => {
+                let r = s.as_mut().poll(cx);
+                if r.is_ready() {
+                    this.step = Step::Done;
+                }
+                r
+            }
+            _ => panic!("a madeleine future polled after it completed"),
+        }
+    }
+}
+
+/// A wait's first microseconds for most operations: `f` in a loop, for at most `spin`.
+fn spin_calls<T>(f: &mut impl FnMut() -> Poll<Result<T>>, spin: Duration) -> Poll<Result<T>> {
+    let start = Instant::now();
+    let mut i = 0u32;
+    loop {
+        std::hint::spin_loop();
+        if let Poll::Ready(r) = f() {
+            return Poll::Ready(r);
+        }
+        i += 1;
+        if i % 64 == 0 && start.elapsed() >= spin {
+            return Poll::Pending;
+        }
     }
 }
 
@@ -493,9 +641,15 @@ impl<'c, 'b> AsyncPacker<'c, 'b> {
     /// earlier failure left it unusable; [`Error::Timeout`] when the
     /// message's deadline or the operation timeout passes;
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn end_packing(mut self) -> Result<()> {
-        let ch = self.ch;
-        ch.wait(|| self.p.poll_end_packing()).await
+    pub fn end_packing(self) -> impl Future<Output = Result<()>> + use<'c, 'b> {
+        FirstTry::new(
+            self,
+            |me: &mut Self| me.p.poll_end_packing(),
+            |mut me: Self| async move {
+                let ch = me.ch;
+                ch.wait(|| me.p.poll_end_packing(), spin_calls).await
+            },
+        )
     }
 }
 
@@ -570,10 +724,20 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     /// in checked mode; [`Error::Protocol`] when the peer's bytes break
     /// the protocol; [`Error::Timeout`];
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
-        let ch = self.ch;
-        let u = &mut self.u;
-        ch.wait(|| u.poll_unpack_express(buf, s)).await
+    pub fn unpack_express<'s, 'x>(
+        &'s mut self,
+        buf: &'x mut [u8],
+        s: SendMode,
+    ) -> impl Future<Output = Result<()>> + use<'s, 'x, 'c, 'b> {
+        FirstTry::new(
+            (self, buf),
+            move |(me, buf): &mut (&'s mut Self, &'x mut [u8])| me.u.poll_unpack_express(buf, s),
+            move |(me, buf): (&'s mut Self, &'x mut [u8])| async move {
+                let ch = me.ch;
+                let u = &mut me.u;
+                ch.wait(|| u.poll_unpack_express(buf, s), spin_calls).await
+            },
+        )
     }
     /// A plain value packed with `pack_value(.., RecvMode::Express)`.
     ///
@@ -606,8 +770,14 @@ impl<'c, 'b> AsyncUnpacker<'c, 'b> {
     /// in checked mode; [`Error::Protocol`] when the peer's bytes break
     /// the protocol; [`Error::Timeout`];
     /// [`Error::Closed`] once the channel is closed.
-    pub async fn end_unpacking(mut self) -> Result<()> {
-        let ch = self.ch;
-        ch.wait(|| self.u.poll_end_unpacking()).await
+    pub fn end_unpacking(self) -> impl Future<Output = Result<()>> + use<'c, 'b> {
+        FirstTry::new(
+            self,
+            |me: &mut Self| me.u.poll_end_unpacking(),
+            |mut me: Self| async move {
+                let ch = me.ch;
+                ch.wait(|| me.u.poll_end_unpacking(), spin_calls).await
+            },
+        )
     }
 }

@@ -4,7 +4,8 @@
 //! in every mode and 16 MiB ones, many messages in flight between every pair of ranks from
 //! spawned tasks, `tokio::select!` over two channels (a losing `begin_unpacking` consumes
 //! nothing), `close` waking pending futures, the cancellation rules of `end_packing` and
-//! `unpack_express`, and an idle receiver that sleeps.
+//! `unpack_express`, an idle receiver that sleeps, and the size of the futures (the size of
+//! their message, not of the wait).
 
 use std::sync::atomic::AtomicU8;
 use std::sync::Mutex;
@@ -537,5 +538,57 @@ fn an_adapter_future_is_send() {
             p.end_packing().await
         };
         send(&g);
+    });
+}
+
+/// The futures are the size of what they carry, not of the wait: an `.await` copies its future
+/// whole (often more than once), so a message that is ready at the first poll would pay for
+/// copying the spin, arming and sleeping state it never uses (which is boxed only when the
+/// first try finds nothing).
+#[test]
+fn adapter_futures_are_the_size_of_their_message() {
+    use mad_tokio::{AsyncPacker, AsyncUnpacker};
+    use std::mem::size_of;
+    fn output<A, R>(_: fn(A) -> R) -> usize {
+        size_of::<R>()
+    }
+    // The operation, a tag and the (empty) closures.
+    const SLACK: usize = 32;
+    let packer = size_of::<AsyncPacker<'static, 'static>>();
+    let end_packing = output(AsyncPacker::<'static, 'static>::end_packing);
+    assert!(
+        end_packing <= packer + SLACK,
+        "end_packing's future is {end_packing} bytes for a {packer}-byte packer"
+    );
+    let unpacker = size_of::<AsyncUnpacker<'static, 'static>>();
+    let end_unpacking = output(AsyncUnpacker::<'static, 'static>::end_unpacking);
+    assert!(
+        end_unpacking <= unpacker + SLACK,
+        "end_unpacking's future is {end_unpacking} bytes for a {unpacker}-byte unpacker"
+    );
+    let boots = ThreadBootstrap::group(1);
+    let s = session(Box::new(boots.into_iter().next().unwrap())).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let ch = AsyncChannel::new(
+            s.open_channel_with(mad_core::ChannelConfig::parse("size", "mem").unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        // Never polled: nothing happens (cancel-safe).
+        let from = ch.begin_unpacking_from(1);
+        let any = ch.begin_unpacking();
+        let begin = ch.begin_packing(1);
+        for (what, n) in [
+            ("begin_unpacking_from", std::mem::size_of_val(&from)),
+            ("begin_unpacking", std::mem::size_of_val(&any)),
+            ("begin_packing", std::mem::size_of_val(&begin)),
+        ] {
+            // A reference to the channel, the peer, a tag (the wait's state: a pointer).
+            assert!(n <= 64, "{what}'s future is {n} bytes");
+        }
     });
 }

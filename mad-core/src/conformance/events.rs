@@ -362,7 +362,9 @@ pub(super) fn case_deadlines(c: &Ctx<'_>) -> Result<()> {
 
 /// `try_begin_unpacking_from`: `None` while nothing came, every message in order once they
 /// come, `None` for another thread while one thread holds that peer's message, `InUse` for
-/// the thread that holds it.
+/// the thread that holds it. `try_begin_unpacking_from_spinning`: `None` after its spin when
+/// nothing came, a message that comes during the spin, `Closed` when the channel closes
+/// during the spin.
 pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
     if c.size() < 2 {
         return Ok(());
@@ -422,6 +424,51 @@ pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
                     None => std::thread::yield_now(),
                 }
             }
+            // The spinning form: `None` once its spin is over with nothing sent; each message
+            // the peer sends a little after the call began (a plain try would say `None`).
+            if ch
+                .try_begin_unpacking_from_spinning(1, Duration::from_millis(2))?
+                .is_some()
+            {
+                return Err(fail("a message the peer did not send (spinning)"));
+            }
+            c.barrier("spin")?;
+            for i in N..2 * N {
+                match ch.try_begin_unpacking_from_spinning(1, LOST)? {
+                    Some(mut u) => {
+                        let v: u64 = u.unpack_value()?;
+                        if v != i {
+                            return Err(fail(format!("message {v} arrived as number {i}")));
+                        }
+                        u.end_unpacking()?;
+                    }
+                    None => {
+                        return Err(fail(format!(
+                            "try_begin_unpacking_from_spinning said None after {LOST:?} \
+                             waiting for message {i}"
+                        )))
+                    }
+                }
+            }
+            // A close ends the spin: `Closed`, not `None` once the spin is over.
+            let r = std::thread::scope(|s| {
+                let h = s.spawn(|| ch.try_begin_unpacking_from_spinning(1, 4 * LOST));
+                std::thread::sleep(Duration::from_millis(20));
+                ch.close();
+                h.join()
+            })
+            .map_err(|_| fail("a thread panicked"))?;
+            match r {
+                Err(crate::Error::Closed { .. }) => {}
+                r => {
+                    return Err(fail(format!(
+                        "try_begin_unpacking_from_spinning on a channel closed meanwhile: \
+                         {:?} instead of Closed",
+                        r.map(|o| o.is_some())
+                    )))
+                }
+            }
+            c.barrier("closed")?;
         }
         1 => {
             c.barrier("quiet")?;
@@ -430,8 +477,20 @@ pub(super) fn case_try_from(c: &Ctx<'_>) -> Result<()> {
                 p.pack_value(&i, RecvMode::Express)?;
                 p.end_packing()?;
             }
+            c.barrier("spin")?;
+            for i in N..2 * N {
+                std::thread::sleep(Duration::from_millis(1));
+                let mut p = ch.begin_packing(0)?;
+                p.pack_value(&i, RecvMode::Express)?;
+                p.end_packing()?;
+            }
+            c.barrier("closed")?;
         }
-        _ => c.barrier("quiet")?,
+        _ => {
+            c.barrier("quiet")?;
+            c.barrier("spin")?;
+            c.barrier("closed")?;
+        }
     }
     Ok(())
 }
