@@ -1073,7 +1073,9 @@ impl Channel {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
             inner.check_open()?;
-            return v.inbound(remote)?.try_begin_unpacking_from(remote);
+            return v
+                .inbound(remote)?
+                .try_begin_unpacking_from_spinning(remote, spin);
         }
         let conn = inner.conn(remote)?;
         inner.check_open()?;
