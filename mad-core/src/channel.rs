@@ -1146,6 +1146,9 @@ impl Channel {
     fn begin_from<'b>(&self, remote: usize, deadline: Option<Instant>) -> Result<Unpacker<'_, 'b>> {
         let inner = &*self.inner;
         if let Some(v) = &inner.virt {
+            if let Some(p) = v.direct(remote) {
+                return p.begin_from(remote, deadline);
+            }
             inner.check_open()?;
             return v.inbound(remote)?.begin_from(remote, deadline);
         }

@@ -730,15 +730,12 @@ impl<'c, 'b> Packer<'c, 'b> {
         deadline: Option<Instant>,
     ) -> Result<Packer<'c, 'b>> {
         if let Some(v) = &ch.virt {
-            ch.check_open()?;
-            return match v.out(remote)? {
-                crate::vchan::Out::Direct(p) => Self::start(&p.inner, remote, deadline),
-                crate::vchan::Out::Forward {
-                    transit,
-                    next,
-                    envelope,
-                } => Self::start(&transit.inner, next, deadline)?.forwarded(remote, &envelope),
-            };
+            // A peer some part reaches: that part's own message (its `check_open` covers a
+            // closed virtual channel, whose close closes its parts).
+            if let Some(p) = v.direct(remote) {
+                return Self::start(&p.inner, remote, deadline);
+            }
+            return Self::start_forwarded(ch, v, remote, deadline);
         }
         let conn = ch.conn(remote)?;
         ch.check_open()?;
@@ -750,6 +747,26 @@ impl<'c, 'b> Packer<'c, 'b> {
                 direction: "message to",
             })?;
         Self::started(ch, remote, tx, deadline)
+    }
+
+    /// A message of a virtual channel to a rank behind gateways (or an error for a rank it
+    /// does not have).
+    #[cold]
+    fn start_forwarded(
+        ch: &'c ChannelInner,
+        v: &'c crate::vchan::Virtual,
+        remote: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Packer<'c, 'b>> {
+        ch.check_open()?;
+        match v.out(remote)? {
+            crate::vchan::Out::Direct(p) => Self::start(&p.inner, remote, deadline),
+            crate::vchan::Out::Forward {
+                transit,
+                next,
+                envelope,
+            } => Self::start(&transit.inner, next, deadline)?.forwarded(remote, &envelope),
+        }
     }
 
     /// A message on the sending half `tx`, taken by the caller.

@@ -288,6 +288,15 @@ impl Drop for Virtual {
 }
 
 impl Virtual {
+    /// The part that reaches `remote` directly.
+    #[inline]
+    pub(crate) fn direct(&self, remote: usize) -> Option<&Channel> {
+        match self.routes.get(remote) {
+            Some(Route::Direct { part }) => self.parts.get(*part),
+            _ => None,
+        }
+    }
+
     /// Where a message to `remote` goes first, or the error to report.
     #[inline]
     pub(crate) fn out(&self, remote: usize) -> Result<Out<'_>> {
