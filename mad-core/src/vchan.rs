@@ -11,7 +11,7 @@
 //! * to a rank some part reaches directly, the first such part in the configured order
 //!   ([`Route::Direct`]): [`Channel::begin_packing`](crate::Channel::begin_packing) and
 //!   [`begin_unpacking_from`](crate::Channel::begin_unpacking_from) hand out that part's own
-//!   [`Packer`](crate::Packer) / [`Unpacker`](crate::Unpacker), so a message costs what it
+//!   [`Packer`](crate::Packer) / [`Unpacker`], so a message costs what it
 //!   costs on the real channel (one branch more), with its TM table, its modes and its
 //!   ordering per connection;
 //! * to a rank no part reaches, a shortest path through gateway ranks ([`Route::Gateway`]);
@@ -42,7 +42,7 @@
 //!    the incoming one ended whole;
 //! 3. the destination's thread packs each piece, as it arrives, in its original modes into an
 //!    in-process relay (the `mem` driver's links, one connection per origin), from which the
-//!    application's [`Unpacker`](crate::Unpacker) reads it with [`Unpacker::remote`] the
+//!    application's [`Unpacker`] reads it with [`Unpacker::remote`] the
 //!    origin: EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`, and
 //!    `begin_unpacking_from(origin)` works as for a direct peer. CHEAPER and LATER pieces are
 //!    kept by the relay until the message ends (they are the application's then).
