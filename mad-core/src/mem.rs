@@ -286,28 +286,13 @@ impl Driver for MemDriver {
         }
         let links = (0..size)
             .map(|peer| {
-                let torn = Arc::new(Teardown::new());
-                (peer != rank).then(|| LinkPair {
-                    tx: Box::new(MemTx {
+                (peer != rank).then(|| {
+                    link_pair(
                         peer,
-                        pipe: fabric.pipes[rank * size + peer].clone(),
-                        back: fabric.pipes[peer * size + rank].clone(),
-                        torn: torn.clone(),
-                        gate: ProbeGate::new(),
-                        buf: vec![0; p.buf],
-                        used: 0,
-                        tm: 0,
-                        msg: 0,
-                        pushed: false,
-                    }) as Box<dyn TxLink>,
-                    rx: Box::new(MemRx {
-                        pipe: fabric.pipes[peer * size + rank].clone(),
-                        back: fabric.pipes[rank * size + peer].clone(),
-                        torn,
-                        cur: None,
-                        off: 0,
-                        peer,
-                    }) as Box<dyn RxLink>,
+                        &fabric.pipes[rank * size + peer],
+                        &fabric.pipes[peer * size + rank],
+                        p.buf,
+                    )
                 })
             })
             .collect();
@@ -332,6 +317,33 @@ impl Driver for MemDriver {
             "mem: {} B frames, at most {} frames per direction",
             p.buf, p.frames
         )]))
+    }
+}
+
+/// The links to `peer`: sending into `out`, receiving from `inbound`, frames of `buf` bytes.
+fn link_pair(peer: usize, out: &Arc<Pipe>, inbound: &Arc<Pipe>, buf: usize) -> LinkPair {
+    let torn = Arc::new(Teardown::new());
+    LinkPair {
+        tx: Box::new(MemTx {
+            peer,
+            pipe: out.clone(),
+            back: inbound.clone(),
+            torn: torn.clone(),
+            gate: ProbeGate::new(),
+            buf: vec![0; buf],
+            used: 0,
+            tm: 0,
+            msg: 0,
+            pushed: false,
+        }),
+        rx: Box::new(MemRx {
+            pipe: inbound.clone(),
+            back: out.clone(),
+            torn,
+            cur: None,
+            off: 0,
+            peer,
+        }),
     }
 }
 
@@ -363,31 +375,8 @@ pub(crate) fn relay(
             writer_bell: bells[from].clone(),
         })
     };
-    let pair = |peer: usize, out: &Arc<Pipe>, inbound: &Arc<Pipe>| {
-        let torn = Arc::new(Teardown::new());
-        LinkPair {
-            tx: Box::new(MemTx {
-                peer,
-                pipe: out.clone(),
-                back: inbound.clone(),
-                torn: torn.clone(),
-                gate: ProbeGate::new(),
-                buf: vec![0; buf],
-                used: 0,
-                tm: 0,
-                msg: 0,
-                pushed: false,
-            }) as Box<dyn TxLink>,
-            rx: Box::new(MemRx {
-                pipe: inbound.clone(),
-                back: out.clone(),
-                torn,
-                cur: None,
-                off: 0,
-                peer,
-            }) as Box<dyn RxLink>,
-        }
-    };
+    let pair =
+        |peer: usize, out: &Arc<Pipe>, inbound: &Arc<Pipe>| link_pair(peer, out, inbound, buf);
     let mut mine: Vec<Option<LinkPair>> = (0..size).map(|_| None).collect();
     let (mut inbound, mut outbound, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
     for &o in origins {

@@ -475,6 +475,17 @@ impl Session {
         (Plan::Measure(partner), cache, None)
     }
 
+    /// Remember `ch` for [`Session::close`].
+    fn register(&self, ch: &Channel) {
+        let mut list = self
+            .inner
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(&ch.inner));
+    }
+
     /// Open a virtual channel ([`crate::vchan`]): its parts in order, then the routes from
     /// every rank's reach.
     fn open_virtual(&self, config: ChannelConfig, scope: &OpenScope<'_>) -> Result<Channel> {
@@ -571,15 +582,7 @@ impl Session {
         let ch = Channel {
             inner: Arc::new(inner),
         };
-        {
-            let mut list = self
-                .inner
-                .channels
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&ch.inner));
-        }
+        self.register(&ch);
         Ok(ch)
     }
 
@@ -805,15 +808,7 @@ impl Session {
             inner.tuning = info;
             inner.reset_counters();
         }
-        {
-            let mut list = self
-                .inner
-                .channels
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&ch.inner));
-        }
+        self.register(&ch);
         if std::env::var("MAD_PROTO_INFO")
             .map(|v| v == "1")
             .unwrap_or(false)
