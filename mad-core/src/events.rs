@@ -514,6 +514,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and epoll: not under Miri")]
     fn both_waits_report_ranks_wake_ups_and_leave_forgotten_peers_out() {
         for epoll in [false, true] {
             let (set, mut far_a, far_b) = two_peers();
@@ -537,6 +538,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "real sockets and epoll: not under Miri")]
     fn a_send_event_consumed_by_a_wait_makes_the_next_look_ready() {
         let (set, _far_a, _far_b) = two_peers();
         // A writable socket of the driver's own, armed once for room.
