@@ -31,7 +31,7 @@ use criterion::{criterion_group, Criterion, Throughput};
 use madeleine::bootstrap::ThreadBootstrap;
 use madeleine::config::{Adapters, DriverOptions};
 use madeleine::driver::{
-    AbortOutcome, Capabilities, Driver, Incoming, LinkPair, OpenContext, OpenedChannel, RxLink,
+    AbortOutcome, Capabilities, Driver, LinkPair, NoIncoming, OpenContext, OpenedChannel, RxLink,
     TmId, TmSpec, TmTable, TxLink,
 };
 use madeleine::{Channel, ChannelConfig, RecvMode, Result, SendMode, Session};
@@ -104,21 +104,6 @@ impl RxLink for NullRx {
     }
 }
 
-struct NullIncoming;
-
-impl Incoming for NullIncoming {
-    fn poll(&self, _ready: &mut dyn FnMut(usize)) -> Result<()> {
-        Ok(())
-    }
-
-    fn wait(&self, timeout: Duration) -> Result<()> {
-        std::thread::sleep(timeout.min(Duration::from_millis(1)));
-        Ok(())
-    }
-
-    fn wake(&self) {}
-}
-
 impl Driver for NullDriver {
     fn name(&self) -> &'static str {
         "null"
@@ -159,7 +144,7 @@ impl Driver for NullDriver {
                     })
                 })
                 .collect(),
-            Box::new(NullIncoming),
+            Box::new(NoIncoming),
         )
         .with_notes(Vec::new()))
     }
@@ -342,7 +327,7 @@ impl Driver for LoopDriver {
                     })
                 })
                 .collect(),
-            Box::new(NullIncoming),
+            Box::new(NoIncoming),
         )
         .with_notes(Vec::new()))
     }

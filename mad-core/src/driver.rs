@@ -726,6 +726,24 @@ pub trait Incoming: Send + Sync {
     }
 }
 
+/// An [`Incoming`] that watches nothing: for a channel whose connections are watched
+/// elsewhere (a virtual channel asks its parts), and for tests and benchmarks that build a
+/// channel from bare links. `wait` sleeps at most 1 ms, so a caller that loops on it never
+/// spins.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoIncoming;
+
+impl Incoming for NoIncoming {
+    fn poll(&self, _ready: &mut dyn FnMut(usize)) -> Result<()> {
+        Ok(())
+    }
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        std::thread::sleep(timeout.min(Duration::from_millis(1)));
+        Ok(())
+    }
+    fn wake(&self) {}
+}
+
 /// The two halves of a connection to one peer.
 pub struct LinkPair {
     /// Sending half.

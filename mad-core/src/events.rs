@@ -71,6 +71,15 @@ pub fn begin_unpacking_any<'c, 'b>(
     channels: &[&'c Channel],
     deadline: Option<Instant>,
 ) -> Result<(usize, Unpacker<'c, 'b>)> {
+    begin_any_from(channels, 0, deadline)
+}
+
+/// [`begin_unpacking_any`], each look starting with `channels[first]`.
+pub(crate) fn begin_any_from<'c, 'b>(
+    channels: &[&'c Channel],
+    first: usize,
+    deadline: Option<Instant>,
+) -> Result<(usize, Unpacker<'c, 'b>)> {
     if channels.is_empty() {
         return Err(Error::BadConfig(
             "begin_unpacking_any needs at least one channel".into(),
@@ -85,11 +94,7 @@ pub fn begin_unpacking_any<'c, 'b>(
         })
         .min()
         .unwrap_or_default();
-    let mut any = Any {
-        channels,
-        gone: vec![false; channels.len()],
-        first_gone: None,
-    };
+    let mut any = Any::new(channels, first);
     let t0 = Instant::now();
     let mut backoff = Duration::from_micros(20);
     loop {
@@ -135,16 +140,37 @@ pub fn begin_unpacking_any<'c, 'b>(
     }
 }
 
+/// One non-blocking look at every channel that may deliver, starting with
+/// `channels[first]`: the index of the channel and its message, or `None`. The error of a
+/// channel every peer of which is gone is returned only when every channel is in that state.
+pub(crate) fn try_unpacking_any<'c, 'b>(
+    channels: &[&'c Channel],
+    first: usize,
+) -> Result<Option<(usize, Unpacker<'c, 'b>)>> {
+    Any::new(channels, first).try_all()
+}
+
 /// The state of one [`begin_unpacking_any`]: which channels can no longer deliver.
 struct Any<'a, 'c> {
     channels: &'a [&'c Channel],
+    /// The channel each look starts with.
+    first: usize,
     /// Every peer of this channel is gone (closed or failed, and every error reported).
-    gone: Vec<bool>,
+    gone: smallvec::SmallVec<[bool; 8]>,
     /// The error of the first channel found in that state.
     first_gone: Option<Error>,
 }
 
-impl<'c> Any<'_, 'c> {
+impl<'a, 'c> Any<'a, 'c> {
+    fn new(channels: &'a [&'c Channel], first: usize) -> Self {
+        Any {
+            channels,
+            first: first % channels.len().max(1),
+            gone: smallvec::smallvec![false; channels.len()],
+            first_gone: None,
+        }
+    }
+
     /// The channels that may still deliver a message.
     fn live(&self) -> impl Iterator<Item = &'c Channel> + '_ {
         self.channels
@@ -156,7 +182,10 @@ impl<'c> Any<'_, 'c> {
 
     /// One non-blocking look at every channel that may still deliver.
     fn try_all<'b>(&mut self) -> Result<Option<(usize, Unpacker<'c, 'b>)>> {
-        for (i, c) in self.channels.iter().enumerate() {
+        let n = self.channels.len();
+        for k in 0..n {
+            let i = (self.first + k) % n;
+            let c = self.channels[i];
             if self.gone[i] {
                 continue;
             }

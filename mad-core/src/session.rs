@@ -567,7 +567,7 @@ impl Session {
             first.caps.clone(),
             first.progress,
             (0..b.size()).map(|_| None).collect(),
-            Box::new(crate::vchan::NoIncoming),
+            Box::new(crate::driver::NoIncoming),
             Vec::new(),
             first.tuning.clone(),
         );

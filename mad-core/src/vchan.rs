@@ -70,7 +70,7 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 
 use crate::channel::ChannelInner;
 use crate::config::ChannelConfig;
-use crate::driver::{Armed, Driver, Incoming};
+use crate::driver::{Armed, Driver};
 use crate::error::{Error, Result};
 use crate::progress::{ProgressMode, ProgressPolicy};
 use crate::{Channel, RecvMode, SendMode, Unpacker};
@@ -254,15 +254,14 @@ pub(crate) enum Out<'a> {
 pub(crate) struct Virtual {
     pub(crate) parts: Vec<Channel>,
     pub(crate) routes: Vec<Route>,
-    /// Per rank behind gateways: the path from this rank (empty otherwise).
-    paths: Vec<Vec<usize>>,
+    /// Per rank behind gateways: the envelope of a message to it, encoded once at open
+    /// (`None`: not behind a gateway, or a path longer than [`fwd::MAX_PATH`]).
+    envelopes: Vec<Option<[u8; fwd::ENVELOPE_LEN]>>,
     /// The transit copies of the parts (empty when no pair needs a gateway).
     transit: Vec<Channel>,
     /// Where forwarded messages reach this rank's application (when some rank is behind
     /// gateways from here).
     relay: Option<Channel>,
-    /// The parts and the relay: what any-source looks at.
-    sources: Vec<Channel>,
     /// An epoll set of the sources' readiness descriptors (when every one has one).
     set: Option<Epoll>,
     /// The source the next any-source look starts with.
@@ -311,14 +310,7 @@ impl Virtual {
                 if let Some(e) = self.relay.as_ref().and_then(|r| r.inner.refuses(remote)) {
                     return Err(e);
                 }
-                let envelope = fwd::Envelope {
-                    gone: false,
-                    origin: self.me,
-                    dest: remote,
-                    path: self.paths[remote].clone(),
-                }
-                .encode()
-                .ok_or_else(|| {
+                let envelope = self.envelopes[remote].ok_or_else(|| {
                     Error::unavailable(
                         DRIVER,
                         format!(
@@ -363,16 +355,21 @@ impl Virtual {
         }
     }
 
+    /// The parts and the relay: what any-source looks at.
+    fn sources(&self) -> impl Iterator<Item = &Channel> {
+        self.parts.iter().chain(&self.relay)
+    }
+
     /// Every channel this one closes.
     pub(crate) fn close(&self) {
-        for c in self.sources.iter().chain(&self.transit) {
+        for c in self.sources().chain(&self.transit) {
             c.close();
         }
     }
 
     /// No source can deliver any more.
     pub(crate) fn all_broken(&self) -> bool {
-        self.sources.iter().all(|p| p.inner.all_broken())
+        self.sources().all(|p| p.inner.all_broken())
     }
 
     /// The readiness descriptor: the epoll set of the sources' descriptors.
@@ -383,37 +380,24 @@ impl Virtual {
     /// Arm every source; `Busy` when one is.
     pub(crate) fn arm(&self) -> Result<Armed> {
         let mut busy = false;
-        for p in &self.sources {
+        for p in self.sources() {
             busy |= p.arm()? == Armed::Busy;
         }
         Ok(if busy { Armed::Busy } else { Armed::Armed })
     }
 
-    /// One non-blocking look at every source, starting with a rotating one so that a busy
-    /// source does not starve the others.
+    /// The sources as the any-source calls take them, and the one to look at first
+    /// (rotating, so that a busy source does not starve the others).
+    fn any_sources(&self) -> (smallvec::SmallVec<[&Channel; 4]>, usize) {
+        let refs: smallvec::SmallVec<[&Channel; 4]> = self.sources().collect();
+        let first = self.next.fetch_add(1, Ordering::Relaxed) % refs.len();
+        (refs, first)
+    }
+
+    /// One non-blocking look at every source.
     pub(crate) fn try_any<'c, 'b>(&'c self) -> Result<Option<Unpacker<'c, 'b>>> {
-        let n = self.sources.len();
-        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        let mut gone = 0;
-        let mut first_err = None;
-        for k in 0..n {
-            let p = &self.sources[(first + k) % n];
-            match p.try_begin_unpacking() {
-                Ok(Some(u)) => return Ok(Some(u)),
-                Ok(None) => {}
-                // A source none of whose peers is left is not an error of the whole while
-                // another may still deliver.
-                Err(e) if !p.is_closed() && p.inner.all_broken() => {
-                    gone += 1;
-                    first_err.get_or_insert(e);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        match first_err {
-            Some(e) if gone == n => Err(e),
-            _ => Ok(None),
-        }
+        let (refs, first) = self.any_sources();
+        Ok(crate::events::try_unpacking_any(&refs, first)?.map(|(_, u)| u))
     }
 
     /// Any-source receive over every source, until `deadline`.
@@ -421,11 +405,8 @@ impl Virtual {
         &'c self,
         deadline: Option<Instant>,
     ) -> Result<Unpacker<'c, 'b>> {
-        if let Some(u) = self.try_any()? {
-            return Ok(u);
-        }
-        let refs: smallvec::SmallVec<[&Channel; 4]> = self.sources.iter().collect();
-        crate::events::begin_unpacking_any(&refs, deadline).map(|(_, u)| u)
+        let (refs, first) = self.any_sources();
+        crate::events::begin_any_from(&refs, first, deadline).map(|(_, u)| u)
     }
 }
 
@@ -531,7 +512,7 @@ pub(crate) fn routes(
 }
 
 /// The sources' epoll set (when every source has a descriptor).
-fn readiness_set(sources: &[Channel]) -> Result<Option<Epoll>> {
+fn readiness_set(sources: &[&Channel]) -> Result<Option<Epoll>> {
     let fds: Option<Vec<BorrowedFd<'_>>> = sources.iter().map(|p| p.readiness_fd()).collect();
     let Some(fds) = fds else { return Ok(None) };
     let err = |e: nix::Error| Error::io("virtual channel: epoll set", std::io::Error::from(e));
@@ -604,9 +585,20 @@ pub(crate) fn assemble(
             stand_ins[o] = Some(make(o, opened));
         }
     }
-    let mut sources = parts.clone();
-    sources.extend(relay.clone());
+    let sources: Vec<&Channel> = parts.iter().chain(&relay).collect();
     let set = readiness_set(&sources)?;
+    let envelopes = (0..size)
+        .map(|r| match routes[r] {
+            Route::Gateway { .. } => fwd::Envelope {
+                gone: false,
+                origin: me,
+                dest: r,
+                path: paths[r].clone(),
+            }
+            .encode(),
+            _ => None,
+        })
+        .collect();
     let mut forwarder = None;
     if !transit.is_empty() {
         let first: Vec<Option<usize>> = (0..size)
@@ -637,10 +629,9 @@ pub(crate) fn assemble(
     Ok(Virtual {
         parts,
         routes,
-        paths,
+        envelopes,
         transit,
         relay,
-        sources,
         set,
         next: AtomicUsize::new(0),
         me,
@@ -863,21 +854,6 @@ impl Forwarder {
             }
         }
     }
-}
-
-/// The core's `Incoming` of a virtual channel: it has no connection of its own (its parts
-/// and relay do); the core asks those instead.
-pub(crate) struct NoIncoming;
-
-impl Incoming for NoIncoming {
-    fn poll(&self, _ready: &mut dyn FnMut(usize)) -> Result<()> {
-        Ok(())
-    }
-    fn wait(&self, timeout: Duration) -> Result<()> {
-        std::thread::sleep(timeout.min(Duration::from_millis(1)));
-        Ok(())
-    }
-    fn wake(&self) {}
 }
 
 #[cfg(test)]

@@ -102,18 +102,6 @@ impl RxLink for NoRx {
     }
 }
 
-struct NoIncoming;
-impl Incoming for NoIncoming {
-    fn poll(&self, _: &mut dyn FnMut(usize)) -> Result<()> {
-        Ok(())
-    }
-    fn wait(&self, t: Duration) -> Result<()> {
-        std::thread::sleep(t.min(Duration::from_millis(1)));
-        Ok(())
-    }
-    fn wake(&self) {}
-}
-
 /// TMs: 0 `small` copy ≤ 64 B, 1 `big` gather (groups of 4).
 struct RecDriver {
     log: Log,

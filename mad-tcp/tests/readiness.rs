@@ -11,7 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use mad_core::driver::{Armed, Incoming, LinkPair, OpenedChannel};
+use mad_core::driver::{Armed, Incoming, LinkPair, NoIncoming, OpenedChannel};
 use mad_core::{ChannelConfig, Error};
 
 fn cfg(name: &str) -> ChannelConfig {
@@ -190,19 +190,6 @@ fn shutdown_wakes_and_closes_cleanly(ranks: usize) {
         }
     }
     drop(at2);
-}
-
-/// Stands in for the incoming watcher moved out of an `OpenedChannel`.
-struct NoIncoming;
-
-impl Incoming for NoIncoming {
-    fn poll(&self, _: &mut dyn FnMut(usize)) -> mad_core::Result<()> {
-        Ok(())
-    }
-    fn wait(&self, _: Duration) -> mad_core::Result<()> {
-        Ok(())
-    }
-    fn wake(&self) {}
 }
 
 #[test]

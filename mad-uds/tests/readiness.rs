@@ -9,7 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use mad_core::bootstrap::ThreadBootstrap;
-use mad_core::driver::{Armed, Driver, Incoming, LinkPair, OpenContext, OpenedChannel};
+use mad_core::driver::{Armed, Driver, Incoming, LinkPair, NoIncoming, OpenContext, OpenedChannel};
 use mad_core::progress::ProgressPolicy;
 use mad_core::{ChannelConfig, Error, Result};
 use mad_uds::UdsDriver;
@@ -119,19 +119,6 @@ fn arm_send_wakes_when_the_reader_drains() {
         "readable while idle after the send completed"
     );
     drop(b);
-}
-
-/// Stands in for the incoming watcher moved out of an `OpenedChannel`.
-struct NoIncoming;
-
-impl Incoming for NoIncoming {
-    fn poll(&self, _: &mut dyn FnMut(usize)) -> Result<()> {
-        Ok(())
-    }
-    fn wait(&self, _: Duration) -> Result<()> {
-        Ok(())
-    }
-    fn wake(&self) {}
 }
 
 /// `Incoming::shutdown` wakes threads blocked in `RxLink::wait`, `TxLink::wait` and
