@@ -374,6 +374,9 @@ fn kit(ranks: usize, spec: &str) {
 /// The kit without the cases in `skip`.
 fn kit_cases(ranks: usize, spec: &str, skip: &[&str]) {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("MAD_LOG"))
+        .try_init();
     let mut opts = KitOptions::new(spec);
     if opts.cases.is_none() && !skip.is_empty() {
         let cases = mad_core::conformance::case_names();
@@ -397,24 +400,18 @@ fn kit_virtual_shm_tcp_3_ranks() {
 }
 
 /// Ranks 0 and 1 share no network: every case's traffic between them goes through gateway
-/// rank 2 (shm to it, tcp from it).
+/// rank 2 (shm to it, tcp from it). A receive broken in the middle of a message
+/// (`receiver_abandons`, `wrong_unpacks`, `deadlines`) sends a break notice to the origin,
+/// which refuses the pair both ways from then on.
 ///
-/// Not yet through gateways: the four cases that require a connection broken by one side in
-/// the middle of a message to be refused at once by the other side too (`receiver_abandons`,
-/// `wrong_unpacks`, `deadlines`, `abandoned_end`). The failure does travel back hop by hop
-/// (each hop tears its connection down), but after the breaking side went on, so the far
-/// side's next message may still be accepted by its first hop.
+/// Not yet through gateways: `abandoned_end` (a deferred 64 MiB message polled, then dropped):
+/// the receiver sees the origin gone before the message's header.
 #[test]
 fn kit_through_a_gateway_3_ranks() {
     kit_cases(
         3,
         "virtual:[shm,ranks=0:2]+[tcp,ranks=1-2],timeout_ms=60000",
-        &[
-            "receiver_abandons",
-            "wrong_unpacks",
-            "deadlines",
-            "abandoned_end",
-        ],
+        &["abandoned_end"],
     );
 }
 

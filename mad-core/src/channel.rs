@@ -393,6 +393,10 @@ pub(crate) struct ChannelInner {
     released_cv: Condvar,
     /// A virtual channel's parts and routes (`None` for a real channel).
     pub(crate) virt: Option<Box<crate::vchan::Virtual>>,
+    /// Called with the peer's rank when this side breaks a connection in the middle of a
+    /// received message (dropped, mismatched or timed-out `Unpacker`), after the driver
+    /// tore the connection down: a virtual channel's relay tells the origin behind gateways.
+    pub(crate) on_break: std::sync::OnceLock<Box<dyn Fn(usize) + Send + Sync>>,
 }
 
 /// A communication channel: one protocol, one adapter, connections to every reachable peer.
@@ -535,6 +539,7 @@ impl ChannelInner {
             released: Mutex::new(0),
             released_cv: Condvar::new(),
             virt: None,
+            on_break: std::sync::OnceLock::new(),
         }
     }
 
@@ -845,8 +850,9 @@ impl Channel {
                     transit,
                     next,
                     envelope,
+                    broken,
                 } => match transit.try_begin_packing(next)? {
-                    Some(p) => p.forwarded(remote, &envelope).map(Some),
+                    Some(p) => p.forwarded(remote, &envelope, broken).map(Some),
                     None => Ok(None),
                 },
             };
@@ -882,8 +888,9 @@ impl Channel {
                     transit,
                     next,
                     envelope,
+                    broken,
                 }) => match transit.poll_begin_packing(next, cx) {
-                    Poll::Ready(Ok(p)) => Poll::Ready(p.forwarded(remote, &envelope)),
+                    Poll::Ready(Ok(p)) => Poll::Ready(p.forwarded(remote, &envelope, broken)),
                     other => other,
                 },
                 Err(e) => Poll::Ready(Err(e)),

@@ -375,13 +375,16 @@ struct PackState<'c> {
     planned: bool,
     /// A message of a virtual channel to a rank behind gateways ([`crate::vchan`]): every
     /// piece goes as a descriptor and fragments ([`crate::vchan::fwd`]) to the first gateway.
-    fwd: Option<Box<Forwarding>>,
+    fwd: Option<Box<Forwarding<'c>>>,
 }
 
 /// The state of a forwarded message ([`PackState::fwd`]).
-struct Forwarding {
+struct Forwarding<'c> {
     /// The final destination.
     dest: usize,
+    /// Set when the destination broke the pair's connection: the message then fails at
+    /// its end, though the gateway took it (the destination dropped it).
+    broken: &'c std::sync::atomic::AtomicBool,
     /// The envelope, until it goes ahead of the first piece, flush or end (a packer dropped
     /// before leaves nothing behind).
     envelope: Option<[u8; crate::vchan::fwd::ENVELOPE_LEN]>,
@@ -765,7 +768,8 @@ impl<'c, 'b> Packer<'c, 'b> {
                 transit,
                 next,
                 envelope,
-            } => Self::start(&transit.inner, next, deadline)?.forwarded(remote, &envelope),
+                broken,
+            } => Self::start(&transit.inner, next, deadline)?.forwarded(remote, &envelope, broken),
         }
     }
 
@@ -1224,9 +1228,11 @@ impl<'c, 'b> Packer<'c, 'b> {
         mut self,
         dest: usize,
         envelope: &[u8; crate::vchan::fwd::ENVELOPE_LEN],
+        broken: &'c std::sync::atomic::AtomicBool,
     ) -> Result<Self> {
         self.st.fwd = Some(Box::new(Forwarding {
             dest,
+            broken,
             envelope: Some(*envelope),
             ended: false,
         }));
@@ -1555,9 +1561,21 @@ impl<'c, 'b> Packer<'c, 'b> {
         match r {
             Ok(()) => {
                 self.completed();
-                Ok(())
+                self.delivered()
             }
             Err(e) => Err(self.end_failed(e)),
+        }
+    }
+
+    /// The outcome of a message that went out whole: `Ok`, unless it was forwarded to a
+    /// rank that broke the pair's connection meanwhile (the destination dropped it).
+    #[inline]
+    fn delivered(&self) -> Result<()> {
+        match &self.st.fwd {
+            Some(f) if f.broken.load(std::sync::atomic::Ordering::Acquire) => {
+                Err(crate::vchan::broken_pair(f.dest))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -1640,7 +1658,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             if !recorded {
                 // Every step was made: the message is out.
                 self.completed();
-                return Poll::Ready(Ok(()));
+                return Poll::Ready(self.delivered());
             }
             self.st.planned = true;
         }
@@ -1652,7 +1670,7 @@ impl<'c, 'b> Packer<'c, 'b> {
             Ok(Poll::Ready(())) => {
                 self.st.tx.spare.plan.clear();
                 self.completed();
-                return Poll::Ready(Ok(()));
+                return Poll::Ready(self.delivered());
             }
             Ok(Poll::Pending) => self.st.pending(),
             Err(e) => Err(e),

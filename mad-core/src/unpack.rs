@@ -526,6 +526,11 @@ impl UnpackState<'_> {
             rx.broken = Some(why);
             rx.reported = true;
         }
+        if !peer {
+            if let Some(tell) = self.ch.on_break.get() {
+                tell(self.remote);
+            }
+        }
     }
 
     /// Unlock the connection and tell any-source waiters.

@@ -62,8 +62,8 @@
 
 use std::cell::Cell;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
@@ -185,16 +185,32 @@ pub mod fwd {
         }
     }
 
-    /// The first piece of a forwarded message, or a notice that a rank is gone.
+    /// What an envelope starts.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        /// A message from `origin` to `dest`: descriptors and fragments follow.
+        Message = 0,
+        /// `origin` is gone (flooded to every rank; nothing follows).
+        Gone = 1,
+        /// `origin` broke its connection with `dest` in the middle of a message (abandoned,
+        /// mismatched or timed out a receive): from now on the pair refuses every message
+        /// both ways. Routed along `path`; an end descriptor follows.
+        Broken = 2,
+        /// `origin` took `dest`'s [`Kind::Broken`] into account. Routed along `path`; an
+        /// end descriptor follows.
+        Ack = 3,
+    }
+
+    /// The first piece of a forwarded message, or a notice.
     #[derive(Clone, Debug, PartialEq, Eq)]
     pub struct Envelope {
-        /// A notice that `origin` is gone (no message follows).
-        pub gone: bool,
+        /// What follows.
+        pub kind: Kind,
         /// The sender.
         pub origin: usize,
         /// The destination.
         pub dest: usize,
-        /// The ranks from origin to destination (empty for a notice).
+        /// The ranks from origin to destination, both included (empty for [`Kind::Gone`]).
         pub path: Vec<usize>,
     }
 
@@ -206,7 +222,7 @@ pub mod fwd {
             }
             let mut b = [0u8; ENVELOPE_LEN];
             b[0] = ENV_MAGIC;
-            b[1] = u8::from(self.gone);
+            b[1] = self.kind as u8;
             b[2] = self.path.len() as u8;
             b[4..8].copy_from_slice(&u32::try_from(self.origin).ok()?.to_le_bytes());
             b[8..12].copy_from_slice(&u32::try_from(self.dest).ok()?.to_le_bytes());
@@ -222,14 +238,21 @@ pub mod fwd {
                 let v = u32::from_le_bytes(b[at..at + 4].try_into().ok()?) as usize;
                 (v < size).then_some(v)
             };
-            if b[0] != ENV_MAGIC || b[1] > 1 || b[2] as usize > MAX_PATH {
+            let kind = match b[1] {
+                0 => Kind::Message,
+                1 => Kind::Gone,
+                2 => Kind::Broken,
+                3 => Kind::Ack,
+                _ => return None,
+            };
+            if b[0] != ENV_MAGIC || b[2] as usize > MAX_PATH {
                 return None;
             }
             let path = (0..b[2] as usize)
                 .map(|i| rd(16 + 4 * i))
                 .collect::<Option<Vec<usize>>>()?;
             Some(Envelope {
-                gone: b[1] == 1,
+                kind,
                 origin: rd(4)?,
                 dest: rd(8)?,
                 path,
@@ -247,6 +270,9 @@ pub(crate) enum Out<'a> {
         transit: &'a Channel,
         next: usize,
         envelope: [u8; fwd::ENVELOPE_LEN],
+        /// Set when the destination breaks the pair's connection (the message then fails at
+        /// its end).
+        broken: &'a AtomicBool,
     },
 }
 
@@ -302,9 +328,10 @@ impl Virtual {
         match self.routes.get(remote) {
             Some(Route::Direct { part }) => Ok(Out::Direct(&self.parts[*part])),
             Some(Route::Gateway { part, via, .. }) => {
-                if self.fwd.as_ref().is_some_and(|f| f.is_gone(remote)) {
-                    return Err(Error::PeerClosed { rank: remote });
-                }
+                let f = self.fwd.as_ref().ok_or_else(|| {
+                    Error::protocol(self.me, "virtual channel: no forwarder for a gateway route")
+                })?;
+                f.check_pair(remote)?;
                 // A connection is refused both ways once broken: here, the relay's from
                 // `remote` (its message abandoned by this side, say).
                 if let Some(e) = self.relay.as_ref().and_then(|r| r.inner.refuses(remote)) {
@@ -323,6 +350,7 @@ impl Virtual {
                     transit: &self.transit[*part],
                     next: *via,
                     envelope,
+                    broken: &f.broken[remote],
                 })
             }
             _ => Err(Error::BadRank {
@@ -339,6 +367,11 @@ impl Virtual {
         match self.routes.get(remote) {
             Some(Route::Direct { part }) => Ok(&self.parts[*part]),
             Some(Route::Gateway { part, via, .. }) => {
+                // A gone peer's last messages may still be in the relay: only a broken pair
+                // refuses at once.
+                if let Some(f) = &self.fwd {
+                    f.check_broken(remote)?;
+                }
                 // Refused both ways once broken: here, the way out towards `remote`.
                 if let Some(e) = self.transit[*part].inner.refuses(*via) {
                     return Err(e);
@@ -590,7 +623,7 @@ pub(crate) fn assemble(
     let envelopes = (0..size)
         .map(|r| match routes[r] {
             Route::Gateway { .. } => fwd::Envelope {
-                gone: false,
+                kind: fwd::Kind::Message,
                 origin: me,
                 dest: r,
                 path: paths[r].clone(),
@@ -616,7 +649,16 @@ pub(crate) fn assemble(
             stand_ins: Mutex::new(stand_ins),
             gone: Mutex::new(vec![false; size]),
             neighbours: neighbours.clone(),
+            paths,
+            broken: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            acks: Mutex::new(vec![0; size]),
+            acked: Condvar::new(),
         });
+        if let Some(r) = &relay {
+            // The application breaking a connection from a rank behind gateways tells it.
+            let f = f.clone();
+            let _ = r.inner.on_break.set(Box::new(move |o| f.break_pair(o)));
+        }
         for x in neighbours {
             let f = f.clone();
             std::thread::Builder::new()
@@ -640,6 +682,17 @@ pub(crate) fn assemble(
     })
 }
 
+/// The error of a message between two ranks whose connection through gateways one of them
+/// broke.
+pub(crate) fn broken_pair(r: usize) -> Error {
+    Error::Poisoned {
+        rank: r,
+        cause: "the connection through gateways was broken in the middle of a message \
+                (abandoned, mismatched or timed-out receive)"
+            .into(),
+    }
+}
+
 /// The shared state of a rank's forwarding threads.
 struct Forwarder {
     me: usize,
@@ -656,6 +709,14 @@ struct Forwarder {
     /// Ranks already reported gone (each notice is flooded once).
     gone: Mutex<Vec<bool>>,
     neighbours: Vec<usize>,
+    /// Per rank behind gateways: the path from here (this rank first, that rank last).
+    paths: Vec<Vec<usize>>,
+    /// Per rank: this rank's connection with it is broken ([`fwd::Kind::Broken`]), both ways.
+    broken: Vec<AtomicBool>,
+    /// Per rank: how many [`fwd::Kind::Ack`]s it sent here, and the condition variable of
+    /// the threads waiting for one.
+    acks: Mutex<Vec<u64>>,
+    acked: Condvar,
 }
 
 /// Read a forwarded piece's fragments into `buf`.
@@ -668,6 +729,14 @@ fn read_into(u: &mut Unpacker<'_, '_>, buf: &mut [u8], s: SendMode) -> Result<()
 
 /// How long a gone notice waits for a busy connection.
 const NOTICE_WAIT: Duration = Duration::from_millis(200);
+
+/// How long a rank that broke a connection through gateways waits for the other end to
+/// acknowledge it, and how long a [`fwd::Kind::Broken`] or [`fwd::Kind::Ack`] waits for a
+/// busy connection. The acknowledgement follows the rest of the broken message (drained),
+/// and the other end's own message on that connection, if one is open: past this bound the
+/// breaking side goes on without it (the other end refuses the pair as soon as the notice
+/// reaches it).
+const BREAK_WAIT: Duration = Duration::from_millis(500);
 
 impl Forwarder {
     /// The thread of the transit connection from `x`: one message after the other.
@@ -695,7 +764,7 @@ impl Forwarder {
         u.unpack_express(&mut raw, SendMode::Safer)?;
         let env = fwd::Envelope::decode(&raw, self.size)
             .ok_or_else(|| Error::protocol(x, "malformed forwarding envelope"))?;
-        if env.gone {
+        if env.kind == fwd::Kind::Gone {
             u.end_unpacking()?;
             self.gone(env.origin, Some(x));
             return Ok(());
@@ -704,7 +773,26 @@ impl Forwarder {
         let from_origin = x == env.origin;
         let s_in = move |s: SendMode| if from_origin { s } else { SendMode::Safer };
         if env.dest == self.me {
-            return self.deliver(u, &env, s_in);
+            if env.kind == fwd::Kind::Message {
+                return self.deliver(u, &env, s_in);
+            }
+            let mut d = [0u8; fwd::DESC_LEN];
+            u.unpack_express(&mut d, SendMode::Safer)?;
+            if fwd::decode(&d) != Some(fwd::Desc::End) {
+                return Err(Error::protocol(
+                    x,
+                    "a forwarding notice not followed by its end",
+                ));
+            }
+            u.end_unpacking()?;
+            if env.kind == fwd::Kind::Broken {
+                self.peer_broke(&env);
+            } else {
+                let mut acks = crate::channel::lock(&self.acks);
+                acks[env.origin] += 1;
+                self.acked.notify_all();
+            }
+            return Ok(());
         }
         let at = env
             .path
@@ -743,20 +831,36 @@ impl Forwarder {
     }
 
     /// A message for this rank: into the relay, piece by piece in its original modes, from
-    /// its origin's stand-in.
+    /// its origin's stand-in. When the relay refuses it (the application broke its
+    /// connection with the origin, or the origin is gone), the rest of the message is read
+    /// and dropped, so the transit connection keeps serving the other ranks.
     fn deliver(
         &self,
         mut u: Unpacker<'_, '_>,
         env: &fwd::Envelope,
         s_in: impl Fn(SendMode) -> SendMode,
     ) -> Result<()> {
-        let relay = crate::channel::lock(&self.stand_ins)[env.origin]
-            .clone()
-            .ok_or(Error::PeerClosed { rank: env.origin })?;
+        let relay = crate::channel::lock(&self.stand_ins)[env.origin].clone();
         // CHEAPER and LATER pieces stay where the relay can read them until the message ends.
         let kept = typed_arena::Arena::<Vec<u8>>::new();
         let mut scratch = Vec::new();
-        let mut p = relay.begin_packing(self.me)?.checked_as(u.is_checked());
+        let checked = u.is_checked();
+        // The relay's failure is the application's business (its receive reports it); the
+        // message is dropped from there on.
+        let refused = |e: Error| {
+            tracing::debug!(from = env.origin, error = %e, "forwarding: the relay refused a message");
+        };
+        let mut p = match relay.as_ref().map(|r| r.begin_packing(self.me)) {
+            Some(Ok(p)) => Some(p.checked_as(checked)),
+            Some(Err(e)) => {
+                refused(e);
+                None
+            }
+            None => {
+                refused(Error::PeerClosed { rank: env.origin });
+                None
+            }
+        };
         loop {
             let mut d = [0u8; fwd::DESC_LEN];
             u.unpack_express(&mut d, SendMode::Safer)?;
@@ -765,34 +869,52 @@ impl Forwarder {
             let (len, s, r) = match desc {
                 fwd::Desc::End => break,
                 fwd::Desc::Flush => {
-                    p.flush()?;
+                    if let Some(Err(e)) = p.as_mut().map(|p| p.flush()) {
+                        refused(e);
+                        p = None;
+                    }
                     continue;
                 }
                 fwd::Desc::Piece { len, s, r } => (len, s, r),
             };
             let s_wire = s_in(s);
-            match s {
+            let Some(q) = p.as_mut() else {
+                scratch.resize(len.min(fwd::FRAGMENT), 0);
+                for at in (0..len).step_by(fwd::FRAGMENT) {
+                    let n = (len - at).min(fwd::FRAGMENT);
+                    u.unpack_express(&mut scratch[..n], s_wire)?;
+                }
+                continue;
+            };
+            let packed = match s {
                 SendMode::Safer => {
                     scratch.clear();
                     scratch.resize(len, 0);
                     read_into(&mut u, &mut scratch, s_wire)?;
-                    p.pack_safer(&scratch, r)?;
+                    q.pack_safer(&scratch, r)
                 }
                 SendMode::Cheaper => {
                     let b = kept.alloc(vec![0u8; len]);
                     read_into(&mut u, b, s_wire)?;
                     let b: &Vec<u8> = b;
-                    p.pack(b, r)?;
+                    q.pack(b, r)
                 }
                 SendMode::Later => {
                     let b = kept.alloc(vec![0u8; len]);
                     read_into(&mut u, b, s_wire)?;
-                    p.pack_later(Cell::from_mut(&mut b[..]).as_slice_of_cells(), r)?;
+                    q.pack_later(Cell::from_mut(&mut b[..]).as_slice_of_cells(), r)
                 }
+            };
+            if let Err(e) = packed {
+                refused(e);
+                p = None;
             }
         }
         u.end_unpacking()?;
-        p.end_packing()
+        if let Some(Err(e)) = p.map(crate::Packer::end_packing) {
+            refused(e);
+        }
+        Ok(())
     }
 
     /// The connection from neighbour `x` ended (not by a close of this channel): the ranks
@@ -815,6 +937,99 @@ impl Forwarder {
             .unwrap_or(false)
     }
 
+    /// `Ok` while this rank may send messages to `r` through gateways.
+    fn check_pair(&self, r: usize) -> Result<()> {
+        if self.is_gone(r) {
+            return Err(Error::PeerClosed { rank: r });
+        }
+        self.check_broken(r)
+    }
+
+    /// `Err` once the connection with `r` through gateways is broken (both ways).
+    fn check_broken(&self, r: usize) -> Result<()> {
+        if self
+            .broken
+            .get(r)
+            .is_some_and(|b| b.load(Ordering::Acquire))
+        {
+            return Err(broken_pair(r));
+        }
+        Ok(())
+    }
+
+    /// The application broke its connection with `peer` (behind gateways) in the middle of
+    /// a message from it: tell `peer`, and wait until it has taken it into account (at most
+    /// [`BREAK_WAIT`]), so that once this returns every new message of the pair fails on
+    /// both sides, as a connection torn down by a direct driver does.
+    fn break_pair(&self, peer: usize) {
+        if self.is_gone(peer) || self.broken[peer].swap(true, Ordering::AcqRel) {
+            return;
+        }
+
+        let deadline = Instant::now() + BREAK_WAIT;
+        let before = crate::channel::lock(&self.acks)[peer];
+        let path = self.paths[peer].clone();
+        if let Err(e) = self.notice(fwd::Kind::Broken, peer, path, deadline) {
+            tracing::debug!(to = peer, error = %e, "forwarding: break notice not sent");
+            return;
+        }
+        let mut acks = crate::channel::lock(&self.acks);
+        while acks[peer] == before && !self.is_gone(peer) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::debug!(to = peer, "forwarding: break notice not acknowledged");
+                return;
+            }
+            acks = self
+                .acked
+                .wait_timeout(acks, left.min(Duration::from_millis(50)))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// `env.origin` broke its connection with this rank: refuse the pair both ways (the
+    /// application's waits for it fail), and acknowledge.
+    fn peer_broke(&self, env: &fwd::Envelope) {
+        let o = env.origin;
+        self.broken[o].store(true, Ordering::Release);
+        let stand_in = crate::channel::lock(&self.stand_ins)[o].take();
+        if let Some(c) = stand_in {
+            c.close();
+        }
+        let back: Vec<usize> = env.path.iter().rev().copied().collect();
+        if let Err(e) = self.notice(fwd::Kind::Ack, o, back, Instant::now() + BREAK_WAIT) {
+            tracing::debug!(to = o, error = %e, "forwarding: break acknowledgement not sent");
+        }
+    }
+
+    /// Send a [`fwd::Kind::Broken`] or [`fwd::Kind::Ack`] to `dest` along `path`.
+    fn notice(
+        &self,
+        kind: fwd::Kind,
+        dest: usize,
+        path: Vec<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let hop = path.get(1).copied();
+        let env = fwd::Envelope {
+            kind,
+            origin: self.me,
+            dest,
+            path,
+        }
+        .encode();
+        let (Some(env), Some(hop)) = (env, hop) else {
+            return Err(Error::protocol(dest, "forwarding notice: no usable path"));
+        };
+        let part = self.first[hop]
+            .ok_or_else(|| Error::protocol(dest, "forwarding notice: first hop not reached"))?;
+        let mut p = self.transit[part].begin_packing_until(hop, deadline)?;
+        p.pack_safer(&env, RecvMode::Express)?;
+        p.pack_safer(&fwd::end(), RecvMode::Express)?;
+        p.end_packing()
+    }
+
     /// `o` is gone: end its relay connection (the application's waits on it fail) and tell
     /// every other neighbour, once.
     fn gone(&self, o: usize, from: Option<usize>) {
@@ -829,7 +1044,7 @@ impl Forwarder {
             c.close();
         }
         let Some(notice) = (fwd::Envelope {
-            gone: true,
+            kind: fwd::Kind::Gone,
             origin: o,
             dest: o,
             path: Vec::new(),
@@ -1008,7 +1223,7 @@ mod tests {
         assert_eq!(fwd::decode(&fwd::flush()), Some(fwd::Desc::Flush));
         assert_eq!(fwd::decode(&[0u8; fwd::DESC_LEN]), None);
         let e = fwd::Envelope {
-            gone: false,
+            kind: fwd::Kind::Message,
             origin: 3,
             dest: 9,
             path: vec![3, 1, 9],
@@ -1022,5 +1237,12 @@ mod tests {
             ..e
         };
         assert!(long.encode().is_none());
+        for kind in [fwd::Kind::Gone, fwd::Kind::Broken, fwd::Kind::Ack] {
+            let n = fwd::Envelope { kind, ..e.clone() };
+            assert_eq!(fwd::Envelope::decode(&n.encode().unwrap(), 10), Some(n));
+        }
+        let mut bad = b;
+        bad[1] = 4;
+        assert_eq!(fwd::Envelope::decode(&bad, 10), None);
     }
 }
