@@ -78,15 +78,17 @@ enum Pat {
     RepostAfter,
     Iprobe,
     Improbe,
+    Persistent,
 }
 
-const PATS: [Pat; 6] = [
+const PATS: [Pat; 7] = [
     Pat::Recv,
     Pat::PostAtWait,
     Pat::RepostBefore,
     Pat::RepostAfter,
     Pat::Iprobe,
     Pat::Improbe,
+    Pat::Persistent,
 ];
 
 impl Pat {
@@ -98,6 +100,7 @@ impl Pat {
             Pat::RepostAfter => "pre-posted, repost after reply",
             Pat::Iprobe => "iprobe loop + recv",
             Pat::Improbe => "improbe loop + mrecv",
+            Pat::Persistent => "persistent, started after reply",
         }
     }
 }
@@ -114,6 +117,9 @@ struct Ep {
     sbuf: Vec<u8>,
     rbuf: Vec<u8>,
     req: ffi::MPI_Request,
+    /// The persistent receive (`MPI_Recv_init`) of `Pat::Persistent`, and whether it is started.
+    preq: ffi::MPI_Request,
+    pactive: bool,
     null: ffi::MPI_Request,
     /// TSC cycles of the successful `MPI_Test` and of `MPI_Get_count`.
     cyc: Vec<(u64, u64)>,
@@ -159,6 +165,48 @@ impl Ep {
                 )
             };
         }
+    }
+
+    fn start(&mut self) {
+        if self.preq == self.null {
+            // SAFETY: `rbuf` lives in `self` and is not touched while the request is active;
+            // the request is freed in `pingpong` once inactive.
+            unsafe {
+                ffi::MPI_Recv_init(
+                    self.rbuf.as_mut_ptr().cast(),
+                    BUF as c_int,
+                    self.byte,
+                    self.peer,
+                    TAG,
+                    self.comm,
+                    &mut self.preq,
+                )
+            };
+        }
+        if !self.pactive {
+            // SAFETY: an inactive persistent request of ours.
+            unsafe { ffi::MPI_Start(&mut self.preq) };
+            self.pactive = true;
+        }
+    }
+
+    fn test_persistent(&mut self) {
+        let mut flag: c_int = 0;
+        let mut st = status();
+        let mut t0 = tsc();
+        while flag == 0 {
+            t0 = tsc();
+            // SAFETY: an active persistent request of ours; valid out-pointers.
+            unsafe { ffi::MPI_Test(&mut self.preq, &mut flag, &mut st) };
+        }
+        self.pactive = false;
+        let t1 = tsc();
+        let mut c: c_int = 0;
+        // SAFETY: `st` was filled by MPI.
+        unsafe { ffi::MPI_Get_count(&st, self.byte, &mut c) };
+        std::hint::black_box(c);
+        let t2 = tsc();
+        self.cyc.push((t1 - t0, t2 - t1));
     }
 
     fn test_loop(&mut self) {
@@ -208,6 +256,10 @@ impl Ep {
             Pat::RepostAfter => {
                 self.post();
                 self.test_loop();
+            }
+            Pat::Persistent => {
+                self.start();
+                self.test_persistent();
             }
             Pat::Iprobe => {
                 let mut flag: c_int = 0;
@@ -263,6 +315,9 @@ impl Ep {
         if pat == Pat::RepostAfter {
             self.post();
         }
+        if pat == Pat::Persistent {
+            self.start();
+        }
     }
 
     fn pingpong(&mut self, me: c_int, pat: Pat, n: usize, iters: usize) -> f64 {
@@ -294,6 +349,18 @@ impl Ep {
                 ffi::MPI_Cancel(&mut self.req);
                 ffi::MPI_Wait(&mut self.req, ffi::RSMPI_STATUS_IGNORE);
             }
+        }
+        if self.preq != self.null {
+            if self.pactive {
+                // SAFETY: an active persistent request of ours.
+                unsafe {
+                    ffi::MPI_Cancel(&mut self.preq);
+                    ffi::MPI_Wait(&mut self.preq, ffi::RSMPI_STATUS_IGNORE);
+                }
+                self.pactive = false;
+            }
+            // SAFETY: an inactive persistent request of ours, freed once.
+            unsafe { ffi::MPI_Request_free(&mut self.preq) };
         }
         us
     }
@@ -385,6 +452,8 @@ fn main() {
         sbuf: vec![1u8; BUF],
         rbuf: vec![0u8; BUF],
         req: null,
+        preq: null,
+        pactive: false,
         null,
         cyc: Vec::new(),
     };
