@@ -217,6 +217,9 @@ const ST_UNKNOWN: u16 = 1;
 const ST_ERROR: u16 = 2;
 const ST_PANIC: u16 = 3;
 const MAGIC: u32 = 0x4d41_4d31; // "MAM1"
+/// A blocking call's arguments up to this size go to the outbox (copied) when another thread
+/// sends on the connection, instead of waiting for it.
+const QUEUE_BELOW: usize = 16 << 10;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -503,10 +506,37 @@ struct Inner {
     contenders: Vec<AtomicUsize>,
     /// Async calls put requests in the outbox: the poller takes them at its next step.
     outbox_new: AtomicBool,
-    /// Written when an async call queues a request, so a poller asleep on the channel's
-    /// descriptor wakes up (`None` if the kernel refused an eventfd: it wakes within 1 ms).
+    /// Written when a request is queued in the outbox while a poller sleeps, so it wakes up
+    /// (`None` if the kernel refused an eventfd: it wakes within 1 ms).
     wake: Option<EventFd>,
+    /// Pollers asleep on the channel's descriptor and [`Inner::wake`]: the eventfd is written
+    /// only when one is (no system call while the poller runs).
+    sleepers: AtomicUsize,
+    /// Bumped after every call completed (a reply delivered, calls failed, shutdown): a
+    /// poller waiting for its own reply looks at the call table only when it moved.
+    completed: AtomicU64,
+    /// Threads of [`Endpoint::serve`] waiting on [`Inner::cv`] (notified only when some do).
+    cv_waiters: AtomicUsize,
     stop: AtomicBool,
+}
+
+impl Inner {
+    /// A request was put in the outbox: the next poller step takes it; a sleeping poller is
+    /// woken.
+    fn outbox_posted(&self) {
+        self.outbox_new.store(true, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            if let Some(ev) = &self.wake {
+                let _ = ev.write(1);
+            }
+        }
+    }
+
+    fn notify_servers(&self) {
+        if self.cv_waiters.load(Ordering::SeqCst) > 0 {
+            self.cv.notify_all();
+        }
+    }
 }
 
 /// A channel with an active-message dispatcher. Cheap to clone (shared); every clone serves
@@ -602,17 +632,23 @@ impl Backoff {
     }
 }
 
-/// Sleep until the channel may have progressed (its descriptor is readable), an async call
-/// was queued (the endpoint's event descriptor), or `t` passed.
+/// Sleep until the channel may have progressed (its descriptor is readable), a request was
+/// queued in the outbox (the endpoint's event descriptor, for the poller only), or `t` passed.
 fn idle(inner: &Inner, t: Duration) {
     let ch = &inner.ch;
+    let poller = ROLE.with(|r| r.get()) == inner as *const Inner as usize;
     match ch.arm() {
         Ok(mad_core::Armed::Armed) => match (ch.readiness_fd(), &inner.wake) {
-            (Some(fd), Some(ev)) => {
-                let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+            (Some(fd), Some(ev)) if poller => {
+                inner.sleepers.fetch_add(1, Ordering::SeqCst);
+                // Posted before we counted ourselves: no wake-up is coming for it.
+                if !inner.outbox_new.load(Ordering::SeqCst) {
+                    let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+                }
+                inner.sleepers.fetch_sub(1, Ordering::SeqCst);
                 let _ = ev.read(); // non-blocking: resets it if it was written
             }
-            (Some(fd), None) => {
+            (Some(fd), _) => {
                 let _ = mad_core::events::wait_readable(&[fd], Some(t));
             }
             (None, _) => std::thread::sleep(t.min(Duration::from_micros(200))),
@@ -683,10 +719,17 @@ impl<'c> Poller<'c> {
                 // Another thread sends to that peer, or this one does (a thread that polls
                 // while its own message to the peer cannot leave): later.
                 Ok(None) | Err(Error::InUse { .. }) => i += 1,
-                // The peer is gone: the reply has nobody to go to.
+                // The peer is gone: a reply has nobody to go to, a request's caller fails.
                 Err(e) => {
-                    tracing::info!(rank = to, error = %e, "active messages: a reply dropped, its caller is gone");
-                    self.waiting.swap_remove(i);
+                    let o = self.waiting.swap_remove(i);
+                    match Header::decode(&o.hdr) {
+                        Some(h) if h.kind == KIND_REQUEST && h.flags & FLAG_ONE_WAY == 0 => {
+                            self.ep.fail_call(h.token, &e);
+                        }
+                        _ => {
+                            tracing::info!(rank = to, error = %e, "active messages: a reply dropped, its caller is gone");
+                        }
+                    }
                 }
             }
         }
@@ -1075,7 +1118,7 @@ impl Drop for Poller<'_> {
         if let Some(w) = next {
             w.wake();
         }
-        self.ep.inner.cv.notify_all();
+        self.ep.inner.notify_servers();
     }
 }
 
@@ -1239,6 +1282,9 @@ impl Endpoint {
                     EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
                 )
                 .ok(),
+                sleepers: AtomicUsize::new(0),
+                completed: AtomicU64::new(0),
+                cv_waiters: AtomicUsize::new(0),
                 stop: AtomicBool::new(false),
             }),
         }
@@ -1358,7 +1404,12 @@ impl Endpoint {
                 blocking: false,
             },
         );
-        if let Err(e) = self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
+        let sent = if args.len() <= QUEUE_BELOW {
+            self.send_or_queue(remote, id, token, args)
+        } else {
+            self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args)
+        };
+        if let Err(e) = sent {
             lock(&self.inner.state).calls.remove(&token);
             return Err(e.into());
         }
@@ -1396,10 +1447,7 @@ impl Endpoint {
             let frag = self.inner.cfg.fragment;
             st.outbox.extend(split(remote, hdr, args.to_vec(), frag));
             drop(st);
-            self.inner.outbox_new.store(true, Ordering::Release);
-            if let Some(ev) = &self.inner.wake {
-                let _ = ev.write(1);
-            }
+            self.inner.outbox_posted();
             None
         };
         CallFuture {
@@ -1447,12 +1495,18 @@ impl Endpoint {
         for (k, c) in body.chunks(frag).enumerate() {
             if k > 0 {
                 // Between two fragments the connection is free: let the threads waiting for
-                // it (a small call behind this large one) take it first.
+                // it (a small call behind this large one) take it first, and send the small
+                // requests queued in the outbox (as the poller, if nobody else polls).
                 let t0 = Instant::now();
-                while self.inner.contenders[remote].load(Ordering::Acquire) > 0
-                    && t0.elapsed() < Duration::from_millis(1)
-                {
-                    std::thread::yield_now();
+                let mut b = Backoff(0);
+                while t0.elapsed() < Duration::from_millis(1) {
+                    if self.inner.contenders[remote].load(Ordering::Acquire) > 0 {
+                        std::thread::yield_now();
+                    } else if !lock(&self.inner.state).outbox.is_empty() {
+                        self.help(&mut b);
+                    } else {
+                        break;
+                    }
                 }
             }
             self.send_one(remote, &h.fragment(k, frag, c.len()).encode(), c)?;
@@ -1460,11 +1514,35 @@ impl Endpoint {
         Ok(())
     }
 
+    /// A small request: sent now if the connection is free, else copied into the outbox for
+    /// the poller (which may be the caller itself, once it waits for the reply), so a caller
+    /// never spins for a connection another thread sends on.
+    fn send_or_queue(
+        &self,
+        remote: usize,
+        id: u32,
+        token: u64,
+        args: &[u8],
+    ) -> mad_core::Result<()> {
+        let h = Header::whole(KIND_REQUEST, 0, ST_OK, id, token, args.len());
+        match self.inner.ch.try_begin_packing(remote)? {
+            Some(p) => self.send_begun(p, &h.encode(), args),
+            None => {
+                let frag = self.inner.cfg.fragment;
+                let mut st = lock(&self.inner.state);
+                st.outbox.extend(split(remote, h, args.to_vec(), frag));
+                drop(st);
+                self.inner.outbox_posted();
+                Ok(())
+            }
+        }
+    }
+
     /// One message: `hdr` EXPRESS, then `body` CHEAPER.
     fn send_one(&self, remote: usize, hdr: &[u8; HDR], body: &[u8]) -> mad_core::Result<()> {
         let ch = &self.inner.ch;
         let mut b = Backoff(0);
-        let mut p = match ch.try_begin_packing(remote)? {
+        let p = match ch.try_begin_packing(remote)? {
             Some(p) => p,
             None => {
                 let _c = Contender::new(&self.inner.contenders[remote]);
@@ -1476,6 +1554,16 @@ impl Endpoint {
                 }
             }
         };
+        self.send_begun(p, hdr, body)
+    }
+
+    /// Send one message on a connection taken already.
+    fn send_begun<'b>(
+        &self,
+        mut p: Packer<'_, 'b>,
+        hdr: &[u8; HDR],
+        body: &'b [u8],
+    ) -> mad_core::Result<()> {
         p.defer();
         p.pack_safer(hdr, RecvMode::Express)?;
         if !body.is_empty() {
@@ -1610,7 +1698,12 @@ impl Endpoint {
             let Some(mut poller) = self.take_role() else {
                 continue;
             };
-            let r = self.poll_until(&mut poller, deadline, |ep| ep.is_done(token));
+            // The call table is locked only after some call completed.
+            let mut seen = None;
+            let r = self.poll_until(&mut poller, deadline, |ep| {
+                let now = ep.inner.completed.load(Ordering::Acquire);
+                seen.replace(now) != Some(now) && ep.is_done(token)
+            });
             poller.release();
             if let Err(e) = r {
                 lock(&inner.state).calls.remove(&token);
@@ -1633,7 +1726,7 @@ impl Endpoint {
         &self,
         poller: &mut Poller<'_>,
         deadline: Option<Instant>,
-        done: impl Fn(&Endpoint) -> bool,
+        mut done: impl FnMut(&Endpoint) -> bool,
     ) -> mad_core::Result<()> {
         let inner = &*self.inner;
         let mut b = Backoff(0);
@@ -1680,7 +1773,24 @@ impl Endpoint {
             }
         }
         if any {
-            self.inner.cv.notify_all();
+            self.inner.completed.fetch_add(1, Ordering::AcqRel);
+            self.inner.notify_servers();
+        }
+    }
+
+    /// Fail the call `token` (its request could not be sent).
+    fn fail_call(&self, token: u64, e: &Error) {
+        let mut st = lock(&self.inner.state);
+        if let Some(s @ Slot::Waiting { .. }) = st.calls.get_mut(&token) {
+            let Slot::Waiting { waker, .. } = std::mem::replace(s, Slot::Done(Err(transport(e))))
+            else {
+                unreachable!("matched above")
+            };
+            drop(st);
+            self.inner.completed.fetch_add(1, Ordering::AcqRel);
+            if let Some(w) = waker {
+                w.wake();
+            }
         }
     }
 
@@ -1691,9 +1801,10 @@ impl Endpoint {
             matches!(st.calls.get(&h.token), Some(Slot::Waiting { remote, .. }) if *remote == from);
         match body {
             Ok(b) if ours => {
-                if let Some(Slot::Waiting { waker: Some(w), .. }) =
-                    st.calls.insert(h.token, Slot::Done(Ok((h.status, b))))
-                {
+                let old = st.calls.insert(h.token, Slot::Done(Ok((h.status, b))));
+                drop(st);
+                self.inner.completed.fetch_add(1, Ordering::AcqRel);
+                if let Some(Slot::Waiting { waker: Some(w), .. }) = old {
                     w.wake();
                 }
             }
@@ -1745,8 +1856,10 @@ impl Endpoint {
         let inner = &*self.inner;
         while !inner.stop.load(Ordering::Acquire) {
             let Some(mut poller) = self.take_role() else {
+                inner.cv_waiters.fetch_add(1, Ordering::SeqCst);
                 let st = lock(&inner.state);
                 let _ = inner.cv.wait_timeout(st, inner.cfg.slice);
+                inner.cv_waiters.fetch_sub(1, Ordering::SeqCst);
                 continue;
             };
             let slice_end = Some(Instant::now() + inner.cfg.slice);
@@ -1785,6 +1898,7 @@ impl Endpoint {
     /// channel stays open.
     pub fn shutdown(&self) {
         self.inner.stop.store(true, Ordering::Release);
+        self.inner.completed.fetch_add(1, Ordering::AcqRel);
         self.inner.cv.notify_all();
         // Async calls learn it when polled: wake them.
         let wakers: Vec<Waker> = lock(&self.inner.state)
