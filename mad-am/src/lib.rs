@@ -401,6 +401,38 @@ impl Request<'_, '_> {
         }
     }
 
+    /// Receive the arguments into `v`, resized to [`len`](Self::len) bytes: straight from the
+    /// driver (CHEAPER), or, for arguments that came in fragments, by handing over the
+    /// reassembled buffer (no copy; `v`'s old buffer is kept for the next reassembly). For a
+    /// handler that keeps a buffer of its own for large arguments: it never copies a large
+    /// body on the polling thread (which would hold up the small calls behind it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when the arguments do not fit in memory (they are read and dropped
+    /// first); the channel's errors while receiving (the peer gone, a protocol violation).
+    pub fn recv_into_vec(mut self, v: &mut Vec<u8>) -> mad_core::Result<()> {
+        if let Src::Whole(w) = &mut self.src {
+            let old = std::mem::replace(v, std::mem::take(w));
+            self.src = Src::Taken;
+            if old.capacity() > 0 {
+                let mut st = lock(&self.poller.ep.inner.state);
+                if old.capacity() > st.spare.capacity() {
+                    st.spare = old;
+                }
+            }
+            return Ok(());
+        }
+        let Ok(len) = usize::try_from(self.len) else {
+            return self.recv_into(&mut []);
+        };
+        if v.try_reserve(len.saturating_sub(v.len())).is_err() {
+            return self.recv_into(&mut []);
+        }
+        v.resize(len, 0);
+        self.recv_into(v)
+    }
+
     /// Receive the arguments into a new vector.
     ///
     /// # Errors
@@ -459,6 +491,9 @@ struct Out {
     to: usize,
     hdr: [u8; HDR],
     body: Vec<u8>,
+    /// Set once the message has started (or was dropped, its peer gone): a blocking caller
+    /// whose request was queued waits for it before it sleeps.
+    started: Option<Arc<AtomicBool>>,
 }
 
 struct State {
@@ -469,6 +504,10 @@ struct State {
     outbox: Vec<Out>,
     /// Bodies arriving in fragments: (sender, kind, token) → what came so far.
     partial: HashMap<(usize, u8, u64), Partial>,
+    /// A buffer an inline handler gave back for a reassembled body
+    /// ([`Request::recv_into_vec`]): the next reassembly uses it (no allocation, no page
+    /// faults).
+    spare: Vec<u8>,
 }
 
 /// A body being reassembled from fragments.
@@ -715,6 +754,9 @@ impl<'c> Poller<'c> {
                     if r.is_ok() && p.poll_end_packing().is_pending() {
                         self.sending.push(p);
                     }
+                    if let Some(f) = &o.started {
+                        f.store(true, Ordering::Release);
+                    }
                 }
                 // Another thread sends to that peer, or this one does (a thread that polls
                 // while its own message to the peer cannot leave): later.
@@ -722,6 +764,9 @@ impl<'c> Poller<'c> {
                 // The peer is gone: a reply has nobody to go to, a request's caller fails.
                 Err(e) => {
                     let o = self.waiting.swap_remove(i);
+                    if let Some(f) = &o.started {
+                        f.store(true, Ordering::Release);
+                    }
                     match Header::decode(&o.hdr) {
                         Some(h) if h.kind == KIND_REQUEST && h.flags & FLAG_ONE_WAY == 0 => {
                             self.ep.fail_call(h.token, &e);
@@ -925,19 +970,32 @@ impl<'c> Poller<'c> {
             ));
             return self.ep.fail_calls(Some(from), &e);
         }
-        let mut part = lock(&inner.state)
-            .partial
-            .remove(&key)
-            .unwrap_or_else(|| Partial {
-                hdr: h,
-                buf: vec![0u8; h.len as usize],
-                got: 0,
-            });
+        let mut part = {
+            let mut st = lock(&inner.state);
+            match st.partial.remove(&key) {
+                Some(p) => p,
+                None => {
+                    // Reserved, not written: each fragment zeroes only its own range before it
+                    // lands (no long stall on a large body's first fragment).
+                    let mut buf = std::mem::take(&mut st.spare);
+                    buf.clear();
+                    buf.reserve_exact(h.len as usize);
+                    Partial {
+                        hdr: h,
+                        buf,
+                        got: 0,
+                    }
+                }
+            }
+        };
         let (a, n) = (h.offset as usize, h.piece as usize);
         if part.hdr.len != h.len || part.got + n as u64 > h.len {
             drop(u);
             let e = bad("active messages: fragments that do not add up".into());
             return self.ep.fail_calls(Some(from), &e);
+        }
+        if part.buf.len() < a + n {
+            part.buf.resize(a + n, 0);
         }
         if let Err(e) = self.finish_into(u, &mut part.buf[a..a + n], h.body_mode()) {
             return self.ep.fail_calls(Some(from), &e);
@@ -949,6 +1007,9 @@ impl<'c> Poller<'c> {
         }
         let mut hdr = part.hdr;
         hdr.flags &= !FLAG_FRAG;
+        // Every byte came once (`got`), the body's last fragment among them: the buffer is
+        // `len` bytes long.
+        debug_assert_eq!(part.buf.len() as u64, h.len);
         self.dispatch(Src::Whole(part.buf), from, hdr);
     }
 
@@ -1148,6 +1209,7 @@ fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
             to,
             hdr: hdr.encode(),
             body,
+            started: None,
         }];
     }
     body.chunks(frag)
@@ -1156,6 +1218,7 @@ fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
             to,
             hdr: hdr.fragment(k, frag, c.len()).encode(),
             body: c.to_vec(),
+            started: None,
         })
         .collect()
 }
@@ -1270,6 +1333,7 @@ impl Endpoint {
                     calls: HashMap::new(),
                     outbox: Vec::new(),
                     partial: HashMap::new(),
+                    spare: Vec::new(),
                 }),
                 cv: Condvar::new(),
                 next_token: AtomicU64::new(1),
@@ -1404,16 +1468,21 @@ impl Endpoint {
                 blocking: false,
             },
         );
-        let sent = if args.len() <= QUEUE_BELOW {
+        let frag = self.inner.cfg.fragment;
+        let sent = if args.len() <= QUEUE_BELOW && (frag == 0 || args.len() <= frag) {
             self.send_or_queue(remote, id, token, args)
         } else {
             self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args)
+                .map(|()| None)
         };
-        if let Err(e) = sent {
-            lock(&self.inner.state).calls.remove(&token);
-            return Err(e.into());
-        }
-        let (st, body) = self.wait_reply(token, remote)?;
+        let queued = match sent {
+            Ok(q) => q,
+            Err(e) => {
+                lock(&self.inner.state).calls.remove(&token);
+                return Err(e.into());
+            }
+        };
+        let (st, body) = self.wait_reply(token, remote, queued)?;
         outcome(st, body, remote, id)
     }
 
@@ -1523,17 +1592,23 @@ impl Endpoint {
         id: u32,
         token: u64,
         args: &[u8],
-    ) -> mad_core::Result<()> {
-        let h = Header::whole(KIND_REQUEST, 0, ST_OK, id, token, args.len());
+    ) -> mad_core::Result<Option<Arc<AtomicBool>>> {
+        let mut h = Header::whole(KIND_REQUEST, 0, ST_OK, id, token, args.len());
         match self.inner.ch.try_begin_packing(remote)? {
-            Some(p) => self.send_begun(p, &h.encode(), args),
+            Some(p) => self.send_begun(p, &h.encode(), args).map(|()| None),
             None => {
-                let frag = self.inner.cfg.fragment;
-                let mut st = lock(&self.inner.state);
-                st.outbox.extend(split(remote, h, args.to_vec(), frag));
-                drop(st);
+                // The poller packs it SAFER (see `Poller::drive_sends`).
+                h.flags |= FLAG_SAFER;
+                let started = Arc::new(AtomicBool::new(false));
+                let o = Out {
+                    to: remote,
+                    hdr: h.encode(),
+                    body: args.to_vec(),
+                    started: Some(started.clone()),
+                };
+                lock(&self.inner.state).outbox.push(o);
                 self.inner.outbox_posted();
-                Ok(())
+                Ok(Some(started))
             }
         }
     }
@@ -1654,10 +1729,25 @@ impl Endpoint {
     }
 
     /// Wait for the reply `token`, polling when nobody else does.
-    fn wait_reply(&self, token: u64, remote: usize) -> Result<(u16, Vec<u8>), CallError> {
+    /// `queued`: the request waits in the outbox until this flag is set; meanwhile this thread
+    /// counts as waiting for the connection and does not sleep (it polls or pauses).
+    fn wait_reply(
+        &self,
+        token: u64,
+        remote: usize,
+        mut queued: Option<Arc<AtomicBool>>,
+    ) -> Result<(u16, Vec<u8>), CallError> {
         let inner = &*self.inner;
         let deadline = inner.cfg.call_timeout.map(|t| Instant::now() + t);
+        let mut contender = queued
+            .as_ref()
+            .map(|_| Contender::new(&inner.contenders[remote]));
+        let mut b = Backoff(0);
         loop {
+            if queued.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+                queued = None;
+                drop(contender.take());
+            }
             {
                 let mut st = lock(&inner.state);
                 if let Some(Slot::Done(_)) = st.calls.get(&token) {
@@ -1676,6 +1766,13 @@ impl Endpoint {
                 if inner.stop.load(Ordering::Acquire) {
                     st.calls.remove(&token);
                     return Err(CallError::Shutdown);
+                }
+                if st.polling && queued.is_some() {
+                    // The request has not left: the poller sends it at its next step, or
+                    // when the connection frees.
+                    drop(st);
+                    b.pause(inner);
+                    continue;
                 }
                 if st.polling {
                     // Sleep until this call's reply (or the role) comes: only this thread is
