@@ -514,8 +514,13 @@ struct State {
 struct Partial {
     /// The header of its first fragment.
     hdr: Header,
+    /// May hold bytes of an earlier body (a recycled buffer) beyond `next`.
     buf: Vec<u8>,
     got: u64,
+    /// While the fragments come in order: where the next one starts (every byte before it
+    /// was written by this body). `None` once one came out of order (the buffer was zeroed
+    /// past the bytes written, so no byte of an earlier body can show through a gap).
+    next: Option<u64>,
 }
 
 struct Job {
@@ -975,15 +980,17 @@ impl<'c> Poller<'c> {
             match st.partial.remove(&key) {
                 Some(p) => p,
                 None => {
-                    // Reserved, not written: each fragment zeroes only its own range before it
-                    // lands (no long stall on a large body's first fragment).
+                    // A recycled buffer, or one reserved, not written: a fragment zeroes at most
+                    // its own range before it lands (no long stall on a large body's first
+                    // fragment).
                     let mut buf = std::mem::take(&mut st.spare);
-                    buf.clear();
-                    buf.reserve_exact(h.len as usize);
+                    buf.truncate(h.len as usize);
+                    buf.reserve_exact(h.len as usize - buf.len());
                     Partial {
                         hdr: h,
                         buf,
                         got: 0,
+                        next: Some(0),
                     }
                 }
             }
@@ -993,6 +1000,19 @@ impl<'c> Poller<'c> {
             drop(u);
             let e = bad("active messages: fragments that do not add up".into());
             return self.ep.fail_calls(Some(from), &e);
+        }
+        if part.next != Some(a as u64) {
+            if let Some(next) = part.next.take() {
+                // Out of order: no byte of an earlier body may stay where none lands.
+                let next = next as usize;
+                let end = part.buf.len();
+                if end > next {
+                    part.buf[next..end].fill(0);
+                }
+                part.buf.resize(h.len as usize, 0);
+            }
+        } else {
+            part.next = Some((a + n) as u64);
         }
         if part.buf.len() < a + n {
             part.buf.resize(a + n, 0);
@@ -1007,8 +1027,8 @@ impl<'c> Poller<'c> {
         }
         let mut hdr = part.hdr;
         hdr.flags &= !FLAG_FRAG;
-        // Every byte came once (`got`), the body's last fragment among them: the buffer is
-        // `len` bytes long.
+        // Every byte came (`got`), the body's last fragment among them: the buffer is `len`
+        // bytes long.
         debug_assert_eq!(part.buf.len() as u64, h.len);
         self.dispatch(Src::Whole(part.buf), from, hdr);
     }
@@ -1569,10 +1589,10 @@ impl Endpoint {
                 let t0 = Instant::now();
                 let mut b = Backoff(0);
                 while t0.elapsed() < Duration::from_millis(1) {
-                    if self.inner.contenders[remote].load(Ordering::Acquire) > 0 {
-                        std::thread::yield_now();
-                    } else if !lock(&self.inner.state).outbox.is_empty() {
+                    if !lock(&self.inner.state).outbox.is_empty() {
                         self.help(&mut b);
+                    } else if self.inner.contenders[remote].load(Ordering::Acquire) > 0 {
+                        std::thread::yield_now();
                     } else {
                         break;
                     }
