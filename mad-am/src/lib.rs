@@ -158,6 +158,12 @@ pub struct Config {
     /// small call to the same peer waits for one fragment, not for the whole body (no
     /// head-of-line blocking behind large messages); 0: never split.
     pub fragment: usize,
+    /// Fragments of one body a thread sends ahead of the receiver's acknowledgements (the
+    /// receiver acknowledges each fragment once it is in the reassembly buffer): at most this
+    /// many fragments of a large body sit in the drivers' and the kernel's buffers in front of
+    /// a small call to the same peer. 0: no acknowledgements awaited (the drivers' buffers
+    /// bound it).
+    pub window: usize,
 }
 
 impl Default for Config {
@@ -169,6 +175,7 @@ impl Default for Config {
             call_timeout: None,
             slice: Duration::from_millis(50),
             fragment: 128 << 10,
+            window: 2,
         }
     }
 }
@@ -193,6 +200,12 @@ impl Config {
         self.max_body = n;
         self
     }
+    /// [`Config::window`] (0: send every fragment without waiting).
+    #[must_use]
+    pub fn window(mut self, n: usize) -> Self {
+        self.window = n;
+        self
+    }
     /// [`Config::fragment`] (clamped to 4 GiB − 1; 0: never split).
     #[must_use]
     pub fn fragment(mut self, n: usize) -> Self {
@@ -204,6 +217,9 @@ impl Config {
 const HDR: usize = 40;
 const KIND_REQUEST: u8 = 1;
 const KIND_REPLY: u8 = 2;
+/// The receiver of a fragmented body tells its sender how many bytes are in (`offset`) of the
+/// body `(id = its kind, token)`: the sender keeps at most [`Config::window`] fragments ahead.
+const KIND_ACK: u8 = 3;
 const FLAG_ONE_WAY: u8 = 1;
 /// The message carries `[offset, offset + piece)` of a body of `len` bytes sent in several
 /// messages (see [`Config::fragment`]).
@@ -298,10 +314,12 @@ impl Header {
             piece: u32_at(32),
         };
         let frag = h.flags & FLAG_FRAG != 0;
-        let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY)
+        let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY | KIND_ACK)
             && h.flags & !(FLAG_ONE_WAY | FLAG_FRAG | FLAG_SAFER) == 0
             && h.status <= ST_PANIC
-            && if frag {
+            && if h.kind == KIND_ACK {
+                !frag && h.len == 0 && h.piece == 0 && matches!(h.id, 1 | 2)
+            } else if frag {
                 h.piece > 0
                     && h.offset
                         .checked_add(u64::from(h.piece))
@@ -508,6 +526,17 @@ struct State {
     /// ([`Request::recv_into_vec`]): the next reassembly uses it (no allocation, no page
     /// faults).
     spare: Vec<u8>,
+    /// Fragmented bodies this process is sending with a window: (peer, kind, token) → bytes
+    /// the peer acknowledged, or why it never will.
+    credit: HashMap<(usize, u8, u64), Credit>,
+}
+
+/// What the receiver of a body sent in fragments acknowledged.
+struct Credit {
+    acked: Result<u64, Error>,
+    /// The sending thread, asleep while another thread polls (it wakes it on an
+    /// acknowledgement).
+    waiter: Option<std::thread::Thread>,
 }
 
 /// A body being reassembled from fragments.
@@ -624,7 +653,12 @@ fn error_rank(e: &Error) -> Option<usize> {
 
 /// A copy of a transport error for each caller it fails.
 fn transport(e: &Error) -> CallError {
-    CallError::Transport(match e {
+    CallError::Transport(copy_error(e))
+}
+
+/// A copy of a transport error.
+fn copy_error(e: &Error) -> Error {
+    match e {
         Error::PeerClosed { rank } => Error::PeerClosed { rank: *rank },
         Error::Closed { channel } => Error::Closed {
             channel: channel.clone(),
@@ -640,7 +674,32 @@ fn transport(e: &Error) -> CallError {
                 source: std::io::Error::other(other.to_string()),
             },
         },
-    })
+    }
+}
+
+/// Registers a body sent in fragments for acknowledgements while it lives.
+struct CreditGuard<'a> {
+    inner: &'a Inner,
+    key: (usize, u8, u64),
+}
+
+impl<'a> CreditGuard<'a> {
+    fn new(inner: &'a Inner, key: (usize, u8, u64)) -> Self {
+        lock(&inner.state).credit.insert(
+            key,
+            Credit {
+                acked: Ok(0),
+                waiter: None,
+            },
+        );
+        CreditGuard { inner, key }
+    }
+}
+
+impl Drop for CreditGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.inner.state).credit.remove(&self.key);
+    }
 }
 
 /// Counts a waiting thread in [`Inner::contenders`] while it lives.
@@ -955,6 +1014,12 @@ impl<'c> Poller<'c> {
             };
             return self.ep.fail_calls(Some(from), &e);
         };
+        if h.kind == KIND_ACK {
+            if let Err(e) = self.finish_into(u, &mut [], h.body_mode()) {
+                return self.ep.fail_calls(Some(from), &e);
+            }
+            return self.ep.acknowledged(from, h);
+        }
         if h.flags & FLAG_FRAG != 0 {
             return self.fragment(u, from, h);
         }
@@ -1022,7 +1087,20 @@ impl<'c> Poller<'c> {
         }
         part.got += n as u64;
         if part.got < h.len {
+            let got = part.got;
             lock(&inner.state).partial.insert(key, part);
+            // The sender may wait for it before it sends more (see `Config::window`).
+            let ack = Header {
+                kind: KIND_ACK,
+                flags: 0,
+                status: ST_OK,
+                id: u32::from(h.kind),
+                token: h.token,
+                len: 0,
+                offset: got,
+                piece: 0,
+            };
+            self.send(from, ack, Vec::new());
             return;
         }
         let mut hdr = part.hdr;
@@ -1113,6 +1191,15 @@ impl<'c> Poller<'c> {
         let r = self.ep.run_pool(job.call);
         if reply {
             self.reply(from, id, token, reply_parts(r));
+        }
+    }
+
+    /// Whether `r` is still there (a message found meanwhile is handled).
+    fn check_peer(&mut self, r: usize) {
+        match self.ch().try_begin_unpacking_from(r) {
+            Ok(Some(u)) => self.handle(u),
+            Ok(None) => {}
+            Err(e) => self.ep.fail_calls(Some(r), &e),
         }
     }
 
@@ -1354,6 +1441,7 @@ impl Endpoint {
                     outbox: Vec::new(),
                     partial: HashMap::new(),
                     spare: Vec::new(),
+                    credit: HashMap::new(),
                 }),
                 cv: Condvar::new(),
                 next_token: AtomicU64::new(1),
@@ -1581,7 +1669,14 @@ impl Endpoint {
         if frag == 0 || body.len() <= frag {
             return self.send_one(remote, &h.encode(), body);
         }
+        let window = self.inner.cfg.window;
+        let key = (remote, kind, token);
+        let _credit = (window > 0).then(|| CreditGuard::new(&self.inner, key));
         for (k, c) in body.chunks(frag).enumerate() {
+            if window > 0 && k >= window {
+                // At most `window` fragments ahead of what the peer has received.
+                self.wait_credit(key, ((k + 1 - window) * frag) as u64)?;
+            }
             if k > 0 {
                 // Between two fragments the connection is free: let the threads waiting for
                 // it (a small call behind this large one) take it first, and send the small
@@ -1875,6 +1970,15 @@ impl Endpoint {
     /// Fail the calls waiting for `rank` (every call when `None`).
     fn fail_calls(&self, rank: Option<usize>, e: &Error) {
         let mut st = lock(&self.inner.state);
+        // The bodies sent to it in fragments will not be acknowledged.
+        for ((r, ..), c) in st.credit.iter_mut() {
+            if rank.is_none_or(|x| x == *r) && c.acked.is_ok() {
+                c.acked = Err(copy_error(e));
+                if let Some(t) = c.waiter.take() {
+                    t.unpark();
+                }
+            }
+        }
         // What that peer sent in part will not be completed.
         st.partial.retain(|k, _| rank.is_some_and(|r| r != k.0));
         let mut any = false;
@@ -1892,6 +1996,56 @@ impl Endpoint {
         if any {
             self.inner.completed.fetch_add(1, Ordering::AcqRel);
             self.inner.notify_servers();
+        }
+    }
+
+    /// An acknowledgement of a body this process sends in fragments.
+    fn acknowledged(&self, from: usize, h: Header) {
+        let mut st = lock(&self.inner.state);
+        if let Some(c) = st.credit.get_mut(&(from, h.id as u8, h.token)) {
+            if let Ok(a) = &mut c.acked {
+                *a = (*a).max(h.offset);
+            }
+            if let Some(t) = c.waiter.take() {
+                t.unpark();
+            }
+        }
+    }
+
+    /// Wait until `remote` acknowledged `need` bytes of the body `key`, polling when nobody
+    /// else does, else asleep until the poller passes an acknowledgement on. A peer that
+    /// closed cleanly is noticed after a quiet slice.
+    fn wait_credit(&self, key: (usize, u8, u64), need: u64) -> mad_core::Result<()> {
+        let inner = &*self.inner;
+        let mut b = Backoff(0);
+        let mut since = Instant::now();
+        loop {
+            {
+                let mut st = lock(&inner.state);
+                match st.credit.get_mut(&key) {
+                    Some(Credit { acked: Ok(a), .. }) if *a >= need => return Ok(()),
+                    Some(Credit { acked: Err(e), .. }) => return Err(copy_error(e)),
+                    Some(c) => c.waiter = Some(std::thread::current()),
+                    None => return Ok(()),
+                }
+            }
+            match self.take_role() {
+                Some(mut poller) => {
+                    let moved = matches!(poller.step(), Ok(true));
+                    if since.elapsed() >= inner.cfg.slice {
+                        poller.check_peer(key.0);
+                        since = Instant::now();
+                    }
+                    poller.release();
+                    if moved {
+                        b.0 = 0;
+                        since = Instant::now();
+                    } else {
+                        b.pause(inner);
+                    }
+                }
+                None => std::thread::park_timeout(Duration::from_millis(1)),
+            }
         }
     }
 
