@@ -236,6 +236,9 @@ const MAGIC: u32 = 0x4d41_4d31; // "MAM1"
 /// A blocking call's arguments up to this size go to the outbox (copied) when another thread
 /// sends on the connection, instead of waiting for it.
 const QUEUE_BELOW: usize = 16 << 10;
+/// How many pauses ([`Backoff`]: spins, then yields) a caller whose request is queued makes
+/// before it sleeps until its reply or the poller role comes.
+const QUEUED_SPINS: u32 = 0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -1882,9 +1885,10 @@ impl Endpoint {
                     st.calls.remove(&token);
                     return Err(CallError::Shutdown);
                 }
-                if st.polling && queued.is_some() {
+                if st.polling && queued.is_some() && b.0 < QUEUED_SPINS {
                     // The request has not left: the poller sends it at its next step, or
-                    // when the connection frees.
+                    // when the connection frees; a while, this thread stays on the CPU (spins,
+                    // then yields) to take the role as soon as it is free.
                     drop(st);
                     b.pause(inner);
                     continue;
@@ -1903,7 +1907,14 @@ impl Endpoint {
                         }
                     }
                     drop(st);
-                    std::thread::park_timeout(inner.cfg.slice);
+                    // Woken by its reply or when the role is handed on; a request still
+                    // queued is looked at every millisecond.
+                    let nap = if queued.is_some() {
+                        inner.cfg.slice.min(Duration::from_millis(1))
+                    } else {
+                        inner.cfg.slice
+                    };
+                    std::thread::park_timeout(nap);
                     continue;
                 }
             }
@@ -1942,23 +1953,32 @@ impl Endpoint {
     ) -> mad_core::Result<()> {
         let inner = &*self.inner;
         let mut b = Backoff(0);
-        let mut quiet_since = Instant::now();
+        // The clock is read when nothing moved, and every 32 steps that did (a busy poller
+        // makes no system call for it).
+        let mut quiet_since: Option<Instant> = None;
+        let mut busy = 0u32;
         loop {
             if done(self) || inner.stop.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(());
             }
             match poller.step() {
                 Ok(true) => {
                     b.0 = 0;
-                    quiet_since = Instant::now();
+                    quiet_since = None;
+                    busy = busy.wrapping_add(1);
+                    if busy % 32 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(());
+                    }
                 }
                 Ok(false) => {
-                    if quiet_since.elapsed() >= inner.cfg.slice {
+                    let now = Instant::now();
+                    if deadline.is_some_and(|d| now >= d) {
+                        return Ok(());
+                    }
+                    let q = *quiet_since.get_or_insert(now);
+                    if now.duration_since(q) >= inner.cfg.slice {
                         poller.check_owing_peers();
-                        quiet_since = Instant::now();
+                        quiet_since = Some(now);
                     }
                     b.pause(inner);
                 }
