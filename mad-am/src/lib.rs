@@ -236,9 +236,10 @@ const MAGIC: u32 = 0x4d41_4d31; // "MAM1"
 /// A blocking call's arguments up to this size go to the outbox (copied) when another thread
 /// sends on the connection, instead of waiting for it.
 const QUEUE_BELOW: usize = 16 << 10;
-/// How many pauses ([`Backoff`]: spins, then yields) a caller whose request is queued makes
-/// before it sleeps until its reply or the poller role comes.
-const QUEUED_SPINS: u32 = 0;
+/// How many pauses ([`Backoff`]: spins, then yields) a waiting caller makes before it sleeps
+/// until its reply or the poller role comes (only when no more calls wait than there are
+/// cores).
+const SPINS: u32 = 200;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -593,6 +594,8 @@ struct Inner {
     completed: AtomicU64,
     /// Threads of [`Endpoint::serve`] waiting on [`Inner::cv`] (notified only when some do).
     cv_waiters: AtomicUsize,
+    /// The machine's cores (see [`SPINS`]).
+    cores: usize,
     stop: AtomicBool,
 }
 
@@ -1460,6 +1463,7 @@ impl Endpoint {
                 sleepers: AtomicUsize::new(0),
                 completed: AtomicU64::new(0),
                 cv_waiters: AtomicUsize::new(0),
+                cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
                 stop: AtomicBool::new(false),
             }),
         }
@@ -1885,10 +1889,11 @@ impl Endpoint {
                     st.calls.remove(&token);
                     return Err(CallError::Shutdown);
                 }
-                if st.polling && queued.is_some() && b.0 < QUEUED_SPINS {
-                    // The request has not left: the poller sends it at its next step, or
-                    // when the connection frees; a while, this thread stays on the CPU (spins,
-                    // then yields) to take the role as soon as it is free.
+                if st.polling && b.0 < SPINS && st.calls.len() <= inner.cores {
+                    // No more calls waiting than cores: this thread stays on the CPU a while
+                    // (spins, then yields), so a reply that comes soon, or the role, needs no
+                    // wake-up. With more callers than cores, spinners would only delay the
+                    // threads that have work: it sleeps at once.
                     drop(st);
                     b.pause(inner);
                     continue;
