@@ -579,3 +579,31 @@ fn windowed_fragments_and_handed_over_buffers_on_every_driver() {
         });
     }
 }
+
+/// A sender waiting for the acknowledgements of a body in fragments from a peer that closes
+/// its channel without ever receiving it fails (no hang): the peer never polls, and closes
+/// once the sender has started.
+#[test]
+fn a_windowed_sender_fails_when_the_peer_leaves() {
+    for spec in ["mem", "tcp", "shm", "uds"] {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "winleft",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::with_config(ch, Config::default().fragment(1000).window(1));
+            s.bootstrap().barrier("winleft/open")?;
+            if rank == 0 {
+                // Never polls: no acknowledgement leaves; then goes away.
+                std::thread::sleep(Duration::from_millis(100));
+                ep.channel().close();
+                Ok(())
+            } else {
+                match ep.send(0, ECHO, &vec![3u8; 4 << 20]) {
+                    Err(CallError::Transport(_)) => Ok(()),
+                    other => Err(fail(format!("{spec}: send to a peer that left: {other:?}"))),
+                }
+            }
+        });
+    }
+}
