@@ -19,9 +19,15 @@
 //! * **Progress** (pCoR). One thread at a time holds the *poller role*: it receives every
 //!   message (replies go to the threads waiting for them, requests to their handlers) and
 //!   sends the inline handlers' replies. A thread waiting in [`Endpoint::call`] takes the role
-//!   when nobody holds it; the others sleep on a condition variable. A server with no calling
+//!   when nobody holds it; the others sleep (parked, each woken alone by its own reply, or
+//!   when the role is handed on). A waiting caller first spins a while (spins, then yields)
+//!   when no more calls wait than the machine has cores, so a reply that comes soon needs no
+//!   wake-up; with more callers it sleeps at once (spinners would only delay the threads
+//!   that have work). A small request (up to 16 KiB) whose connection another thread is
+//!   using goes to the poller's outbox instead of waiting for it. A server with no calling
 //!   thread runs [`Endpoint::serve`] or [`Endpoint::spawn_progress`]. Idle, the poller sleeps
-//!   on the channel's readiness descriptor, so idling costs no CPU.
+//!   on the channel's readiness descriptor, so idling costs no CPU; the event descriptor that
+//!   wakes it for queued requests is written only while it sleeps.
 //! * **Nothing waits in the network.** Every message is sent and received with the engine's
 //!   non-blocking calls (`defer`, `poll_end_packing`, `poll_end_unpacking`), and a thread
 //!   whose message cannot move yet polls for the process (or pauses, if another thread
@@ -32,17 +38,26 @@
 //!   any-source receive reports to nobody), through a look at the peers that owe replies
 //!   after every quiet slice ([`Config::slice`]).
 //!
-//! Wire format: every message starts with a 32-byte header packed EXPRESS (kind, flags,
-//! status, handler id, token, body length, magic); a body of that many bytes follows, packed
-//! CHEAPER (nothing when empty). Both sides of a channel must use this layer for every
+//! Wire format: every message starts with a 40-byte header packed EXPRESS (kind, flags,
+//! status, handler id, token, body length, fragment offset and length, magic); a body of that
+//! many bytes follows, packed CHEAPER (SAFER when the poller sends it; nothing when empty).
+//! The receiver of a body in fragments acknowledges each fragment but the last (a message of
+//! kind "acknowledgement": the bytes received so far). Both sides of a channel must use this layer for every
 //! message on it: anything else finishes that peer's connection.
 //!
 //! * **No head-of-line blocking.** A body longer than [`Config::fragment`] (128 KiB) travels
 //!   in several messages that the receiver reassembles (straight into the reassembly buffer),
 //!   and between two fragments the sender steps aside for threads waiting for the same
-//!   connection: a small call waits for one fragment, not for a 16 MiB body. A thread that
-//!   polls from inside its own send keeps driving that send at every wait, so two processes
-//!   whose threads all send to each other never wait on each other.
+//!   connection (and sends the small requests queued meanwhile): a small call waits for one
+//!   fragment, not for a 16 MiB body. A thread sending a body in fragments stays at most
+//!   [`Config::window`] (2) fragments ahead of the receiver's acknowledgements, so what sits
+//!   in front of a small call in the drivers' and the kernel's buffers (megabytes, for a TCP
+//!   socket) is bounded too; a peer that leaves fails the waiting sender. An inline handler
+//!   that keeps a buffer takes a reassembled body with [`Request::recv_into_vec`] (handed
+//!   over, no copy on the polling thread; the handler's old buffer is reused for the next
+//!   reassembly, so a large body costs no allocation either). A thread that polls from
+//!   inside its own send keeps driving that send at every wait, so two processes whose
+//!   threads all send to each other never wait on each other.
 //! * **Async callers.** [`Endpoint::call_async`] returns a future resolved by the reply: the
 //!   request goes to the poller (woken through an eventfd if it sleeps), which sends it
 //!   without blocking; the future never polls itself, so it never blocks its executor.
@@ -54,7 +69,10 @@
 //! inline handlers cannot call ([`CallError::Reentrant`]); a pool handler that calls another
 //! process while the pool is full waits for a poller that may be running a call itself;
 //! fragmented bodies reach inline handlers reassembled (one copy more than a body in one
-//! message).
+//! message with [`Request::recv_into`]; none with [`Request::recv_vec`] or
+//! [`Request::recv_into_vec`]); bodies in fragments sent by the poller (inline handlers'
+//! replies, async requests) do not wait for acknowledgements (the drivers' buffers bound what
+//! goes ahead of a small call), nor do those a pool handler sends when the poller runs it.
 
 use std::collections::HashMap;
 use std::future::Future;
