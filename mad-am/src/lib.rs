@@ -1869,8 +1869,8 @@ impl Endpoint {
     }
 
     /// Wait for the reply `token`, polling when nobody else does.
-    /// `queued`: the request waits in the outbox until this flag is set; meanwhile this thread
-    /// counts as waiting for the connection and does not sleep (it polls or pauses).
+    /// `queued`: the request waits in the outbox until this flag is set (while it does, a
+    /// sleeping caller looks every millisecond).
     fn wait_reply(
         &self,
         token: u64,
@@ -1879,14 +1879,13 @@ impl Endpoint {
     ) -> Result<(u16, Vec<u8>), CallError> {
         let inner = &*self.inner;
         let deadline = inner.cfg.call_timeout.map(|t| Instant::now() + t);
-        let mut contender = queued
-            .as_ref()
-            .map(|_| Contender::new(&inner.contenders[remote]));
+        // A queued request is seen by a sender of fragments to the same peer (it sends the
+        // outbox between two fragments) and, once a poller holds it, counted by that poller
+        // in `contenders`.
         let mut b = Backoff(0);
         loop {
             if queued.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
                 queued = None;
-                drop(contender.take());
             }
             {
                 let mut st = lock(&inner.state);
@@ -2068,13 +2067,22 @@ impl Endpoint {
         let inner = &*self.inner;
         let mut b = Backoff(0);
         let mut since = Instant::now();
+        let mut seen = 0;
         loop {
             {
                 let mut st = lock(&inner.state);
                 match st.credit.get_mut(&key) {
                     Some(Credit { acked: Ok(a), .. }) if *a >= need => return Ok(()),
                     Some(Credit { acked: Err(e), .. }) => return Err(copy_error(e)),
-                    Some(c) => c.waiter = Some(std::thread::current()),
+                    Some(c) => {
+                        if let Ok(a) = c.acked {
+                            if a > seen {
+                                seen = a;
+                                b.0 = 0;
+                            }
+                        }
+                        c.waiter = Some(std::thread::current());
+                    }
                     None => return Ok(()),
                 }
             }
@@ -2093,6 +2101,9 @@ impl Endpoint {
                         b.pause(inner);
                     }
                 }
+                // Another thread polls: it passes the acknowledgement on. A while, this
+                // thread stays on the CPU (no wake-up needed), then it sleeps.
+                None if b.0 < SPINS => b.pause(inner),
                 None => std::thread::park_timeout(Duration::from_millis(1)),
             }
         }
