@@ -19,9 +19,15 @@
 //! * **Progress** (pCoR). One thread at a time holds the *poller role*: it receives every
 //!   message (replies go to the threads waiting for them, requests to their handlers) and
 //!   sends the inline handlers' replies. A thread waiting in [`Endpoint::call`] takes the role
-//!   when nobody holds it; the others sleep on a condition variable. A server with no calling
+//!   when nobody holds it; the others sleep (parked, each woken alone by its own reply, or
+//!   when the role is handed on). A waiting caller first spins a while (spins, then yields)
+//!   when no more calls wait than the machine has cores, so a reply that comes soon needs no
+//!   wake-up; with more callers it sleeps at once (spinners would only delay the threads
+//!   that have work). A small request (up to 16 KiB) whose connection another thread is
+//!   using goes to the poller's outbox instead of waiting for it. A server with no calling
 //!   thread runs [`Endpoint::serve`] or [`Endpoint::spawn_progress`]. Idle, the poller sleeps
-//!   on the channel's readiness descriptor, so idling costs no CPU.
+//!   on the channel's readiness descriptor, so idling costs no CPU; the event descriptor that
+//!   wakes it for queued requests is written only while it sleeps.
 //! * **Nothing waits in the network.** Every message is sent and received with the engine's
 //!   non-blocking calls (`defer`, `poll_end_packing`, `poll_end_unpacking`), and a thread
 //!   whose message cannot move yet polls for the process (or pauses, if another thread
@@ -32,17 +38,26 @@
 //!   any-source receive reports to nobody), through a look at the peers that owe replies
 //!   after every quiet slice ([`Config::slice`]).
 //!
-//! Wire format: every message starts with a 32-byte header packed EXPRESS (kind, flags,
-//! status, handler id, token, body length, magic); a body of that many bytes follows, packed
-//! CHEAPER (nothing when empty). Both sides of a channel must use this layer for every
+//! Wire format: every message starts with a 40-byte header packed EXPRESS (kind, flags,
+//! status, handler id, token, body length, fragment offset and length, magic); a body of that
+//! many bytes follows, packed CHEAPER (SAFER when the poller sends it; nothing when empty).
+//! The receiver of a body in fragments acknowledges each fragment but the last (a message of
+//! kind "acknowledgement": the bytes received so far). Both sides of a channel must use this layer for every
 //! message on it: anything else finishes that peer's connection.
 //!
 //! * **No head-of-line blocking.** A body longer than [`Config::fragment`] (128 KiB) travels
 //!   in several messages that the receiver reassembles (straight into the reassembly buffer),
 //!   and between two fragments the sender steps aside for threads waiting for the same
-//!   connection: a small call waits for one fragment, not for a 16 MiB body. A thread that
-//!   polls from inside its own send keeps driving that send at every wait, so two processes
-//!   whose threads all send to each other never wait on each other.
+//!   connection (and sends the small requests queued meanwhile): a small call waits for one
+//!   fragment, not for a 16 MiB body. A thread sending a body in fragments stays at most
+//!   [`Config::window`] (2) fragments ahead of the receiver's acknowledgements, so what sits
+//!   in front of a small call in the drivers' and the kernel's buffers (megabytes, for a TCP
+//!   socket) is bounded too; a peer that leaves fails the waiting sender. An inline handler
+//!   that keeps a buffer takes a reassembled body with [`Request::recv_into_vec`] (handed
+//!   over, no copy on the polling thread; the handler's old buffer is reused for the next
+//!   reassembly, so a large body costs no allocation either). A thread that polls from
+//!   inside its own send keeps driving that send at every wait, so two processes whose
+//!   threads all send to each other never wait on each other.
 //! * **Async callers.** [`Endpoint::call_async`] returns a future resolved by the reply: the
 //!   request goes to the poller (woken through an eventfd if it sleeps), which sends it
 //!   without blocking; the future never polls itself, so it never blocks its executor.
@@ -54,7 +69,10 @@
 //! inline handlers cannot call ([`CallError::Reentrant`]); a pool handler that calls another
 //! process while the pool is full waits for a poller that may be running a call itself;
 //! fragmented bodies reach inline handlers reassembled (one copy more than a body in one
-//! message).
+//! message with [`Request::recv_into`]; none with [`Request::recv_vec`] or
+//! [`Request::recv_into_vec`]); bodies in fragments sent by the poller (inline handlers'
+//! replies, async requests) do not wait for acknowledgements (the drivers' buffers bound what
+//! goes ahead of a small call), nor do those a pool handler sends when the poller runs it.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -158,6 +176,12 @@ pub struct Config {
     /// small call to the same peer waits for one fragment, not for the whole body (no
     /// head-of-line blocking behind large messages); 0: never split.
     pub fragment: usize,
+    /// Fragments of one body a thread sends ahead of the receiver's acknowledgements (the
+    /// receiver acknowledges each fragment once it is in the reassembly buffer): at most this
+    /// many fragments of a large body sit in the drivers' and the kernel's buffers in front of
+    /// a small call to the same peer. 0: no acknowledgements awaited (the drivers' buffers
+    /// bound it).
+    pub window: usize,
 }
 
 impl Default for Config {
@@ -169,6 +193,7 @@ impl Default for Config {
             call_timeout: None,
             slice: Duration::from_millis(50),
             fragment: 128 << 10,
+            window: 2,
         }
     }
 }
@@ -193,6 +218,12 @@ impl Config {
         self.max_body = n;
         self
     }
+    /// [`Config::window`] (0: send every fragment without waiting).
+    #[must_use]
+    pub fn window(mut self, n: usize) -> Self {
+        self.window = n;
+        self
+    }
     /// [`Config::fragment`] (clamped to 4 GiB − 1; 0: never split).
     #[must_use]
     pub fn fragment(mut self, n: usize) -> Self {
@@ -204,6 +235,9 @@ impl Config {
 const HDR: usize = 40;
 const KIND_REQUEST: u8 = 1;
 const KIND_REPLY: u8 = 2;
+/// The receiver of a fragmented body tells its sender how many bytes are in (`offset`) of the
+/// body `(id = its kind, token)`: the sender keeps at most [`Config::window`] fragments ahead.
+const KIND_ACK: u8 = 3;
 const FLAG_ONE_WAY: u8 = 1;
 /// The message carries `[offset, offset + piece)` of a body of `len` bytes sent in several
 /// messages (see [`Config::fragment`]).
@@ -217,6 +251,13 @@ const ST_UNKNOWN: u16 = 1;
 const ST_ERROR: u16 = 2;
 const ST_PANIC: u16 = 3;
 const MAGIC: u32 = 0x4d41_4d31; // "MAM1"
+/// A blocking call's arguments up to this size go to the outbox (copied) when another thread
+/// sends on the connection, instead of waiting for it.
+const QUEUE_BELOW: usize = 16 << 10;
+/// How many pauses ([`Backoff`]: spins, then yields) a waiting caller makes before it sleeps
+/// until its reply or the poller role comes (only when no more calls wait than there are
+/// cores).
+const SPINS: u32 = 200;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -295,10 +336,12 @@ impl Header {
             piece: u32_at(32),
         };
         let frag = h.flags & FLAG_FRAG != 0;
-        let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY)
+        let known = matches!(h.kind, KIND_REQUEST | KIND_REPLY | KIND_ACK)
             && h.flags & !(FLAG_ONE_WAY | FLAG_FRAG | FLAG_SAFER) == 0
             && h.status <= ST_PANIC
-            && if frag {
+            && if h.kind == KIND_ACK {
+                !frag && h.len == 0 && h.piece == 0 && matches!(h.id, 1 | 2)
+            } else if frag {
                 h.piece > 0
                     && h.offset
                         .checked_add(u64::from(h.piece))
@@ -398,6 +441,38 @@ impl Request<'_, '_> {
         }
     }
 
+    /// Receive the arguments into `v`, resized to [`len`](Self::len) bytes: straight from the
+    /// driver (CHEAPER), or, for arguments that came in fragments, by handing over the
+    /// reassembled buffer (no copy; `v`'s old buffer is kept for the next reassembly). For a
+    /// handler that keeps a buffer of its own for large arguments: it never copies a large
+    /// body on the polling thread (which would hold up the small calls behind it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when the arguments do not fit in memory (they are read and dropped
+    /// first); the channel's errors while receiving (the peer gone, a protocol violation).
+    pub fn recv_into_vec(mut self, v: &mut Vec<u8>) -> mad_core::Result<()> {
+        if let Src::Whole(w) = &mut self.src {
+            let old = std::mem::replace(v, std::mem::take(w));
+            self.src = Src::Taken;
+            if old.capacity() > 0 {
+                let mut st = lock(&self.poller.ep.inner.state);
+                if old.capacity() > st.spare.capacity() {
+                    st.spare = old;
+                }
+            }
+            return Ok(());
+        }
+        let Ok(len) = usize::try_from(self.len) else {
+            return self.recv_into(&mut []);
+        };
+        if v.try_reserve(len.saturating_sub(v.len())).is_err() {
+            return self.recv_into(&mut []);
+        }
+        v.resize(len, 0);
+        self.recv_into(v)
+    }
+
     /// Receive the arguments into a new vector.
     ///
     /// # Errors
@@ -456,6 +531,9 @@ struct Out {
     to: usize,
     hdr: [u8; HDR],
     body: Vec<u8>,
+    /// Set once the message has started (or was dropped, its peer gone): a blocking caller
+    /// whose request was queued waits for it before it sleeps.
+    started: Option<Arc<AtomicBool>>,
 }
 
 struct State {
@@ -466,14 +544,34 @@ struct State {
     outbox: Vec<Out>,
     /// Bodies arriving in fragments: (sender, kind, token) → what came so far.
     partial: HashMap<(usize, u8, u64), Partial>,
+    /// A buffer an inline handler gave back for a reassembled body
+    /// ([`Request::recv_into_vec`]): the next reassembly uses it (no allocation, no page
+    /// faults).
+    spare: Vec<u8>,
+    /// Fragmented bodies this process is sending with a window: (peer, kind, token) → bytes
+    /// the peer acknowledged, or why it never will.
+    credit: HashMap<(usize, u8, u64), Credit>,
+}
+
+/// What the receiver of a body sent in fragments acknowledged.
+struct Credit {
+    acked: Result<u64, Error>,
+    /// The sending thread, asleep while another thread polls (it wakes it on an
+    /// acknowledgement).
+    waiter: Option<std::thread::Thread>,
 }
 
 /// A body being reassembled from fragments.
 struct Partial {
     /// The header of its first fragment.
     hdr: Header,
+    /// May hold bytes of an earlier body (a recycled buffer) beyond `next`.
     buf: Vec<u8>,
     got: u64,
+    /// While the fragments come in order: where the next one starts (every byte before it
+    /// was written by this body). `None` once one came out of order (the buffer was zeroed
+    /// past the bytes written, so no byte of an earlier body can show through a gap).
+    next: Option<u64>,
 }
 
 struct Job {
@@ -503,10 +601,39 @@ struct Inner {
     contenders: Vec<AtomicUsize>,
     /// Async calls put requests in the outbox: the poller takes them at its next step.
     outbox_new: AtomicBool,
-    /// Written when an async call queues a request, so a poller asleep on the channel's
-    /// descriptor wakes up (`None` if the kernel refused an eventfd: it wakes within 1 ms).
+    /// Written when a request is queued in the outbox while a poller sleeps, so it wakes up
+    /// (`None` if the kernel refused an eventfd: it wakes within 1 ms).
     wake: Option<EventFd>,
+    /// Pollers asleep on the channel's descriptor and [`Inner::wake`]: the eventfd is written
+    /// only when one is (no system call while the poller runs).
+    sleepers: AtomicUsize,
+    /// Bumped after every call completed (a reply delivered, calls failed, shutdown): a
+    /// poller waiting for its own reply looks at the call table only when it moved.
+    completed: AtomicU64,
+    /// Threads of [`Endpoint::serve`] waiting on [`Inner::cv`] (notified only when some do).
+    cv_waiters: AtomicUsize,
+    /// The machine's cores (see [`SPINS`]).
+    cores: usize,
     stop: AtomicBool,
+}
+
+impl Inner {
+    /// A request was put in the outbox: the next poller step takes it; a sleeping poller is
+    /// woken.
+    fn outbox_posted(&self) {
+        self.outbox_new.store(true, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            if let Some(ev) = &self.wake {
+                let _ = ev.write(1);
+            }
+        }
+    }
+
+    fn notify_servers(&self) {
+        if self.cv_waiters.load(Ordering::SeqCst) > 0 {
+            self.cv.notify_all();
+        }
+    }
 }
 
 /// A channel with an active-message dispatcher. Cheap to clone (shared); every clone serves
@@ -550,7 +677,12 @@ fn error_rank(e: &Error) -> Option<usize> {
 
 /// A copy of a transport error for each caller it fails.
 fn transport(e: &Error) -> CallError {
-    CallError::Transport(match e {
+    CallError::Transport(copy_error(e))
+}
+
+/// A copy of a transport error.
+fn copy_error(e: &Error) -> Error {
+    match e {
         Error::PeerClosed { rank } => Error::PeerClosed { rank: *rank },
         Error::Closed { channel } => Error::Closed {
             channel: channel.clone(),
@@ -566,7 +698,32 @@ fn transport(e: &Error) -> CallError {
                 source: std::io::Error::other(other.to_string()),
             },
         },
-    })
+    }
+}
+
+/// Registers a body sent in fragments for acknowledgements while it lives.
+struct CreditGuard<'a> {
+    inner: &'a Inner,
+    key: (usize, u8, u64),
+}
+
+impl<'a> CreditGuard<'a> {
+    fn new(inner: &'a Inner, key: (usize, u8, u64)) -> Self {
+        lock(&inner.state).credit.insert(
+            key,
+            Credit {
+                acked: Ok(0),
+                waiter: None,
+            },
+        );
+        CreditGuard { inner, key }
+    }
+}
+
+impl Drop for CreditGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.inner.state).credit.remove(&self.key);
+    }
 }
 
 /// Counts a waiting thread in [`Inner::contenders`] while it lives.
@@ -602,17 +759,23 @@ impl Backoff {
     }
 }
 
-/// Sleep until the channel may have progressed (its descriptor is readable), an async call
-/// was queued (the endpoint's event descriptor), or `t` passed.
+/// Sleep until the channel may have progressed (its descriptor is readable), a request was
+/// queued in the outbox (the endpoint's event descriptor, for the poller only), or `t` passed.
 fn idle(inner: &Inner, t: Duration) {
     let ch = &inner.ch;
+    let poller = ROLE.with(|r| r.get()) == inner as *const Inner as usize;
     match ch.arm() {
         Ok(mad_core::Armed::Armed) => match (ch.readiness_fd(), &inner.wake) {
-            (Some(fd), Some(ev)) => {
-                let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+            (Some(fd), Some(ev)) if poller => {
+                inner.sleepers.fetch_add(1, Ordering::SeqCst);
+                // Posted before we counted ourselves: no wake-up is coming for it.
+                if !inner.outbox_new.load(Ordering::SeqCst) {
+                    let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+                }
+                inner.sleepers.fetch_sub(1, Ordering::SeqCst);
                 let _ = ev.read(); // non-blocking: resets it if it was written
             }
-            (Some(fd), None) => {
+            (Some(fd), _) => {
                 let _ = mad_core::events::wait_readable(&[fd], Some(t));
             }
             (None, _) => std::thread::sleep(t.min(Duration::from_micros(200))),
@@ -679,14 +842,27 @@ impl<'c> Poller<'c> {
                     if r.is_ok() && p.poll_end_packing().is_pending() {
                         self.sending.push(p);
                     }
+                    if let Some(f) = &o.started {
+                        f.store(true, Ordering::Release);
+                    }
                 }
                 // Another thread sends to that peer, or this one does (a thread that polls
                 // while its own message to the peer cannot leave): later.
                 Ok(None) | Err(Error::InUse { .. }) => i += 1,
-                // The peer is gone: the reply has nobody to go to.
+                // The peer is gone: a reply has nobody to go to, a request's caller fails.
                 Err(e) => {
-                    tracing::info!(rank = to, error = %e, "active messages: a reply dropped, its caller is gone");
-                    self.waiting.swap_remove(i);
+                    let o = self.waiting.swap_remove(i);
+                    if let Some(f) = &o.started {
+                        f.store(true, Ordering::Release);
+                    }
+                    match Header::decode(&o.hdr) {
+                        Some(h) if h.kind == KIND_REQUEST && h.flags & FLAG_ONE_WAY == 0 => {
+                            self.ep.fail_call(h.token, &e);
+                        }
+                        _ => {
+                            tracing::info!(rank = to, error = %e, "active messages: a reply dropped, its caller is gone");
+                        }
+                    }
                 }
             }
         }
@@ -862,6 +1038,12 @@ impl<'c> Poller<'c> {
             };
             return self.ep.fail_calls(Some(from), &e);
         };
+        if h.kind == KIND_ACK {
+            if let Err(e) = self.finish_into(u, &mut [], h.body_mode()) {
+                return self.ep.fail_calls(Some(from), &e);
+            }
+            return self.ep.acknowledged(from, h);
+        }
         if h.flags & FLAG_FRAG != 0 {
             return self.fragment(u, from, h);
         }
@@ -882,30 +1064,74 @@ impl<'c> Poller<'c> {
             ));
             return self.ep.fail_calls(Some(from), &e);
         }
-        let mut part = lock(&inner.state)
-            .partial
-            .remove(&key)
-            .unwrap_or_else(|| Partial {
-                hdr: h,
-                buf: vec![0u8; h.len as usize],
-                got: 0,
-            });
+        let mut part = {
+            let mut st = lock(&inner.state);
+            match st.partial.remove(&key) {
+                Some(p) => p,
+                None => {
+                    // A recycled buffer, or one reserved, not written: a fragment zeroes at most
+                    // its own range before it lands (no long stall on a large body's first
+                    // fragment).
+                    let mut buf = std::mem::take(&mut st.spare);
+                    buf.truncate(h.len as usize);
+                    buf.reserve_exact(h.len as usize - buf.len());
+                    Partial {
+                        hdr: h,
+                        buf,
+                        got: 0,
+                        next: Some(0),
+                    }
+                }
+            }
+        };
         let (a, n) = (h.offset as usize, h.piece as usize);
         if part.hdr.len != h.len || part.got + n as u64 > h.len {
             drop(u);
             let e = bad("active messages: fragments that do not add up".into());
             return self.ep.fail_calls(Some(from), &e);
         }
+        if part.next != Some(a as u64) {
+            if let Some(next) = part.next.take() {
+                // Out of order: no byte of an earlier body may stay where none lands.
+                let next = next as usize;
+                let end = part.buf.len();
+                if end > next {
+                    part.buf[next..end].fill(0);
+                }
+                part.buf.resize(h.len as usize, 0);
+            }
+        } else {
+            part.next = Some((a + n) as u64);
+        }
+        if part.buf.len() < a + n {
+            part.buf.resize(a + n, 0);
+        }
         if let Err(e) = self.finish_into(u, &mut part.buf[a..a + n], h.body_mode()) {
             return self.ep.fail_calls(Some(from), &e);
         }
         part.got += n as u64;
         if part.got < h.len {
+            let got = part.got;
             lock(&inner.state).partial.insert(key, part);
+            // The sender may wait for it before it sends more (see `Config::window`).
+            let ack = Header {
+                kind: KIND_ACK,
+                flags: 0,
+                status: ST_OK,
+                id: u32::from(h.kind),
+                token: h.token,
+                len: 0,
+                offset: got,
+                piece: 0,
+            };
+            self.send(from, ack, Vec::new());
             return;
         }
         let mut hdr = part.hdr;
         hdr.flags &= !FLAG_FRAG;
+        // Every byte came (`got`), the body's last fragment among them: the buffer is `len`
+        // bytes long.
+        debug_assert_eq!(part.buf.len() as u64, h.len);
         self.dispatch(Src::Whole(part.buf), from, hdr);
     }
 
@@ -992,6 +1218,15 @@ impl<'c> Poller<'c> {
         }
     }
 
+    /// Whether `r` is still there (a message found meanwhile is handled).
+    fn check_peer(&mut self, r: usize) {
+        match self.ch().try_begin_unpacking_from(r) {
+            Ok(Some(u)) => self.handle(u),
+            Ok(None) => {}
+            Err(e) => self.ep.fail_calls(Some(r), &e),
+        }
+    }
+
     /// After a quiet slice: every peer that owes a reply is asked whether it is still there
     /// (a clean close between messages is reported to nobody by an any-source receive).
     fn check_owing_peers(&mut self) {
@@ -1075,7 +1310,7 @@ impl Drop for Poller<'_> {
         if let Some(w) = next {
             w.wake();
         }
-        self.ep.inner.cv.notify_all();
+        self.ep.inner.notify_servers();
     }
 }
 
@@ -1105,6 +1340,7 @@ fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
             to,
             hdr: hdr.encode(),
             body,
+            started: None,
         }];
     }
     body.chunks(frag)
@@ -1113,6 +1349,7 @@ fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
             to,
             hdr: hdr.fragment(k, frag, c.len()).encode(),
             body: c.to_vec(),
+            started: None,
         })
         .collect()
 }
@@ -1227,6 +1464,8 @@ impl Endpoint {
                     calls: HashMap::new(),
                     outbox: Vec::new(),
                     partial: HashMap::new(),
+                    spare: Vec::new(),
+                    credit: HashMap::new(),
                 }),
                 cv: Condvar::new(),
                 next_token: AtomicU64::new(1),
@@ -1239,6 +1478,10 @@ impl Endpoint {
                     EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
                 )
                 .ok(),
+                sleepers: AtomicUsize::new(0),
+                completed: AtomicU64::new(0),
+                cv_waiters: AtomicUsize::new(0),
+                cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
                 stop: AtomicBool::new(false),
             }),
         }
@@ -1358,11 +1601,21 @@ impl Endpoint {
                 blocking: false,
             },
         );
-        if let Err(e) = self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args) {
-            lock(&self.inner.state).calls.remove(&token);
-            return Err(e.into());
-        }
-        let (st, body) = self.wait_reply(token, remote)?;
+        let frag = self.inner.cfg.fragment;
+        let sent = if args.len() <= QUEUE_BELOW && (frag == 0 || args.len() <= frag) {
+            self.send_or_queue(remote, id, token, args)
+        } else {
+            self.send_helping(remote, KIND_REQUEST, 0, ST_OK, id, token, args)
+                .map(|()| None)
+        };
+        let queued = match sent {
+            Ok(q) => q,
+            Err(e) => {
+                lock(&self.inner.state).calls.remove(&token);
+                return Err(e.into());
+            }
+        };
+        let (st, body) = self.wait_reply(token, remote, queued)?;
         outcome(st, body, remote, id)
     }
 
@@ -1396,10 +1649,7 @@ impl Endpoint {
             let frag = self.inner.cfg.fragment;
             st.outbox.extend(split(remote, hdr, args.to_vec(), frag));
             drop(st);
-            self.inner.outbox_new.store(true, Ordering::Release);
-            if let Some(ev) = &self.inner.wake {
-                let _ = ev.write(1);
-            }
+            self.inner.outbox_posted();
             None
         };
         CallFuture {
@@ -1444,15 +1694,28 @@ impl Endpoint {
         if frag == 0 || body.len() <= frag {
             return self.send_one(remote, &h.encode(), body);
         }
+        let window = self.inner.cfg.window;
+        let key = (remote, kind, token);
+        let _credit = (window > 0).then(|| CreditGuard::new(&self.inner, key));
         for (k, c) in body.chunks(frag).enumerate() {
+            if window > 0 && k >= window {
+                // At most `window` fragments ahead of what the peer has received.
+                self.wait_credit(key, ((k + 1 - window) * frag) as u64)?;
+            }
             if k > 0 {
                 // Between two fragments the connection is free: let the threads waiting for
-                // it (a small call behind this large one) take it first.
+                // it (a small call behind this large one) take it first, and send the small
+                // requests queued in the outbox (as the poller, if nobody else polls).
                 let t0 = Instant::now();
-                while self.inner.contenders[remote].load(Ordering::Acquire) > 0
-                    && t0.elapsed() < Duration::from_millis(1)
-                {
-                    std::thread::yield_now();
+                let mut b = Backoff(0);
+                while t0.elapsed() < Duration::from_millis(1) {
+                    if !lock(&self.inner.state).outbox.is_empty() {
+                        self.help(&mut b);
+                    } else if self.inner.contenders[remote].load(Ordering::Acquire) > 0 {
+                        std::thread::yield_now();
+                    } else {
+                        break;
+                    }
                 }
             }
             self.send_one(remote, &h.fragment(k, frag, c.len()).encode(), c)?;
@@ -1460,11 +1723,41 @@ impl Endpoint {
         Ok(())
     }
 
+    /// A small request: sent now if the connection is free, else copied into the outbox for
+    /// the poller (which may be the caller itself, once it waits for the reply), so a caller
+    /// never spins for a connection another thread sends on.
+    fn send_or_queue(
+        &self,
+        remote: usize,
+        id: u32,
+        token: u64,
+        args: &[u8],
+    ) -> mad_core::Result<Option<Arc<AtomicBool>>> {
+        let mut h = Header::whole(KIND_REQUEST, 0, ST_OK, id, token, args.len());
+        match self.inner.ch.try_begin_packing(remote)? {
+            Some(p) => self.send_begun(p, &h.encode(), args).map(|()| None),
+            None => {
+                // The poller packs it SAFER (see `Poller::drive_sends`).
+                h.flags |= FLAG_SAFER;
+                let started = Arc::new(AtomicBool::new(false));
+                let o = Out {
+                    to: remote,
+                    hdr: h.encode(),
+                    body: args.to_vec(),
+                    started: Some(started.clone()),
+                };
+                lock(&self.inner.state).outbox.push(o);
+                self.inner.outbox_posted();
+                Ok(Some(started))
+            }
+        }
+    }
+
     /// One message: `hdr` EXPRESS, then `body` CHEAPER.
     fn send_one(&self, remote: usize, hdr: &[u8; HDR], body: &[u8]) -> mad_core::Result<()> {
         let ch = &self.inner.ch;
         let mut b = Backoff(0);
-        let mut p = match ch.try_begin_packing(remote)? {
+        let p = match ch.try_begin_packing(remote)? {
             Some(p) => p,
             None => {
                 let _c = Contender::new(&self.inner.contenders[remote]);
@@ -1476,6 +1769,16 @@ impl Endpoint {
                 }
             }
         };
+        self.send_begun(p, hdr, body)
+    }
+
+    /// Send one message on a connection taken already.
+    fn send_begun<'b>(
+        &self,
+        mut p: Packer<'_, 'b>,
+        hdr: &[u8; HDR],
+        body: &'b [u8],
+    ) -> mad_core::Result<()> {
         p.defer();
         p.pack_safer(hdr, RecvMode::Express)?;
         if !body.is_empty() {
@@ -1566,10 +1869,24 @@ impl Endpoint {
     }
 
     /// Wait for the reply `token`, polling when nobody else does.
-    fn wait_reply(&self, token: u64, remote: usize) -> Result<(u16, Vec<u8>), CallError> {
+    /// `queued`: the request waits in the outbox until this flag is set (while it does, a
+    /// sleeping caller looks every millisecond).
+    fn wait_reply(
+        &self,
+        token: u64,
+        remote: usize,
+        mut queued: Option<Arc<AtomicBool>>,
+    ) -> Result<(u16, Vec<u8>), CallError> {
         let inner = &*self.inner;
         let deadline = inner.cfg.call_timeout.map(|t| Instant::now() + t);
+        // A queued request is seen by a sender of fragments to the same peer (it sends the
+        // outbox between two fragments) and, once a poller holds it, counted by that poller
+        // in `contenders`.
+        let mut b = Backoff(0);
         loop {
+            if queued.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+                queued = None;
+            }
             {
                 let mut st = lock(&inner.state);
                 if let Some(Slot::Done(_)) = st.calls.get(&token) {
@@ -1589,6 +1906,15 @@ impl Endpoint {
                     st.calls.remove(&token);
                     return Err(CallError::Shutdown);
                 }
+                if st.polling && b.0 < SPINS && st.calls.len() <= inner.cores {
+                    // No more calls waiting than cores: this thread stays on the CPU a while
+                    // (spins, then yields), so a reply that comes soon, or the role, needs no
+                    // wake-up. With more callers than cores, spinners would only delay the
+                    // threads that have work: it sleeps at once.
+                    drop(st);
+                    b.pause(inner);
+                    continue;
+                }
                 if st.polling {
                     // Sleep until this call's reply (or the role) comes: only this thread is
                     // woken for it, not every waiting caller.
@@ -1603,14 +1929,26 @@ impl Endpoint {
                         }
                     }
                     drop(st);
-                    std::thread::park_timeout(inner.cfg.slice);
+                    // Woken by its reply or when the role is handed on; a request still
+                    // queued is looked at every millisecond.
+                    let nap = if queued.is_some() {
+                        inner.cfg.slice.min(Duration::from_millis(1))
+                    } else {
+                        inner.cfg.slice
+                    };
+                    std::thread::park_timeout(nap);
                     continue;
                 }
             }
             let Some(mut poller) = self.take_role() else {
                 continue;
             };
-            let r = self.poll_until(&mut poller, deadline, |ep| ep.is_done(token));
+            // The call table is locked only after some call completed.
+            let mut seen = None;
+            let r = self.poll_until(&mut poller, deadline, |ep| {
+                let now = ep.inner.completed.load(Ordering::Acquire);
+                seen.replace(now) != Some(now) && ep.is_done(token)
+            });
             poller.release();
             if let Err(e) = r {
                 lock(&inner.state).calls.remove(&token);
@@ -1633,27 +1971,36 @@ impl Endpoint {
         &self,
         poller: &mut Poller<'_>,
         deadline: Option<Instant>,
-        done: impl Fn(&Endpoint) -> bool,
+        mut done: impl FnMut(&Endpoint) -> bool,
     ) -> mad_core::Result<()> {
         let inner = &*self.inner;
         let mut b = Backoff(0);
-        let mut quiet_since = Instant::now();
+        // The clock is read when nothing moved, and every 32 steps that did (a busy poller
+        // makes no system call for it).
+        let mut quiet_since: Option<Instant> = None;
+        let mut busy = 0u32;
         loop {
             if done(self) || inner.stop.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(());
             }
             match poller.step() {
                 Ok(true) => {
                     b.0 = 0;
-                    quiet_since = Instant::now();
+                    quiet_since = None;
+                    busy = busy.wrapping_add(1);
+                    if busy % 32 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(());
+                    }
                 }
                 Ok(false) => {
-                    if quiet_since.elapsed() >= inner.cfg.slice {
+                    let now = Instant::now();
+                    if deadline.is_some_and(|d| now >= d) {
+                        return Ok(());
+                    }
+                    let q = *quiet_since.get_or_insert(now);
+                    if now.duration_since(q) >= inner.cfg.slice {
                         poller.check_owing_peers();
-                        quiet_since = Instant::now();
+                        quiet_since = Some(now);
                     }
                     b.pause(inner);
                 }
@@ -1665,6 +2012,15 @@ impl Endpoint {
     /// Fail the calls waiting for `rank` (every call when `None`).
     fn fail_calls(&self, rank: Option<usize>, e: &Error) {
         let mut st = lock(&self.inner.state);
+        // The bodies sent to it in fragments will not be acknowledged.
+        for ((r, ..), c) in st.credit.iter_mut() {
+            if rank.is_none_or(|x| x == *r) && c.acked.is_ok() {
+                c.acked = Err(copy_error(e));
+                if let Some(t) = c.waiter.take() {
+                    t.unpark();
+                }
+            }
+        }
         // What that peer sent in part will not be completed.
         st.partial.retain(|k, _| rank.is_some_and(|r| r != k.0));
         let mut any = false;
@@ -1680,7 +2036,92 @@ impl Endpoint {
             }
         }
         if any {
-            self.inner.cv.notify_all();
+            self.inner.completed.fetch_add(1, Ordering::AcqRel);
+            self.inner.notify_servers();
+        }
+    }
+
+    /// An acknowledgement of a body this process sends in fragments.
+    fn acknowledged(&self, from: usize, h: Header) {
+        let mut st = lock(&self.inner.state);
+        if let Some(c) = st.credit.get_mut(&(from, h.id as u8, h.token)) {
+            if let Ok(a) = &mut c.acked {
+                *a = (*a).max(h.offset);
+            }
+            if let Some(t) = c.waiter.take() {
+                t.unpark();
+            }
+        }
+    }
+
+    /// Wait until `remote` acknowledged `need` bytes of the body `key`, polling when nobody
+    /// else does, else asleep until the poller passes an acknowledgement on. A peer that
+    /// closed cleanly is noticed after a quiet slice.
+    fn wait_credit(&self, key: (usize, u8, u64), need: u64) -> mad_core::Result<()> {
+        if ROLE.with(|r| r.get()) == self.key() {
+            // This thread polls for the endpoint up the stack (a pool handler the poller runs
+            // itself sends): nobody else would receive the acknowledgements. The drivers'
+            // buffers bound what goes ahead, as without a window.
+            return Ok(());
+        }
+        let inner = &*self.inner;
+        let mut b = Backoff(0);
+        let mut since = Instant::now();
+        let mut seen = 0;
+        loop {
+            {
+                let mut st = lock(&inner.state);
+                match st.credit.get_mut(&key) {
+                    Some(Credit { acked: Ok(a), .. }) if *a >= need => return Ok(()),
+                    Some(Credit { acked: Err(e), .. }) => return Err(copy_error(e)),
+                    Some(c) => {
+                        if let Ok(a) = c.acked {
+                            if a > seen {
+                                seen = a;
+                                b.0 = 0;
+                            }
+                        }
+                        c.waiter = Some(std::thread::current());
+                    }
+                    None => return Ok(()),
+                }
+            }
+            match self.take_role() {
+                Some(mut poller) => {
+                    let moved = matches!(poller.step(), Ok(true));
+                    if since.elapsed() >= inner.cfg.slice {
+                        poller.check_peer(key.0);
+                        since = Instant::now();
+                    }
+                    poller.release();
+                    if moved {
+                        b.0 = 0;
+                        since = Instant::now();
+                    } else {
+                        b.pause(inner);
+                    }
+                }
+                // Another thread polls: it passes the acknowledgement on. A while, this
+                // thread stays on the CPU (no wake-up needed), then it sleeps.
+                None if b.0 < SPINS => b.pause(inner),
+                None => std::thread::park_timeout(Duration::from_millis(1)),
+            }
+        }
+    }
+
+    /// Fail the call `token` (its request could not be sent).
+    fn fail_call(&self, token: u64, e: &Error) {
+        let mut st = lock(&self.inner.state);
+        if let Some(s @ Slot::Waiting { .. }) = st.calls.get_mut(&token) {
+            let Slot::Waiting { waker, .. } = std::mem::replace(s, Slot::Done(Err(transport(e))))
+            else {
+                unreachable!("matched above")
+            };
+            drop(st);
+            self.inner.completed.fetch_add(1, Ordering::AcqRel);
+            if let Some(w) = waker {
+                w.wake();
+            }
         }
     }
 
@@ -1691,9 +2132,10 @@ impl Endpoint {
             matches!(st.calls.get(&h.token), Some(Slot::Waiting { remote, .. }) if *remote == from);
         match body {
             Ok(b) if ours => {
-                if let Some(Slot::Waiting { waker: Some(w), .. }) =
-                    st.calls.insert(h.token, Slot::Done(Ok((h.status, b))))
-                {
+                let old = st.calls.insert(h.token, Slot::Done(Ok((h.status, b))));
+                drop(st);
+                self.inner.completed.fetch_add(1, Ordering::AcqRel);
+                if let Some(Slot::Waiting { waker: Some(w), .. }) = old {
                     w.wake();
                 }
             }
@@ -1745,8 +2187,10 @@ impl Endpoint {
         let inner = &*self.inner;
         while !inner.stop.load(Ordering::Acquire) {
             let Some(mut poller) = self.take_role() else {
+                inner.cv_waiters.fetch_add(1, Ordering::SeqCst);
                 let st = lock(&inner.state);
                 let _ = inner.cv.wait_timeout(st, inner.cfg.slice);
+                inner.cv_waiters.fetch_sub(1, Ordering::SeqCst);
                 continue;
             };
             let slice_end = Some(Instant::now() + inner.cfg.slice);
@@ -1785,6 +2229,7 @@ impl Endpoint {
     /// channel stays open.
     pub fn shutdown(&self) {
         self.inner.stop.store(true, Ordering::Release);
+        self.inner.completed.fetch_add(1, Ordering::AcqRel);
         self.inner.cv.notify_all();
         // Async calls learn it when polled: wake them.
         let wakers: Vec<Waker> = lock(&self.inner.state)
@@ -1873,5 +2318,41 @@ mod tests {
         b[2] = 200;
         assert_eq!(Header::decode(&b), None, "unknown status");
         assert_eq!(Header::decode(&[0u8; HDR]), None);
+    }
+
+    #[test]
+    fn acknowledgement_headers() {
+        let ack = Header {
+            kind: KIND_ACK,
+            flags: FLAG_SAFER,
+            status: ST_OK,
+            id: u32::from(KIND_REQUEST),
+            token: 9,
+            len: 0,
+            offset: 1 << 33,
+            piece: 0,
+        };
+        assert_eq!(Header::decode(&ack.encode()), Some(ack));
+        let bad = |f: fn(&mut Header)| {
+            let mut h = ack;
+            f(&mut h);
+            Header::decode(&h.encode())
+        };
+        assert_eq!(
+            bad(|h| h.len = 1),
+            None,
+            "an acknowledgement carries no body"
+        );
+        assert_eq!(
+            bad(|h| h.id = 3),
+            None,
+            "it acknowledges a request or a reply"
+        );
+        assert_eq!(
+            bad(|h| h.flags |= FLAG_FRAG),
+            None,
+            "it is never fragmented"
+        );
+        assert_eq!(bad(|h| h.piece = 1), None);
     }
 }

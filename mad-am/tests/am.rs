@@ -465,3 +465,145 @@ fn small_calls_pass_a_large_message_to_the_same_peer() {
         });
     }
 }
+
+/// Bodies in many small fragments, each sender at most one fragment ahead of the receiver's
+/// acknowledgements (`window(1)`), over every driver: requests sent by blocking callers from
+/// two threads, replies sent by the pool's worker (acknowledged by the caller's polling
+/// thread) and by the poller (an inline handler's reply), async requests (sent by the
+/// poller), one-way messages handled in the order they were sent; an inline handler that
+/// keeps one buffer and takes the arguments with `Request::recv_into_vec` (the reassembled
+/// buffer handed over, its old one recycled for the next reassembly) sees every byte of each
+/// body and nothing of an earlier one.
+#[test]
+fn windowed_fragments_and_handed_over_buffers_on_every_driver() {
+    const KEEP: u32 = 30;
+    const ADD: u32 = 31;
+    const TOTAL: u32 = 32;
+    const SIZES: &[usize] = &[0, 1, 999, 1000, 1001, 4096, 70_000, 300_001];
+    for spec in SPECS {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "win",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::with_config(ch, Config::default().fragment(1000).window(1));
+            let kept = Mutex::new(Vec::<u8>::new());
+            ep.register_inline(KEEP, move |req| {
+                let mut b = kept.lock().unwrap_or_else(|e| e.into_inner());
+                req.recv_into_vec(&mut b).map_err(|e| e.to_string())?;
+                Ok(b.clone())
+            });
+            ep.register_pool(REVERSE, |mut call| {
+                call.args.reverse();
+                Ok(call.args)
+            });
+            // One-way bodies: each must arrive after the one sent before it.
+            let seen = Arc::new(Mutex::new(Vec::<u8>::new()));
+            let sn = seen.clone();
+            ep.register_inline(ADD, move |req| {
+                let v = req.recv_vec().map_err(|e| e.to_string())?;
+                sn.lock().unwrap_or_else(|e| e.into_inner()).push(v[0]);
+                Ok(Vec::new())
+            });
+            let sn = seen.clone();
+            ep.register_inline(TOTAL, move |_req| {
+                Ok(sn.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            });
+            let progress = (rank == 0).then(|| ep.spawn_progress());
+            s.bootstrap().barrier("win/registered")?;
+            if rank == 1 {
+                std::thread::scope(|sc| -> Result<()> {
+                    let hs: Vec<_> = (0..2u64)
+                        .map(|t| {
+                            let ep = &ep;
+                            sc.spawn(move || -> Result<()> {
+                                for (i, &n) in SIZES.iter().enumerate() {
+                                    let args = pattern(t * 100 + i as u64, n);
+                                    let got = ep
+                                        .call(0, KEEP, &args)
+                                        .map_err(|e| fail(format!("keep {n} B: {e}")))?;
+                                    if got != args {
+                                        return Err(fail(format!("{spec}: keep {n} B differs")));
+                                    }
+                                    let got = ep
+                                        .call(0, REVERSE, &args)
+                                        .map_err(|e| fail(format!("reverse {n} B: {e}")))?;
+                                    let mut want = args;
+                                    want.reverse();
+                                    if got != want {
+                                        return Err(fail(format!("{spec}: reverse {n} B differs")));
+                                    }
+                                }
+                                Ok(())
+                            })
+                        })
+                        .collect();
+                    for h in hs {
+                        h.join().map_err(|_| fail("caller panicked"))??;
+                    }
+                    Ok(())
+                })?;
+                for k in 0..6u8 {
+                    let mut body = pattern(u64::from(k), 5000 + 3000 * usize::from(k));
+                    body[0] = k;
+                    ep.send(0, ADD, &body).map_err(|e| fail(e.to_string()))?;
+                }
+                let order = ep.call(0, TOTAL, b"").map_err(|e| fail(e.to_string()))?;
+                if order != [0, 1, 2, 3, 4, 5] {
+                    return Err(fail(format!("{spec}: one-way bodies handled as {order:?}")));
+                }
+                let asy = ep.spawn_progress();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .map_err(|e| Error::io("tokio", e))?;
+                rt.block_on(async {
+                    for (i, &n) in SIZES.iter().enumerate() {
+                        let args = pattern(500 + i as u64, n);
+                        let got = ep
+                            .call_async(0, KEEP, &args)
+                            .await
+                            .map_err(|e| fail(e.to_string()))?;
+                        if got != args {
+                            return Err(fail(format!("{spec}: async keep {n} B differs")));
+                        }
+                    }
+                    Ok::<(), Error>(())
+                })?;
+                asy.stop()?;
+            }
+            s.bootstrap().barrier("win/done")?;
+            match progress {
+                Some(p) => p.stop(),
+                None => Ok(()),
+            }
+        });
+    }
+}
+
+/// A sender waiting for the acknowledgements of a body in fragments from a peer that closes
+/// its channel without ever receiving it fails (no hang): the peer never polls, and closes
+/// once the sender has started.
+#[test]
+fn a_windowed_sender_fails_when_the_peer_leaves() {
+    for spec in ["mem", "tcp", "shm", "uds"] {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "winleft",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::with_config(ch, Config::default().fragment(1000).window(1));
+            s.bootstrap().barrier("winleft/open")?;
+            if rank == 0 {
+                // Never polls: no acknowledgement leaves; then goes away.
+                std::thread::sleep(Duration::from_millis(100));
+                ep.channel().close();
+                Ok(())
+            } else {
+                match ep.send(0, ECHO, &vec![3u8; 4 << 20]) {
+                    Err(CallError::Transport(_)) => Ok(()),
+                    other => Err(fail(format!("{spec}: send to a peer that left: {other:?}"))),
+                }
+            }
+        });
+    }
+}
