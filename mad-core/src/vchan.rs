@@ -719,6 +719,25 @@ struct Forwarder {
     acked: Condvar,
 }
 
+/// Pieces from this length on may keep a forwarding thread waiting (the origin sends them
+/// as its application goes): what was forwarded before them is flushed first.
+const STALL_PIECE: usize = 32 << 10;
+
+/// Read and drop a forwarded piece of `len` bytes.
+fn drain_piece(
+    u: &mut Unpacker<'_, '_>,
+    scratch: &mut Vec<u8>,
+    len: usize,
+    s: SendMode,
+) -> Result<()> {
+    scratch.resize(len.min(fwd::FRAGMENT), 0);
+    for at in (0..len).step_by(fwd::FRAGMENT) {
+        let n = (len - at).min(fwd::FRAGMENT);
+        u.unpack_express(&mut scratch[..n], s)?;
+    }
+    Ok(())
+}
+
 /// Read a forwarded piece's fragments into `buf`.
 fn read_into(u: &mut Unpacker<'_, '_>, buf: &mut [u8], s: SendMode) -> Result<()> {
     for c in buf.chunks_mut(fwd::FRAGMENT) {
@@ -817,6 +836,11 @@ impl Forwarder {
                 fwd::Desc::End => break,
                 fwd::Desc::Flush => p.flush()?,
                 fwd::Desc::Piece { len, s, .. } => {
+                    // What came before a large piece goes on before waiting for it (the origin
+                    // may send it later: a deferred message, a slow sender).
+                    if len >= STALL_PIECE {
+                        p.flush()?;
+                    }
                     for at in (0..len).step_by(fwd::FRAGMENT) {
                         let n = (len - at).min(fwd::FRAGMENT);
                         u.unpack_express(&mut frag[..n], s_in(s))?;
@@ -879,13 +903,19 @@ impl Forwarder {
             };
             let s_wire = s_in(s);
             let Some(q) = p.as_mut() else {
-                scratch.resize(len.min(fwd::FRAGMENT), 0);
-                for at in (0..len).step_by(fwd::FRAGMENT) {
-                    let n = (len - at).min(fwd::FRAGMENT);
-                    u.unpack_express(&mut scratch[..n], s_wire)?;
-                }
+                drain_piece(&mut u, &mut scratch, len, s_wire)?;
                 continue;
             };
+            // What came before a large piece reaches the application before this thread waits
+            // for it (the origin may send it later: a deferred message, a slow sender).
+            if len >= STALL_PIECE {
+                if let Err(e) = q.flush() {
+                    refused(e);
+                    p = None;
+                    drain_piece(&mut u, &mut scratch, len, s_wire)?;
+                    continue;
+                }
+            }
             let packed = match s {
                 SendMode::Safer => {
                     scratch.clear();
