@@ -584,14 +584,24 @@ impl ChannelInner {
         }
     }
 
+    #[inline]
     pub(crate) fn conn(&self, remote: usize) -> Result<&Conn> {
         match self.conns.get(remote) {
             Some(Some(c)) => Ok(c),
-            Some(None) if remote != self.rank => Err(Error::BadConfig(format!(
+            _ => Err(self.no_conn(remote)),
+        }
+    }
+
+    /// Why there is no connection to `remote`.
+    #[cold]
+    #[inline(never)]
+    fn no_conn(&self, remote: usize) -> Error {
+        match self.conns.get(remote) {
+            Some(None) if remote != self.rank => Error::BadConfig(format!(
                 "channel `{}` ({}) has no connection to rank {remote} (e.g. an intra-node driver and a remote rank)",
                 self.config.name, self.config.driver
-            ))),
-            _ => Err(Error::BadRank { rank: remote, size: self.size, me: self.rank }),
+            )),
+            _ => Error::BadRank { rank: remote, size: self.size, me: self.rank },
         }
     }
 
@@ -1164,7 +1174,7 @@ impl Channel {
         let mut rx = conn
             .rx
             .lock_until(deadline, &|| inner.check_open())?
-            .ok_or(Error::InUse {
+            .ok_or_else(|| Error::InUse {
                 rank: remote,
                 direction: "message from",
             })?;

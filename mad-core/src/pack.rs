@@ -745,7 +745,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         let tx = conn
             .tx
             .lock_until(deadline, &|| ch.check_open())?
-            .ok_or(Error::InUse {
+            .ok_or_else(|| Error::InUse {
                 rank: remote,
                 direction: "message to",
             })?;
