@@ -13,8 +13,6 @@
 //!
 //! Twins of `shm` and `tcp`, measured last, give the run's noise floor.
 //!
-//! Twins of `shm` and `tcp`, measured last, give the run's noise floor.
-//!
 //! `cargo bench --bench vchan` (`VCHAN_ROUNDS`, default 7).
 
 use std::time::Instant;
