@@ -367,27 +367,13 @@ fn chain_of_four_networks() {
     });
 }
 
+/// The whole kit over `spec` (`MAD_KIT_CASES` picks cases, `MAD_LOG` logs).
 fn kit(ranks: usize, spec: &str) {
-    kit_cases(ranks, spec, &[]);
-}
-
-/// The kit without the cases in `skip`.
-fn kit_cases(ranks: usize, spec: &str, skip: &[&str]) {
     let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("MAD_LOG"))
         .try_init();
-    let mut opts = KitOptions::new(spec);
-    if opts.cases.is_none() && !skip.is_empty() {
-        let cases = mad_core::conformance::case_names();
-        opts.cases = Some(
-            cases
-                .into_iter()
-                .filter(|c| !skip.contains(c))
-                .map(String::from)
-                .collect(),
-        );
-    }
+    let opts = KitOptions::new(spec);
     let ran = run_threads(ranks, opts, |b| madeleine::builder().bootstrap(b).build())
         .unwrap_or_else(|e| panic!("conformance over `{spec}` with {ranks} ranks: {e}"));
     assert!(!ran.is_empty());
