@@ -177,6 +177,53 @@ pub(crate) struct TxSpare {
     plan: TxPlan,
     /// The current message's counts, deadline and room.
     msg: TxMsg,
+    /// TM 0 bytes not lent to the driver yet (see [`Staged`]).
+    staged: Staged,
+}
+
+/// Bytes of TM 0 kept back from the driver: the message header from `begin_packing`, then
+/// the frames and short pieces that follow it, until a piece received EXPRESS (which the
+/// receiver may need before anything else this sender does), a piece that does not fit, a
+/// switch to another TM, a flush or the end lends them all at once. A short message of
+/// CHEAPER pieces is thus one lend of the driver (one copy into its ring or buffer), however
+/// many pieces it has. The bytes are the message's first bytes on TM 0, so keeping them back
+/// changes nothing on the wire.
+pub(crate) struct Staged {
+    buf: [u8; STAGE_CAP],
+    len: usize,
+}
+
+/// [`Staged`]'s room: a one-lend message holds this many bytes (header and frames included).
+pub(crate) const STAGE_CAP: usize = 512;
+/// The longest piece staged: longer ones go to the driver with what is staged ahead of them
+/// (copied once, not twice).
+const STAGE_PIECE: usize = 128;
+
+impl Default for Staged {
+    fn default() -> Self {
+        Staged {
+            buf: [0; STAGE_CAP],
+            len: 0,
+        }
+    }
+}
+
+impl Staged {
+    /// Append `parts` if they fit with a last part of at most [`STAGE_PIECE`] bytes.
+    #[inline(always)]
+    fn try_push(&mut self, frame: Option<&[u8; wire::FRAME_LEN]>, data: &[u8]) -> bool {
+        let f = if frame.is_some() { wire::FRAME_LEN } else { 0 };
+        let at = self.len;
+        if data.len() > STAGE_PIECE || at + f + data.len() > STAGE_CAP {
+            return false;
+        }
+        if let Some(fr) = frame {
+            self.buf[at..at + wire::FRAME_LEN].copy_from_slice(fr);
+        }
+        self.buf[at + f..at + f + data.len()].copy_from_slice(data);
+        self.len = at + f + data.len();
+        true
+    }
 }
 
 /// What a message counts and its limits, kept in the connection's sending half (held by the
@@ -284,7 +331,7 @@ impl TxPlan {
                         }
                         let mut wrote = 0usize;
                         let r = link.with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
-                            wrote = fill_concat(buf, head, data, off);
+                            wrote = fill_parts(buf, &[head, data], off);
                             wrote
                         })?;
                         if r.is_pending() {
@@ -320,17 +367,22 @@ impl TxPlan {
     }
 }
 
-/// Copy bytes `off..` of the concatenation `head ‖ data` into `buf`; returns how many.
+/// Copy bytes `off..` of the concatenation of `parts` into `buf`; returns how many.
 #[inline]
-fn fill_concat(buf: &mut [u8], head: &[u8], data: &[u8], off: usize) -> usize {
-    let n = buf.len().min(head.len() + data.len() - off);
-    let h = head.len().saturating_sub(off).min(n);
-    if h > 0 {
-        buf[..h].copy_from_slice(&head[off..off + h]);
-    }
-    if n > h {
-        let d0 = off + h - head.len();
-        buf[h..n].copy_from_slice(&data[d0..d0 + (n - h)]);
+fn fill_parts(buf: &mut [u8], parts: &[&[u8]], mut off: usize) -> usize {
+    let mut n = 0;
+    for p in parts {
+        if off >= p.len() {
+            off -= p.len();
+            continue;
+        }
+        let m = (p.len() - off).min(buf.len() - n);
+        buf[n..n + m].copy_from_slice(&p[off..off + m]);
+        n += m;
+        off = 0;
+        if n == buf.len() {
+            break;
+        }
     }
     n
 }
@@ -361,9 +413,6 @@ struct PackState<'c> {
     /// Finished (successfully or not): nothing left to abandon.
     done: bool,
     index: u32,
-    /// The message header, until it is copied in with the first bytes of TM 0 (so a short
-    /// message is one lend, not two) or, before a switch to another TM or the end, alone.
-    header: Option<[u8; wire::HEADER_LEN]>,
     /// `end_packing`'s code is recording its steps into the connection's plan instead of
     /// running them ([`Packer::poll_end_packing`]).
     recording: bool,
@@ -521,6 +570,7 @@ impl PackState<'_> {
             self.copy_in_local(0, &buf[..k * wire::FRAME_LEN])?;
         }
         self.ensure(tm)?;
+        self.flush_header()?;
         if self.trying && self.try_once(|tx| tx.link.send_refs(tm, group))? {
             return Ok(());
         }
@@ -555,6 +605,7 @@ impl PackState<'_> {
     /// Recording mode: the copy becomes a step of the plan. `local`: `data` dies with the
     /// call, so it is staged; otherwise it is a piece's memory, which outlives the plan (the
     /// user's, borrowed for `'b`; a SAFER copy in `held`; a LATER snapshot in the plan).
+    /// On TM 0, what [`Staged`] kept back goes first.
     #[cold]
     fn record_copy(
         &mut self,
@@ -563,17 +614,22 @@ impl PackState<'_> {
         data: &[u8],
         local: bool,
     ) -> Result<()> {
-        let (pre, k) = self.head_bytes(tm, frame);
-        self.push_copy(tm, &pre[..k], data, local);
+        let fr: &[u8] = frame.map_or(&[], |f| &f[..]);
+        self.push_copy(tm, fr, data, local);
         Ok(())
     }
 
-    /// A plan step copying `head ‖ data` (`head` staged; `data` too when `local`).
+    /// A plan step copying `staged ‖ frame ‖ data` (the TM 0 bytes kept back, when `tm` is 0,
+    /// and `frame` staged in the plan; `data` too when `local`).
     #[cold]
-    fn push_copy(&mut self, tm: TmId, head: &[u8], data: &[u8], local: bool) {
-        let plan = &mut self.tx.spare.plan;
+    fn push_copy(&mut self, tm: TmId, frame: &[u8], data: &[u8], local: bool) {
+        let TxSpare { plan, staged, .. } = &mut self.tx.spare;
         let h0 = plan.stage.len();
-        plan.stage.extend_from_slice(head);
+        if tm == 0 {
+            plan.stage.extend_from_slice(&staged.buf[..staged.len]);
+            staged.len = 0;
+        }
+        plan.stage.extend_from_slice(frame);
         let mut piece = Raw::EMPTY;
         if local {
             plan.stage.extend_from_slice(data);
@@ -584,29 +640,6 @@ impl PackState<'_> {
         if head.1 + piece.1 > 0 {
             plan.ops.push(TxOp::Copy { tm, head, piece });
         }
-    }
-
-    /// What goes before a copy's data: on TM 0, the message header if still pending and the
-    /// unchecked-mode frame.
-    #[inline]
-    fn head_bytes(
-        &mut self,
-        tm: TmId,
-        frame: Option<&[u8; wire::FRAME_LEN]>,
-    ) -> ([u8; wire::HEADER_LEN + wire::FRAME_LEN], usize) {
-        let mut pre = [0u8; wire::HEADER_LEN + wire::FRAME_LEN];
-        let mut k = 0;
-        if tm == 0 {
-            if let Some(h) = self.header.take() {
-                pre[..wire::HEADER_LEN].copy_from_slice(&h);
-                k = wire::HEADER_LEN;
-            }
-            if let Some(f) = frame {
-                pre[k..k + wire::FRAME_LEN].copy_from_slice(f);
-                k += wire::FRAME_LEN;
-            }
-        }
-        (pre, k)
     }
 
     /// [`copy_in`](Self::copy_in) with an unchecked-mode frame before `data` (TM 0 only), so
@@ -624,8 +657,9 @@ impl PackState<'_> {
         self.copy_direct(tm, frame, data, false)
     }
 
-    /// The copy of [`copy_in_framed`](Self::copy_in_framed), made now. `local`: `data` dies
-    /// with the call (staged if a trying end records the rest).
+    /// The copy of [`copy_in_framed`](Self::copy_in_framed), made now: kept back in
+    /// [`Staged`] when it is short and on TM 0, else lent to the driver after what was kept
+    /// back. `local`: `data` dies with the call (staged if a trying end records the rest).
     #[inline]
     fn copy_direct(
         &mut self,
@@ -634,19 +668,35 @@ impl PackState<'_> {
         data: &[u8],
         local: bool,
     ) -> Result<()> {
-        let (pre, k) = self.head_bytes(tm, frame);
-        let head: &[u8] = &pre[..k];
-        let total = head.len() + data.len();
+        if tm == 0 && self.tx.spare.staged.try_push(frame, data) {
+            return Ok(());
+        }
+        self.lend_out(tm, frame, data, local)
+    }
+
+    /// Lend `staged ‖ frame ‖ data` to TM `tm` (what is staged only when `tm` is 0), as many
+    /// lends as the driver makes.
+    fn lend_out(
+        &mut self,
+        tm: TmId,
+        frame: Option<&[u8; wire::FRAME_LEN]>,
+        data: &[u8],
+        local: bool,
+    ) -> Result<()> {
+        debug_assert!(tm == 0 || self.tx.spare.staged.len == 0);
+        let fr: &[u8] = frame.map_or(&[], |f| &f[..]);
+        let staged = if tm == 0 { self.tx.spare.staged.len } else { 0 };
+        let total = staged + fr.len() + data.len();
         let mut off = 0;
         while off < total {
             let lend = |tx: &mut TxState| -> Result<Poll<usize>> {
+                let TxState { link, spare, .. } = tx;
+                let parts = [&spare.staged.buf[..staged], fr, data];
                 let mut wrote = 0usize;
-                let r = tx
-                    .link
-                    .with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
-                        wrote = fill_concat(buf, head, data, off);
-                        wrote
-                    })?;
+                let r = link.with_buffer(tm, total - off, &mut |buf: &mut [u8]| {
+                    wrote = fill_parts(buf, &parts, off);
+                    wrote
+                })?;
                 Ok(r.map(|()| wrote))
             };
             let n = if self.trying {
@@ -655,7 +705,7 @@ impl PackState<'_> {
                     Poll::Pending => {
                         // The rest of this copy is the plan's first step, resumed at `off`.
                         self.start_recording();
-                        self.push_copy(tm, head, data, local);
+                        self.push_copy(tm, fr, data, local);
                         self.tx.spare.plan.off = off;
                         return Ok(());
                     }
@@ -671,19 +721,24 @@ impl PackState<'_> {
             }
             off += n;
         }
-        Ok(())
-    }
-
-    /// Send the message header now if no piece carried it yet (before leaving TM 0, and at
-    /// the end of a message without TM 0 data).
-    #[inline]
-    fn flush_header(&mut self) -> Result<()> {
-        if self.header.is_some() {
-            self.copy_in(0, &[])?;
+        if tm == 0 {
+            self.tx.spare.staged.len = 0;
         }
         Ok(())
     }
 
+    /// Lend what [`Staged`] kept back (the header, frames, short pieces) now: before leaving
+    /// TM 0, before a gather group, at a flush and at the end.
+    #[inline]
+    fn flush_header(&mut self) -> Result<()> {
+        if self.tx.spare.staged.len == 0 {
+            return Ok(());
+        }
+        if self.recording {
+            return self.record_copy(0, None, &[], true);
+        }
+        self.lend_out(0, None, &[], true)
+    }
     /// Make `tm` the TM in use: when it changes, the header goes out if still pending and the
     /// previous TM is committed (the receiver checks out at the same points).
     #[inline]
@@ -817,13 +872,14 @@ impl<'c, 'b> Packer<'c, 'b> {
             checked: ch.config.checked,
             done: false,
             index: 0,
-            header: Some(header),
             recording: false,
             trying: false,
             planned: false,
             fwd: None,
         };
         let spare = &mut st.tx.spare;
+        spare.staged.buf[..wire::HEADER_LEN].copy_from_slice(&header);
+        spare.staged.len = wire::HEADER_LEN;
         spare.msg = TxMsg {
             counts: [0; MAX_TMS],
             bytes: 0,
@@ -1033,13 +1089,17 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    /// After a piece received EXPRESS: the receiver needs it to go on, so what was handed to
-    /// the driver must become visible before `end_packing` (see [`TxLink::publish`]).
+    /// After a piece received EXPRESS: the receiver needs it to go on, and may wait for it
+    /// before anything else this sender does (a message on another channel included), so
+    /// what is staged goes to the driver now and must become visible before `end_packing`
+    /// (see [`TxLink::publish`]).
     ///
     /// [`TxLink::publish`]: crate::driver::TxLink::publish
     #[inline(always)]
     fn publish_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
         if r == RecvMode::Express && len > 0 {
+            // What is staged (this piece with it) goes to the driver first.
+            self.st.flush_header()?;
             self.st.tx.link.publish()
         } else {
             Ok(())
@@ -1211,12 +1271,14 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// Checked mode for this message as `on` says, whatever the channel's (a relayed message
     /// keeps its origin's): before any piece only.
     pub(crate) fn checked_as(mut self, on: bool) -> Self {
-        if self.st.index == 0 && self.st.header.is_some() {
+        let tx = &mut *self.st.tx;
+        if self.st.index == 0 && tx.spare.staged.len == wire::HEADER_LEN {
             self.st.checked = on;
-            self.st.header = Some(wire::encode_header(wire::Header {
+            let h = wire::encode_header(wire::Header {
                 checked: on,
-                seq: self.st.tx.seq,
-            }));
+                seq: tx.seq,
+            });
+            tx.spare.staged.buf[..wire::HEADER_LEN].copy_from_slice(&h);
         }
         self
     }

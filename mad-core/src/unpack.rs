@@ -134,6 +134,131 @@ pub(crate) struct RxSpare {
     hdr_fill: usize,
     /// The current message's counts, deadline and pending EXPRESS buffer.
     msg: RxMsg,
+    /// The rest of a short message, taken with its header (see [`RxStaged`]).
+    staged: RxStaged,
+}
+
+/// The rest of a short message (frames and pieces of TM 0 up to its end frame, see
+/// [`wire::short_message`]), taken from the driver's lend together with the header when it
+/// was all there: the message's unpacks then read it from here, so a short message costs the
+/// driver one lend however many pieces it has. Never more than the current message: nothing
+/// of the next one is taken, so readiness and any-source receives see the connection as
+/// they would without it.
+pub(crate) struct RxStaged {
+    buf: [u8; crate::pack::STAGE_CAP],
+    at: usize,
+    len: usize,
+}
+
+impl Default for RxStaged {
+    fn default() -> Self {
+        RxStaged {
+            buf: [0; crate::pack::STAGE_CAP],
+            at: 0,
+            len: 0,
+        }
+    }
+}
+
+impl RxState {
+    /// [`RxLink::with_data`](crate::driver::RxLink::with_data), served from the staged rest of
+    /// a short message first (on TM 0, which carries all of it).
+    #[inline(always)]
+    pub(crate) fn lend(
+        &mut self,
+        tm: TmId,
+        want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        let s = &mut self.spare.staged;
+        if s.at < s.len && tm == 0 {
+            let n = take(&s.buf[s.at..s.len]);
+            s.at += n.min(s.len - s.at);
+            return Ok(Poll::Ready(()));
+        }
+        self.link.with_data(tm, want, take)
+    }
+
+    /// The recorded steps of a deferred message, run against the link and what is staged.
+    pub(crate) fn run_plan(&mut self, remote: usize) -> Result<Poll<()>> {
+        let RxState { link, spare, .. } = self;
+        let RxSpare { plan, staged, .. } = spare;
+        let mut l = StagedLink {
+            link: &mut **link,
+            staged,
+        };
+        plan.run(&mut l, remote)
+    }
+}
+
+/// A link seen through what [`RxStaged`] holds (for the recorded steps, which take a link).
+struct StagedLink<'a> {
+    link: &'a mut dyn crate::driver::RxLink,
+    staged: &'a mut RxStaged,
+}
+
+impl crate::driver::RxLink for StagedLink<'_> {
+    fn poll_message(&mut self) -> Result<Poll<()>> {
+        self.link.poll_message()
+    }
+    fn with_data(
+        &mut self,
+        tm: TmId,
+        want: usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        let s = &mut *self.staged;
+        if s.at < s.len && tm == 0 {
+            let n = take(&s.buf[s.at..s.len]);
+            s.at += n.min(s.len - s.at);
+            return Ok(Poll::Ready(()));
+        }
+        self.link.with_data(tm, want, take)
+    }
+    fn recv_refs(&mut self, tm: TmId, iov: &mut [std::io::IoSliceMut<'_>]) -> Result<Poll<()>> {
+        self.link.recv_refs(tm, iov)
+    }
+    fn checkout(&mut self, tm: TmId) -> Result<()> {
+        self.link.checkout(tm)
+    }
+    fn end_message(&mut self) -> Result<()> {
+        self.link.end_message()
+    }
+    fn abort_message(&mut self) {
+        self.link.abort_message()
+    }
+    fn wait(&mut self, timeout: std::time::Duration) -> Result<()> {
+        self.link.wait(timeout)
+    }
+    fn progress_mark(&self) -> u64 {
+        self.link.progress_mark()
+    }
+}
+
+/// From a lend at the start of a message: the header bytes still missing, then, once the
+/// header is whole and unchecked, the rest of the message when it is all in this lend and
+/// short ([`wire::short_message`]) into `staged`. Returns the bytes taken.
+#[inline]
+fn take_start(
+    src: &[u8],
+    hdr: &mut [u8; wire::HEADER_LEN],
+    fill: &mut usize,
+    staged: &mut RxStaged,
+) -> usize {
+    let m = (wire::HEADER_LEN - *fill).min(src.len());
+    hdr[*fill..*fill + m].copy_from_slice(&src[..m]);
+    *fill += m;
+    // (Flags 0: unchecked. A header that is not one fails the message, staged or not.)
+    if *fill == wire::HEADER_LEN && hdr[3] == 0 {
+        let rest = &src[m..];
+        if let Some(n) = wire::short_message(rest, crate::pack::STAGE_CAP) {
+            staged.buf[..n].copy_from_slice(&rest[..n]);
+            staged.at = 0;
+            staged.len = n;
+            return m + n;
+        }
+    }
+    m
 }
 
 /// What a message counts and waits for, kept in the connection's receiving half (held by
@@ -406,12 +531,24 @@ impl UnpackState<'_> {
         let rx = self.rx();
         let mut off = 0;
         let mut pending = false;
+        let s = &mut rx.spare.staged;
+        if tm == 0 && s.at < s.len {
+            // The rest of a short message, taken with its header: no driver call, no wait.
+            let t = framed.take(&s.buf[s.at..s.len], want_b.as_ref(), buf, end.as_ref());
+            s.at += t.used;
+            if t.bad {
+                let w = want.expect("a frame was expected");
+                return Err(self.frame_mismatch(&framed.fb, w));
+            }
+            ended = t.ended;
+            off = t.data;
+        }
         while framed.fk < wire::FRAME_LEN || off < buf.len() {
             let rest = &mut buf[off..];
             let want_len = wire::FRAME_LEN - framed.fk + rest.len();
             let mut attempt = |rx: &mut RxState| -> Result<Poll<(usize, usize)>> {
                 let (mut took, mut data) = (0usize, 0usize);
-                let r = rx.link.with_data(tm, want_len, &mut |src: &[u8]| {
+                let r = rx.lend(tm, want_len, &mut |src: &[u8]| {
                     let t = framed.take(src, want_b.as_ref(), rest, end.as_ref());
                     bad |= t.bad;
                     ended |= t.ended;
@@ -479,36 +616,39 @@ impl UnpackState<'_> {
     /// wait for it; otherwise `None` when it has not arrived whole (the part read is kept).
     #[inline]
     fn read_header(&mut self, block: bool) -> Result<Option<[u8; wire::HEADER_LEN]>> {
-        let fill = self.rx().spare.hdr_fill;
-        if block {
-            let mut h = [0u8; wire::HEADER_LEN];
-            if fill == 0 {
-                self.copy_out(0, &mut h)?;
-            } else {
-                h = self.rx().spare.hdr;
-                self.copy_out(0, &mut h[fill..])?;
-                self.rx().spare.hdr_fill = 0;
-            }
-            return Ok(Some(h));
-        }
+        let (ch, deadline, remote) = (self.ch, self.msg().deadline, self.remote);
         let rx = self.rx();
+        rx.spare.staged.len = 0;
+        rx.spare.staged.at = 0;
+        let mut attempt = |rx: &mut RxState| -> Result<Poll<usize>> {
+            let RxState { link, spare, .. } = rx;
+            let (hdr, fill, staged) = (&mut spare.hdr, &mut spare.hdr_fill, &mut spare.staged);
+            let mut took = 0;
+            let r = link.with_data(0, wire::HEADER_LEN - *fill, &mut |src: &[u8]| {
+                took = take_start(src, hdr, fill, staged);
+                took
+            })?;
+            Ok(r.map(|()| took))
+        };
         loop {
             let sp = &mut rx.spare;
             if sp.hdr_fill == wire::HEADER_LEN {
                 sp.hdr_fill = 0;
                 return Ok(Some(sp.hdr));
             }
-            let (hdr, fill) = (&mut sp.hdr, &mut sp.hdr_fill);
-            let r = rx
-                .link
-                .with_data(0, wire::HEADER_LEN - *fill, &mut |src: &[u8]| {
-                    let m = (wire::HEADER_LEN - *fill).min(src.len());
-                    hdr[*fill..*fill + m].copy_from_slice(&src[..m]);
-                    *fill += m;
-                    m
-                })?;
-            if r.is_pending() {
-                return Ok(None);
+            let took = if block {
+                drive(ch, deadline, rx, &mut attempt)?
+            } else {
+                match attempt(rx)? {
+                    Poll::Ready(n) => n,
+                    Poll::Pending => return Ok(None),
+                }
+            };
+            if took == 0 {
+                return Err(Error::protocol(
+                    remote,
+                    "driver lent no received bytes (driver bug)",
+                ));
             }
         }
     }
@@ -1103,10 +1243,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     fn run_blocking(&mut self) -> Result<()> {
         let (ch, deadline, remote) = (self.st.ch, self.st.msg().deadline, self.st.remote);
         let rx = self.st.rx();
-        drive(ch, deadline, rx, |rx| {
-            let RxState { link, spare, .. } = rx;
-            spare.plan.run(&mut **link, remote)
-        })?;
+        drive(ch, deadline, rx, |rx| rx.run_plan(remote))?;
         self.plan_drained();
         Ok(())
     }
@@ -1118,9 +1255,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return Ok(Poll::Ready(()));
         }
         let remote = self.st.remote;
-        let rx = self.st.rx();
-        let RxState { link, spare, .. } = rx;
-        match spare.plan.run(&mut **link, remote)? {
+        match self.st.rx().run_plan(remote)? {
             Poll::Ready(()) => {
                 self.plan_drained();
                 Ok(Poll::Ready(()))

@@ -216,6 +216,30 @@ pub fn decode_frame(b: &[u8; FRAME_LEN]) -> Option<Frame> {
     }
 }
 
+/// The length of a message's rest after its header when `bytes` starts with all of it and it
+/// is at most `cap` bytes long: unchecked-mode piece frames of TM 0, each followed by its
+/// bytes, then the end frame (what a short message of copied pieces is). `None` for anything
+/// else (another TM, a group, a rest not all there or longer than `cap`, bytes that are not
+/// frames): the receiver then reads the message piece by piece.
+#[inline]
+pub fn short_message(bytes: &[u8], cap: usize) -> Option<usize> {
+    let b = &bytes[..bytes.len().min(cap)];
+    let mut at = 0usize;
+    loop {
+        let f = b.get(at..at.checked_add(FRAME_LEN)?)?;
+        match (f[0], f[1]) {
+            (0xf1, 0) => {
+                let len = u64::from_le_bytes([f[2], f[3], f[4], f[5], f[6], f[7], 0, 0]);
+                at = at
+                    .checked_add(FRAME_LEN)?
+                    .checked_add(usize::try_from(len).ok()?)?;
+            }
+            (0xf3, 0) => return Some(at + FRAME_LEN),
+            _ => return None,
+        }
+    }
+}
+
 /// The frame the sender writes for `fr`, as the receiver compares it (values truncated to
 /// the 48 bits that travel).
 #[inline]
@@ -373,6 +397,44 @@ mod tests {
         );
         assert_eq!(decode_frame(b"M2\x02\x00\0\0\0\0"), None);
         assert_eq!(decode_frame(&[0xf3, 1, 0, 0, 0, 0, 0, 0]), None);
+    }
+
+    #[test]
+    fn short_message_takes_only_a_whole_short_message_of_tm0_pieces() {
+        let piece = |tm, len: usize| {
+            encode_frame(Frame::Piece {
+                tm,
+                len: len as u64,
+            })
+        };
+        let end = encode_frame(Frame::End { pieces: 2 });
+        let mut m = Vec::new();
+        m.extend_from_slice(&piece(0, 3));
+        m.extend_from_slice(b"abc");
+        m.extend_from_slice(&piece(0, 0));
+        m.extend_from_slice(&end);
+        let n = m.len();
+        m.extend_from_slice(b"next message");
+        assert_eq!(short_message(&m, 512), Some(n));
+        assert_eq!(short_message(&m, n), Some(n));
+        assert_eq!(short_message(&m, n - 1), None, "longer than the cap");
+        for cut in 0..n {
+            assert_eq!(short_message(&m[..cut], 512), None, "cut at {cut}");
+        }
+        let mut other_tm = piece(1, 3).to_vec();
+        other_tm.extend_from_slice(b"abc");
+        other_tm.extend_from_slice(&end);
+        assert_eq!(short_message(&other_tm, 512), None);
+        let group = encode_frame(Frame::Group {
+            tm: 0,
+            count: 1,
+            end: true,
+        });
+        assert_eq!(short_message(&group, 512), None);
+        let mut huge = piece(0, (1 << 48) - 1).to_vec();
+        huge.extend_from_slice(&end);
+        assert_eq!(short_message(&huge, usize::MAX), None);
+        assert_eq!(short_message(&[0xf3, 1, 0, 0, 0, 0, 0, 0], 512), None);
     }
 
     #[test]

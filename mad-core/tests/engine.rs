@@ -311,13 +311,16 @@ fn small_pieces_aggregate_into_one_buffer_and_one_flush() {
         }
         p.end_packing()
     });
-    // 16 copies (frame and piece) into TM 0, the end frame, no gather send, one commit, one end.
-    assert_eq!(ev.len(), 19, "{ev:?}");
-    assert!(ev[..16]
-        .iter()
-        .enumerate()
-        .all(|(i, e)| *e == Ev::Copy(0, cat(&[&fp(0, 4), &[i as u8; 4]]))));
-    assert_eq!(ev[16..], [Ev::Copy(0, fe(16)), Ev::Commit(0), Ev::End]);
+    // The 16 frames and pieces and the end frame in one lend of TM 0 (staged until the end),
+    // no gather send, one commit, one end.
+    let mut all = Vec::new();
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(d, &[i as u8; 4]);
+        all.extend_from_slice(&fp(0, 4));
+        all.extend_from_slice(d);
+    }
+    all.extend_from_slice(&fe(16));
+    assert_eq!(ev, [Ev::Copy(0, all), Ev::Commit(0), Ev::End]);
 }
 
 #[test]
@@ -328,18 +331,19 @@ fn a_short_message_is_one_lend_header_included() {
         p.pack(&piece, RecvMode::Cheaper)?;
         p.end_packing()
     });
-    // Header, frame and piece in one lend, then the end frame, the commit and the end.
-    assert_eq!(ev.len(), 4, "{ev:?}");
+    // Header, frame, piece and end frame in one lend, then the commit and the end.
+    assert_eq!(ev.len(), 3, "{ev:?}");
     match &ev[0] {
         Ev::Copy(0, b) => {
-            assert_eq!(b.len(), 21);
+            assert_eq!(b.len(), 29);
             assert_eq!(&b[..2], b"M2");
             assert_eq!(&b[8..16], &fp(0, 5)[..]);
-            assert_eq!(&b[16..], &piece);
+            assert_eq!(&b[16..21], &piece);
+            assert_eq!(&b[21..], &fe(1)[..]);
         }
         e => panic!("first event {e:?}"),
     }
-    assert_eq!(ev[1..], [Ev::Copy(0, fe(1)), Ev::Commit(0), Ev::End]);
+    assert_eq!(ev[1..], [Ev::Commit(0), Ev::End]);
 }
 
 #[test]
@@ -410,14 +414,16 @@ fn tm_change_commits_the_previous_tm_and_groups_gather() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, cat(&[&fp(0, 8), &a])),
-            // One group, flushed when the TM changes back, announced by its frames.
-            Ev::Copy(0, cat(&[&fg(1, 2), &fp(1, 100), &fp(1, 200)])),
+            // The short piece waits (staged) for the group's frames: one group, flushed
+            // when the TM changes back, announced by its frames.
+            Ev::Copy(
+                0,
+                cat(&[&fp(0, 8), &a, &fg(1, 2), &fp(1, 100), &fp(1, 200)])
+            ),
             Ev::Commit(0),
             Ev::Refs(1, vec![b.clone(), c.clone()]),
             Ev::Commit(1),
-            Ev::Copy(0, cat(&[&fp(0, 8), &d])),
-            Ev::Copy(0, fe(4)),
+            Ev::Copy(0, cat(&[&fp(0, 8), &d, &fe(4)])),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -468,8 +474,7 @@ fn later_reads_the_value_at_end_packing_and_travels_last() {
         vec![
             Ev::Copy(0, cat(&[&fp(0, 2), &[9, 9]])),
             Ev::Publish,
-            Ev::Copy(0, cat(&[&fp(0, 4), &[7, 0, 0, 8]])),
-            Ev::Copy(0, fe(2)),
+            Ev::Copy(0, cat(&[&fp(0, 4), &[7, 0, 0, 8], &fe(2)])),
             Ev::Commit(0),
             Ev::End
         ]
@@ -494,13 +499,19 @@ fn later_express_holds_the_rest_of_the_message_until_end_packing() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, cat(&[&fp(0, 8), &[42, 0, 0, 0, 0, 0, 0, 0]])),
-            Ev::Copy(0, cat(&[&fg(1, 1), &fp(1, 500)])),
+            Ev::Copy(
+                0,
+                cat(&[
+                    &fp(0, 8),
+                    &[42, 0, 0, 0, 0, 0, 0, 0],
+                    &fg(1, 1),
+                    &fp(1, 500)
+                ])
+            ),
             Ev::Commit(0),
             Ev::Refs(1, vec![vec![5u8; 500]]),
             Ev::Commit(1),
-            Ev::Copy(0, cat(&[&fp(0, 10), &[6u8; 10]])),
-            Ev::Copy(0, fe(3)),
+            Ev::Copy(0, cat(&[&fp(0, 10), &[6u8; 10], &fe(3)])),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -510,8 +521,9 @@ fn later_express_holds_the_rest_of_the_message_until_end_packing() {
 #[test]
 fn express_pieces_are_published_before_end_packing() {
     // The Figure 1 pattern: an EXPRESS size, then a CHEAPER array. The size must become
-    // visible to the receiver when `pack` returns (it needs it to issue the next unpack);
-    // CHEAPER pieces and the end of the message need no separate publication.
+    // visible to the receiver when `pack` returns (it needs it to issue the next unpack, and
+    // may wait for it before anything else this sender does): what is staged goes to the
+    // driver with it, published. CHEAPER pieces and the end need no separate publication.
     let body = vec![5u8; 500];
     let n = (body.len() as u64).to_le_bytes();
     let ev = record("rec", 4096, |ch| {
@@ -530,8 +542,7 @@ fn express_pieces_are_published_before_end_packing() {
             Ev::Commit(0),
             Ev::Refs(1, vec![body.clone()]),
             Ev::Commit(1),
-            Ev::Copy(0, cat(&[&fp(0, 4), &[1u8; 4]])),
-            Ev::Copy(0, fe(3)),
+            Ev::Copy(0, cat(&[&fp(0, 4), &[1u8; 4], &fe(3)])),
             Ev::Commit(0),
             Ev::End,
         ]
@@ -602,8 +613,7 @@ fn zero_piece_and_zero_length_messages() {
     assert_eq!(
         ev,
         vec![
-            Ev::Copy(0, fp(0, 0)),
-            Ev::Copy(0, fe(1)),
+            Ev::Copy(0, cat(&[&fp(0, 0), &fe(1)])),
             Ev::Commit(0),
             Ev::End
         ]
