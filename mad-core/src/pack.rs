@@ -196,8 +196,9 @@ pub(crate) struct Staged {
 /// [`Staged`]'s room: a one-lend message holds this many bytes (header and frames included).
 pub(crate) const STAGE_CAP: usize = 512;
 /// The longest piece staged: longer ones go to the driver with what is staged ahead of them
-/// (copied once, not twice).
-const STAGE_PIECE: usize = 128;
+/// (copied once, not twice), and a receiver takes only messages of pieces this short whole
+/// with their header (`RxStaged`).
+pub(crate) const STAGE_PIECE: usize = 128;
 
 impl Default for Staged {
     fn default() -> Self {

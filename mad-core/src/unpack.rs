@@ -251,7 +251,8 @@ fn take_start(
     // (Flags 0: unchecked. A header that is not one fails the message, staged or not.)
     if *fill == wire::HEADER_LEN && hdr[3] == 0 {
         let rest = &src[m..];
-        if let Some(n) = wire::short_message(rest, crate::pack::STAGE_CAP) {
+        if let Some(n) = wire::short_message(rest, crate::pack::STAGE_CAP, crate::pack::STAGE_PIECE)
+        {
             staged.buf[..n].copy_from_slice(&rest[..n]);
             staged.at = 0;
             staged.len = n;

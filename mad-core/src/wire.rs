@@ -218,11 +218,12 @@ pub fn decode_frame(b: &[u8; FRAME_LEN]) -> Option<Frame> {
 
 /// The length of a message's rest after its header when `bytes` starts with all of it and it
 /// is at most `cap` bytes long: unchecked-mode piece frames of TM 0, each followed by its
-/// bytes, then the end frame (what a short message of copied pieces is). `None` for anything
-/// else (another TM, a group, a rest not all there or longer than `cap`, bytes that are not
-/// frames): the receiver then reads the message piece by piece.
+/// bytes (at most `piece` of them), then the end frame (what a short message of copied
+/// pieces is). `None` for anything else (another TM, a group, a longer piece, a rest not all
+/// there or longer than `cap`, bytes that are not frames): the receiver then reads the
+/// message piece by piece.
 #[inline]
-pub fn short_message(bytes: &[u8], cap: usize) -> Option<usize> {
+pub fn short_message(bytes: &[u8], cap: usize, piece: usize) -> Option<usize> {
     let b = &bytes[..bytes.len().min(cap)];
     let mut at = 0usize;
     loop {
@@ -230,6 +231,9 @@ pub fn short_message(bytes: &[u8], cap: usize) -> Option<usize> {
         match (f[0], f[1]) {
             (0xf1, 0) => {
                 let len = u64::from_le_bytes([f[2], f[3], f[4], f[5], f[6], f[7], 0, 0]);
+                if len > piece as u64 {
+                    return None;
+                }
                 at = at
                     .checked_add(FRAME_LEN)?
                     .checked_add(usize::try_from(len).ok()?)?;
@@ -415,26 +419,31 @@ mod tests {
         m.extend_from_slice(&end);
         let n = m.len();
         m.extend_from_slice(b"next message");
-        assert_eq!(short_message(&m, 512), Some(n));
-        assert_eq!(short_message(&m, n), Some(n));
-        assert_eq!(short_message(&m, n - 1), None, "longer than the cap");
+        assert_eq!(short_message(&m, 512, 128), Some(n));
+        assert_eq!(short_message(&m, n, 128), Some(n));
+        assert_eq!(short_message(&m, n - 1, 128), None, "longer than the cap");
+        assert_eq!(
+            short_message(&m, 512, 2),
+            None,
+            "a piece longer than the bound"
+        );
         for cut in 0..n {
-            assert_eq!(short_message(&m[..cut], 512), None, "cut at {cut}");
+            assert_eq!(short_message(&m[..cut], 512, 128), None, "cut at {cut}");
         }
         let mut other_tm = piece(1, 3).to_vec();
         other_tm.extend_from_slice(b"abc");
         other_tm.extend_from_slice(&end);
-        assert_eq!(short_message(&other_tm, 512), None);
+        assert_eq!(short_message(&other_tm, 512, 128), None);
         let group = encode_frame(Frame::Group {
             tm: 0,
             count: 1,
             end: true,
         });
-        assert_eq!(short_message(&group, 512), None);
+        assert_eq!(short_message(&group, 512, 128), None);
         let mut huge = piece(0, (1 << 48) - 1).to_vec();
         huge.extend_from_slice(&end);
-        assert_eq!(short_message(&huge, usize::MAX), None);
-        assert_eq!(short_message(&[0xf3, 1, 0, 0, 0, 0, 0, 0], 512), None);
+        assert_eq!(short_message(&huge, usize::MAX, usize::MAX), None);
+        assert_eq!(short_message(&[0xf3, 1, 0, 0, 0, 0, 0, 0], 512, 128), None);
     }
 
     #[test]
