@@ -887,12 +887,12 @@ impl<'c, 'b> Packer<'c, 'b> {
             deadline,
             room: ch.caps.max_message.unwrap_or(u64::MAX),
         };
-        let (group, tail, held) = (spare.group.lend(), spare.tail.lend(), spare.held.lend());
+        // The connection's lists are lent at their first use (most messages use none).
         Ok(Packer {
             st,
-            group,
-            tail,
-            held,
+            group: Vec::new(),
+            tail: Vec::new(),
+            held: Vec::new(),
         })
     }
 
@@ -900,9 +900,40 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline]
     fn recycle(&mut self) {
         let spare = &mut self.st.tx.spare;
-        spare.group.restore(std::mem::take(&mut self.group));
-        spare.tail.restore(std::mem::take(&mut self.tail));
-        spare.held.restore(std::mem::take(&mut self.held));
+        if self.group.capacity() > 0 {
+            spare.group.restore(std::mem::take(&mut self.group));
+        }
+        if self.tail.capacity() > 0 {
+            spare.tail.restore(std::mem::take(&mut self.tail));
+        }
+        if self.held.capacity() > 0 {
+            spare.held.restore(std::mem::take(&mut self.held));
+        }
+    }
+
+    /// The lists, lent by the connection at their first push.
+    #[inline]
+    fn push_group(&mut self, s: IoSlice<'b>) {
+        if self.group.capacity() == 0 {
+            self.group = self.st.tx.spare.group.lend();
+        }
+        self.group.push(s);
+    }
+
+    #[inline]
+    fn push_tail(&mut self, l: Later<'b>) {
+        if self.tail.capacity() == 0 {
+            self.tail = self.st.tx.spare.tail.lend();
+        }
+        self.tail.push(l);
+    }
+
+    #[inline]
+    fn push_held(&mut self, h: Held<'b>) {
+        if self.held.capacity() == 0 {
+            self.held = self.st.tx.spare.held.lend();
+        }
+        self.held.push(h);
     }
 
     /// Count a piece of `len` bytes against the driver's bound on a message
@@ -1025,7 +1056,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                     self.flush_group()?;
                 }
                 self.st.gtm = tm;
-                self.group.push(IoSlice::new(d));
+                self.push_group(IoSlice::new(d));
                 if r == RecvMode::Express || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
                 } else {
@@ -1068,7 +1099,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 recv: r,
             }));
             if self.st.holding {
-                self.held.push(Held::Desc(d));
+                self.push_held(Held::Desc(d));
             } else {
                 self.emit_desc(&d)?;
             }
@@ -1082,7 +1113,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Cheaper, r)?;
         if self.st.holding {
-            self.held.push(Held::Cheaper(data, r));
+            self.push_held(Held::Cheaper(data, r));
             Ok(())
         } else {
             self.emit_ref(data, SendMode::Cheaper, r)?;
@@ -1112,7 +1143,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Safer, r)?;
         if self.st.holding {
-            self.held.push(Held::Safer(data.to_vec(), r));
+            self.push_held(Held::Safer(data.to_vec(), r));
             Ok(())
         } else {
             self.emit_safer(data, r)?;
@@ -1125,10 +1156,10 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Later, r)?;
         match r {
-            RecvMode::Cheaper => self.tail.push(data),
+            RecvMode::Cheaper => self.push_tail(data),
             RecvMode::Express => {
                 self.st.holding = true;
-                self.held.push(Held::Later(data, r));
+                self.push_held(Held::Later(data, r));
             }
         }
         Ok(())

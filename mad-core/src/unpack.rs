@@ -764,9 +764,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         match r {
             Ok(Some(hdr)) => {
                 st.checked = hdr.checked;
-                let spare = &mut st.rx().spare;
-                let (group, tail) = (spare.group.lend(), spare.tail.lend());
-                Ok(Some(Unpacker { st, group, tail }))
+                // The connection's lists are lent at their first use (see `recycle`).
+                Ok(Some(Unpacker {
+                    st,
+                    group: Vec::new(),
+                    tail: Vec::new(),
+                }))
             }
             Ok(None) => {
                 // Nothing failed: the connection keeps the part of the header read.
@@ -909,6 +912,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                     self.flush_group()?;
                 }
                 self.st.gtm = tm;
+                if self.group.capacity() == 0 {
+                    self.group = self.st.rx().spare.group.lend();
+                }
                 self.group.push(buf);
                 if s == SendMode::Safer || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
@@ -946,6 +952,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.alive()?;
         self.descriptor(buf.len(), s, RecvMode::Cheaper)?;
         if s == SendMode::Later {
+            if self.tail.capacity() == 0 {
+                self.tail = self.st.rx().spare.tail.lend();
+            }
             self.tail.push(IoSliceMut::new(buf));
             Ok(())
         } else {
@@ -1136,8 +1145,12 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     fn recycle(&mut self) {
         if let Some(rx) = self.st.rx.as_deref_mut() {
-            rx.spare.group.restore(std::mem::take(&mut self.group));
-            rx.spare.tail.restore(std::mem::take(&mut self.tail));
+            if self.group.capacity() > 0 {
+                rx.spare.group.restore(std::mem::take(&mut self.group));
+            }
+            if self.tail.capacity() > 0 {
+                rx.spare.tail.restore(std::mem::take(&mut self.tail));
+            }
         }
     }
 
