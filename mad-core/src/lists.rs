@@ -86,6 +86,15 @@ impl<F: Family> Spare<F> {
         retype::<F>(std::mem::take(&mut self.v))
     }
 
+    /// Make `v` the lent list if it has no room yet: a message borrows the list at its first
+    /// push, not at its begin (most messages use none).
+    #[inline]
+    pub(crate) fn lend_into<'b>(&mut self, v: &mut Vec<F::At<'b>>) {
+        if v.capacity() == 0 {
+            *v = self.lend();
+        }
+    }
+
     /// Take a list back for the next message (its items are dropped first).
     #[inline]
     pub(crate) fn restore(&mut self, v: Vec<F::At<'_>>) {

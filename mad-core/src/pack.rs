@@ -911,31 +911,6 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    /// The lists, lent by the connection at their first push.
-    #[inline]
-    fn push_group(&mut self, s: IoSlice<'b>) {
-        if self.group.capacity() == 0 {
-            self.group = self.st.tx.spare.group.lend();
-        }
-        self.group.push(s);
-    }
-
-    #[inline]
-    fn push_tail(&mut self, l: Later<'b>) {
-        if self.tail.capacity() == 0 {
-            self.tail = self.st.tx.spare.tail.lend();
-        }
-        self.tail.push(l);
-    }
-
-    #[inline]
-    fn push_held(&mut self, h: Held<'b>) {
-        if self.held.capacity() == 0 {
-            self.held = self.st.tx.spare.held.lend();
-        }
-        self.held.push(h);
-    }
-
     /// Count a piece of `len` bytes against the driver's bound on a message
     /// ([`Capabilities::max_message`](crate::driver::Capabilities::max_message)): refused, with
     /// nothing sent and the message still open, when it would exceed it.
@@ -1056,7 +1031,8 @@ impl<'c, 'b> Packer<'c, 'b> {
                     self.flush_group()?;
                 }
                 self.st.gtm = tm;
-                self.push_group(IoSlice::new(d));
+                self.st.tx.spare.group.lend_into(&mut self.group);
+                self.group.push(IoSlice::new(d));
                 if r == RecvMode::Express || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
                 } else {
@@ -1099,7 +1075,8 @@ impl<'c, 'b> Packer<'c, 'b> {
                 recv: r,
             }));
             if self.st.holding {
-                self.push_held(Held::Desc(d));
+                self.st.tx.spare.held.lend_into(&mut self.held);
+                self.held.push(Held::Desc(d));
             } else {
                 self.emit_desc(&d)?;
             }
@@ -1113,7 +1090,8 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Cheaper, r)?;
         if self.st.holding {
-            self.push_held(Held::Cheaper(data, r));
+            self.st.tx.spare.held.lend_into(&mut self.held);
+            self.held.push(Held::Cheaper(data, r));
             Ok(())
         } else {
             self.emit_ref(data, SendMode::Cheaper, r)?;
@@ -1143,7 +1121,8 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Safer, r)?;
         if self.st.holding {
-            self.push_held(Held::Safer(data.to_vec(), r));
+            self.st.tx.spare.held.lend_into(&mut self.held);
+            self.held.push(Held::Safer(data.to_vec(), r));
             Ok(())
         } else {
             self.emit_safer(data, r)?;
@@ -1156,10 +1135,14 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Later, r)?;
         match r {
-            RecvMode::Cheaper => self.push_tail(data),
+            RecvMode::Cheaper => {
+                self.st.tx.spare.tail.lend_into(&mut self.tail);
+                self.tail.push(data)
+            }
             RecvMode::Express => {
                 self.st.holding = true;
-                self.push_held(Held::Later(data, r));
+                self.st.tx.spare.held.lend_into(&mut self.held);
+                self.held.push(Held::Later(data, r));
             }
         }
         Ok(())

@@ -160,9 +160,23 @@ impl Default for RxStaged {
     }
 }
 
+impl RxStaged {
+    /// Lend what is staged to `take` if this read is of TM 0 (which carries all of it) and
+    /// something is left; `false` when the read goes to the driver.
+    #[inline(always)]
+    fn serve(&mut self, tm: TmId, take: &mut dyn FnMut(&[u8]) -> usize) -> bool {
+        if self.at < self.len && tm == 0 {
+            let n = take(&self.buf[self.at..self.len]);
+            self.at += n.min(self.len - self.at);
+            return true;
+        }
+        false
+    }
+}
+
 impl RxState {
     /// [`RxLink::with_data`](crate::driver::RxLink::with_data), served from the staged rest of
-    /// a short message first (on TM 0, which carries all of it).
+    /// a short message first.
     #[inline(always)]
     pub(crate) fn lend(
         &mut self,
@@ -170,10 +184,7 @@ impl RxState {
         want: usize,
         take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<Poll<()>> {
-        let s = &mut self.spare.staged;
-        if s.at < s.len && tm == 0 {
-            let n = take(&s.buf[s.at..s.len]);
-            s.at += n.min(s.len - s.at);
+        if self.spare.staged.serve(tm, take) {
             return Ok(Poll::Ready(()));
         }
         self.link.with_data(tm, want, take)
@@ -207,10 +218,7 @@ impl crate::driver::RxLink for StagedLink<'_> {
         want: usize,
         take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<Poll<()>> {
-        let s = &mut *self.staged;
-        if s.at < s.len && tm == 0 {
-            let n = take(&s.buf[s.at..s.len]);
-            s.at += n.min(s.len - s.at);
+        if self.staged.serve(tm, take) {
             return Ok(Poll::Ready(()));
         }
         self.link.with_data(tm, want, take)
@@ -912,9 +920,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
                     self.flush_group()?;
                 }
                 self.st.gtm = tm;
-                if self.group.capacity() == 0 {
-                    self.group = self.st.rx().spare.group.lend();
-                }
+                self.st.rx().spare.group.lend_into(&mut self.group);
                 self.group.push(buf);
                 if s == SendMode::Safer || self.group.len() >= self.st.ch.table.max_group(tm) {
                     self.flush_group()
@@ -952,9 +958,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.alive()?;
         self.descriptor(buf.len(), s, RecvMode::Cheaper)?;
         if s == SendMode::Later {
-            if self.tail.capacity() == 0 {
-                self.tail = self.st.rx().spare.tail.lend();
-            }
+            self.st.rx().spare.tail.lend_into(&mut self.tail);
             self.tail.push(IoSliceMut::new(buf));
             Ok(())
         } else {
