@@ -210,7 +210,7 @@ impl Default for Staged {
 }
 
 impl Staged {
-    /// Append `parts` if they fit with a last part of at most [`STAGE_PIECE`] bytes.
+    /// Append `frame ‖ data` if they fit and `data` is at most [`STAGE_PIECE`] bytes.
     #[inline(always)]
     fn try_push(&mut self, frame: Option<&[u8; wire::FRAME_LEN]>, data: &[u8]) -> bool {
         let f = if frame.is_some() { wire::FRAME_LEN } else { 0 };
@@ -571,7 +571,7 @@ impl PackState<'_> {
             self.copy_in_local(0, &buf[..k * wire::FRAME_LEN])?;
         }
         self.ensure(tm)?;
-        self.flush_header()?;
+        self.lend_staged()?;
         if self.trying && self.try_once(|tx| tx.link.send_refs(tm, group))? {
             return Ok(());
         }
@@ -731,7 +731,7 @@ impl PackState<'_> {
     /// Lend what [`Staged`] kept back (the header, frames, short pieces) now: before leaving
     /// TM 0, before a gather group, at a flush and at the end.
     #[inline]
-    fn flush_header(&mut self) -> Result<()> {
+    fn lend_staged(&mut self) -> Result<()> {
         if self.tx.spare.staged.len == 0 {
             return Ok(());
         }
@@ -745,7 +745,7 @@ impl PackState<'_> {
     #[inline]
     fn ensure(&mut self, tm: TmId) -> Result<()> {
         if tm != self.cur {
-            self.flush_header()?;
+            self.lend_staged()?;
             self.commit()?;
             self.cur = tm;
         }
@@ -1109,7 +1109,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn publish_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
         if r == RecvMode::Express && len > 0 {
             // What is staged (this piece with it) goes to the driver first.
-            self.st.flush_header()?;
+            self.st.lend_staged()?;
             self.st.tx.link.publish()
         } else {
             Ok(())
@@ -1253,7 +1253,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 self.group.clear();
             }
         }
-        self.st.flush_header()?;
+        self.st.lend_staged()?;
         self.st.commit()?;
         let st = &mut self.st;
         if st.trying && st.try_once(|tx| tx.link.end_message())? {
@@ -1596,7 +1596,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn flush_inner(&mut self) -> Result<()> {
         self.alive()?;
         self.flush_group()?;
-        self.st.flush_header()?;
+        self.st.lend_staged()?;
         self.st.flush_link()
     }
 
