@@ -1,4 +1,5 @@
-//! The generated results section of `BENCHMARKS.md`: the table of the issues' targets (met /
+//! The report of a `bench/run.sh` run (`bench/results/results.md`; its targets table is also
+//! spliced into `BENCHMARKS.md`): the table of the issues' targets (met /
 //! not met), the side-by-side comparisons they ask for (shm against both MPIs and the raw ring,
 //! the MPI channel against raw MPI, sisci:local beside shm, Figure 4 of the paper, the RPC
 //! example), the engine micro-benchmarks and every suite's tables and plots, all computed from

@@ -81,7 +81,7 @@ pub fn default_ring(n: usize) -> usize {
 /// Largest ring accepted.
 pub const MAX_RING: usize = 1 << 30;
 /// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring`),
-/// from the 2026-11-22 sweep in `NOTES.md`. By default (`cma=off`) the ring takes every piece.
+/// from the ring/CMA sweep in `NOTES.md`. By default (`cma=off`) the ring takes every piece.
 pub const DEFAULT_RING_MAX: usize = 64 * 1024;
 /// Slices per CMA group.
 pub const CMA_MAX_GROUP: usize = 64;

@@ -259,8 +259,8 @@ fn main() {
         })
         .collect();
     // The variants without the registration cache share one buffer (the same pages, the same
-    // placement: a separate buffer per variant moved identical paths apart by up to 30 %, see
-    // NOTES.md); the cached one has its own (it keeps its pages pinned, and `mlock` does not
+    // placement: a separate buffer per variant moved identical paths apart by up to 30 % in
+    // hand runs); the cached one has its own (it keeps its pages pinned, and `mlock` does not
     // nest). `FIG4_OWN_BUFFERS=1`: one buffer per variant; `FIG4_SHARED_BUFFER=1`: one for all.
     let buf_of: Vec<usize> = variants
         .iter()
