@@ -387,6 +387,13 @@ pub(crate) struct ChannelInner {
     /// An event loop armed the readiness descriptor since the last release signalled it: the
     /// next connection released signals it (and clears this).
     pub(crate) armed: AtomicBool,
+    /// A polled send found that it may progress while arming its wait ([`TxLink::arm_send`]
+    /// said `Busy`): the next [`Channel::arm`] says `Busy` too. The descriptor is rung as well,
+    /// but an arm drains it first, so without this an event loop that arms the channel after
+    /// that send's poll would sleep with the send ready to go on.
+    ///
+    /// [`TxLink::arm_send`]: crate::driver::TxLink::arm_send
+    pub(crate) kicked: AtomicBool,
     /// [`Channel::close`] was called.
     pub(crate) closed: AtomicBool,
     released: Mutex<u64>,
@@ -535,6 +542,7 @@ impl ChannelInner {
             rr: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
             armed: AtomicBool::new(false),
+            kicked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             released: Mutex::new(0),
             released_cv: Condvar::new(),
@@ -1290,7 +1298,7 @@ impl Channel {
     pub fn arm(&self) -> Result<Armed> {
         let inner = &*self.inner;
         inner.armed.store(true, Ordering::SeqCst);
-        if inner.closed.load(Ordering::SeqCst) {
+        if inner.closed.load(Ordering::SeqCst) || inner.kicked.swap(false, Ordering::AcqRel) {
             return Ok(Armed::Busy);
         }
         if let Some(v) = &inner.virt {

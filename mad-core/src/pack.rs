@@ -477,6 +477,9 @@ impl PackState<'_> {
             }
         }
         if self.tx.link.arm_send()? == crate::driver::Armed::Busy {
+            self.ch
+                .kicked
+                .store(true, std::sync::atomic::Ordering::Release);
             self.ch.incoming.wake();
         }
         Ok(())

@@ -648,3 +648,122 @@ fn bad_ranks_and_unknown_drivers_are_clear_errors() {
         .unwrap_err();
     assert!(e.to_string().contains("no TM named `nope`"), "{e}");
 }
+
+/// A send link whose end is pending and whose `arm_send` finds that the send may go on
+/// (`Busy`): the progress came between the end's `Pending` and the arm.
+struct KickTx;
+
+impl TxLink for KickTx {
+    fn with_buffer(
+        &mut self,
+        _tm: TmId,
+        want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
+        let mut b = vec![0u8; want.max(64)];
+        fill(&mut b);
+        Ok(Poll::Ready(()))
+    }
+    fn send_refs(&mut self, _tm: TmId, _iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        Ok(Poll::Ready(()))
+    }
+    fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
+        Ok(Poll::Ready(()))
+    }
+    fn end_message(&mut self) -> Result<Poll<()>> {
+        Ok(Poll::Pending)
+    }
+    fn abort_message(&mut self) -> AbortOutcome {
+        AbortOutcome::Discarded
+    }
+    fn wait(&mut self, _t: Duration) -> Result<()> {
+        Ok(())
+    }
+    fn arm_send(&mut self) -> Result<Armed> {
+        Ok(Armed::Busy)
+    }
+}
+
+/// Readiness with nothing ever ready: `arm` always says `Armed`.
+struct Quiet;
+
+impl Incoming for Quiet {
+    fn poll(&self, _ready: &mut dyn FnMut(usize)) -> Result<()> {
+        Ok(())
+    }
+    fn wait(&self, t: Duration) -> Result<()> {
+        std::thread::sleep(t.min(Duration::from_millis(1)));
+        Ok(())
+    }
+    fn wake(&self) {}
+    fn arm(&self) -> Result<Armed> {
+        Ok(Armed::Armed)
+    }
+}
+
+struct KickDriver;
+
+impl Driver for KickDriver {
+    fn name(&self) -> &'static str {
+        "kick"
+    }
+    fn describe(&self) -> String {
+        "a send whose arm finds it may progress".into()
+    }
+    fn tm_table(&self, _c: &ChannelConfig) -> Result<TmTable> {
+        TmTable::new([TmSpec::copy("small", usize::MAX, "copy")])
+    }
+    fn capabilities(&self, _c: &ChannelConfig) -> Capabilities {
+        Capabilities::default()
+    }
+    fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
+        let me = ctx.bootstrap.rank();
+        let links = (0..ctx.bootstrap.size())
+            .map(|p| {
+                (p != me).then(|| LinkPair {
+                    tx: Box::new(KickTx) as Box<dyn TxLink>,
+                    rx: Box::new(NoRx) as Box<dyn RxLink>,
+                })
+            })
+            .collect();
+        Ok(OpenedChannel::new(links, Box::new(Quiet)).with_notes(vec![]))
+    }
+}
+
+/// A polled end whose `arm_send` says `Busy` makes the channel's next `arm` say `Busy`: the
+/// descriptor it rang is drained by that arm, so an event loop arming after the poll (the
+/// tokio adapter does) would otherwise sleep with the send able to go on.
+#[test]
+fn a_send_that_may_progress_makes_the_next_channel_arm_busy() {
+    let boots = ThreadBootstrap::group(2);
+    std::thread::scope(|s| {
+        for b in boots {
+            s.spawn(move || {
+                let rank = b.rank();
+                let session = Session::builder()
+                    .driver(KickDriver)
+                    .bootstrap(Box::new(b) as Box<dyn Bootstrap>)
+                    .build()
+                    .unwrap();
+                let ch = session
+                    .open_channel_with(ChannelConfig::parse("k", "kick").unwrap())
+                    .unwrap();
+                if rank != 0 {
+                    return;
+                }
+                assert_eq!(ch.arm().unwrap(), Armed::Armed, "nothing happened yet");
+                let mut p = ch.try_begin_packing(1).unwrap().unwrap();
+                p.defer();
+                p.pack_safer(&[1u8; 8], RecvMode::Cheaper).unwrap();
+                assert!(p.poll_end_packing().is_pending());
+                assert_eq!(
+                    ch.arm().unwrap(),
+                    Armed::Busy,
+                    "the send's arm said it may progress"
+                );
+                assert_eq!(ch.arm().unwrap(), Armed::Armed, "once per kick");
+                drop(p);
+            });
+        }
+    });
+}

@@ -4,8 +4,11 @@
 //! ([`Channel::readiness_fd`]) with tokio's reactor while a task sleeps on it (a registered
 //! descriptor is woken by the kernel at every event: for tcp, every segment that arrives,
 //! which busy traffic must not pay for). Every future follows the arming protocol of
-//! the descriptor: try the non-blocking call, arm, try again while arming says `Busy`, and
-//! await the descriptor only then, so no wake-up is lost and an idle task costs no CPU. Under busy traffic a future
+//! the descriptor: listen for the channel's other tasks, try the non-blocking call, arm, try
+//! again while arming says `Busy` (and tell the listeners: the event may be theirs), and
+//! await the descriptor or the other tasks only then, so no wake-up is lost (an event one
+//! task's arm takes is announced to every task listening, and one that came before a task
+//! listened is seen by its try) and an idle task costs no CPU. Under busy traffic a future
 //! first retries for the channel's spin budget (`progress=adaptive`: 50 µs by default), because
 //! a kernel wake-up costs far more than a message on shared memory: at most 10 µs on its
 //! thread, then yielding to the runtime between tries; `progress=block` goes to the descriptor
@@ -281,6 +284,15 @@ impl AsyncChannel {
             let others = inner.busy.notified();
             tokio::pin!(others);
             others.as_mut().enable();
+            // Then try once more: what happened between the last try and listening may have
+            // been taken by another task's arm (its `Busy`, and the notice to the listeners,
+            // came before this task listened), leaving nothing for this task's arm to see.
+            // Listening first, then trying, then arming leaves no such gap (a send waiting for
+            // credits of via:soft slept until its operation timeout that way, about one run
+            // in a hundred of the kit's in-flight case under load).
+            if let Poll::Ready(r) = f() {
+                return r;
+            }
             // Arm after a try that found nothing: `Busy` says something may have become ready
             // meanwhile (or the try made progress the descriptor cannot show), so try again,
             // and so do the other tasks waiting on this channel (the event may be theirs);

@@ -299,6 +299,73 @@ fn many_messages_in_flight_every_driver() {
     }
 }
 
+/// The rest of a message that comes while its receiver waits: the sender (blocking calls,
+/// rank 1) flushes the header, then sleeps before the large pieces (one received EXPRESS,
+/// one CHEAPER, both beyond any driver's buffers), with nothing else on the channel. The
+/// receiver's pending `unpack_express` and `end_unpacking` must be woken by that data (the
+/// channel's readiness descriptor covers a message in progress, not only message starts),
+/// not by the channel's operation timeout.
+async fn late_body(rank: usize, s: Session, spec: &str) -> Result<()> {
+    const BIG: usize = 3 << 20;
+    const LATE: Duration = Duration::from_millis(150);
+    let ch = AsyncChannel::new(s.open_channel_with(mad_core::ChannelConfig::parse(
+        "late",
+        &format!("{spec},timeout_ms=60000"),
+    )?)?)?;
+    for round in 0..3u64 {
+        if rank == 1 {
+            let c = ch.channel();
+            let first: Vec<u8> = (0..BIG).map(|i| pat(round * 10 + 1, i)).collect();
+            let second: Vec<u8> = (0..BIG).map(|i| pat(round * 10 + 2, i)).collect();
+            let mut p = c.begin_packing(0)?;
+            p.pack_value(&round, RecvMode::Express)?;
+            // EXPRESS data leaves at the latest at the end or a flush (a socket keeps it).
+            p.flush()?;
+            std::thread::sleep(LATE);
+            p.pack_safer(&first, RecvMode::Express)?;
+            std::thread::sleep(LATE);
+            p.pack(&second, RecvMode::Cheaper)?;
+            p.end_packing()?;
+        } else {
+            let mut u = ch.begin_unpacking_from(1).await?;
+            let v: u64 = u.unpack_value().await?;
+            if v != round {
+                return Err(fail(format!("header {v} in round {round}")));
+            }
+            let mut first = vec![0u8; BIG];
+            let mut second = vec![0u8; BIG];
+            let t0 = Instant::now();
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                u.unpack_express(&mut first, SendMode::Safer),
+            )
+            .await
+            .map_err(|_| fail("a pending unpack_express was not woken by its data"))??;
+            u.unpack(&mut second, SendMode::Cheaper)?;
+            tokio::time::timeout(Duration::from_secs(10), u.end_unpacking())
+                .await
+                .map_err(|_| fail("a pending end_unpacking was not woken by its data"))??;
+            check(round * 10 + 1, &first, "the EXPRESS piece")?;
+            check(round * 10 + 2, &second, "the CHEAPER piece")?;
+            eprintln!(
+                "async kit [{spec}]: late pieces received {:?} after the header",
+                t0.elapsed()
+            );
+        }
+    }
+    s.bootstrap().barrier("late-done")?;
+    Ok(())
+}
+
+#[test]
+fn a_late_body_wakes_its_receiver_every_driver() {
+    for spec in specs() {
+        run(2, |rank, s| {
+            Box::pin(async move { late_body(rank, s, spec).await })
+        });
+    }
+}
+
 /// `tokio::select!` over two channels: the message comes on `b`; the losing `begin_unpacking`
 /// on `a` is dropped and consumes nothing (the message sent on `a` afterwards arrives whole);
 /// then `close` wakes a pending `begin_unpacking` with `Closed`.
