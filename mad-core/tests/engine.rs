@@ -684,16 +684,15 @@ impl TxLink for KickTx {
     }
 }
 
-/// Readiness with nothing ever ready: `arm` always says `Armed`.
+/// [`NoIncoming`] whose `arm` says `Armed` (nothing is ever ready) instead of `Busy`.
 struct Quiet;
 
 impl Incoming for Quiet {
-    fn poll(&self, _ready: &mut dyn FnMut(usize)) -> Result<()> {
-        Ok(())
+    fn poll(&self, ready: &mut dyn FnMut(usize)) -> Result<()> {
+        NoIncoming.poll(ready)
     }
     fn wait(&self, t: Duration) -> Result<()> {
-        std::thread::sleep(t.min(Duration::from_millis(1)));
-        Ok(())
+        NoIncoming.wait(t)
     }
     fn wake(&self) {}
     fn arm(&self) -> Result<Armed> {
