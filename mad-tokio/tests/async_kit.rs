@@ -300,19 +300,19 @@ fn many_messages_in_flight_every_driver() {
 }
 
 /// The rest of a message that comes while its receiver waits: the sender (blocking calls,
-/// rank 1) flushes the header, then sleeps before the large pieces (one received EXPRESS,
-/// one CHEAPER, both beyond any driver's buffers), with nothing else on the channel. The
+/// rank 1) flushes the header, then sleeps before each of the large pieces (one received
+/// EXPRESS, one CHEAPER, both beyond any driver's buffers), with nothing else on the channel. The
 /// receiver's pending `unpack_express` and `end_unpacking` must be woken by that data (the
 /// channel's readiness descriptor covers a message in progress, not only message starts),
 /// not by the channel's operation timeout.
 async fn late_body(rank: usize, s: Session, spec: &str) -> Result<()> {
     const BIG: usize = 3 << 20;
-    const LATE: Duration = Duration::from_millis(150);
+    const LATE: Duration = Duration::from_millis(100);
     let ch = AsyncChannel::new(s.open_channel_with(mad_core::ChannelConfig::parse(
         "late",
         &format!("{spec},timeout_ms=60000"),
     )?)?)?;
-    for round in 0..3u64 {
+    for round in 0..2u64 {
         if rank == 1 {
             let c = ch.channel();
             let first: Vec<u8> = (0..BIG).map(|i| pat(round * 10 + 1, i)).collect();
