@@ -288,8 +288,12 @@ pub(crate) struct Virtual {
     /// Where forwarded messages reach this rank's application (when some rank is behind
     /// gateways from here).
     relay: Option<Channel>,
-    /// An epoll set of the sources' readiness descriptors (when every one has one).
-    set: Option<Epoll>,
+    /// An epoll set of the sources' readiness descriptors (when every one has one), made at
+    /// the first [`readiness_fd`](Self::readiness_fd): asking a part for its descriptor makes
+    /// the part's own set (tcp: an epoll set over its sockets, which costs the kernel a
+    /// callback per incoming segment), so a channel nobody waits on through a descriptor
+    /// costs what its parts cost.
+    set: std::sync::OnceLock<Option<Epoll>>,
     /// The source the next any-source look starts with.
     next: AtomicUsize,
     me: usize,
@@ -405,9 +409,19 @@ impl Virtual {
         self.sources().all(|p| p.inner.all_broken())
     }
 
-    /// The readiness descriptor: the epoll set of the sources' descriptors.
+    /// The readiness descriptor: the epoll set of the sources' descriptors, made now if it
+    /// was not yet (`None` when a source has none, or the set cannot be made: logged).
     pub(crate) fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.set.as_ref().map(|s| s.0.as_fd())
+        self.set
+            .get_or_init(|| {
+                let sources: smallvec::SmallVec<[&Channel; 4]> = self.sources().collect();
+                readiness_set(&sources).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "virtual channel: no readiness descriptor");
+                    None
+                })
+            })
+            .as_ref()
+            .map(|s| s.0.as_fd())
     }
 
     /// Arm every source; `Busy` when one is.
@@ -618,8 +632,6 @@ pub(crate) fn assemble(
             stand_ins[o] = Some(make(o, opened));
         }
     }
-    let sources: Vec<&Channel> = parts.iter().chain(&relay).collect();
-    let set = readiness_set(&sources)?;
     let envelopes = (0..size)
         .map(|r| match routes[r] {
             Route::Gateway { .. } => fwd::Envelope {
@@ -674,7 +686,7 @@ pub(crate) fn assemble(
         envelopes,
         transit,
         relay,
-        set,
+        set: std::sync::OnceLock::new(),
         next: AtomicUsize::new(0),
         me,
         size,
