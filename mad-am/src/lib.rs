@@ -765,21 +765,25 @@ fn idle(inner: &Inner, t: Duration) {
     let ch = &inner.ch;
     let poller = ROLE.with(|r| r.get()) == inner as *const Inner as usize;
     match ch.arm() {
-        Ok(mad_core::Armed::Armed) => match (ch.readiness_fd(), &inner.wake) {
-            (Some(fd), Some(ev)) if poller => {
-                inner.sleepers.fetch_add(1, Ordering::SeqCst);
-                // Posted before we counted ourselves: no wake-up is coming for it.
-                if !inner.outbox_new.load(Ordering::SeqCst) {
-                    let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+        Ok(mad_core::Armed::Armed) => {
+            match (ch.readiness_fd(), &inner.wake) {
+                (Some(fd), Some(ev)) if poller => {
+                    inner.sleepers.fetch_add(1, Ordering::SeqCst);
+                    // Posted before we counted ourselves: no wake-up is coming for it.
+                    if !inner.outbox_new.load(Ordering::SeqCst) {
+                        let _ = mad_core::events::wait_readable(&[fd, ev.as_fd()], Some(t));
+                    }
+                    inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+                    let _ = ev.read(); // non-blocking: resets it if it was written
                 }
-                inner.sleepers.fetch_sub(1, Ordering::SeqCst);
-                let _ = ev.read(); // non-blocking: resets it if it was written
+                (Some(fd), _) => {
+                    let _ = mad_core::events::wait_readable(&[fd], Some(t));
+                }
+                (None, _) => std::thread::sleep(t.min(Duration::from_micros(200))),
             }
-            (Some(fd), _) => {
-                let _ = mad_core::events::wait_readable(&[fd], Some(t));
-            }
-            (None, _) => std::thread::sleep(t.min(Duration::from_micros(200))),
-        },
+            // The driver may stop watching what only a sleeper needs.
+            ch.disarm();
+        }
         Ok(_) => std::thread::yield_now(),
         Err(_) => std::thread::sleep(t.min(Duration::from_micros(200))),
     }

@@ -1315,12 +1315,26 @@ impl Channel {
             if let Ok(mut rx) = c.rx.try_lock() {
                 if rx.broken.is_none() && c.failed.get().is_none() {
                     if let Ok(Poll::Ready(())) | Err(_) = rx.link.poll_message() {
+                        inner.incoming.disarm();
                         return Ok(Armed::Busy);
                     }
                 }
             }
         }
         Ok(Armed::Armed)
+    }
+
+    /// After an [`arm`](Self::arm) that said [`Armed::Armed`], once the caller woke up (or
+    /// gave up waiting) and polls again: the driver may stop watching what only a sleeper
+    /// needs (tcp takes its sockets out of its epoll set, where every incoming segment costs
+    /// the kernel a callback). Each `Armed` should be disarmed once; a caller that never
+    /// disarms only leaves the driver watching. The tokio adapter does it.
+    pub fn disarm(&self) {
+        let inner = &*self.inner;
+        match &inner.virt {
+            Some(v) => v.disarm(),
+            None => inner.incoming.disarm(),
+        }
     }
 
     /// This process's rank.

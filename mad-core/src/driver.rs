@@ -714,6 +714,14 @@ pub trait Incoming: Send + Sync {
         Ok(Armed::Busy)
     }
 
+    /// The end of an [`arm`](Self::arm) that said [`Armed::Armed`]: the caller slept on the
+    /// descriptor (or gave up waiting) and polls again. A driver whose watching costs traffic
+    /// something may stop watching until the next arm (tcp takes its sockets out of its epoll
+    /// set: the kernel runs a callback for every segment that arrives on a socket in one).
+    /// Arms and disarms pair up, across all the channel's waiters; a caller that never disarms
+    /// leaves the driver watching. The default does nothing.
+    fn disarm(&self) {}
+
     /// The channel is closing ([`Channel::close`](crate::Channel::close)): tell every peer
     /// with a clean close (as a process that leaves between messages does), and make every
     /// blocked wait of this channel return promptly: [`wait`](Self::wait),

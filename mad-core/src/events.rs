@@ -118,9 +118,14 @@ pub(crate) fn begin_any_from<'c, 'b>(
             continue;
         }
         // Arm every descriptor after a look that found nothing; `Busy` anywhere: look again.
+        // Each `Armed` is disarmed when this wait ends (the drivers may stop watching then).
         let mut busy = false;
+        let mut armed = Disarmed(Vec::new());
         for c in any.live() {
-            busy |= c.arm()? == crate::driver::Armed::Busy;
+            match c.arm()? {
+                crate::driver::Armed::Armed => armed.0.push(c),
+                _ => busy = true,
+            }
         }
         if busy {
             continue;
@@ -136,6 +141,17 @@ pub(crate) fn begin_any_from<'c, 'b>(
             std::thread::sleep(timeout.unwrap_or(backoff));
         } else {
             wait_readable(&fds, timeout)?;
+        }
+    }
+}
+
+/// Channels armed for one wait, disarmed when it ends.
+struct Disarmed<'a>(Vec<&'a Channel>);
+
+impl Drop for Disarmed<'_> {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.disarm();
         }
     }
 }
@@ -213,6 +229,17 @@ pub const WAKE_TOKEN: u64 = u64::MAX;
 /// Tokens of the one-shot send registrations of a [`ReadinessSet`] have this bit set.
 pub const SEND_TOKEN: u64 = 1 << 62;
 
+/// Who needs the peers' descriptors in a [`ReadinessSet`]'s epoll set.
+#[derive(Default)]
+struct Members {
+    /// The descriptors are in the set.
+    joined: bool,
+    /// [`ReadinessSet::make`]: they stay in for good.
+    pinned: bool,
+    /// Arms not yet disarmed ([`ReadinessSet::arm_peers`]).
+    armed: usize,
+}
+
 struct SetPeer {
     rank: usize,
     /// Duplicates of the descriptors whose input may be what a receive from `rank` waits for.
@@ -231,8 +258,9 @@ struct SetPeer {
 pub struct ReadinessSet {
     driver: &'static str,
     set: std::sync::OnceLock<nix::sys::epoll::Epoll>,
-    /// Orders the making of the set with taking forgotten peers out of it.
-    making: std::sync::Mutex<()>,
+    /// Whether the peers' descriptors are in the set and who needs them there; also orders
+    /// the making of the set with taking forgotten peers out of it.
+    making: std::sync::Mutex<Members>,
     peers: Vec<SetPeer>,
     wake_rx: std::os::unix::net::UnixStream,
     wake_tx: std::os::unix::net::UnixStream,
@@ -270,7 +298,7 @@ impl ReadinessSet {
         Ok(ReadinessSet {
             driver,
             set: std::sync::OnceLock::new(),
-            making: std::sync::Mutex::new(()),
+            making: std::sync::Mutex::new(Members::default()),
             peers: peers
                 .into_iter()
                 .map(|(rank, fds)| SetPeer {
@@ -293,7 +321,6 @@ impl ReadinessSet {
     /// The epoll set, made now if it was not yet.
     fn set(&self) -> Result<&nix::sys::epoll::Epoll> {
         use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
-        use std::sync::atomic::Ordering;
         if let Some(s) = self.set.get() {
             return Ok(s);
         }
@@ -306,6 +333,23 @@ impl ReadinessSet {
         let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
         set.add(&self.wake_rx, EpollEvent::new(input, WAKE_TOKEN))
             .map_err(&err)?;
+        Ok(self.set.get_or_init(|| set))
+    }
+
+    /// Put the peers' descriptors into the set if they are not in it (under `making`).
+    fn join(&self, m: &mut Members) -> Result<()> {
+        use nix::sys::epoll::{EpollEvent, EpollFlags};
+        use std::sync::atomic::Ordering;
+        if m.joined {
+            return Ok(());
+        }
+        let set = self.set.get().ok_or_else(|| {
+            Error::io(
+                format!("{}: epoll set", self.driver),
+                std::io::Error::other("the set is not made"),
+            )
+        })?;
+        let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
         for p in self
             .peers
             .iter()
@@ -313,10 +357,32 @@ impl ReadinessSet {
         {
             for fd in &p.fds {
                 set.add(fd, EpollEvent::new(input, p.rank as u64))
-                    .map_err(&err)?;
+                    .map_err(self.err("epoll set"))?;
             }
         }
-        Ok(self.set.get_or_init(|| set))
+        m.joined = true;
+        Ok(())
+    }
+
+    /// Take the peers' descriptors out of the set when nobody needs them there (under
+    /// `making`).
+    fn part(&self, m: &mut Members) {
+        use std::sync::atomic::Ordering;
+        if !m.joined || m.pinned || m.armed > 0 {
+            return;
+        }
+        if let Some(set) = self.set.get() {
+            for p in self
+                .peers
+                .iter()
+                .filter(|p| !p.forgotten.load(Ordering::Acquire))
+            {
+                for fd in &p.fds {
+                    let _ = set.delete(fd);
+                }
+            }
+        }
+        m.joined = false;
     }
 
     /// The readiness descriptor ([`Incoming::readiness_fd`](crate::driver::Incoming::readiness_fd));
@@ -334,9 +400,9 @@ impl ReadinessSet {
         if mine().all(|p| p.forgotten.load(Ordering::Acquire)) {
             return; // already out (a connection's halves report its end more than once)
         }
-        let _g = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        let g = self.making.lock().unwrap_or_else(|p| p.into_inner());
         for p in mine() {
-            if !p.forgotten.swap(true, Ordering::AcqRel) {
+            if !p.forgotten.swap(true, Ordering::AcqRel) && g.joined {
                 if let Some(set) = self.set.get() {
                     for fd in &p.fds {
                         let _ = set.delete(fd);
@@ -432,8 +498,9 @@ impl ReadinessSet {
         Ok(self.send_ready.swap(false, Ordering::AcqRel) || n > 0)
     }
 
-    /// Wait on the epoll set (made now if it was not yet) up to `timeout`: `ready(rank)` for
-    /// each peer with input or a hang-up; armed sends that fired are noted for the next
+    /// Wait on the epoll set (made now if it was not yet, with the peers in it for good) up to
+    /// `timeout`: `ready(rank)` for each peer with input or a hang-up; armed sends that fired
+    /// are noted for the next
     /// [`any_ready`](Self::any_ready). Returns whether the wake-up socket was readable (the
     /// caller drains it if it is a waiter). Interrupted waits return as a timeout would.
     ///
@@ -444,6 +511,8 @@ impl ReadinessSet {
         use nix::sys::epoll::EpollEvent;
         use std::sync::atomic::Ordering;
         let mut evs = [EpollEvent::empty(); 64];
+        // A blocking wait on the set keeps the peers in it for good (`make`).
+        self.make()?;
         let n = match self.set()?.wait(&mut evs, poll_timeout(timeout)) {
             Ok(n) => n,
             Err(nix::errno::Errno::EINTR) => 0,
@@ -501,13 +570,43 @@ impl ReadinessSet {
         Ok(fds.last().is_some_and(fired))
     }
 
-    /// Make the set now (before arming: what happens afterwards makes it readable).
+    /// Make the set now, with the peers' descriptors in it for good (before arming: what
+    /// happens afterwards makes it readable; and before [`wait`](Self::wait)).
     ///
     /// # Errors
     ///
     /// [`Error::Io`] when the set cannot be made.
     pub fn make(&self) -> Result<()> {
-        self.set().map(drop)
+        self.set()?;
+        let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        m.pinned = true;
+        self.join(&mut m)
+    }
+
+    /// An event loop arms: make the set and put the peers' descriptors in it until the
+    /// matching [`disarm`](Self::disarm). A set that holds a socket costs the kernel a callback
+    /// for every segment that arrives on it, which traffic between sleeps should not pay: the
+    /// descriptors stay in only while someone armed and has not disarmed (or for good after
+    /// [`make`](Self::make)). Call [`disarm`](Self::disarm) when the arm says `Busy` (the
+    /// caller does not sleep) and after the sleep.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] when the set cannot be made or a descriptor cannot be added.
+    pub fn arm_peers(&self) -> Result<()> {
+        self.set()?;
+        let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        self.join(&mut m)?;
+        m.armed += 1;
+        Ok(())
+    }
+
+    /// The end of an [`arm_peers`](Self::arm_peers): the last one takes the peers'
+    /// descriptors out of the set (unless it was [`make`](Self::make)d).
+    pub fn disarm(&self) {
+        let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
+        m.armed = m.armed.saturating_sub(1);
+        self.part(&mut m);
     }
 }
 
@@ -564,6 +663,28 @@ mod tests {
             set.drain_wake();
             assert_eq!(ready_ranks(&set, epoll), (vec![3], false));
         }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "real sockets and epoll: not under Miri")]
+    fn the_peers_are_in_the_set_only_while_armed_or_made() {
+        let (set, mut far_a, _far_b) = two_peers();
+        far_a.write_all(&[1]).unwrap();
+        // The descriptor exists, but nobody armed: the sockets are not watched.
+        assert!(set.readiness_fd().is_some());
+        assert!(!set.any_ready().unwrap());
+        set.arm_peers().unwrap();
+        assert!(set.any_ready().unwrap(), "armed: the pending byte shows");
+        set.arm_peers().unwrap();
+        set.disarm();
+        assert!(set.any_ready().unwrap(), "one arm is still open");
+        set.disarm();
+        assert!(!set.any_ready().unwrap(), "every arm ended: out of the set");
+        set.disarm(); // an extra disarm is harmless
+        set.make().unwrap();
+        set.arm_peers().unwrap();
+        set.disarm();
+        assert!(set.any_ready().unwrap(), "made: in the set for good");
     }
 
     #[test]

@@ -424,13 +424,36 @@ impl Virtual {
             .map(|s| s.0.as_fd())
     }
 
-    /// Arm every source; `Busy` when one is.
+    /// Arm every source; `Busy` when one is (the sources that said `Armed` are disarmed
+    /// then: the caller does not sleep).
     pub(crate) fn arm(&self) -> Result<Armed> {
         let mut busy = false;
+        let mut armed: smallvec::SmallVec<[&Channel; 4]> = smallvec::SmallVec::new();
+        let mut r = Ok(());
         for p in self.sources() {
-            busy |= p.arm()? == Armed::Busy;
+            match p.arm() {
+                Ok(Armed::Armed) => armed.push(p),
+                Ok(_) => busy = true,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
         }
+        if busy || r.is_err() {
+            for p in armed {
+                p.disarm();
+            }
+        }
+        r?;
         Ok(if busy { Armed::Busy } else { Armed::Armed })
+    }
+
+    /// Disarm every source (after an arm that said `Armed`).
+    pub(crate) fn disarm(&self) {
+        for p in self.sources() {
+            p.disarm();
+        }
     }
 
     /// The sources as the any-source calls take them, and the one to look at first

@@ -831,18 +831,32 @@ impl Incoming for TcpIncoming {
     }
 
     fn arm(&self) -> Result<Armed> {
-        self.ready.make()?;
+        // The sockets join the set until the matching `disarm` (a set holding a socket costs
+        // a kernel callback per incoming segment, which busy traffic should not pay).
+        self.ready.arm_peers()?;
         // A peer found unreachable is shut down here, which makes its socket readable.
         self.check_liveness();
         // Clear, then look: the set is level-triggered, so looking consumes nothing but the
         // one-shot events of armed sends (which make this arm `Busy`), and anything that
         // happens after the drain makes the set readable again.
         self.ready.drain_wake();
-        Ok(if self.ready.any_ready()? {
+        let busy = match self.ready.any_ready() {
+            Ok(b) => b,
+            Err(e) => {
+                self.ready.disarm();
+                return Err(e);
+            }
+        };
+        Ok(if busy {
+            self.ready.disarm();
             Armed::Busy
         } else {
             Armed::Armed
         })
+    }
+
+    fn disarm(&self) {
+        self.ready.disarm();
     }
 
     fn shutdown(&self) {

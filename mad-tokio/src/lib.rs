@@ -176,6 +176,15 @@ impl std::fmt::Debug for AsyncChannel {
     }
 }
 
+/// Disarms the channel when dropped (after a sleep that an `Armed` arm began).
+struct Disarm<'a>(&'a Channel);
+
+impl Drop for Disarm<'_> {
+    fn drop(&mut self) {
+        self.0.disarm();
+    }
+}
+
 /// Longest a future retries on its thread before it yields to the runtime (the first part of
 /// the spin budget).
 const SPIN_IN_PLACE: Duration = Duration::from_micros(10);
@@ -305,6 +314,10 @@ impl AsyncChannel {
                 }
                 continue;
             }
+            // Armed: disarmed when this sleep ends, or when the future is dropped during it
+            // (the driver may stop watching what only sleepers need: tcp's sockets leave its
+            // epoll set, which costs a kernel callback per segment while they are in).
+            let _disarm = Disarm(&inner.ch);
             match inner.fd {
                 Some(fd) => {
                     let sleeper = inner.sleeper(fd)?;
