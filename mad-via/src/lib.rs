@@ -72,13 +72,12 @@ pub use reg::{Pd, RegStats, RegisteredBuffer};
 pub use soft::Endpoint;
 
 /// Default largest piece of the `small` TM (static buffers) on `via:soft`, from the Figure 4
-/// sweep (static buffers beat registration up to 64 KiB, tie at 32 KiB, lose from 128 KiB).
-pub const SMALL_MAX: usize = 64 << 10;
+/// sweep (static buffers beat registration up to 16 KiB, lose from 32 KiB).
+pub const SMALL_MAX: usize = 16 << 10;
 /// Default largest piece of the `medium` TM on `via:soft`: unbounded. In the sweep the
-/// rendezvous beats send/receive at 256–512 KiB but loses at 4–8 MiB (it serialises the
-/// receiver's registration of the whole destination and the transfer), and one range per TM
-/// cannot give it only the middle, so the default table sends everything above [`SMALL_MAX`]
-/// as medium; `tm.medium=<size>` brings the rendezvous back above that size.
+/// rendezvous never beat send/receive on the soft provider (it serialises the receiver's
+/// registration and the transfer), so the default table sends everything above
+/// [`SMALL_MAX`] as medium; `tm.medium=<size>` brings the rendezvous back above that size.
 pub const MEDIUM_MAX: usize = usize::MAX;
 /// Default largest `small` piece on `via:verbs`: **not measured** (no HCA here).
 pub const VERBS_SMALL_MAX: usize = 32 << 10;
@@ -199,7 +198,7 @@ pub fn default_table() -> Result<TmTable> {
         TmSpec::copy(
             "small",
             SMALL_MAX,
-            "copy into pre-registered static buffers, credit flow control (<= 64 KiB: Figure 4 sweep, NOTES.md)",
+            "copy into pre-registered static buffers, credit flow control (<= 16 KiB: Figure 4 sweep, NOTES.md)",
         ),
         TmSpec::gather(
             "medium",
