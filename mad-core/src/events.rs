@@ -267,6 +267,9 @@ pub struct ReadinessSet {
     /// A [`wait`](ReadinessSet::wait) consumed the event of an armed send: the next
     /// [`any_ready`](ReadinessSet::any_ready) says so.
     send_ready: std::sync::atomic::AtomicBool,
+    /// [`make`](ReadinessSet::make) is done: the peers are in the set for good (read without
+    /// the lock on every blocking [`wait`](ReadinessSet::wait)).
+    pinned: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ReadinessSet {
@@ -310,6 +313,7 @@ impl ReadinessSet {
             wake_rx,
             wake_tx,
             send_ready: std::sync::atomic::AtomicBool::new(false),
+            pinned: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -336,29 +340,25 @@ impl ReadinessSet {
         Ok(self.set.get_or_init(|| set))
     }
 
-    /// Put the peers' descriptors into the set if they are not in it (under `making`).
-    fn join(&self, m: &mut Members) -> Result<()> {
-        use nix::sys::epoll::{EpollEvent, EpollFlags};
+    /// The descriptors of the peers not forgotten, with their ranks.
+    fn live_fds(&self) -> impl Iterator<Item = (usize, &std::os::fd::OwnedFd)> {
         use std::sync::atomic::Ordering;
+        self.peers
+            .iter()
+            .filter(|p| !p.forgotten.load(Ordering::Acquire))
+            .flat_map(|p| p.fds.iter().map(move |fd| (p.rank, fd)))
+    }
+
+    /// Put the peers' descriptors into `set` if they are not in it (under `making`).
+    fn join(&self, set: &nix::sys::epoll::Epoll, m: &mut Members) -> Result<()> {
+        use nix::sys::epoll::{EpollEvent, EpollFlags};
         if m.joined {
             return Ok(());
         }
-        let set = self.set.get().ok_or_else(|| {
-            Error::io(
-                format!("{}: epoll set", self.driver),
-                std::io::Error::other("the set is not made"),
-            )
-        })?;
         let input = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
-        for p in self
-            .peers
-            .iter()
-            .filter(|p| !p.forgotten.load(Ordering::Acquire))
-        {
-            for fd in &p.fds {
-                set.add(fd, EpollEvent::new(input, p.rank as u64))
-                    .map_err(self.err("epoll set"))?;
-            }
+        for (rank, fd) in self.live_fds() {
+            set.add(fd, EpollEvent::new(input, rank as u64))
+                .map_err(self.err("epoll set"))?;
         }
         m.joined = true;
         Ok(())
@@ -367,19 +367,12 @@ impl ReadinessSet {
     /// Take the peers' descriptors out of the set when nobody needs them there (under
     /// `making`).
     fn part(&self, m: &mut Members) {
-        use std::sync::atomic::Ordering;
         if !m.joined || m.pinned || m.armed > 0 {
             return;
         }
         if let Some(set) = self.set.get() {
-            for p in self
-                .peers
-                .iter()
-                .filter(|p| !p.forgotten.load(Ordering::Acquire))
-            {
-                for fd in &p.fds {
-                    let _ = set.delete(fd);
-                }
+            for (_, fd) in self.live_fds() {
+                let _ = set.delete(fd);
             }
         }
         m.joined = false;
@@ -541,19 +534,12 @@ impl ReadinessSet {
     pub fn poll_peers(&self, timeout: Duration, ready: &mut dyn FnMut(usize)) -> Result<bool> {
         use nix::poll::{PollFd, PollFlags};
         use std::os::fd::AsFd;
-        use std::sync::atomic::Ordering;
         let mut ranks: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
         let mut fds: smallvec::SmallVec<[PollFd<'_>; 8]> = smallvec::SmallVec::new();
         // A forgotten peer's hung-up socket stays readable: polling it would end every wait.
-        for p in self
-            .peers
-            .iter()
-            .filter(|p| !p.forgotten.load(Ordering::Acquire))
-        {
-            for fd in &p.fds {
-                ranks.push(p.rank);
-                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-            }
+        for (rank, fd) in self.live_fds() {
+            ranks.push(rank);
+            fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
         }
         fds.push(PollFd::new(self.wake_rx.as_fd(), PollFlags::POLLIN));
         match nix::poll::poll(&mut fds, poll_timeout(timeout)) {
@@ -577,10 +563,16 @@ impl ReadinessSet {
     ///
     /// [`Error::Io`] when the set cannot be made.
     pub fn make(&self) -> Result<()> {
-        self.set()?;
+        use std::sync::atomic::Ordering;
+        if self.pinned.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let set = self.set()?;
         let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
         m.pinned = true;
-        self.join(&mut m)
+        self.join(set, &mut m)?;
+        self.pinned.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// An event loop arms: make the set and put the peers' descriptors in it until the
@@ -594,9 +586,9 @@ impl ReadinessSet {
     ///
     /// [`Error::Io`] when the set cannot be made or a descriptor cannot be added.
     pub fn arm_peers(&self) -> Result<()> {
-        self.set()?;
+        let set = self.set()?;
         let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
-        self.join(&mut m)?;
+        self.join(set, &mut m)?;
         m.armed += 1;
         Ok(())
     }
