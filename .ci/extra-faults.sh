@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fault, bad-input and security checks beyond `cargo test` (the fault_*.rs and stress.rs
 # integration tests already run in .ci/run's workspace test step). See RELIABILITY.md.
-#   1. cargo-fuzz: a short run of every target (FUZZ_SECONDS, default 20 s each), seeded from
+#   1. cargo-fuzz: a short run of every target (FUZZ_SECONDS, default 10 s each), seeded from
 #      fuzz/corpus/<target>/ (copied to a scratch directory: the committed corpus stays small).
 #      Skipped with a message if nightly or cargo-fuzz cannot be installed.
 #   2. TCP across network namespaces with nftables loss / black hole / resets
@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+FUZZ_SECONDS=${FUZZ_SECONDS:-10}
 status=0
 
 echo "== fuzzing (${FUZZ_SECONDS} s per target)"

@@ -2,8 +2,9 @@
 # Run every benchmark that runs on this host and regenerate the results section of BENCHMARKS.md.
 #
 #   bench/run.sh            full run (15 minutes on 2 cores; run it on a quiet machine)
-#   bench/run.sh --quick    smoke run: tiny iteration counts, every path once; results in
-#                           target-bench/quick-results, BENCHMARKS.md untouched (what CI runs)
+#   bench/run.sh --quick    smoke run: tiny iteration counts, every path once, debug builds for
+#                           the MPI and UCX jobs; results in target-bench/quick-results (or
+#                           $CARGO_TARGET_DIR/quick-results), BENCHMARKS.md untouched (what CI runs)
 #   NO_MPI=1 bench/run.sh   skip the MPI builds and jobs even when an MPI is installed
 #   NO_UCX=1 bench/run.sh   skip the UCX build and job even when libucx-dev is installed
 #
@@ -72,8 +73,21 @@ step() {
     return 0
 }
 
+# One package selection for every release build of this script (and .ci/run's), so that cargo
+# resolves the same features each time and a later build reuses the earlier one.
+BUILD=(cargo build --release -p mad-bench -p madeleine-rs -p mad-rpc-bench --bin mad-bench --bin madrun
+       --example rpc)
+# The MPI and UCX jobs need builds of their own. Quick: debug builds in the target directories
+# of .ci/mpi.sh (target-mpich, target-openmpi) and in $CARGO_TARGET_DIR, which CI has built
+# already (its figures only show that the path runs); full: release builds in target-bench-*.
+if [[ ${#QUICK[@]} -gt 0 ]]; then
+    SIDE_PROFILE=(); SIDE_DIR=debug; MPI_PREFIX="$PWD/target-"; UCX_DEFAULT="$CARGO_TARGET_DIR"
+else
+    SIDE_PROFILE=(--release); SIDE_DIR=release; MPI_PREFIX="$PWD/target-bench-"; UCX_DEFAULT="$PWD/target-bench-ucx"
+fi
+
 echo "== build (release): mad-bench, madrun, examples/rpc"
-if ! cargo build --release -p mad-bench -p madeleine-rs --bin mad-bench --bin madrun --example rpc; then
+if ! "${BUILD[@]}"; then
     echo "bench/run.sh: the build failed" >&2
     exit 1
 fi
@@ -114,7 +128,7 @@ has_libucx() {
 }
 
 ucx_job() {
-    local target="${UCX_TARGET_DIR:-$PWD/target-bench-ucx}" t0 rc
+    local target="${UCX_TARGET_DIR:-$UCX_DEFAULT}" t0 rc
     if [[ -n "${NO_UCX:-}" ]]; then
         status ucx not-run 0 "NO_UCX is set"
         return
@@ -126,14 +140,14 @@ ucx_job() {
     echo
     echo "== ucx: build with --features tcp,shm,sisci,bench-ucx in $target"
     t0=$(date +%s)
-    if ! CARGO_TARGET_DIR="$target" cargo build --release -p mad-bench --no-default-features \
+    if ! CARGO_TARGET_DIR="$target" cargo build "${SIDE_PROFILE[@]}" -p mad-bench --no-default-features \
             --features tcp,shm,sisci,bench-ucx 2>&1 | tee "$OUT/ucx-build.log"; then
         status ucx failed $(( $(date +%s) - t0 )) "the build with --features bench-ucx failed (see $OUT/ucx-build.log)"
         FAILED+=(ucx)
         return
     fi
     echo "== ucx: madrun -n 2 mad-bench ${UCXARGS[*]}"
-    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$target/release/mad-bench" "${QUICK[@]}" \
+    "$BIN/madrun" -n 2 --no-prefix --timeout 1800 -- "$target/$SIDE_DIR/mad-bench" "${QUICK[@]}" \
         "${UCXARGS[@]}" --csv "$OUT/ucx.csv" "$@" 2>&1 | tee "$OUT/ucx.txt"
     rc=${PIPESTATUS[0]}
     if [[ $rc -ne 0 ]]; then
@@ -169,7 +183,7 @@ mpi_job() {
     local name=$1 t0 rc
     shift
     local launcher=("$@")
-    local target="$PWD/target-bench-$name"
+    local target="$MPI_PREFIX$name"
     if [[ -n "${NO_MPI:-}" ]]; then
         status "$name" not-run 0 "NO_MPI is set"
         return
@@ -187,14 +201,14 @@ mpi_job() {
     echo "== $name: build with --features shm,bench-mpi in $target"
     t0=$(date +%s)
     # Only the drivers the job uses (shm; mpi comes with bench-mpi): half the build time.
-    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build --release -p mad-bench \
+    if ! MPICC="mpicc.$name" CARGO_TARGET_DIR="$target" cargo build "${SIDE_PROFILE[@]}" -p mad-bench \
             --no-default-features --features shm,bench-mpi 2>&1 | tee "$OUT/$name-build.log"; then
         status "$name" failed $(( $(date +%s) - t0 )) "the build with --features shm,bench-mpi failed (needs libclang-dev; see $OUT/$name-build.log)"
         FAILED+=("$name")
         return
     fi
     echo "== $name: ${launcher[*]} -n 2 mad-bench ${MPIARGS[*]}"
-    timeout 1800 "${launcher[@]}" -n 2 "$target/release/mad-bench" "${QUICK[@]}" "${MPIARGS[@]}" \
+    timeout 1800 "${launcher[@]}" -n 2 "$target/$SIDE_DIR/mad-bench" "${QUICK[@]}" "${MPIARGS[@]}" \
         --csv "$OUT/$name.csv" "${EXTRA[@]}" 2>&1 | tr -d '\000' | tee "$OUT/$name.txt"
     rc=${PIPESTATUS[0]}
     if [[ $rc -eq 0 ]]; then
@@ -206,7 +220,7 @@ mpi_job() {
     fi
     t0=$(date +%s)
     echo "== $name-mr: ${launcher[*]} -n 4 mad-bench ${MRARGS[*]}"
-    timeout 1800 "${launcher[@]}" -n 4 "$target/release/mad-bench" "${QUICK[@]}" "${MRARGS[@]}" \
+    timeout 1800 "${launcher[@]}" -n 4 "$target/$SIDE_DIR/mad-bench" "${QUICK[@]}" "${MRARGS[@]}" \
         --csv "$OUT/$name-mr.csv" "${EXTRA[@]}" 2>&1 | tr -d '\000' | tee "$OUT/$name-mr.txt"
     rc=${PIPESTATUS[0]}
     if [[ $rc -eq 0 ]]; then
@@ -265,7 +279,7 @@ rpc_bench() {
     t0=$(date +%s)
     echo
     echo "== rpc-bench: build (release) -p mad-rpc-bench"
-    if ! cargo build --release -p mad-rpc-bench > "$OUT/rpc-bench-build.log" 2>&1; then
+    if ! "${BUILD[@]}" --bin rpc-bench > "$OUT/rpc-bench-build.log" 2>&1; then
         tail -20 "$OUT/rpc-bench-build.log"
         status rpc-bench not-run $(( $(date +%s) - t0 )) "the build of mad-rpc-bench (tonic) failed (see $OUT/rpc-bench-build.log)"
         echo "== rpc-bench not run: the build failed"
