@@ -36,7 +36,9 @@ static void serve(MadChannel *ch, size_t clients) {
             if (fd < 0) continue; /* no descriptor (MPI): poll the channel */
             if (mad_channel_arm(ch) == MAD_AGAIN) continue;
             struct pollfd p = {.fd = fd, .events = POLLIN};
-            if (poll(&p, 1, 10000) == 0) { fprintf(stderr, "rpc: server idle for 10 s\n"); exit(1); }
+            int n = poll(&p, 1, 10000);
+            mad_channel_disarm(ch);
+            if (n == 0) { fprintf(stderr, "rpc: server idle for 10 s\n"); exit(1); }
             sleeps++;
             continue;
         }

@@ -198,11 +198,22 @@ int mad_channel_readiness_fd(const struct MadChannel *ch);
 // Arm the readiness descriptor before sleeping on it (`poll(2)`): `MAD_OK` when the caller
 // may sleep (anything that happens from now on makes the descriptor readable), `MAD_AGAIN`
 // when something may be ready already (try again first, then arm again). Without arming, a
-// driver need not signal the descriptor (busy traffic then pays nothing for it).
+// driver need not signal the descriptor (busy traffic then pays nothing for it). After the
+// sleep, [`mad_channel_disarm`].
 //
 // # Safety
 // `ch` is a valid channel.
 int mad_channel_arm(const struct MadChannel *ch);
+
+// After a [`mad_channel_arm`] that returned `MAD_OK`, once the caller woke up (or gave up
+// waiting) and polls again: the driver may stop watching what only a sleeper needs (tcp takes
+// its sockets out of its epoll set, where every incoming segment costs the kernel work). Pair
+// each `MAD_OK` arm with one disarm; a caller that never disarms is correct but keeps the
+// driver watching. Returns `MAD_OK`, or `MAD_E_BAD_CONFIG` for a NULL channel.
+//
+// # Safety
+// `ch` is a valid channel.
+int mad_channel_disarm(const struct MadChannel *ch);
 
 // Copy the channel's counters into `*out`.
 //

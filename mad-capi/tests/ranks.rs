@@ -1,7 +1,8 @@
 //! The C API with three ranks, each a separate process (the test starts the bootstrap server
 //! `madrun` runs and re-executes its own binary as the ranks), over tcp and shm: handles of
 //! messages to and from several peers open at once on several threads, any-source receives,
-//! a second message to a peer refused while the first is open, no heap allocation per message
+//! receives through the readiness descriptor (arm, `poll(2)`, disarm), a second message to a
+//! peer refused while the first is open, no heap allocation per message
 //! once a peer's handle slots exist (piece by piece and one call), and a channel freed while a
 //! message is still open (its handle stays valid and fails cleanly).
 
@@ -182,13 +183,56 @@ fn send(ch: Ch, to: usize, me: usize, seq: usize) {
 /// sender and sequence number.
 fn recv(ch: Ch, from: Option<usize>) -> (usize, usize) {
     let mut u = null_mut();
-    let mut head = [0u64; 2];
-    // SAFETY: valid channel and pointers; `body` lives until `mad_end_unpacking`.
+    // SAFETY: valid channel and pointer.
     unsafe {
         match from {
             Some(r) => ok(mad_begin_unpacking_from(ch.0, r, &mut u)),
             None => ok(mad_begin_unpacking(ch.0, &mut u)),
         }
+    }
+    read_message(u, from)
+}
+
+/// [`recv`] from any peer as an event loop does it: try, arm the readiness descriptor
+/// (`MAD_AGAIN`: try again), sleep on it with `poll(2)`, disarm; a descriptor quiet for 10 s
+/// while a message is due is a lost wake-up. Returns the message and the number of sleeps.
+fn recv_polled(ch: Ch) -> ((usize, usize), usize) {
+    // SAFETY: a valid channel.
+    let fd = unsafe { mad_channel_readiness_fd(ch.0) };
+    let mut sleeps = 0;
+    loop {
+        let mut u = null_mut();
+        // SAFETY: valid channel and pointer.
+        match unsafe { mad_try_begin_unpacking(ch.0, &mut u) } {
+            MAD_AGAIN => {}
+            rc => {
+                ok(rc);
+                return (read_message(u, None), sleeps);
+            }
+        }
+        // SAFETY: a valid channel.
+        if fd < 0 || unsafe { mad_channel_arm(ch.0) } == MAD_AGAIN {
+            continue;
+        }
+        sleeps += 1;
+        // SAFETY: the channel's descriptor, open while the channel is.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let woke = mad_core::events::wait_readable(&[fd], Some(std::time::Duration::from_secs(10)))
+            .expect("poll");
+        // SAFETY: a valid channel.
+        ok(unsafe { mad_channel_disarm(ch.0) });
+        assert!(
+            !woke.is_empty(),
+            "lost wake-up: the armed descriptor stayed quiet for 10 s"
+        );
+    }
+}
+
+/// The pieces of a message of [`send`] whose unpacking began: check them and end it.
+fn read_message(u: *mut MadUnpacker, from: Option<usize>) -> (usize, usize) {
+    let mut head = [0u64; 2];
+    // SAFETY: a valid unpacker and pointers; `body` lives until `mad_end_unpacking`.
+    unsafe {
         let remote = mad_unpacker_remote(u);
         if let Some(r) = from {
             assert_eq!(remote, r);
@@ -253,6 +297,26 @@ fn rank(spec: &str) {
             assert_eq!(seq, next[from], "order from rank {from}");
             next[from] += 1;
         }
+        // The same as an event loop: arm, poll(2), disarm. The peers send when told to, with
+        // pauses, so that this loop finds nothing at times and sleeps.
+        for peer in 1..RANKS {
+            send(ch, peer, 0, 0);
+        }
+        // (The peers' numbers go on: their next messages may have come in the loop above.)
+        let mut sleeps = 0;
+        for _ in 0..2 * MESSAGES {
+            let ((from, seq), n) = recv_polled(ch);
+            assert_eq!(seq, next[from], "order from rank {from} (polled)");
+            next[from] += 1;
+            sleeps += n;
+        }
+        // SAFETY: a valid channel.
+        if unsafe { mad_channel_readiness_fd(ch.0) } >= 0 {
+            assert!(sleeps > 0, "the event loop never slept on the descriptor");
+        }
+        // SAFETY: NULL is refused, not dereferenced.
+        let rc = unsafe { mad_channel_disarm(std::ptr::null()) };
+        assert_eq!(rc, MAD_E_BAD_CONFIG);
         // A second message to a peer while this thread's first is open is refused, and the
         // first goes on.
         let (mut p, mut q) = (null_mut(), null_mut());
@@ -281,6 +345,14 @@ fn rank(spec: &str) {
             send(ch, 0, me, seq);
         }
         for seq in 0..MESSAGES {
+            send(ch, 0, me, seq);
+        }
+        // For rank 0's event loop, when it is ready, with pauses so that it sleeps.
+        assert_eq!(recv(ch, Some(0)), (0, 0));
+        for seq in MESSAGES..2 * MESSAGES {
+            if seq % 100 == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             send(ch, 0, me, seq);
         }
         if me == 1 {

@@ -296,3 +296,61 @@ fn departed_peer_few_peers() {
 fn departed_peer_many_peers_epoll() {
     departed_peer_then_quiet(6);
 }
+
+/// Descriptors in the epoll set `fd`, as the kernel lists them (the `tfd:` lines of its
+/// fdinfo).
+fn watched(fd: RawFd) -> usize {
+    std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+        .expect("fdinfo of the readiness descriptor")
+        .lines()
+        .filter(|l| l.starts_with("tfd:"))
+        .count()
+}
+
+/// The peers' sockets are in the readiness descriptor's set only between an `Armed` arm and
+/// its disarm (a watched socket costs the kernel a callback per incoming segment), counted by
+/// the kernel, with nested arms; an armed descriptor fires for a message. With more than 4
+/// peers the any-source waits use the set, which then holds them for good (`pinned`).
+fn sockets_watched_only_while_armed(ranks: usize, pinned: bool) {
+    let mut chans = open_group(ranks, cfg("disarm"));
+    let mut b = take(&mut chans[1], 0);
+    let _a = take(&mut chans[0], 1);
+    let inc = &chans[0].incoming;
+    let fd = inc
+        .readiness_fd()
+        .expect("tcp has a readiness descriptor")
+        .as_raw_fd();
+    // The wake-up socket, and the peers' sockets when they are in.
+    let (out, all) = (if pinned { ranks } else { 1 }, ranks);
+    assert_eq!(watched(fd), out, "before any arm");
+    assert_eq!(inc.arm().unwrap(), Armed::Armed, "idle channel");
+    assert_eq!(watched(fd), all, "armed: every peer's socket is watched");
+    // Two arms (two event loops), one disarm: still watched.
+    assert_eq!(inc.arm().unwrap(), Armed::Armed, "idle channel");
+    inc.disarm();
+    assert_eq!(watched(fd), all, "one arm is left");
+    // A message wakes the armed descriptor.
+    let body = vec![5u8; 64 << 10];
+    b.tx.begin_message().unwrap();
+    drive(|| b.tx.send_refs(1, &[IoSlice::new(&body)])).unwrap();
+    drive(|| b.tx.end_message()).unwrap();
+    assert!(
+        readable(fd, Duration::from_secs(5)),
+        "an armed descriptor stayed quiet"
+    );
+    inc.disarm();
+    assert_eq!(watched(fd), out, "every arm was disarmed");
+    // An arm that finds the message there says `Busy` and leaves nothing to disarm.
+    assert_eq!(inc.arm().unwrap(), Armed::Busy, "the message is there");
+    assert_eq!(watched(fd), out, "a busy arm took the sockets out again");
+}
+
+#[test]
+fn sockets_watched_only_while_armed_few_peers() {
+    sockets_watched_only_while_armed(3, false);
+}
+
+#[test]
+fn sockets_watched_for_good_many_peers_epoll() {
+    sockets_watched_only_while_armed(6, true);
+}
