@@ -49,7 +49,13 @@ fn crash_child_role() {
 }
 
 fn spawn_child(mode: &str) -> (std::process::Child, mad_core::driver::OpenedChannel) {
-    let path = format!("/tmp/mad-shm-crash-{}-{mode}.sock", std::process::id());
+    // One socket per call: tests of the same mode may run at once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = format!(
+        "/tmp/mad-shm-crash-{}-{mode}-{call}.sock",
+        std::process::id()
+    );
     let _ = std::fs::remove_file(&path);
     let l = UnixListener::bind(&path).unwrap();
     let secret = Secret::random().unwrap();
