@@ -54,6 +54,7 @@ pub mod alloc;
 pub mod death;
 mod events;
 pub mod jobs;
+pub mod readiness;
 pub mod tune;
 
 /// What to run.
