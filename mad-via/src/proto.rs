@@ -122,6 +122,9 @@ pub(crate) struct Conn<N: Nic> {
     pub(crate) rank: usize,
     pub(crate) nic: N,
     failed: Option<String>,
+    /// The first fatal error was the peer's clean close or death: every later call reports
+    /// [`Error::PeerClosed`] again, as the other drivers do, not [`Error::Poisoned`].
+    peer_gone: bool,
     slots: u32,
     slot_size: usize,
     /// Control sends posted (each takes one of the peer's receive buffers).
@@ -258,6 +261,7 @@ impl<N: Nic> Conn<N> {
             rank,
             nic,
             failed: None,
+            peer_gone: false,
             slots,
             slot_size: cfg.slot_size,
             sent: 0,
@@ -320,6 +324,7 @@ impl<N: Nic> Conn<N> {
 
     pub(crate) fn check(&self) -> Result<()> {
         match &self.failed {
+            Some(_) if self.peer_gone => Err(Error::PeerClosed { rank: self.rank }),
             Some(cause) => Err(Error::Poisoned {
                 rank: self.rank,
                 cause: cause.as_str().into(),
@@ -333,6 +338,7 @@ impl<N: Nic> Conn<N> {
         if let Err(e) = &r {
             if self.failed.is_none() {
                 self.failed = Some(e.to_string());
+                self.peer_gone = matches!(e, Error::PeerClosed { .. });
                 if matches!(e, Error::Protocol { .. }) {
                     self.nic.fail(wire::ERR_PROTOCOL, &e.to_string());
                 }

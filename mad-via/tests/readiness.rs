@@ -39,7 +39,6 @@ fn departed_peer_then_quiet() {
 /// The ring body's shutdown. (The ring `arm_send` body does not apply: via's `Incoming::arm`
 /// says `Busy` once after the fill, progress since the last arm, which the stream body allows.)
 #[test]
-#[ignore = "via reports a clean close as PeerClosed once, then Poisoned (rx and tx share the failure)"]
 fn shutdown_wakes_blocked_waits_promptly() {
     readiness::shutdown_wakes_blocked_waits_promptly(&rig());
 }
