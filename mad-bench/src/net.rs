@@ -175,6 +175,8 @@ impl Net for MadNet {
 
     fn send_rpc(&mut self, peer: usize, body: &[u8]) -> Result<()> {
         let mut p = self.ch.begin_packing(peer)?;
+        // Nothing waits between the pieces: the size goes out with the body.
+        p.flush_at_end();
         p.pack_value(&(body.len() as u64), RecvMode::Express)?;
         p.pack(body, RecvMode::Cheaper)?;
         p.end_packing()

@@ -990,6 +990,8 @@ pub unsafe extern "C" fn mad_send(
         };
         let r = (|| {
             let mut p = c.ch.begin_packing(remote)?;
+            // The whole message is in this call: its EXPRESS pieces go out with the rest.
+            p.flush_at_end();
             for piece in list {
                 let bytes: &[u8] = if piece.len == 0 {
                     &[]

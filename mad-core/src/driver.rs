@@ -496,9 +496,11 @@ pub trait TxLink: Send {
         0
     }
 
-    /// A hint, after each piece received EXPRESS: the receiver needs that piece to issue its
-    /// next unpacks, so a driver that can make it visible cheaply (a ring that keeps short
-    /// lends unpublished to move a short message with one publication) does it now. Drivers for
+    /// A hint, after each piece received EXPRESS (under
+    /// [`Packer::flush_at_end`](crate::Packer::flush_at_end): before a copy of more than
+    /// 4 KiB that follows one): the receiver needs that piece to issue its next unpacks, so
+    /// a driver that can make it visible cheaply (a ring that keeps short lends unpublished
+    /// to move a short message with one publication) does it now. Drivers for
     /// which that costs a system call keep the default, which does nothing: the engine's
     /// guarantee is that EXPRESS data is available when the receiver's `unpack` returns, and
     /// the sender's bytes reach the receiver at the latest at `end_packing` (or at

@@ -569,6 +569,84 @@ fn express_pieces_are_published_before_end_packing() {
 }
 
 #[test]
+fn under_flush_at_end_express_pieces_go_out_with_the_next_publication() {
+    // The Figure 1 pattern again, from a sender that promised not to wait before the end:
+    // the size goes out with what follows (here the switch to the gather TM commits it), not
+    // in a publication of its own (one cache-line round trip more per message on shm).
+    let body = vec![5u8; 500];
+    let n = (body.len() as u64).to_le_bytes();
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.flush_at_end();
+        p.pack_safer(&n, RecvMode::Express)?;
+        p.pack(&body, RecvMode::Cheaper)?;
+        p.pack(&[1u8; 4], RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, cat(&[&fp(0, 8), &n, &fg(1, 1), &fp(1, 500)])),
+            Ev::Commit(0),
+            Ev::Refs(1, vec![body.clone()]),
+            Ev::Commit(1),
+            Ev::Copy(0, cat(&[&fp(0, 4), &[1u8; 4], &fe(3)])),
+            Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+    // A short EXPRESS piece at the end of the message: one lend, published by the end.
+    let ev = record("rec", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.flush_at_end();
+        p.pack(&[1u8; 4], RecvMode::Cheaper)?;
+        p.pack_safer(&n, RecvMode::Express)?;
+        p.end_packing()
+    });
+    assert_eq!(
+        ev,
+        vec![
+            Ev::Copy(0, cat(&[&fp(0, 4), &[1u8; 4], &fp(0, 8), &n, &fe(2)])),
+            Ev::Commit(0),
+            Ev::End,
+        ]
+    );
+}
+
+#[test]
+fn under_flush_at_end_an_express_piece_is_published_before_a_long_copy() {
+    // An EXPRESS size followed by a copy of more than 4 KiB on the same TM: the size is lent
+    // and published first, so the receiver works on it while the long copy runs; nothing else
+    // is published before the end.
+    let body = vec![5u8; 5000];
+    let n = (body.len() as u64).to_le_bytes();
+    let ev = record("rec,tm.small=65536", 4096, |ch| {
+        let mut p = ch.begin_packing(1)?;
+        p.flush_at_end();
+        p.pack_safer(&n, RecvMode::Express)?;
+        p.pack(&body, RecvMode::Cheaper)?;
+        p.end_packing()
+    });
+    assert_eq!(ev[0], Ev::Copy(0, cat(&[&fp(0, 8), &n])), "{ev:?}");
+    assert_eq!(ev[1], Ev::Publish, "{ev:?}");
+    assert_eq!(
+        ev.iter().filter(|e| **e == Ev::Publish).count(),
+        1,
+        "one publication before the end: {ev:?}"
+    );
+    let copied: Vec<u8> = ev[2..]
+        .iter()
+        .filter_map(|e| match e {
+            Ev::Copy(0, b) => Some(b.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(copied, cat(&[&fp(0, 5000), &body, &fe(2)]));
+    assert_eq!(&ev[ev.len() - 2..], &[Ev::Commit(0), Ev::End], "{ev:?}");
+}
+
+#[test]
 fn a_last_gather_group_carries_the_end_frame() {
     // The end frame travels with the last group's frames, in one lend before the group: the
     // end of the message costs no lend (on sockets no system call) of its own. A flush in the
