@@ -1890,6 +1890,11 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     pub fn defer(&mut self) {
         self.0.defer()
     }
+    /// See [`Packer::flush_at_end`].
+    #[inline]
+    pub fn flush_at_end(&mut self) {
+        self.0.flush_at_end()
+    }
     /// See [`Packer::flush`].
     ///
     /// # Errors
