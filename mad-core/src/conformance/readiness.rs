@@ -273,7 +273,7 @@ pub fn arm_send_on_full_ring_fires_when_the_reader_drains(rig: &Rig) {
                 readable(fd, BOUND),
                 "the reader freed room: the descriptor must fire"
             );
-            eprintln!(
+            tracing::info!(
                 "{}: arm_send: readable {:?} after the reader started",
                 rig.name,
                 t0.elapsed()
@@ -378,7 +378,7 @@ fn ring_shutdown_rank(
                 let (t_rx, e_rx) = rx.join().unwrap();
                 let t_any = any.join().unwrap();
                 let (t_tx, e_tx) = tx.join().unwrap();
-                eprintln!(
+                tracing::info!(
                     "{}: shutdown: RxLink::wait returned after {t_rx:?} ({e_rx}), \
                      Incoming::wait after {t_any:?}, TxLink::wait after {t_tx:?} ({e_tx})",
                     rig.name
@@ -428,7 +428,7 @@ fn ring_shutdown_rank(
                 readable(fd, BOUND),
                 "rank 0's close must wake an armed peer"
             );
-            eprintln!(
+            tracing::info!(
                 "{}: shutdown: the armed peer's descriptor fired {:?} after a 50 ms quiet check \
                  (rank 0 closes 150 ms after the barrier)",
                 rig.name,
@@ -500,7 +500,7 @@ pub fn arm_send_wakes_when_the_reader_drains(rig: &Rig, ranks: usize) {
         readable(fd, Duration::from_secs(10)),
         "the readiness descriptor stayed quiet after the reader drained the connection"
     );
-    eprintln!(
+    tracing::info!(
         "{} ({ranks} ranks): the armed send made the descriptor readable {:?} after the \
          reader started",
         rig.name,
@@ -600,7 +600,7 @@ pub fn shutdown_wakes_and_closes_cleanly(rig: &Rig, ranks: usize) {
     let (t_tx, e_tx, mut to2) = tx_waiter.join().unwrap();
     let t_any = any_waiter.join().unwrap();
     let took = |t: Instant| t.saturating_duration_since(t0);
-    eprintln!(
+    tracing::info!(
         "{} ({ranks} ranks): after shutdown the waiting receive failed in {:?}, the waiting \
          send in {:?}, Incoming::wait returned in {:?}",
         rig.name,
@@ -676,7 +676,7 @@ pub fn shutdown_wakes_a_blocking_gather_receive(rig: &Rig) {
     c1.incoming.shutdown();
     let (t, e) = receiver.join().unwrap();
     let took = t.saturating_duration_since(t0);
-    eprintln!(
+    tracing::info!(
         "{} (block mode): shutdown ended a blocking gather receive in {took:?}",
         rig.name
     );
