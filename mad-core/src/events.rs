@@ -234,8 +234,6 @@ pub const SEND_TOKEN: u64 = 1 << 62;
 struct Members {
     /// The descriptors are in the set.
     joined: bool,
-    /// [`ReadinessSet::make`]: they stay in for good.
-    pinned: bool,
     /// Arms not yet disarmed ([`ReadinessSet::arm_peers`]).
     armed: usize,
 }
@@ -267,8 +265,8 @@ pub struct ReadinessSet {
     /// A [`wait`](ReadinessSet::wait) consumed the event of an armed send: the next
     /// [`any_ready`](ReadinessSet::any_ready) says so.
     send_ready: std::sync::atomic::AtomicBool,
-    /// [`make`](ReadinessSet::make) is done: the peers are in the set for good (read without
-    /// the lock on every blocking [`wait`](ReadinessSet::wait)).
+    /// [`make`](ReadinessSet::make) is done: the peers are in the set for good (written under
+    /// `making`; read without the lock on every blocking [`wait`](ReadinessSet::wait)).
     pinned: std::sync::atomic::AtomicBool,
 }
 
@@ -367,7 +365,8 @@ impl ReadinessSet {
     /// Take the peers' descriptors out of the set when nobody needs them there (under
     /// `making`).
     fn part(&self, m: &mut Members) {
-        if !m.joined || m.pinned || m.armed > 0 {
+        // `pinned` is written under the same lock (`make`).
+        if !m.joined || m.armed > 0 || self.pinned.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         if let Some(set) = self.set.get() {
@@ -569,7 +568,6 @@ impl ReadinessSet {
         }
         let set = self.set()?;
         let mut m = self.making.lock().unwrap_or_else(|p| p.into_inner());
-        m.pinned = true;
         self.join(set, &mut m)?;
         self.pinned.store(true, Ordering::Release);
         Ok(())
