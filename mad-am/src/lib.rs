@@ -1330,6 +1330,37 @@ impl std::task::Wake for ThreadWaker {
     }
 }
 
+/// Wakes the future of [`Endpoint::block_on`]: a flag that its loop reads, and, for a wake
+/// from another thread, an unpark and the endpoint's event descriptor (the loop may sleep
+/// as the poller).
+struct LoopWaker {
+    woken: AtomicBool,
+    thread: std::thread::Thread,
+    inner: std::sync::Weak<Inner>,
+}
+
+impl std::task::Wake for LoopWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.woken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if std::thread::current().id() == self.thread.id() {
+            return;
+        }
+        self.thread.unpark();
+        if let Some(inner) = self.inner.upgrade() {
+            if inner.sleepers.load(Ordering::SeqCst) > 0 {
+                if let Some(ev) = &inner.wake {
+                    let _ = ev.write(1);
+                }
+            }
+        }
+    }
+}
+
 thread_local! {
     /// The endpoint (its address) whose poller role this thread holds, or 0.
     static ROLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -2147,6 +2178,62 @@ impl Endpoint {
             Err(e) => {
                 drop(st);
                 self.fail_calls(Some(from), &e);
+            }
+        }
+    }
+
+    /// Run `fut` to completion on this thread, which polls for the endpoint meanwhile: an
+    /// event loop for async callers with no thread hand-off. Calls made with
+    /// [`call_async`](Self::call_async) inside `fut` are sent by this thread, and their
+    /// replies, received by this thread, wake `fut` with a flag (no system call): many calls
+    /// in flight from one thread cost no context switch per reply. While it holds the poller
+    /// role this thread also serves the endpoint's handlers and the other threads' calls, as
+    /// a blocking caller does; when another thread holds it (a progress thread), this thread
+    /// sleeps until `fut` is woken. Idle, it sleeps on the channel's descriptor.
+    ///
+    /// `fut` must not make blocking calls of this endpoint ([`call`](Self::call) returns
+    /// [`CallError::Reentrant`] there, as in an inline handler). A transport error about no
+    /// peer in particular (the channel closed) fails every pending call, so `fut` sees it.
+    pub fn block_on<F: Future>(&self, fut: F) -> F::Output {
+        let flag = Arc::new(LoopWaker {
+            woken: AtomicBool::new(true),
+            thread: std::thread::current(),
+            inner: Arc::downgrade(&self.inner),
+        });
+        let waker = Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut fut = std::pin::pin!(fut);
+        let mut out = None;
+        loop {
+            // Polled whenever woken, with the role held if this thread has it (no hand-off).
+            let mut run = |_: &Endpoint| {
+                if flag.woken.swap(false, Ordering::AcqRel) {
+                    if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                        out = Some(v);
+                    }
+                }
+                out.is_some() || flag.woken.load(Ordering::Acquire)
+            };
+            if run(self) {
+                match out.take() {
+                    Some(v) => return v,
+                    None => continue,
+                }
+            }
+            let Some(mut poller) = self.take_role() else {
+                // Another thread polls: it completes our calls and wakes us.
+                std::thread::park_timeout(self.inner.cfg.slice);
+                continue;
+            };
+            let r = self.poll_until(&mut poller, None, &mut run);
+            poller.release();
+            if let Some(v) = out.take() {
+                return v;
+            }
+            if r.is_err() || self.inner.stop.load(Ordering::Acquire) {
+                // The pending calls failed (their futures wake); no busy loop while `fut`
+                // waits for something else.
+                std::thread::park_timeout(self.inner.cfg.slice.min(Duration::from_millis(1)));
             }
         }
     }

@@ -414,6 +414,125 @@ fn async_calls_are_futures_resolved_by_the_reply() {
     }
 }
 
+/// A future that completes once `flag` is set, woken by whoever sets it through `waker`.
+struct Flagged {
+    flag: Arc<std::sync::atomic::AtomicBool>,
+    waker: Arc<Mutex<Option<std::task::Waker>>>,
+}
+
+impl std::future::Future for Flagged {
+    type Output = ();
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        *self.waker.lock().unwrap() = Some(cx.waker().clone());
+        if self.flag.load(Ordering::SeqCst) {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+}
+
+const DONE: u32 = 9;
+
+/// `Endpoint::block_on`: each rank keeps 16 async calls in flight to the other from one
+/// thread (inline and pool handlers, arguments up to 3 MiB: beyond every driver's buffers),
+/// and that same thread serves the other rank's calls meanwhile (no other thread polls);
+/// then it serves until the other is done. A blocking call inside is refused; a call to a
+/// peer that closes fails the future promptly.
+#[test]
+fn block_on_runs_many_calls_from_one_thread_on_every_driver() {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    for spec in SPECS {
+        run(2, |rank, s| {
+            let ch = s.open_channel_with(ChannelConfig::parse(
+                "loop",
+                &format!("{spec},timeout_ms=60000"),
+            )?)?;
+            let ep = Endpoint::new(ch);
+            register(&ep, Arc::new(AtomicUsize::new(0)));
+            let done = Flagged {
+                flag: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                waker: Arc::new(Mutex::new(None)),
+            };
+            let (flag, waker) = (done.flag.clone(), done.waker.clone());
+            ep.register_inline(DONE, move |_| {
+                flag.store(true, Ordering::SeqCst);
+                if let Some(w) = waker.lock().unwrap().take() {
+                    w.wake();
+                }
+                Ok(Vec::new())
+            });
+            s.bootstrap().barrier("loop/registered")?;
+            let peer = 1 - rank;
+            let call = |i: u64| {
+                let args = pattern(i * 2 + rank as u64, size_of_call(i));
+                let id = if i % 3 == 0 { REVERSE } else { ECHO };
+                let f = ep.call_async(peer, id, &args);
+                async move {
+                    let got = f
+                        .await
+                        .map_err(|e| fail(format!("{spec}: call {i}: {e}")))?;
+                    let mut want = args;
+                    if id == REVERSE {
+                        want.reverse();
+                    }
+                    if got != want {
+                        return Err(fail(format!("{spec}: reply {i} differs")));
+                    }
+                    Ok::<(), Error>(())
+                }
+            };
+            ep.block_on(async {
+                let mut next = 0u64;
+                let mut calls = FuturesUnordered::new();
+                while next < 16 {
+                    calls.push(call(next));
+                    next += 1;
+                }
+                while let Some(r) = calls.next().await {
+                    r?;
+                    if next < 96 {
+                        calls.push(call(next));
+                        next += 1;
+                    }
+                }
+                // A blocking call from inside would wait for this very thread.
+                match ep.call(peer, ECHO, b"x") {
+                    Err(CallError::Reentrant) => {}
+                    other => return Err(fail(format!("{spec}: blocking call inside: {other:?}"))),
+                }
+                ep.call_async(peer, DONE, b"")
+                    .await
+                    .map_err(|e| fail(format!("{spec}: done: {e}")))?;
+                // Serve until the other rank's calls are done too.
+                done.await;
+                Ok(())
+            })?;
+            s.bootstrap().barrier("loop/done")?;
+            if rank == 1 {
+                // The peer closes while this call waits in block_on.
+                let t0 = Instant::now();
+                match ep.block_on(ep.call_async(0, ECHO, b"bye")) {
+                    Err(CallError::Transport(_)) => {}
+                    other => return Err(fail(format!("{spec}: call to a closed peer: {other:?}"))),
+                }
+                if t0.elapsed() > Duration::from_secs(5) {
+                    return Err(fail(format!(
+                        "{spec}: failed only after {:?}",
+                        t0.elapsed()
+                    )));
+                }
+            } else {
+                ep.channel().close();
+            }
+            Ok(())
+        });
+    }
+}
+
 /// No head-of-line blocking behind a large message: while one client thread sends a 256 MiB
 /// request (2048 fragments; at least tens of milliseconds on any transport here), another
 /// thread's small calls to the same server are handled before the large request has arrived

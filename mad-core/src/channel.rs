@@ -28,6 +28,19 @@ pub(crate) struct TxState {
     pub(crate) broken: Option<String>,
     /// The lists a `Packer` borrows for its message (see `lists.rs`).
     pub(crate) spare: crate::pack::TxSpare,
+    /// What the link was last told by [`TxLink::set_nonblocking`].
+    pub(crate) nonblocking: bool,
+}
+
+impl TxState {
+    /// Tell the link whether its caller may wait (only when that changes).
+    #[inline]
+    pub(crate) fn set_nonblocking(&mut self, on: bool) {
+        if self.nonblocking != on {
+            self.nonblocking = on;
+            self.link.set_nonblocking(on);
+        }
+    }
 }
 
 pub(crate) struct RxState {
@@ -38,6 +51,19 @@ pub(crate) struct RxState {
     pub(crate) reported: bool,
     /// The lists an `Unpacker` borrows for its message (see `lists.rs`).
     pub(crate) spare: crate::unpack::RxSpare,
+    /// What the link was last told by [`RxLink::set_nonblocking`].
+    pub(crate) nonblocking: bool,
+}
+
+impl RxState {
+    /// Tell the link whether its caller may wait (only when that changes).
+    #[inline]
+    pub(crate) fn set_nonblocking(&mut self, on: bool) {
+        if self.nonblocking != on {
+            self.nonblocking = on;
+            self.link.set_nonblocking(on);
+        }
+    }
 }
 
 /// A number for the calling thread, never 0 (cheaper than `thread::current().id()`).
@@ -511,6 +537,7 @@ impl ChannelInner {
                             seq: 0,
                             broken: None,
                             spare: Default::default(),
+                            nonblocking: false,
                         }),
                         rx: Half::new(RxState {
                             link: l.rx,
@@ -518,6 +545,7 @@ impl ChannelInner {
                             broken: None,
                             reported: false,
                             spare: Default::default(),
+                            nonblocking: false,
                         }),
                         hint: AtomicBool::new(false),
                         failed: std::sync::OnceLock::new(),

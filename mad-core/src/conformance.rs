@@ -120,6 +120,7 @@ const CASES: &[(&str, Case)] = &[
     ("try_from", events::case_try_from),
     ("polled", events::case_polled),
     ("abandoned_end", events::case_abandoned_end),
+    ("crossing", events::case_crossing),
     ("select", events::case_select),
 ];
 

@@ -451,6 +451,16 @@ pub trait TxLink: Send {
         Ok(Poll::Ready(()))
     }
 
+    /// From now until `set_nonblocking(false)`, the engine's calls come from a caller that
+    /// must not wait in the driver ([`Packer::poll_end_packing`](crate::Packer::poll_end_packing)
+    /// and an event loop's sends): a driver that otherwise waits in the kernel for its
+    /// transfers to complete (tcp under `progress=block`) returns `Pending` instead. The
+    /// engine calls it only when the setting changes; a new message starts blocking-allowed.
+    /// Drivers that never wait in these calls ignore it (the default).
+    fn set_nonblocking(&mut self, on: bool) {
+        let _ = on;
+    }
+
     /// End of message: everything handed over must be transmitted before `Ready`.
     ///
     /// # Errors
@@ -602,6 +612,15 @@ pub trait RxLink: Send {
     /// [`Error::Poisoned`] once the connection was torn down,
     /// [`Error::Protocol`] when the peer's bytes break the protocol.
     fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>>;
+
+    /// Mirror of [`TxLink::set_nonblocking`]: from now until `set_nonblocking(false)`, the
+    /// receive calls come from a caller that must not wait in the driver (a deferred
+    /// [`Unpacker`](crate::Unpacker): `poll_unpack_express`, `poll_end_unpacking`, an event
+    /// loop), so a driver that otherwise waits in the kernel for a whole group returns
+    /// `Pending` instead. Ignored by default.
+    fn set_nonblocking(&mut self, on: bool) {
+        let _ = on;
+    }
 
     /// Checkout: TM `tm` is no longer used for now (mirror of [`TxLink::commit`]). A driver
     /// with message-sized buffers checks the current buffer was consumed entirely.

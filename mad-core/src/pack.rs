@@ -873,6 +873,8 @@ impl<'c, 'b> Packer<'c, 'b> {
             });
         }
         conn.usable(remote)?;
+        // A message starts blocking-allowed (an event loop's end says otherwise).
+        tx.set_nonblocking(false);
         if let Err(e) = tx.link.begin_message() {
             tx.broken = Some(format!("begin_message failed: {e}"));
             return Err(e);
@@ -1748,6 +1750,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         if let Err(e) = self.alive() {
             return Poll::Ready(Err(e));
         }
+        self.st.tx.set_nonblocking(true);
         if self.st.fwd.is_some() {
             if let Err(e) = self.fwd_end() {
                 return Poll::Ready(Err(self.end_failed(e)));

@@ -753,6 +753,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             deadline,
             express: None,
         };
+        // A message starts blocking-allowed (`defer` says otherwise).
+        st.rx().set_nonblocking(false);
         let r = st.read_header(block).and_then(|h| {
             let Some(h) = h else { return Ok(None) };
             let hdr =
@@ -1241,6 +1243,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     pub fn defer(&mut self) {
         if !self.st.recording {
             self.st.trying = true;
+        }
+        if let Some(rx) = self.st.rx.as_deref_mut() {
+            rx.set_nonblocking(true);
         }
     }
 

@@ -29,7 +29,8 @@ USAGE: rpc-bench [OPTIONS]            (starts its 2 ranks on this host)
        madrun -n 2 rpc-bench [OPTIONS]
 
 Rank 0 serves, rank 1 calls. Every point runs mad-am over shm and tcp (inline and pool echo
-handlers; N in flight = N client threads each calling in a loop: the call is blocking) and
+handlers; N in flight = N client threads each calling in a loop: the call is blocking; and
+`loop`: one client thread keeping N async calls in flight in Endpoint::block_on) and
 tonic over loopback TCP and a Unix socket (N in flight = N tokio tasks on one connection),
 interleaved. Then head-of-line: the p99 of 8 B calls from one thread while another thread of
 the same process streams 16 MiB requests to the same server, against the idle p99; the calls
@@ -46,8 +47,8 @@ OPTIONS:
     --no-hol            skip the head-of-line measurement
     --shm SPEC          channel spec of the shm runs (default shm)
     --tcp SPEC          channel spec of the tcp runs (default tcp)
-    --impls LIST        run only these (default all): shm-inline,shm-pool,tcp-inline,
-                        tcp-pool,tonic-tcp,tonic-uds
+    --impls LIST        run only these (default all): shm-inline,shm-loop,shm-pool,
+                        tcp-inline,tcp-loop,tcp-pool,tonic-tcp,tonic-uds
     --client-progress   the client's endpoints get a progress thread too (by default its
                         calling threads poll for each other)
     --csv FILE          write every row to FILE
@@ -60,10 +61,12 @@ Options take their value as `--opt value` or `--opt=value`.
 ";
 
 /// What `--impls` selects from.
-const IMPLS: [&str; 6] = [
+const IMPLS: [&str; 8] = [
     "shm-inline",
+    "shm-loop",
     "shm-pool",
     "tcp-inline",
+    "tcp-loop",
     "tcp-pool",
     "tonic-tcp",
     "tonic-uds",
@@ -357,8 +360,19 @@ fn run(o: &Opts) -> Result<(), String> {
 /// What a point calls.
 #[derive(Clone)]
 enum Target {
-    Am { ep: Endpoint, id: u32 },
-    Grpc { c: grpc::Client },
+    Am {
+        ep: Endpoint,
+        id: u32,
+    },
+    /// N calls in flight from one thread: `call_async` futures driven by
+    /// [`Endpoint::block_on`], which polls for the endpoint meanwhile.
+    AmLoop {
+        ep: Endpoint,
+        id: u32,
+    },
+    Grpc {
+        c: grpc::Client,
+    },
 }
 
 struct Impl {
@@ -405,6 +419,15 @@ fn client(
             target: am(&eps[0], ECHO_INLINE),
         },
         Impl {
+            id: "shm-loop",
+            transport: "shm",
+            name: "mad-am loop",
+            target: Target::AmLoop {
+                ep: eps[0].clone(),
+                id: ECHO_INLINE,
+            },
+        },
+        Impl {
             id: "shm-pool",
             transport: "shm",
             name: "mad-am pool",
@@ -415,6 +438,15 @@ fn client(
             transport: "tcp",
             name: "mad-am inline",
             target: am(&eps[1], ECHO_INLINE),
+        },
+        Impl {
+            id: "tcp-loop",
+            transport: "tcp",
+            name: "mad-am loop",
+            target: Target::AmLoop {
+                ep: eps[1].clone(),
+                id: ECHO_INLINE,
+            },
         },
         Impl {
             id: "tcp-pool",
@@ -469,7 +501,10 @@ fn client(
     let mut hol = Vec::new();
     if o.hol {
         // The inline handlers (the short-handler path) and tonic for reference.
-        for i in impls.iter().filter(|i| i.name != "mad-am pool") {
+        for i in impls
+            .iter()
+            .filter(|i| i.name != "mad-am pool" && i.name != "mad-am loop")
+        {
             let h = head_of_line(&rt, &i.target, o)
                 .map_err(|e| format!("head-of-line, {} {}: {e}", i.transport, i.name))?;
             eprintln!(
@@ -532,6 +567,11 @@ fn point(
                 .collect();
             move || join_threads(hs)
         }),
+        Target::AmLoop { ep, id } => run_point(timing, min_calls, |w| {
+            let (ep, id) = (ep.clone(), *id);
+            let h = std::thread::spawn(move || am_loop(&ep, id, args, inflight, &w));
+            move || join_threads(vec![h])
+        }),
         Target::Grpc { c } => run_point(timing, min_calls, |w| {
             let data = Bytes::from(vec![0x5a; args]);
             let hs: Vec<_> = (0..inflight)
@@ -575,7 +615,7 @@ const PROBE_EVERY: Duration = Duration::from_micros(200);
 fn probe(rt: &tokio::runtime::Runtime, t: &Target, timing: Timing) -> Result<Stats, String> {
     run_point(timing, 20, |w| {
         let h = match t {
-            Target::Am { ep, id } => {
+            Target::Am { ep, id } | Target::AmLoop { ep, id } => {
                 let (ep, id) = (ep.clone(), *id);
                 std::thread::spawn(move || {
                     probe_loop(&w, || {
@@ -670,6 +710,48 @@ fn am_caller(ep: &Endpoint, id: u32, args: usize, w: &Window) -> Result<Vec<Rec>
     Ok(rec)
 }
 
+/// `inflight` calls at a time from this one thread, each answered call replaced by the
+/// next: `call_async` futures in a `FuturesUnordered`, run by [`Endpoint::block_on`] (this
+/// thread polls for the endpoint: no hand-off per reply).
+fn am_loop(
+    ep: &Endpoint,
+    id: u32,
+    args: usize,
+    inflight: usize,
+    w: &Window,
+) -> Result<Vec<Rec>, String> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    let a = vec![0x5au8; args];
+    let call = || {
+        let t0 = Instant::now();
+        let f = ep.call_async(SERVER, id, &a);
+        async move { (t0, f.await) }
+    };
+    ep.block_on(async {
+        let mut calls: FuturesUnordered<_> = (0..inflight).map(|_| call()).collect();
+        let mut rec = Vec::new();
+        while let Some((t0, r)) = calls.next().await {
+            let t1 = Instant::now();
+            match r {
+                Ok(r) if r.len() == args => w.record(t0, t1, &mut rec),
+                Ok(r) => {
+                    w.fail();
+                    return Err(format!("echo: {} B back for {args} B", r.len()));
+                }
+                Err(e) => {
+                    w.fail();
+                    return Err(call_error(e));
+                }
+            }
+            if w.stopped() {
+                break;
+            }
+            calls.push(call());
+        }
+        Ok(rec)
+    })
+}
+
 fn join_threads<T>(hs: Vec<std::thread::JoinHandle<Result<T, String>>>) -> Result<Vec<T>, String> {
     let mut all = Vec::with_capacity(hs.len());
     let mut err = None;
@@ -741,7 +823,7 @@ fn head_of_line(rt: &tokio::runtime::Runtime, t: &Target, o: &Opts) -> Result<Ho
     type Recs = Result<Vec<(Instant, u64)>, String>;
     // The stream runs until `stop`; its first call completed before anything is measured.
     let streamer: Box<dyn FnOnce() -> Recs> = match t {
-        Target::Am { ep, .. } => {
+        Target::Am { ep, .. } | Target::AmLoop { ep, .. } => {
             let (ep, started, stop) = (ep.clone(), started.clone(), stop.clone());
             let h = std::thread::spawn(move || {
                 let a = vec![0xa5u8; big];
@@ -905,14 +987,19 @@ fn tonic_ref(rows: &[Row], args: usize, inflight: usize) -> Option<&Row> {
         .max_by(|a, b| a.st.rate.total_cmp(&b.st.rate))
 }
 
-const COLUMNS: [(&str, &str); 6] = [
+/// The mad-am columns (the first [`AM_COLUMNS`]), then tonic's.
+const COLUMNS: [(&str, &str); 8] = [
     ("shm", "mad-am inline"),
+    ("shm", "mad-am loop"),
     ("shm", "mad-am pool"),
     ("tcp", "mad-am inline"),
+    ("tcp", "mad-am loop"),
     ("tcp", "mad-am pool"),
     ("tcp", "tonic"),
     ("uds", "tonic"),
 ];
+
+const AM_COLUMNS: usize = 6;
 
 /// Targets of issue 17 at 8 B, 16 in flight: (transport, min calls/s ratio, max p99 ratio).
 const TARGETS: [(&str, f64, f64); 2] = [("shm", 5.0, 0.2), ("tcp", 1.5, 0.7)];
@@ -928,11 +1015,17 @@ fn report(
     writeln!(out)?;
     writeln!(
         out,
-        "Window {:?} per point after {:?} of warm-up{}; {} s in all. mad-am: N in flight = N client \
-         threads calling in a loop (blocking calls; {}); tonic: N tasks on one connection.",
+        "Window {:?} per point after {:?} of warm-up{}; {} s in all. mad-am inline and pool: N in \
+         flight = N client threads calling in a loop (blocking calls; {}); mad-am loop: one client \
+         thread keeps N `call_async` calls in flight in `Endpoint::block_on` (it polls itself: no \
+         hand-off per reply), inline handler; tonic: N tasks on one connection.",
         o.timing.window,
         o.timing.warmup,
-        if o.quick { " (--quick: smoke figures, do not quote)" } else { "" },
+        if o.quick {
+            " (--quick: smoke figures, do not quote)"
+        } else {
+            ""
+        },
         took.as_secs(),
         if o.client_progress {
             "the client has a progress thread per endpoint"
@@ -973,11 +1066,12 @@ fn report(
     writeln!(out)?;
     writeln!(out, "calls/s ratio × / p99 ratio × (mad-am ÷ tonic).")?;
     writeln!(out)?;
-    writeln!(
-        out,
-        "| args | in flight | tonic ref | shm inline | shm pool | tcp inline | tcp pool |"
-    )?;
-    writeln!(out, "|---:|---:|---|---:|---:|---:|---:|")?;
+    write!(out, "| args | in flight | tonic ref |")?;
+    for (t, n) in &COLUMNS[..AM_COLUMNS] {
+        write!(out, " {t} {} |", n.trim_start_matches("mad-am "))?;
+    }
+    writeln!(out)?;
+    writeln!(out, "|---:|---:|---|{}", "---:|".repeat(AM_COLUMNS))?;
     for &args in &o.sizes {
         for &inflight in &o.inflight {
             let Some(tr) = tonic_ref(rows, args, inflight) else {
@@ -989,7 +1083,7 @@ fn report(
                 human_size(args),
                 tr.transport
             )?;
-            for (t, n) in &COLUMNS[..4] {
+            for (t, n) in &COLUMNS[..AM_COLUMNS] {
                 match find(rows, "sweep", t, n, args, inflight) {
                     Some(r) => write!(
                         out,
@@ -1013,7 +1107,7 @@ fn report(
         )?;
         writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---|")?;
         for (t, min_rate, max_p99) in TARGETS {
-            for n in ["mad-am inline", "mad-am pool"] {
+            for n in ["mad-am inline", "mad-am loop", "mad-am pool"] {
                 let Some(r) = find(rows, "sweep", t, n, 8, 16) else {
                     continue;
                 };

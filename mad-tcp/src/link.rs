@@ -176,8 +176,11 @@ pub struct TcpTx {
     refs_done: usize,
     /// Some byte of the current message has left.
     started: bool,
-    /// Block mode: gather sends wait in the kernel until everything is queued.
+    /// Block mode: gather sends wait in the kernel until everything is queued (not while
+    /// the caller must not wait: [`TxLink::set_nonblocking`]).
     bulk_blocking: bool,
+    /// The channel is in block mode.
+    block_mode: bool,
     /// Bytes the kernel accepted so far (the progress mark).
     moved: u64,
     live: Arc<Liveness>,
@@ -218,6 +221,7 @@ impl TcpTx {
             send_fd: None,
             live,
             bulk_blocking,
+            block_mode: bulk_blocking,
             fd: sock.as_raw_fd(),
             _sock: sock,
             peer,
@@ -272,6 +276,10 @@ impl TcpTx {
 }
 
 impl TxLink for TcpTx {
+    fn set_nonblocking(&mut self, on: bool) {
+        self.bulk_blocking = self.block_mode && !on;
+    }
+
     fn begin_message(&mut self) -> Result<()> {
         self.check()?;
         // A peer that died (or closed) while we were idle: its FIN or reset is here, and the
@@ -453,8 +461,11 @@ pub struct TcpRx {
     refs_done: usize,
     /// Most bytes `poll_message` reads at the start of a message.
     first_read: usize,
-    /// Block mode: gather receives wait in the kernel for the whole group.
+    /// Block mode: gather receives wait in the kernel for the whole group (not while the
+    /// caller must not wait: [`RxLink::set_nonblocking`]).
     bulk_blocking: bool,
+    /// The channel is in block mode.
+    block_mode: bool,
     /// The channel's readiness set, which stops reporting the connection once it is over.
     watch: Arc<ReadinessSet>,
     /// Bytes received so far (the progress mark).
@@ -489,6 +500,7 @@ impl TcpRx {
         TcpRx {
             live,
             bulk_blocking,
+            block_mode: bulk_blocking,
             fd: sock.as_raw_fd(),
             _sock: sock,
             peer,
@@ -593,6 +605,10 @@ fn scatter(src: &[u8], iov: &mut [IoSliceMut<'_>], offset: usize) -> usize {
 }
 
 impl RxLink for TcpRx {
+    fn set_nonblocking(&mut self, on: bool) {
+        self.bulk_blocking = self.block_mode && !on;
+    }
+
     #[inline]
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.check()?;

@@ -839,3 +839,134 @@ pub(super) fn case_select(c: &Ctx<'_>) -> Result<()> {
         c.barrier("a-gone")
     }
 }
+
+/// Two event loops that send each other a message beyond every buffer at the same time, one
+/// thread each: every call is a polling one (`poll_end_packing` of its own message, a
+/// deferred receive of the peer's with `poll_unpack_express` and `poll_end_unpacking`), in
+/// one loop that sleeps on the readiness descriptor. A polling call must never wait in the
+/// driver: if one did (tcp under `progress=block` waited in the kernel for its gather sends
+/// and receives), each rank would wait for the other to receive until a socket timeout (half
+/// a second each time, on every message). More than one polling call that takes over
+/// [`STALL`] fails the case (one is forgiven: a thread can be descheduled that long on a
+/// loaded machine; a driver that waits does it on every message).
+pub(super) fn case_crossing(c: &Ctx<'_>) -> Result<()> {
+    const STALL: Duration = Duration::from_millis(200);
+    use super::{check, pat};
+    use crate::SendMode;
+    use std::task::Poll;
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "timeout_ms=30000")?;
+    c.barrier("open")?;
+    if c.rank() < 2 {
+        let peer = 1 - c.rank();
+        const BIG: usize = 16 << 20;
+        let stalls = std::cell::Cell::new(0);
+        let timed = |what: &str, t0: Instant| -> Result<()> {
+            let took = t0.elapsed();
+            if took > STALL {
+                stalls.set(stalls.get() + 1);
+                if stalls.get() > 1 {
+                    return Err(fail(format!(
+                        "{what} is a polling call but waited {took:?} in the driver (and \
+                         another call before it)"
+                    )));
+                }
+            }
+            Ok(())
+        };
+        for m in 0..3u64 {
+            let seed = |r: usize| 0xc705_0000 + m * 2 + r as u64;
+            let mine = seed(c.rank());
+            let data: Vec<u8> = (0..BIG).map(|j| pat(mine, j)).collect();
+            let mut got = vec![0u8; BIG];
+            let mut hdr = [0u8; 8];
+            let head = mine.to_le_bytes();
+            let mut into = Some(&mut got[..]);
+            let mut p = drive_polled(&ch, "try_begin_packing", || {
+                ready_some(ch.try_begin_packing(peer))
+            })?;
+            p.defer();
+            p.pack(&head, RecvMode::Express)?;
+            p.pack(&data, RecvMode::Cheaper)?;
+            let mut u = None;
+            let (mut sent, mut header, mut received) = (false, false, false);
+            let start = Instant::now();
+            while !(sent && received) {
+                let mut moved = false;
+                if !sent {
+                    let t0 = Instant::now();
+                    let r = p.poll_end_packing();
+                    timed("poll_end_packing", t0)?;
+                    if let Poll::Ready(r) = r {
+                        r?;
+                        sent = true;
+                        moved = true;
+                    }
+                }
+                if u.is_none() && !received {
+                    let t0 = Instant::now();
+                    let r = ch.try_begin_unpacking_from(peer)?;
+                    timed("try_begin_unpacking_from", t0)?;
+                    if let Some(mut x) = r {
+                        x.defer();
+                        u = Some(x);
+                        moved = true;
+                    }
+                }
+                if let Some(x) = u.as_mut() {
+                    if !header {
+                        let t0 = Instant::now();
+                        let r = x.poll_unpack_express(&mut hdr, SendMode::Cheaper);
+                        timed("poll_unpack_express", t0)?;
+                        if let Poll::Ready(r) = r {
+                            r?;
+                            header = true;
+                            moved = true;
+                            let into = into.take().expect("the body is unpacked once");
+                            x.unpack(into, SendMode::Cheaper)?;
+                        }
+                    }
+                    if header {
+                        let t0 = Instant::now();
+                        let r = x.poll_end_unpacking();
+                        timed("poll_end_unpacking", t0)?;
+                        if let Poll::Ready(r) = r {
+                            r?;
+                            received = true;
+                            moved = true;
+                            u = None;
+                        }
+                    }
+                }
+                if moved {
+                    continue;
+                }
+                if start.elapsed() > Duration::from_secs(60) {
+                    return Err(fail(format!(
+                        "message {m}: no end after 60 s (sent: {sent}, header: {header}, \
+                         received: {received})"
+                    )));
+                }
+                if ch.arm()? == Armed::Busy {
+                    continue;
+                }
+                match ch.readiness_fd() {
+                    Some(fd) => {
+                        wait_readable(&[fd], Some(Duration::from_millis(100)))?;
+                    }
+                    None => std::thread::yield_now(),
+                }
+            }
+            drop(p);
+            drop(u);
+            if u64::from_le_bytes(hdr) != seed(peer) {
+                return Err(fail(format!("message {m}: a header of another message")));
+            }
+            check(seed(peer), &got, &format!("crossing message {m}"))?;
+        }
+    }
+    c.barrier("crossed")?;
+    Ok(())
+}
