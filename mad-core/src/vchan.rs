@@ -40,20 +40,28 @@
 //!    holds more than a fragment, and its memory is bounded (the next hop's back-pressure
 //!    stops it reading); it flushes where the sender flushed, and ends its message only after
 //!    the incoming one ended whole;
-//! 3. the destination's thread packs each piece, as it arrives, in its original modes into an
-//!    in-process relay (the `mem` driver's links, one connection per origin), from which the
-//!    application's [`Unpacker`] reads it with [`Unpacker::remote`] the
-//!    origin: EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`, and
-//!    `begin_unpacking_from(origin)` works as for a direct peer. CHEAPER and LATER pieces are
-//!    kept by the relay until the message ends (they are the application's then).
+//! 3. at the destination, a blocking [`begin_unpacking_from`](crate::Channel::begin_unpacking_from)
+//!    whose origin is the only one reaching this rank over its transit connection reads
+//!    that connection itself: the [`Unpacker`] checks each descriptor against the unpack and
+//!    reads the fragments straight into the caller's buffer, and the neighbour's thread
+//!    (which waits without holding the connection) stays away meanwhile. Otherwise the
+//!    thread packs each piece, as it arrives, in its original modes into an in-process relay
+//!    (the `mem` driver's links, one connection per origin), where any-source, non-blocking
+//!    and deadline-bound receives find it with [`Unpacker::remote`] the origin. Either way
+//!    EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`; the relay is
+//!    read before the transit connection and again once it is held, so the two ways in keep
+//!    the order. CHEAPER and LATER pieces are kept by the relay until the message ends.
 //!
-//! Order per (origin, destination) holds: one path, one connection per hop, one thread per
-//! connection. A failure anywhere on the path abandons the message at every hop after it
+//! Order per (origin, destination) holds: one path, one connection per hop, one reader at a
+//! time per connection. A failure anywhere on the path abandons the message at every hop after it
 //! (never delivered half or twice, never as complete) and tears the hop's connection down,
 //! so the sender's calls fail. A thread whose neighbour is gone fails the relay connections of
 //! the origins whose path came through it and floods a *gone* notice for that neighbour to the
 //! other neighbours, so a destination waiting for a dead origin behind a live gateway fails
-//! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]).
+//! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]). An unpacker reading a
+//! transit connection itself that is dropped or mismatched reads and drops the rest of the
+//! message (at most 0.5 s) and breaks the pair as the relay does; one whose deadline expires
+//! tears the transit connection down (the ranks behind it are then gone for this rank).
 //!
 //! The virtual channel's readiness descriptor is an epoll set of its parts' and relay's
 //! descriptors (none when a part has none: MPI); [`Channel::close`](crate::Channel::close)
