@@ -318,6 +318,146 @@ fn gateway_forwards_every_mode_in_order() {
     });
 }
 
+/// The destination reads a forwarded message either from the transit connection itself
+/// (blocking `begin_unpacking_from`) or from the relay the forwarding thread fills (any-source,
+/// non-blocking receives): the two take turns on one stream of messages, with pauses that let
+/// the forwarding thread take the connection back, and two receiving threads racing for it;
+/// every message arrives once, whole, in order. A receive dropped in the middle of a message
+/// read from the transit connection breaks the pair both ways, and the gateway still forwards.
+#[test]
+fn direct_and_relayed_receives_take_turns() {
+    use mad_core::SendMode;
+    ranks(3, |s| {
+        let me = s.rank();
+        let ch = open(&s, "turns", "virtual:[shm,ranks=0:2]+[tcp,ranks=1-2]")?;
+        const N: u64 = 300;
+        let body = |i: u64| -> Vec<u8> {
+            (0..(i as usize * 97) % 5000)
+                .map(|k| (k as u64 + i) as u8)
+                .collect()
+        };
+        if me == 0 {
+            for i in 0..N {
+                let b = body(i);
+                let mut p = ch.begin_packing(1)?;
+                p.pack_value(&i, RecvMode::Express)?;
+                p.pack_value(&(b.len() as u64), RecvMode::Express)?;
+                p.pack(&b, RecvMode::Cheaper)?;
+                p.end_packing()?;
+                if i % 37 == 0 {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            // One end mark for each of rank 1's two receiving threads.
+            for _ in 0..2 {
+                let mut p = ch.begin_packing(1)?;
+                p.pack_value(&u64::MAX, RecvMode::Express)?;
+                p.end_packing()?;
+            }
+        } else if me == 1 {
+            // One thread: turns of blocking, any-source and non-blocking receives.
+            let mut got = 0u64;
+            while got < N / 2 {
+                let u = match got % 3 {
+                    0 => ch.begin_unpacking_from(0)?,
+                    1 => ch.begin_unpacking()?,
+                    _ => loop {
+                        if let Some(u) = ch.try_begin_unpacking_from(0)? {
+                            break u;
+                        }
+                        std::thread::yield_now();
+                    },
+                };
+                let mut u = u;
+                let i: u64 = u.unpack_value()?;
+                assert_eq!(i, got, "order");
+                let n: u64 = u.unpack_value()?;
+                let mut b = vec![0u8; n as usize];
+                u.unpack(&mut b, SendMode::Cheaper)?;
+                u.end_unpacking()?;
+                assert_eq!(b, body(i), "message {i}");
+                got += 1;
+                if got % 25 == 0 {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            // Two threads at once: each message once (the order between threads is theirs).
+            let seen = std::sync::Mutex::new(Vec::new());
+            std::thread::scope(|t| -> mad_core::Result<()> {
+                let hs: Vec<_> = (0..2)
+                    .map(|k| {
+                        let (ch, seen) = (&ch, &seen);
+                        t.spawn(move || -> mad_core::Result<()> {
+                            loop {
+                                let u = if k == 0 {
+                                    ch.begin_unpacking_from(0)?
+                                } else {
+                                    ch.begin_unpacking()?
+                                };
+                                let mut u = u;
+                                let i: u64 = u.unpack_value()?;
+                                if i == u64::MAX {
+                                    // Each thread stops at the first end mark it gets.
+                                    return u.end_unpacking();
+                                }
+                                let n: u64 = u.unpack_value()?;
+                                let mut b = vec![0u8; n as usize];
+                                u.unpack(&mut b, SendMode::Cheaper)?;
+                                u.end_unpacking()?;
+                                assert_eq!(b, body(i), "message {i}");
+                                seen.lock().unwrap().push(i);
+                            }
+                        })
+                    })
+                    .collect();
+                for h in hs {
+                    h.join().expect("a receiving thread panicked")?;
+                }
+                Ok(())
+            })?;
+            let mut seen = seen.into_inner().unwrap();
+            seen.sort_unstable();
+            assert_eq!(seen, (N / 2..N).collect::<Vec<_>>());
+        }
+        s.bootstrap().barrier("turns/stream")?;
+        // A direct receive dropped in the middle of a 1 MiB message: the pair is refused
+        // both ways afterwards; rank 2 still reaches both.
+        if me == 0 {
+            let big = vec![5u8; 1 << 20];
+            let mut p = ch.begin_packing(1)?;
+            p.pack_value(&7u64, RecvMode::Express)?;
+            p.pack(&big, RecvMode::Cheaper)?;
+            let _ = p.end_packing();
+        } else if me == 1 {
+            let mut u = ch.begin_unpacking_from(0)?;
+            assert_eq!(u.unpack_value::<u64>()?, 7);
+            drop(u);
+            let r = ch.begin_packing(0).and_then(|mut p| {
+                p.pack_value(&1u64, RecvMode::Express)?;
+                p.end_packing()
+            });
+            assert!(
+                r.is_err(),
+                "a pair broken by an abandoned receive still sends"
+            );
+        }
+        s.bootstrap().barrier("turns/broken")?;
+        if me == 2 {
+            for r in [0, 1] {
+                let mut p = ch.begin_packing(r)?;
+                p.pack_value(&42u64, RecvMode::Express)?;
+                p.end_packing()?;
+            }
+        } else {
+            let mut u = ch.begin_unpacking_from(2)?;
+            assert_eq!(u.unpack_value::<u64>()?, 42);
+            u.end_unpacking()?;
+        }
+        s.bootstrap().barrier("turns/done")?;
+        Ok(())
+    });
+}
+
 /// A chain of four networks: 0 -sisci:local- 1 -shm- 2 -tcp- 3 -via:soft- 4; rank 0 and
 /// rank 4 talk through three gateways, a 5 MiB piece pipelined through them.
 #[test]

@@ -1167,7 +1167,7 @@ impl Channel {
 
     /// `Err` when the receiving half `rx` of `conn` can carry no new message.
     #[inline]
-    fn usable_rx(conn: &Conn, rx: &mut RxState, remote: usize) -> Result<()> {
+    pub(crate) fn usable_rx(conn: &Conn, rx: &mut RxState, remote: usize) -> Result<()> {
         if let Some(cause) = &rx.broken {
             return Err(Error::Poisoned {
                 rank: remote,
@@ -1183,7 +1183,7 @@ impl Channel {
     }
 
     #[cold]
-    fn rx_failed(
+    pub(crate) fn rx_failed(
         inner: &ChannelInner,
         remote: usize,
         conn: &Conn,
@@ -1203,6 +1203,11 @@ impl Channel {
                 return p.begin_from(remote, deadline);
             }
             inner.check_open()?;
+            if deadline.is_none() {
+                if let Some(u) = v.begin_behind(inner, remote)? {
+                    return Ok(u);
+                }
+            }
             return v.inbound(remote)?.begin_from(remote, deadline);
         }
         let conn = inner.conn(remote)?;

@@ -99,6 +99,21 @@ pub struct Unpacker<'c, 'b> {
     tail: Vec<IoSliceMut<'b>>,
 }
 
+/// The state of a forwarded message read directly ([`Unpacker::fwd`]).
+struct FwdIn<'c> {
+    /// The origin.
+    origin: usize,
+    /// The transit connection's neighbour (the last gateway).
+    via: usize,
+    /// Fragments come in the pieces' send modes (from the origin itself), else SAFER.
+    from_origin: bool,
+    /// Pieces unpacked so far.
+    index: u32,
+    f: &'c crate::vchan::Forwarder,
+    /// Keeps the connection's forwarding thread away until the message ends.
+    _claim: crate::vchan::DoorGuard<'c>,
+}
+
 /// The channel, the peer and the counts; never the bytes.
 impl std::fmt::Debug for Unpacker<'_, '_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -309,6 +324,10 @@ struct UnpackState<'c> {
     trying: bool,
     /// Deferred mode: the end of the message was recorded (`poll_end_unpacking`).
     ending: bool,
+    /// A message of a virtual channel from a rank behind gateways, read from the transit
+    /// connection this unpacker holds ([`crate::vchan`]): every piece comes as a descriptor
+    /// and fragments ([`crate::vchan::fwd`]).
+    fwd: Option<Box<FwdIn<'c>>>,
 }
 
 /// Wait for the receiving half as the channel's progress policy says, until `deadline`, and
@@ -692,6 +711,33 @@ impl UnpackState<'_> {
 
 impl Drop for UnpackState<'_> {
     fn drop(&mut self) {
+        if !self.done && self.fwd.is_some() {
+            // Dropped in the middle of a forwarded message read directly: the transit
+            // connection carries other messages after it, so the rest is read and dropped.
+            let st = UnpackState {
+                ch: self.ch,
+                remote: self.remote,
+                rx: self.rx.take(),
+                cur: self.cur,
+                gtm: self.gtm,
+                checked: self.checked,
+                done: false,
+                index: self.index,
+                ended: self.ended,
+                recording: false,
+                trying: false,
+                ending: false,
+                fwd: self.fwd.take(),
+            };
+            self.done = true;
+            let mut u: Unpacker<'_, 'static> = Unpacker {
+                st,
+                group: Vec::new(),
+                tail: Vec::new(),
+            };
+            u.fwd_abandon(None, false);
+            return;
+        }
         if !self.done {
             self.fail(
                 "an Unpacker was dropped before end_unpacking; the rest of its message was left unread"
@@ -746,6 +792,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             recording: false,
             trying: false,
             ending: false,
+            fwd: None,
         };
         *st.msg() = RxMsg {
             counts: [0; MAX_TMS],
@@ -1051,7 +1098,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// The peer this message comes from.
     pub fn remote(&self) -> usize {
-        self.st.remote
+        self.st.fwd.as_ref().map_or(self.st.remote, |f| f.origin)
     }
 
     /// Whether the sender packed this message in checked mode.
@@ -1076,6 +1123,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// from that peer is closed.
     #[inline]
     pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(buf, s, RecvMode::Cheaper);
+        }
         let res = self.unpack_inner(buf, s);
         self.check(res)
     }
@@ -1097,6 +1147,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// from that peer is closed.
     #[inline]
     pub fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_piece(buf, s, RecvMode::Express);
+        }
         let mut res = self.unpack_express_inner(buf, s);
         if res.is_ok() && self.st.recording {
             res = self.run_blocking();
@@ -1190,6 +1243,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[inline(always)]
     fn end_here(&mut self) -> Result<()> {
+        if self.st.fwd.is_some() {
+            return self.fwd_end();
+        }
         let mut r = self.finish_inner();
         if r.is_ok() && self.st.recording {
             r = self.run_blocking();
@@ -1241,7 +1297,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// its steps (module `rxplan`).
     #[inline]
     pub fn defer(&mut self) {
-        if !self.st.recording {
+        // A forwarded message read directly is received as the calls come.
+        if !self.st.recording && self.st.fwd.is_none() {
             self.st.trying = true;
         }
         if let Some(rx) = self.st.rx.as_deref_mut() {
@@ -1301,6 +1358,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// Abandoning a pending call (calling anything else, or dropping the unpacker) abandons
     /// the message as a failed unpack does: the connection is finished in both directions.
     pub fn poll_unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Poll<Result<()>> {
+        if self.st.fwd.is_some() {
+            return Poll::Ready(self.unpack_express(buf, s));
+        }
         if let Err(e) = self.alive() {
             return Poll::Ready(Err(e));
         }
@@ -1342,6 +1402,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// Dropping the unpacker while this is pending abandons the message (the connection is
     /// finished in both directions), as dropping it before `end_unpacking` always does.
     pub fn poll_end_unpacking(&mut self) -> Poll<Result<()>> {
+        if self.st.fwd.is_some() {
+            return Poll::Ready(self.fwd_end());
+        }
         if let Err(e) = self.alive() {
             return Poll::Ready(Err(e));
         }
@@ -1367,6 +1430,207 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
             Ok(Poll::Pending) => Poll::Pending,
             Err(e) => Poll::Ready(Err(self.end_failed(e))),
+        }
+    }
+}
+
+/// Forwarded messages read directly from a transit connection ([`crate::vchan`]).
+impl<'c, 'b> Unpacker<'c, 'b> {
+    /// Make this message (on a transit connection, its envelope read) a forwarded one from
+    /// `origin`: every unpack from now on reads a descriptor and fragments.
+    pub(crate) fn forwarded_from(
+        mut self,
+        origin: usize,
+        via: usize,
+        from_origin: bool,
+        f: &'c crate::vchan::Forwarder,
+        claim: crate::vchan::DoorGuard<'c>,
+    ) -> Self {
+        self.st.fwd = Some(Box::new(FwdIn {
+            origin,
+            via,
+            from_origin,
+            index: 0,
+            f,
+            _claim: claim,
+        }));
+        self
+    }
+
+    /// The next descriptor that is not a flush (a gateway flushed there; nothing to do).
+    fn fwd_desc(&mut self) -> Result<crate::vchan::fwd::Desc> {
+        use crate::vchan::fwd;
+        loop {
+            let mut d = [0u8; fwd::DESC_LEN];
+            self.unpack_express_inner(&mut d, SendMode::Safer)?;
+            match fwd::decode(&d) {
+                Some(fwd::Desc::Flush) => {}
+                Some(d) => return Ok(d),
+                None => {
+                    return Err(Error::protocol(
+                        self.st.remote,
+                        "malformed forwarding descriptor",
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Read `buf.len()` bytes of a piece sent in mode `s` (its fragments).
+    fn fwd_read(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        let s = if self.st.fwd.as_ref().is_some_and(|f| f.from_origin) {
+            s
+        } else {
+            SendMode::Safer
+        };
+        for c in buf.chunks_mut(crate::vchan::fwd::FRAGMENT) {
+            self.unpack_express_inner(c, s)?;
+        }
+        Ok(())
+    }
+
+    /// The transit connection failed under this message: it is torn down (the core did),
+    /// and the ranks behind it are gone for this rank.
+    #[cold]
+    fn fwd_lost(&mut self, e: Error) -> Error {
+        let e = self.failed(e);
+        if let Some(f) = self.st.fwd.take() {
+            if !self.st.ch.closed.load(std::sync::atomic::Ordering::Acquire) {
+                f.f.lost(f.via);
+            }
+        }
+        e
+    }
+
+    /// The application does not take this message as sent (a mismatch, or it dropped the
+    /// unpacker): read the rest of it from the transit connection and drop it (bounded in
+    /// time: past the bound the connection is torn down), then break the pair's connection
+    /// both ways, as a direct connection is after an abandoned message. `pending`: the bytes
+    /// of a piece announced and not read; `at_end`: its end descriptor was read.
+    #[cold]
+    fn fwd_abandon(&mut self, pending: Option<(usize, SendMode)>, at_end: bool) {
+        let deadline = Instant::now() + crate::vchan::BREAK_WAIT;
+        self.set_deadline(Some(deadline));
+        let r = (|| -> Result<()> {
+            let mut scratch = Vec::new();
+            let mut drain = |u: &mut Self, len: usize, s: SendMode| -> Result<()> {
+                scratch.resize(len.min(crate::vchan::fwd::FRAGMENT), 0);
+                let mut left = len;
+                while left > 0 {
+                    let n = left.min(scratch.len());
+                    u.fwd_read(&mut scratch[..n], s)?;
+                    left -= n;
+                }
+                Ok(())
+            };
+            if let Some((len, s)) = pending {
+                drain(self, len, s)?;
+            }
+            if !at_end {
+                while let crate::vchan::fwd::Desc::Piece { len, s, .. } = self.fwd_desc()? {
+                    drain(self, len, s)?;
+                }
+            }
+            self.finish_inner()
+        })();
+        match r {
+            Ok(()) => {
+                self.completed();
+                if let Some(f) = self.st.fwd.take() {
+                    f.f.break_pair(f.origin);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "forwarding: an abandoned message could not be drained");
+                let _ = self.fwd_lost(e);
+            }
+        }
+    }
+
+    /// The mismatch error of a piece or end unpacked where the sender put another.
+    fn fwd_mismatch(
+        &self,
+        sent: crate::error::PieceOrEnd,
+        expected: crate::error::PieceOrEnd,
+    ) -> Error {
+        Error::UnpackMismatch {
+            rank: self.remote(),
+            sent,
+            expected,
+        }
+    }
+
+    /// `unpack` / `unpack_express` of a forwarded message.
+    fn fwd_piece(&mut self, buf: &mut [u8], s: SendMode, r: RecvMode) -> Result<()> {
+        use crate::vchan::fwd;
+        self.alive()?;
+        let index = self.st.fwd.as_ref().map_or(0, |f| f.index);
+        let desc = match self.fwd_desc() {
+            Ok(d) => d,
+            Err(e) => return Err(self.fwd_lost(e)),
+        };
+        let expected = crate::error::PieceOrEnd::Piece(crate::error::PieceDesc {
+            index,
+            len: buf.len() as u64,
+            send: s,
+            recv: r,
+        });
+        match desc {
+            fwd::Desc::Piece { len, s: s2, r: r2 } if len == buf.len() && s2 == s && r2 == r => {
+                if let Err(e) = self.fwd_read(buf, s) {
+                    return Err(self.fwd_lost(e));
+                }
+                if let Some(f) = self.st.fwd.as_mut() {
+                    f.index += 1;
+                }
+                Ok(())
+            }
+            fwd::Desc::Piece { len, s: s2, r: r2 } => {
+                let sent = crate::error::PieceOrEnd::Piece(crate::error::PieceDesc {
+                    index,
+                    len: len as u64,
+                    send: s2,
+                    recv: r2,
+                });
+                let e = self.fwd_mismatch(sent, expected);
+                self.fwd_abandon(Some((len, s2)), false);
+                Err(e)
+            }
+            _ => {
+                let e =
+                    self.fwd_mismatch(crate::error::PieceOrEnd::End { pieces: index }, expected);
+                self.fwd_abandon(None, true);
+                Err(e)
+            }
+        }
+    }
+
+    /// `end_unpacking` of a forwarded message.
+    fn fwd_end(&mut self) -> Result<()> {
+        use crate::vchan::fwd;
+        self.alive()?;
+        let index = self.st.fwd.as_ref().map_or(0, |f| f.index);
+        match self.fwd_desc() {
+            Ok(fwd::Desc::Piece { len, s, r }) => {
+                let sent = crate::error::PieceOrEnd::Piece(crate::error::PieceDesc {
+                    index,
+                    len: len as u64,
+                    send: s,
+                    recv: r,
+                });
+                let e = self.fwd_mismatch(sent, crate::error::PieceOrEnd::End { pieces: index });
+                self.fwd_abandon(Some((len, s)), false);
+                Err(e)
+            }
+            Ok(_) => match self.finish_inner() {
+                Ok(()) => {
+                    self.completed();
+                    self.st.fwd = None;
+                    Ok(())
+                }
+                Err(e) => Err(self.fwd_lost(e)),
+            },
+            Err(e) => Err(self.fwd_lost(e)),
         }
     }
 }

@@ -40,20 +40,28 @@
 //!    holds more than a fragment, and its memory is bounded (the next hop's back-pressure
 //!    stops it reading); it flushes where the sender flushed, and ends its message only after
 //!    the incoming one ended whole;
-//! 3. the destination's thread packs each piece, as it arrives, in its original modes into an
-//!    in-process relay (the `mem` driver's links, one connection per origin), from which the
-//!    application's [`Unpacker`] reads it with [`Unpacker::remote`] the
-//!    origin: EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`, and
-//!    `begin_unpacking_from(origin)` works as for a direct peer. CHEAPER and LATER pieces are
-//!    kept by the relay until the message ends (they are the application's then).
+//! 3. at the destination, a blocking [`begin_unpacking_from`](crate::Channel::begin_unpacking_from)
+//!    whose origin is the only one reaching this rank over its transit connection reads
+//!    that connection itself: the [`Unpacker`] checks each descriptor against the unpack and
+//!    reads the fragments straight into the caller's buffer, and the neighbour's thread
+//!    (which waits without holding the connection) stays away meanwhile. Otherwise the
+//!    thread packs each piece, as it arrives, in its original modes into an in-process relay
+//!    (the `mem` driver's links, one connection per origin), where any-source, non-blocking
+//!    and deadline-bound receives find it with [`Unpacker::remote`] the origin. Either way
+//!    EXPRESS pieces are there at `unpack`, CHEAPER ones at `end_unpacking`; the relay is
+//!    read before the transit connection and again once it is held, so the two ways in keep
+//!    the order. CHEAPER and LATER pieces are kept by the relay until the message ends.
 //!
-//! Order per (origin, destination) holds: one path, one connection per hop, one thread per
-//! connection. A failure anywhere on the path abandons the message at every hop after it
+//! Order per (origin, destination) holds: one path, one connection per hop, one reader at a
+//! time per connection. A failure anywhere on the path abandons the message at every hop after it
 //! (never delivered half or twice, never as complete) and tears the hop's connection down,
 //! so the sender's calls fail. A thread whose neighbour is gone fails the relay connections of
 //! the origins whose path came through it and floods a *gone* notice for that neighbour to the
 //! other neighbours, so a destination waiting for a dead origin behind a live gateway fails
-//! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]).
+//! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]). An unpacker reading a
+//! transit connection itself that is dropped or mismatched reads and drops the rest of the
+//! message (at most 0.5 s) and breaks the pair as the relay does; one whose deadline expires
+//! tears the transit connection down (the ranks behind it are then gone for this rank).
 //!
 //! The virtual channel's readiness descriptor is an epoll set of its parts' and relay's
 //! descriptors (none when a part has none: MPI); [`Channel::close`](crate::Channel::close)
@@ -276,6 +284,66 @@ pub(crate) enum Out<'a> {
     },
 }
 
+/// The application threads reading an inbound transit connection themselves (see
+/// [`Virtual::begin_behind`]): while one does, that connection's forwarding thread stays away.
+pub(crate) struct Door {
+    apps: AtomicUsize,
+    /// The forwarding thread read a message for this rank whole and is ending it in the
+    /// relay.
+    delivering: AtomicBool,
+    m: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Door {
+    fn new() -> Door {
+        Door {
+            apps: AtomicUsize::new(0),
+            delivering: AtomicBool::new(false),
+            m: Mutex::new(()),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn enter(&self) -> DoorGuard<'_> {
+        self.apps.fetch_add(1, Ordering::SeqCst);
+        DoorGuard(self)
+    }
+
+    fn busy(&self) -> bool {
+        self.apps.load(Ordering::SeqCst) > 0
+    }
+
+    /// Sleep at most `t`, or until the connection is released while an application thread
+    /// waits for it.
+    fn wait(&self, t: Duration) {
+        let g = crate::channel::lock(&self.m);
+        let _ = self.cv.wait_timeout(g, t);
+    }
+
+    /// The forwarding thread released the connection.
+    fn released(&self) {
+        if self.busy() {
+            let _g = crate::channel::lock(&self.m);
+            self.cv.notify_all();
+        }
+    }
+}
+
+/// An application thread's claim on an inbound transit connection (see [`Door`]); dropping it
+/// does not wake the forwarding thread, which looks again within [`AWAY`].
+pub(crate) struct DoorGuard<'a>(&'a Door);
+
+impl Drop for DoorGuard<'_> {
+    fn drop(&mut self) {
+        self.0.apps.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How long a forwarding thread stays away from its connection once an application thread
+/// reads it, before it looks again.
+const AWAY: Duration = Duration::from_millis(2);
+
 /// What a virtual channel holds besides the core's channel state (`ChannelInner::virt`).
 pub(crate) struct Virtual {
     pub(crate) parts: Vec<Channel>,
@@ -300,6 +368,10 @@ pub(crate) struct Virtual {
     size: usize,
     /// This rank's forwarding threads' state (when some pair needs a gateway).
     fwd: Option<Arc<Forwarder>>,
+    /// Per rank behind gateways: its messages are the only ones for this rank on the
+    /// transit connection they arrive on, so the application reads that connection itself
+    /// ([`Virtual::begin_behind`]).
+    direct_in: Vec<bool>,
 }
 
 impl Drop for Virtual {
@@ -389,6 +461,134 @@ impl Virtual {
                 size: self.size,
                 me: self.me,
             }),
+        }
+    }
+
+    /// A blocking receive from `o`, behind gateways, read by this thread from the transit
+    /// connection it arrives on (no forwarding thread, no relay on the way): `None` when
+    /// that does not apply (`o` is not behind gateways, or other origins' messages for this
+    /// rank share its connection), and the caller goes through the relay.
+    ///
+    /// Order: messages from `o` reach the relay only from whoever reads that connection,
+    /// holding it; so the relay is looked at first, and again once the connection is held,
+    /// and only when it has nothing from `o` is the connection's next message `o`'s. Other
+    /// messages met on the way (notices, messages forwarded through this rank) are handled
+    /// as the forwarding thread would. The connection stays this thread's until the
+    /// message's end ([`Unpacker::forwarded_from`]).
+    pub(crate) fn begin_behind<'c, 'b>(
+        &'c self,
+        inner: &'c ChannelInner,
+        o: usize,
+    ) -> Result<Option<Unpacker<'c, 'b>>> {
+        let (Some(Route::Gateway { part, via, .. }), Some(true), Some(f), Some(relay)) = (
+            self.routes.get(o).copied(),
+            self.direct_in.get(o).copied(),
+            self.fwd.as_deref(),
+            self.relay.as_ref(),
+        ) else {
+            return Ok(None);
+        };
+        f.check_broken(o)?;
+        let t = &self.transit[part];
+        if let Some(e) = t.inner.refuses(via) {
+            return Err(e);
+        }
+        let conn = t.inner.conn(via)?;
+        let door = &f.doors[via];
+        let claim = door.enter();
+        let mut frag = Vec::new();
+        enum Got<'c, 'b> {
+            Relay(Unpacker<'c, 'b>),
+            Transit(crate::channel::HalfGuard<'c, crate::channel::RxState>),
+        }
+        loop {
+            let mut held: Option<crate::channel::HalfGuard<'c, crate::channel::RxState>> = None;
+            let got = inner.progress.drive_until(
+                &mut held,
+                |held| {
+                    if held.is_none() {
+                        if let Some(u) = relay.try_begin_unpacking_from(o)? {
+                            return Ok(std::task::Poll::Ready(Got::Relay(u)));
+                        }
+                        match conn.rx.try_lock() {
+                            // A message read before is still on its way into the relay.
+                            Ok(_) if door.delivering.load(Ordering::SeqCst) => {
+                                return Ok(std::task::Poll::Pending)
+                            }
+                            Ok(g) => *held = Some(g),
+                            Err(true) => {
+                                return Err(Error::InUse {
+                                    rank: o,
+                                    direction: "message from",
+                                })
+                            }
+                            Err(false) => return Ok(std::task::Poll::Pending),
+                        }
+                        // Whatever was read from the connection before is in the relay now.
+                        if let Some(u) = relay.try_begin_unpacking_from(o)? {
+                            *held = None;
+                            return Ok(std::task::Poll::Ready(Got::Relay(u)));
+                        }
+                    }
+                    let Some(g) = held.as_mut() else {
+                        return Ok(std::task::Poll::Pending);
+                    };
+                    Channel::usable_rx(conn, g, via)?;
+                    match g.link.poll_message() {
+                        Ok(std::task::Poll::Ready(())) => Ok(std::task::Poll::Ready(Got::Transit(
+                            held.take().ok_or_else(|| {
+                                Error::protocol(via, "transit connection not held")
+                            })?,
+                        ))),
+                        Ok(std::task::Poll::Pending) => Ok(std::task::Poll::Pending),
+                        Err(e) => Err(Channel::rx_failed(&t.inner, via, conn, g, e)),
+                    }
+                },
+                |held, wait| {
+                    inner.check_open()?;
+                    t.inner.check_open()?;
+                    match held.as_mut() {
+                        Some(g) => g.link.wait(wait),
+                        None => {
+                            door.wait(wait.min(Duration::from_millis(1)));
+                            Ok(())
+                        }
+                    }
+                },
+                |held| held.as_ref().map_or(0, |g| g.link.progress_mark()),
+                None,
+            );
+            let g = match got {
+                Ok(Got::Relay(u)) => return Ok(Some(u)),
+                Ok(Got::Transit(g)) => g,
+                Err(e) => return Err(self.transit_failed(t, f, via, o, e)),
+            };
+            let r = Unpacker::start(&t.inner, via, g, None)
+                .and_then(|u| f.one(u, via, &mut frag, Some(o)));
+            match r {
+                Ok(Some((u, from_origin))) => {
+                    return Ok(Some(u.forwarded_from(o, via, from_origin, f, claim)))
+                }
+                // Another message, handled: look again.
+                Ok(None) => {}
+                Err(e) => return Err(self.transit_failed(t, f, via, o, e)),
+            }
+        }
+    }
+
+    /// A receive from `o` through the transit connection from `via` failed with `e`.
+    #[cold]
+    fn transit_failed(&self, t: &Channel, f: &Forwarder, via: usize, o: usize, e: Error) -> Error {
+        match e {
+            // Nothing of a message was read: the connection is intact.
+            Error::Timeout(_) | Error::Closed { .. } | Error::InUse { .. } => e,
+            _ if t.is_closed() => t.inner.closed_or(e),
+            _ if t.inner.refuses(via).is_none() => e,
+            _ => {
+                tracing::debug!(from = via, error = %e, "forwarding: transit connection ended");
+                f.lost(via);
+                Error::PeerClosed { rank: o }
+            }
         }
     }
 
@@ -667,6 +867,20 @@ pub(crate) fn assemble(
             _ => None,
         })
         .collect();
+    // The ranks behind gateways whose messages are the only ones for this rank on the
+    // connection they arrive on.
+    let direct_in: Vec<bool> = (0..size)
+        .map(|o| match routes[o] {
+            Route::Gateway { via, .. } => {
+                behind
+                    .iter()
+                    .filter(|&&r| matches!(routes[r], Route::Gateway { via: v, .. } if v == via))
+                    .count()
+                    == 1
+            }
+            _ => false,
+        })
+        .collect();
     let mut forwarder = None;
     if !transit.is_empty() {
         let first: Vec<Option<usize>> = (0..size)
@@ -688,6 +902,7 @@ pub(crate) fn assemble(
             broken: (0..size).map(|_| AtomicBool::new(false)).collect(),
             acks: Mutex::new(vec![0; size]),
             acked: Condvar::new(),
+            doors: (0..size).map(|_| Door::new()).collect(),
         });
         if let Some(r) = &relay {
             // The application breaking a connection from a rank behind gateways tells it.
@@ -714,6 +929,7 @@ pub(crate) fn assemble(
         me,
         size,
         fwd: forwarder,
+        direct_in,
     })
 }
 
@@ -729,7 +945,7 @@ pub(crate) fn broken_pair(r: usize) -> Error {
 }
 
 /// The shared state of a rank's forwarding threads.
-struct Forwarder {
+pub(crate) struct Forwarder {
     me: usize,
     size: usize,
     transit: Vec<Channel>,
@@ -752,6 +968,8 @@ struct Forwarder {
     /// the threads waiting for one.
     acks: Mutex<Vec<u64>>,
     acked: Condvar,
+    /// Per neighbour: the application threads reading the transit connection from it.
+    doors: Vec<Door>,
 }
 
 /// Pieces from this length on may keep a forwarding thread waiting (the origin sends them
@@ -790,18 +1008,68 @@ const NOTICE_WAIT: Duration = Duration::from_millis(200);
 /// and the other end's own message on that connection, if one is open: past this bound the
 /// breaking side goes on without it (the other end refuses the pair as soon as the notice
 /// reaches it).
-const BREAK_WAIT: Duration = Duration::from_millis(500);
+pub(crate) const BREAK_WAIT: Duration = Duration::from_millis(500);
 
 impl Forwarder {
-    /// The thread of the transit connection from `x`: one message after the other.
+    /// The thread of the transit connection from `x`: one message after the other, except
+    /// while an application thread reads that connection itself ([`Virtual::begin_behind`]).
+    /// It waits for a message without holding the connection (the transit channel's
+    /// any-source wait), so that such a thread can take it at once.
     fn serve(&self, x: usize) {
         let Some(part) = self.first[x] else { return };
         let ch = &self.transit[part];
+        let door = &self.doors[x];
         let mut frag = vec![0u8; fwd::FRAGMENT];
+        // Consecutive waits that returned at once with nothing for this connection (another
+        // connection of the channel has data its reader has not taken yet).
+        let mut fruitless = 0u32;
         loop {
-            let r = ch
-                .begin_unpacking_from(x)
-                .and_then(|u| self.one(u, x, &mut frag));
+            if ch.is_closed() {
+                return;
+            }
+            if door.busy() {
+                door.wait(AWAY);
+                continue;
+            }
+            let got = ch.inner.progress.drive_until(
+                &mut fruitless,
+                |_| {
+                    if door.busy() {
+                        return Ok(std::task::Poll::Ready(None));
+                    }
+                    Ok(ch
+                        .try_begin_unpacking_from(x)?
+                        .map_or(std::task::Poll::Pending, |u| {
+                            std::task::Poll::Ready(Some(u))
+                        }))
+                },
+                |fruitless, t| {
+                    ch.inner.check_open()?;
+                    let t0 = Instant::now();
+                    if *fruitless >= 2 {
+                        std::thread::sleep(t.min(Duration::from_millis(1)));
+                    } else {
+                        ch.inner.incoming.wait(t)?;
+                    }
+                    if t0.elapsed() < Duration::from_micros(50) {
+                        *fruitless += 1;
+                    } else {
+                        *fruitless = 0;
+                    }
+                    Ok(())
+                },
+                |_| 0,
+                None,
+            );
+            let r = match got {
+                Ok(None) => continue,
+                Ok(Some(u)) => {
+                    fruitless = 0;
+                    self.one(u, x, &mut frag, None).map(drop)
+                }
+                Err(e) => Err(e),
+            };
+            door.released();
             if let Err(e) = r {
                 if !ch.is_closed() {
                     tracing::debug!(from = x, error = %e, "forwarding: connection ended");
@@ -812,8 +1080,16 @@ impl Forwarder {
         }
     }
 
-    /// One message from `x`: a gone notice, one for this rank, or one to forward.
-    fn one(&self, mut u: Unpacker<'_, '_>, x: usize, frag: &mut [u8]) -> Result<()> {
+    /// One message from `x`: a gone notice, one for this rank, or one to forward. A message
+    /// for this rank from `want` is not delivered but handed back, its envelope read, with
+    /// whether it comes from its origin directly (fragments in the pieces' send modes).
+    pub(crate) fn one<'c, 'b>(
+        &self,
+        mut u: Unpacker<'c, 'b>,
+        x: usize,
+        frag: &mut Vec<u8>,
+        want: Option<usize>,
+    ) -> Result<Option<(Unpacker<'c, 'b>, bool)>> {
         let mut raw = [0u8; fwd::ENVELOPE_LEN];
         u.unpack_express(&mut raw, SendMode::Safer)?;
         let env = fwd::Envelope::decode(&raw, self.size)
@@ -821,14 +1097,17 @@ impl Forwarder {
         if env.kind == fwd::Kind::Gone {
             u.end_unpacking()?;
             self.gone(env.origin, Some(x));
-            return Ok(());
+            return Ok(None);
         }
         // The origin sends fragments in the piece's mode; gateways send them SAFER.
         let from_origin = x == env.origin;
         let s_in = move |s: SendMode| if from_origin { s } else { SendMode::Safer };
         if env.dest == self.me {
             if env.kind == fwd::Kind::Message {
-                return self.deliver(u, &env, s_in);
+                if want == Some(env.origin) {
+                    return Ok(Some((u, from_origin)));
+                }
+                return self.deliver(u, x, &env, s_in).map(|()| None);
             }
             let mut d = [0u8; fwd::DESC_LEN];
             u.unpack_express(&mut d, SendMode::Safer)?;
@@ -846,7 +1125,7 @@ impl Forwarder {
                 acks[env.origin] += 1;
                 self.acked.notify_all();
             }
-            return Ok(());
+            return Ok(None);
         }
         let at = env
             .path
@@ -861,6 +1140,9 @@ impl Forwarder {
         let part = self.first[next].ok_or_else(|| {
             Error::protocol(x, "forwarded message to a rank not reached from here")
         })?;
+        if frag.len() < fwd::FRAGMENT {
+            frag.resize(fwd::FRAGMENT, 0);
+        }
         let mut p = self.transit[part].begin_packing(next)?;
         p.pack_safer(&raw, RecvMode::Express)?;
         loop {
@@ -886,7 +1168,7 @@ impl Forwarder {
         }
         // Whole on the way in before it is whole on the way out.
         u.end_unpacking()?;
-        p.end_packing()
+        p.end_packing().map(|()| None)
     }
 
     /// A message for this rank: into the relay, piece by piece in its original modes, from
@@ -896,6 +1178,7 @@ impl Forwarder {
     fn deliver(
         &self,
         mut u: Unpacker<'_, '_>,
+        x: usize,
         env: &fwd::Envelope,
         s_in: impl Fn(SendMode) -> SendMode,
     ) -> Result<()> {
@@ -975,17 +1258,23 @@ impl Forwarder {
                 p = None;
             }
         }
-        u.end_unpacking()?;
+        // Whole on the way in before it is whole in the relay. Until it is there, an
+        // application thread that takes the transit connection leaves it again
+        // ([`Virtual::begin_behind`]), so that messages from one origin keep their order.
+        let door = &self.doors[x];
+        door.delivering.store(true, Ordering::SeqCst);
+        let ended = u.end_unpacking();
         if let Some(Err(e)) = p.map(crate::Packer::end_packing) {
             refused(e);
         }
-        Ok(())
+        door.delivering.store(false, Ordering::SeqCst);
+        ended
     }
 
     /// The connection from neighbour `x` ended (not by a close of this channel): the ranks
     /// whose path to here came through it, and `x` itself, are gone for this rank and for
     /// the ranks behind it.
-    fn lost(&self, x: usize) {
+    pub(crate) fn lost(&self, x: usize) {
         for o in 0..self.size {
             if self.last_hop[o] == Some(x) {
                 self.gone(o, Some(x));
@@ -1026,7 +1315,7 @@ impl Forwarder {
     /// a message from it: tell `peer`, and wait until it has taken it into account (at most
     /// [`BREAK_WAIT`]), so that once this returns every new message of the pair fails on
     /// both sides, as a connection torn down by a direct driver does.
-    fn break_pair(&self, peer: usize) {
+    pub(crate) fn break_pair(&self, peer: usize) {
         if self.is_gone(peer) || self.broken[peer].swap(true, Ordering::AcqRel) {
             return;
         }
