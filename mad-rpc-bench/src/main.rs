@@ -320,6 +320,14 @@ fn run(o: &Opts) -> Result<(), String> {
     let tcp = s
         .open_channel_with(ChannelConfig::parse("rpc-tcp", &o.tcp).ctx("--tcp")?)
         .ctx("opening the tcp channel")?;
+    // The raw `rpc` pattern of mad-bench, on channels of their own (a channel mad-am uses
+    // carries only its messages): the reference of the layer's cost.
+    let raw = [
+        s.open_channel_with(ChannelConfig::parse("rpc-shm-raw", &o.shm).ctx("--shm")?)
+            .ctx("opening the raw shm channel")?,
+        s.open_channel_with(ChannelConfig::parse("rpc-tcp-raw", &o.tcp).ctx("--tcp")?)
+            .ctx("opening the raw tcp channel")?,
+    ];
     let (stop_tx, stop_rx) = std::sync::mpsc::channel();
     let eps = [Endpoint::new(shm), Endpoint::new(tcp)];
     for ep in &eps {
@@ -331,9 +339,25 @@ fn run(o: &Opts) -> Result<(), String> {
 
     if rank == SERVER {
         let progress: Vec<_> = eps.iter().map(Endpoint::spawn_progress).collect();
-        // Until the client says stop (it always does, even when it failed).
-        let _ = stop_rx.recv();
+        let raw_done = std::thread::scope(|sc| {
+            let hs: Vec<_> = raw
+                .iter()
+                .map(|ch| sc.spawn(move || raw_server(ch)))
+                .collect();
+            // Until the client says stop (it always does, even when it failed); the raw
+            // servers end at the client's last message on their channel, or when it leaves.
+            let _ = stop_rx.recv();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("a raw server panicked".into()))
+                })
+                .collect::<Result<Vec<()>, String>>()
+        });
         drop(progress);
+        if let Err(e) = raw_done {
+            eprintln!("rpc-bench: the raw rpc server: {e}");
+        }
         if let Some(g) = &servers {
             g.cleanup();
         }
@@ -349,7 +373,10 @@ fn run(o: &Opts) -> Result<(), String> {
     } else {
         Vec::new()
     };
-    let r = client(o, &eps, tcp_addr, &uds_path);
+    let r = client(o, &eps, &raw, tcp_addr, &uds_path);
+    for ch in &raw {
+        let _ = raw_send(ch, RAW_STOP, &[]);
+    }
     // Stop the server whatever happened (over shm, else tcp).
     let stopped = eps.iter().any(|ep| ep.send(SERVER, STOP, &[]).is_ok());
     if stopped {
@@ -357,6 +384,92 @@ fn run(o: &Opts) -> Result<(), String> {
     }
     drop(progress);
     r
+}
+
+/// The header that ends a raw rpc server.
+const RAW_STOP: u64 = u64::MAX;
+
+/// One message of mad-bench's `rpc` pattern: an 8-byte size header EXPRESS, then the body
+/// CHEAPER, sent as a whole (`flush_at_end`).
+fn raw_send(ch: &madeleine::Channel, size: u64, body: &[u8]) -> madeleine::Result<()> {
+    let to = 1 - ch.rank();
+    let mut p = ch.begin_packing(to)?;
+    p.flush_at_end();
+    p.pack_value(&size, madeleine::RecvMode::Express)?;
+    p.pack(body, madeleine::RecvMode::Cheaper)?;
+    p.end_packing()
+}
+
+/// Receive one `rpc` message into `buf`; its size header.
+fn raw_recv(ch: &madeleine::Channel, buf: &mut [u8]) -> madeleine::Result<u64> {
+    let from = 1 - ch.rank();
+    let mut u = ch.begin_unpacking_from(from)?;
+    let n: u64 = u.unpack_value()?;
+    let len = if n == RAW_STOP { 0 } else { n as usize };
+    if len > buf.len() {
+        return Err(madeleine::Error::protocol(
+            from,
+            format!("rpc body of {n} B"),
+        ));
+    }
+    u.unpack(&mut buf[..len], madeleine::SendMode::Cheaper)?;
+    u.end_unpacking()?;
+    Ok(n)
+}
+
+/// The server of the raw `rpc` pattern: an empty reply to every request (as mad-bench's).
+fn raw_server(ch: &madeleine::Channel) -> Result<(), String> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match raw_recv(ch, &mut buf) {
+            Ok(RAW_STOP) => return Ok(()),
+            Ok(_) => raw_send(ch, 0, &[]).map_err(|e| format!("raw rpc reply: {e}"))?,
+            // The client left without its last message (it failed): nothing more to serve.
+            Err(_) if ch.is_closed() => return Ok(()),
+            Err(e) => return Err(format!("raw rpc request: {e}")),
+        }
+    }
+}
+
+/// Rounds of [`layer_cost`], each timing [`LAYER_CALLS`] round trips of each.
+const LAYER_ROUNDS: usize = 7;
+const LAYER_CALLS: usize = 20_000;
+
+/// The layer's cost: the round trip of an 8 B call to an inline handler with an empty reply
+/// (mad-am's `SINK`), against mad-bench's raw `rpc` pattern (8 B body, empty reply) on a
+/// channel of the same spec, 1 in flight, rounds alternated; medians in µs (raw, mad-am).
+fn layer_cost(ep: &Endpoint, raw: &madeleine::Channel, quick: bool) -> Result<(f64, f64), String> {
+    let (rounds, calls) = if quick {
+        (2, 500)
+    } else {
+        (LAYER_ROUNDS, LAYER_CALLS)
+    };
+    let body = [0x5au8; 8];
+    let mut got = [0u8; 16];
+    let (mut raw_us, mut am_us) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        for _ in 0..calls {
+            raw_send(raw, body.len() as u64, &body).map_err(|e| format!("raw rpc: {e}"))?;
+            if raw_recv(raw, &mut got).map_err(|e| format!("raw rpc: {e}"))? != 0 {
+                return Err("raw rpc: a reply with a body".into());
+            }
+        }
+        raw_us.push(t0.elapsed().as_secs_f64() * 1e6 / calls as f64);
+        let t0 = Instant::now();
+        for _ in 0..calls {
+            let r = ep.call(SERVER, SINK, &body).map_err(call_error)?;
+            if !r.is_empty() {
+                return Err("mad-am: a reply with a body".into());
+            }
+        }
+        am_us.push(t0.elapsed().as_secs_f64() * 1e6 / calls as f64);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(&mut raw_us), median(&mut am_us)))
 }
 
 /// What a point calls.
@@ -402,6 +515,7 @@ fn call_error(e: CallError) -> String {
 fn client(
     o: &Opts,
     eps: &[Endpoint; 2],
+    raw: &[madeleine::Channel; 2],
     tcp_addr: std::net::SocketAddr,
     uds_path: &std::path::Path,
 ) -> Result<(), String> {
@@ -500,6 +614,42 @@ fn client(
             }
         }
     }
+    // The layer's cost, on the transports whose inline handler was selected.
+    let mut layer = Vec::new();
+    for (k, transport) in ["shm", "tcp"].into_iter().enumerate() {
+        if !o.impls.iter().any(|x| *x == format!("{transport}-inline")) {
+            continue;
+        }
+        let (r, a) = layer_cost(&eps[k], &raw[k], o.quick)
+            .map_err(|e| format!("{transport}: the layer's cost: {e}"))?;
+        eprintln!(
+            "rpc-bench: layer {transport}: raw rpc {r:.2} us, mad-am inline {a:.2} us ({:.2}x)",
+            a / r
+        );
+        for (name, us) in [("raw rpc", r), ("mad-am inline", a)] {
+            rows.push(Row {
+                case: "layer",
+                transport,
+                name,
+                args: 8,
+                inflight: 1,
+                st: Stats {
+                    calls: if o.quick {
+                        1000
+                    } else {
+                        LAYER_ROUNDS * LAYER_CALLS
+                    },
+                    rate: 1e6 / us,
+                    p50: us,
+                    p99: f64::NAN,
+                    max: f64::NAN,
+                    window: None,
+                    fairness: 1.0,
+                },
+            });
+        }
+        layer.push((transport, r, a));
+    }
     let mut hol = Vec::new();
     if o.hol {
         // The inline handlers (the short-handler path) and tonic for reference.
@@ -547,7 +697,7 @@ fn client(
         write_csv(path, &rows).ctx(&format!("writing {}", path.display()))?;
     }
     let mut out = std::io::stdout().lock();
-    report(&mut out, o, &rows, &hol, t0.elapsed()).ctx("writing the report")?;
+    report(&mut out, o, &rows, &layer, &hol, t0.elapsed()).ctx("writing the report")?;
     Ok(())
 }
 
@@ -1015,6 +1165,7 @@ fn report(
     out: &mut impl Write,
     o: &Opts,
     rows: &[Row],
+    layer: &[(&str, f64, f64)],
     hol: &[(&str, &str, Hol)],
     took: Duration,
 ) -> std::io::Result<()> {
@@ -1129,6 +1280,36 @@ fn report(
                     if ok { "met" } else { "missed" }
                 )?;
             }
+        }
+        writeln!(out)?;
+    }
+    if !layer.is_empty() {
+        writeln!(
+            out,
+            "### The layer's cost: an inline handler's round trip against the raw `rpc` pattern (issue 17: ≤ 1.2×)"
+        )?;
+        writeln!(out)?;
+        writeln!(
+            out,
+            "8 B request, empty reply, 1 in flight: mad-am's `call` to an inline handler against \
+             mad-bench's `rpc` pattern (size header EXPRESS, body CHEAPER, `flush_at_end`) on a \
+             channel of the same spec; {} rounds of {} round trips each, alternated, medians.",
+            if o.quick { 2 } else { LAYER_ROUNDS },
+            if o.quick { 500 } else { LAYER_CALLS }
+        )?;
+        writeln!(out)?;
+        writeln!(
+            out,
+            "| transport | raw rpc µs | mad-am inline µs | ratio | verdict |"
+        )?;
+        writeln!(out, "|---|---:|---:|---:|---|")?;
+        for &(t, r, a) in layer {
+            let x = a / r;
+            writeln!(
+                out,
+                "| {t} | {r:.2} | {a:.2} | {x:.2} | {} |",
+                if x <= 1.2 { "met" } else { "missed" }
+            )?;
         }
         writeln!(out)?;
     }
