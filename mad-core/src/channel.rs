@@ -307,6 +307,8 @@ impl Conn {
         gone: bool,
         cause: impl Into<String>,
     ) {
+        // Before the failure is visible anywhere (see `ChannelInner::all_broken`).
+        ch.any_failed.store(true, Ordering::Release);
         let set = self.failed.set(ConnFailure {
             gone,
             cause: cause.into(),
@@ -422,6 +424,10 @@ pub(crate) struct ChannelInner {
     pub(crate) kicked: AtomicBool,
     /// [`Channel::close`] was called.
     pub(crate) closed: AtomicBool,
+    /// Some connection of this channel failed ([`Conn::fail`]): until then no peer can be
+    /// gone, and [`ChannelInner::all_broken`] (asked by every empty any-source poll) answers
+    /// without looking at the connections.
+    any_failed: AtomicBool,
     released: Mutex<u64>,
     released_cv: Condvar,
     /// A virtual channel's parts and routes (`None` for a real channel).
@@ -572,6 +578,7 @@ impl ChannelInner {
             armed: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            any_failed: AtomicBool::new(false),
             released: Mutex::new(0),
             released_cv: Condvar::new(),
             virt: None,
@@ -746,6 +753,11 @@ impl ChannelInner {
     pub(crate) fn all_broken(&self) -> bool {
         if let Some(v) = &self.virt {
             return v.all_broken();
+        }
+        // A peer counts as gone only once its connection failed (a receiving half is broken
+        // only after `Conn::fail`), which sets this first.
+        if !self.any_failed.load(Ordering::Acquire) {
+            return false;
         }
         self.peers.iter().all(|&p| match &self.conns[p] {
             Some(c) => match c.rx.try_lock() {
