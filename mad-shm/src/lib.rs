@@ -51,7 +51,7 @@ use mad_core::driver::{
 use mad_core::hostmem::{self, MappedPeer};
 use mad_core::{Error, Result};
 
-use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
+use link::{CmaUse, GatherPath, ShmIncoming, ShmRx, ShmTx};
 use segment::Segment;
 
 /// Largest default ring (bytes), used by jobs of 2 or 3 ranks: a large piece streams through
@@ -80,9 +80,13 @@ pub fn default_ring(n: usize) -> usize {
 }
 /// Largest ring accepted.
 pub const MAX_RING: usize = 1 << 30;
-/// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring`),
-/// from the ring/CMA sweep in `NOTES.md`. By default (`cma=off`) the ring takes every piece.
+/// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring|
+/// always`), from the ring/CMA sweep in `NOTES.md`. With `cma=off` the ring takes every piece.
 pub const DEFAULT_RING_MAX: usize = 64 * 1024;
+/// Largest piece of the `cma` TM under `cma=auto|on|ring`; larger ones go to the `pipe` TM
+/// (pipelined through the ring): from 2 MiB up the two-copy ring beats the single copy in
+/// streams too (`NOTES.md`, "Large pieces").
+pub const DEFAULT_CMA_MAX: usize = 1 << 20;
 /// Slices per CMA group.
 pub const CMA_MAX_GROUP: usize = 64;
 
@@ -102,9 +106,13 @@ impl ShmDriver {
 /// What the `cma` option asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CmaWish {
+    /// The default: CMA for back-to-back pieces of the `cma` band where permitted.
     Auto,
+    /// As `Auto`, but fail where CMA is not permitted.
     On,
     Off,
+    /// CMA for every piece above the ring threshold, where permitted.
+    Always,
     /// Keep the `cma` TM but stream its pieces through the ring (the fallback taken when the
     /// probe fails on some pair; this value exists to test that path).
     Ring,
@@ -126,13 +134,14 @@ fn options(config: &ChannelConfig) -> Result<Options> {
         }
     }
     let cma = match config.options.get("cma").map(String::as_str) {
-        None | Some("off") | Some("0") | Some("false") => CmaWish::Off,
-        Some("auto") => CmaWish::Auto,
+        Some("off") | Some("0") | Some("false") => CmaWish::Off,
+        None | Some("auto") => CmaWish::Auto,
+        Some("always") => CmaWish::Always,
         Some("on") | Some("1") | Some("true") => CmaWish::On,
         Some("ring") => CmaWish::Ring,
         Some(v) => {
             return Err(Error::BadConfig(format!(
-                "shm: cma={v}: use auto, on, off or ring"
+                "shm: cma={v}: use auto, on, always, off or ring"
             )))
         }
     };
@@ -216,8 +225,7 @@ impl Driver for ShmDriver {
         // must fall back, not fail. The open's probe and vote choose the path.
         let cma = match o.cma {
             CmaWish::Off => false,
-            CmaWish::Auto => true,
-            CmaWish::Ring => true,
+            CmaWish::Auto | CmaWish::Always | CmaWish::Ring => true,
             CmaWish::On => {
                 if !cma_supported() {
                     return Err(Error::unavailable(
@@ -228,7 +236,7 @@ impl Driver for ShmDriver {
                 true
             }
         };
-        if cma {
+        if o.cma == CmaWish::Always {
             TmTable::new([
                 TmSpec::copy("ring", DEFAULT_RING_MAX, "copied through the SPSC ring"),
                 TmSpec::gather(
@@ -236,6 +244,21 @@ impl Driver for ShmDriver {
                     usize::MAX,
                     CMA_MAX_GROUP,
                     "single copy: receiver process_vm_readv's the sender's iovecs",
+                ),
+            ])
+        } else if cma {
+            TmTable::new([
+                TmSpec::copy("ring", DEFAULT_RING_MAX, "copied through the SPSC ring"),
+                TmSpec::gather(
+                    "cma",
+                    DEFAULT_CMA_MAX,
+                    CMA_MAX_GROUP,
+                    "back to back: receiver process_vm_readv's the sender's iovecs; else pipelined through the ring",
+                ),
+                TmSpec::copy(
+                    "pipe",
+                    usize::MAX,
+                    "copied through the SPSC ring (split and pipelined)",
                 ),
             ])
         } else {
@@ -382,6 +405,12 @@ impl Driver for ShmDriver {
             GatherPath::Ring
         };
 
+        let cma_use = if o.cma == CmaWish::Always {
+            CmaUse::Always
+        } else {
+            CmaUse::BackToBack
+        };
+
         let own = Arc::new(own);
         let mut links: Vec<Option<LinkPair>> = (0..n).map(|_| None).collect();
         let mut watched = Vec::new();
@@ -412,6 +441,7 @@ impl Driver for ShmDriver {
                     path,
                     ctx.progress.oversubscribed,
                 )
+                .with_cma_use(cma_use)
                 .with_signals(sigs[r].clone()),
                 ShmRx::new(r, pi.pid, in_ring, own.clone(), watch, cma_tm, path)
                     .with_signals(sigs[r].take()),
@@ -431,8 +461,9 @@ impl Driver for ShmDriver {
             "shm: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
         });
         notes.push(match (cma_tm, path) {
-            (None, _) => "shm: no CMA (cma=off, the default): large pieces are pipelined through the ring".into(),
-            (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
+            (None, _) => "shm: no CMA (cma=off): large pieces are pipelined through the ring".into(),
+            (Some(_), GatherPath::Cma) if cma_use == CmaUse::Always => "shm: CMA permitted (cma=always): pieces above the ring threshold are single-copied with process_vm_readv".into(),
+            (Some(_), GatherPath::Cma) => "shm: CMA permitted: `cma` pieces sent back to back are single-copied with process_vm_readv, others pipelined through the ring".into(),
             (Some(_), GatherPath::Ring) => format!(
                 "shm: CMA not permitted between every pair of ranks{}: `cma` pieces are streamed through the ring",
                 if why.is_empty() { String::new() } else { format!(" (here: {why})") }
