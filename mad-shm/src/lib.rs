@@ -1,8 +1,8 @@
 //! # mad-shm: the Madeleine shared-memory driver (`shm`)
 //!
 //! Processes (or threads) on one host talk through single-producer single-consumer byte rings
-//! in `/dev/shm`, with a single-copy path for large pieces through Cross Memory Attach
-//! (`process_vm_readv`).
+//! in `/dev/shm`, with a single-copy path for streams of large pieces through Cross Memory
+//! Attach (`process_vm_readv`).
 //!
 //! * **Segments** ([`segment`]): each process creates one segment holding one incoming ring
 //!   per peer and a doorbell; names are exchanged with the bootstrap's `allgather`, every peer
@@ -11,11 +11,13 @@
 //! * **Rings** ([`ring`]): the SCALE discipline (copy in place, Release-publish the write
 //!   offset; Acquire-read, copy out, Release-publish the read offset), lock-free, monotonic
 //!   64-bit offsets, head and tail on separate 128-byte blocks.
-//! * **Transmission modules**: TM 0 `ring` (copy BMM): every piece by default, a large one
-//!   pipelined through the ring in 64 KiB lends. With `cma=auto|on`, TM 1 `cma` (gather BMM)
-//!   takes pieces above [`DEFAULT_RING_MAX`]: the sender posts its iovec list as a record in
-//!   the ring, the receiver reads the sender's memory directly and bumps a completion counter
-//!   the sender waits on.
+//! * **Transmission modules** (default `cma=auto`): TM 0 `ring` (copy BMM) up to
+//!   [`DEFAULT_RING_MAX`]; TM 1 `cma` (gather BMM) up to [`DEFAULT_CMA_MAX`]: a group sent
+//!   back to back with the previous one to the same peer ([`link::CmaUse::BackToBack`]) is
+//!   posted as an iovec record in the ring, the receiver reads the sender's memory directly
+//!   and bumps a completion counter the sender waits on; any other group is pipelined through
+//!   the ring behind a short record; TM 2 `pipe` (copy BMM) above, pipelined through the ring
+//!   in 64 KiB lends.
 //! * **Waiting**: a shared futex per process (the doorbell) that writers ring only when the
 //!   reader has registered as sleeping; a second futex per ring for writers waiting for room.
 //! * **Peer death**: a pidfd per peer, checked every few milliseconds while polling and after
@@ -27,12 +29,14 @@
 //!   (another network namespace): the ranks vote at open.
 //!
 //! Options (`shm,ring=262144,cma=auto`): `ring` (bytes per ring, power of two, at least 4096;
-//! default [`default_ring`] of the job size), `cma` = `off` (the default: no `cma` TM, large
-//! pieces are split and pipelined through the ring by the core's copy BMM, both processes
-//! copying at once: 2.5–4× CMA's speed from 128 KiB up on this machine kind, see `NOTES.md`),
-//! `auto` (use CMA above [`DEFAULT_RING_MAX`] where permitted), `on` (the same, but fail if the
-//! kernel forbids it) or `ring` (keep the `cma` TM but stream its groups through the ring: the
-//! fallback path, selectable for tests).
+//! default [`default_ring`] of the job size), `cma` = `auto` (the default: the three TMs
+//! above, CMA where the kernel permits it without relaxing Yama; a stream of 128 KiB–1 MiB
+//! messages moves 2–2.6× faster than through the ring, a ping-pong keeps the ring's
+//! pipelined latency, see `NOTES.md`), `on` (the same, but allow any same-user tracer for
+//! Yama and fail if the kernel forbids CMA), `always` (CMA for every piece above
+//! [`DEFAULT_RING_MAX`], allowing the tracer), `off` (no CMA: the ring for every piece, split
+//! and pipelined) or `ring` (the `auto` table, its `cma` groups always streamed through the
+//! ring: the fallback path, selectable for tests).
 
 #![deny(unsafe_code)]
 
@@ -209,7 +213,7 @@ impl Driver for ShmDriver {
     }
 
     fn describe(&self) -> String {
-        "shm: processes on this host, rings in /dev/shm, large pieces pipelined through the ring or single-copied with CMA (options ring=<bytes>, cma=off|auto|on|ring)"
+        "shm: processes on this host, rings in /dev/shm, large pieces pipelined through the ring or, in streams, single-copied with CMA (options ring=<bytes>, cma=auto|on|always|off|ring)"
             .into()
     }
 
@@ -291,7 +295,9 @@ impl Driver for ShmDriver {
             .map(|i| i as u8);
 
         hostmem::sweep_stale(segment::PREFIX);
-        if cma_tm.is_some() && o.cma != CmaWish::Ring {
+        // Only when asked for (`cma=on|always`): the default `auto` uses CMA where the kernel
+        // already permits it and never relaxes Yama's ptrace protection (RELIABILITY.md §6).
+        if cma_tm.is_some() && matches!(o.cma, CmaWish::On | CmaWish::Always) {
             sys::allow_ptracer_any();
         }
 
@@ -376,6 +382,9 @@ impl Driver for ShmDriver {
                 if res.is_err() || got != pi.probe {
                     cma_ok = false;
                     why = match res {
+                        Err(e) if o.cma == CmaWish::Auto => format!(
+                            "reading rank {r}'s memory failed: {e}; cma=on or always relax Yama's ptrace_scope 1"
+                        ),
                         Err(e) => format!("reading rank {r}'s memory failed: {e}"),
                         Ok(()) => format!("reading rank {r}'s memory returned other bytes"),
                     };
