@@ -61,7 +61,7 @@ pub enum CmaUse {
     /// A group sent back to back with the previous one to the same peer (see
     /// [`BACK_TO_BACK`]: a stream of messages, where the single copy of the receiver wins);
     /// any other group (a ping-pong, an isolated message, where the pipelined two-copy ring
-    /// wins) is streamed through the ring behind a [`STREAM_MAGIC`] record (`cma=auto|on`).
+    /// wins) is streamed through the ring behind a short `"RNG1"` record (`cma=auto|on`).
     BackToBack,
 }
 
