@@ -343,8 +343,8 @@ death_cases! {
     shm_idle: "shm", "idle";
     shm_mid: "shm", "mid";
     shm_large: "shm", "large";
-    shm_cma_large: "shm,cma=auto", "large";
-    shm_cma_recv_dead: "shm,cma=auto", "recv_dead";
+    shm_cma_large: "shm,cma=always", "large";
+    shm_cma_recv_dead: "shm,cma=always", "recv_dead";
     shm_recv_dead: "shm", "recv_dead";
     via_soft_idle: "via:soft", "idle";
     via_soft_mid: "via:soft", "mid";

@@ -42,6 +42,7 @@ options of run:
   --div N              divide iteration counts by N
   --runs N             runs per figure (median and min-max reported; default 3)
   --max SIZE           largest message (default 4m)
+  --min SIZE           smallest message (default 0 or 1 B, by benchmark)
   --budget SIZE        at most this many bytes per direction per measurement (default 256m)
   --time SECONDS       about this long per measurement (default 0.1): the OSU count
                        is lowered from a calibration run (the count used is in the CSV)
@@ -77,6 +78,7 @@ Options take their value as `--opt value` or `--opt=value`; a lone `--` is skipp
 struct Opts {
     div: usize,
     runs: usize,
+    min: usize,
     max: usize,
     budget: usize,
     time_budget: f64,
@@ -102,6 +104,7 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
     let mut o = Opts {
         div: 1,
         runs: 3,
+        min: 0,
         max: 4 << 20,
         budget: 256 << 20,
         time_budget: 0.1,
@@ -135,6 +138,7 @@ fn parse_opts(args: &[String]) -> std::result::Result<Opts, cli::Error> {
                     })?
                 }
                 Arg::Long("max") => o.max = cli::size(p, "--max")?,
+                Arg::Long("min") => o.min = cli::size(p, "--min")?,
                 Arg::Long("budget") => {
                     o.budget = cli::value_with(p, "--budget", "a size greater than 0", |v| {
                         parse_size(v).filter(|&b| b > 0)
@@ -717,14 +721,14 @@ fn pair_suite(session: &Session, o: &Opts, pin_core: Option<usize>) -> Result<Ve
             sys::pin(None)?;
         }
         let szs = match bench {
-            "latency" | "latency_mt" => sizes(0, o.max),
-            "rpc" => sizes(0, o.max.min(1 << 20)),
+            "latency" | "latency_mt" => sizes(o.min, o.max),
+            "rpc" => sizes(o.min, o.max.min(1 << 20)),
             // Small messages: a burst of 32 must fit what the transport buffers without the
             // receiver (or cpu_send waits for it, and cpu_recv's sender stalls).
             "cpu_send" | "cpu_recv" => sizes(0, o.max.min(256)),
             // Nothing is sent.
             "poll" => vec![0],
-            _ => sizes(1, o.max),
+            _ => sizes(o.min.max(1), o.max),
         };
         let mut bench_rows = Vec::new();
         for &size in &szs {

@@ -1,8 +1,8 @@
 //! # mad-shm: the Madeleine shared-memory driver (`shm`)
 //!
 //! Processes (or threads) on one host talk through single-producer single-consumer byte rings
-//! in `/dev/shm`, with a single-copy path for large pieces through Cross Memory Attach
-//! (`process_vm_readv`).
+//! in `/dev/shm`, with a single-copy path for streams of large pieces through Cross Memory
+//! Attach (`process_vm_readv`).
 //!
 //! * **Segments** ([`segment`]): each process creates one segment holding one incoming ring
 //!   per peer and a doorbell; names are exchanged with the bootstrap's `allgather`, every peer
@@ -11,11 +11,13 @@
 //! * **Rings** ([`ring`]): the SCALE discipline (copy in place, Release-publish the write
 //!   offset; Acquire-read, copy out, Release-publish the read offset), lock-free, monotonic
 //!   64-bit offsets, head and tail on separate 128-byte blocks.
-//! * **Transmission modules**: TM 0 `ring` (copy BMM): every piece by default, a large one
-//!   pipelined through the ring in 64 KiB lends. With `cma=auto|on`, TM 1 `cma` (gather BMM)
-//!   takes pieces above [`DEFAULT_RING_MAX`]: the sender posts its iovec list as a record in
-//!   the ring, the receiver reads the sender's memory directly and bumps a completion counter
-//!   the sender waits on.
+//! * **Transmission modules** (default `cma=auto`): TM 0 `ring` (copy BMM) up to
+//!   [`DEFAULT_RING_MAX`]; TM 1 `cma` (gather BMM) up to [`DEFAULT_CMA_MAX`]: a group sent
+//!   back to back with the previous one to the same peer ([`link::CmaUse::BackToBack`]) is
+//!   posted as an iovec record in the ring, the receiver reads the sender's memory directly
+//!   and bumps a completion counter the sender waits on; any other group is pipelined through
+//!   the ring behind a short record; TM 2 `pipe` (copy BMM) above, pipelined through the ring
+//!   in 64 KiB lends.
 //! * **Waiting**: a shared futex per process (the doorbell) that writers ring only when the
 //!   reader has registered as sleeping; a second futex per ring for writers waiting for room.
 //! * **Peer death**: a pidfd per peer, checked every few milliseconds while polling and after
@@ -27,12 +29,14 @@
 //!   (another network namespace): the ranks vote at open.
 //!
 //! Options (`shm,ring=262144,cma=auto`): `ring` (bytes per ring, power of two, at least 4096;
-//! default [`default_ring`] of the job size), `cma` = `off` (the default: no `cma` TM, large
-//! pieces are split and pipelined through the ring by the core's copy BMM, both processes
-//! copying at once: 2.5–4× CMA's speed from 128 KiB up on this machine kind, see `NOTES.md`),
-//! `auto` (use CMA above [`DEFAULT_RING_MAX`] where permitted), `on` (the same, but fail if the
-//! kernel forbids it) or `ring` (keep the `cma` TM but stream its groups through the ring: the
-//! fallback path, selectable for tests).
+//! default [`default_ring`] of the job size), `cma` = `auto` (the default: the three TMs
+//! above, CMA where the kernel permits it without relaxing Yama; a stream of 128 KiB–1 MiB
+//! messages moves 2–2.6× faster than through the ring, a ping-pong keeps the ring's
+//! pipelined latency, see `NOTES.md`), `on` (the same, but allow any same-user tracer for
+//! Yama and fail if the kernel forbids CMA), `always` (CMA for every piece above
+//! [`DEFAULT_RING_MAX`], allowing the tracer), `off` (no CMA: the ring for every piece, split
+//! and pipelined) or `ring` (the `auto` table, its `cma` groups always streamed through the
+//! ring: the fallback path, selectable for tests).
 
 #![deny(unsafe_code)]
 
@@ -51,7 +55,7 @@ use mad_core::driver::{
 use mad_core::hostmem::{self, MappedPeer};
 use mad_core::{Error, Result};
 
-use link::{GatherPath, ShmIncoming, ShmRx, ShmTx};
+use link::{CmaUse, GatherPath, ShmIncoming, ShmRx, ShmTx};
 use segment::Segment;
 
 /// Largest default ring (bytes), used by jobs of 2 or 3 ranks: a large piece streams through
@@ -80,9 +84,13 @@ pub fn default_ring(n: usize) -> usize {
 }
 /// Largest ring accepted.
 pub const MAX_RING: usize = 1 << 30;
-/// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring`),
-/// from the ring/CMA sweep in `NOTES.md`. By default (`cma=off`) the ring takes every piece.
+/// Largest piece sent through the ring when the `cma` TM is in the table (`cma=auto|on|ring|
+/// always`), from the ring/CMA sweep in `NOTES.md`. With `cma=off` the ring takes every piece.
 pub const DEFAULT_RING_MAX: usize = 64 * 1024;
+/// Largest piece of the `cma` TM under `cma=auto|on|ring`; larger ones go to the `pipe` TM
+/// (pipelined through the ring): from 2 MiB up the two-copy ring beats the single copy in
+/// streams too (`NOTES.md`, "Large pieces").
+pub const DEFAULT_CMA_MAX: usize = 1 << 20;
 /// Slices per CMA group.
 pub const CMA_MAX_GROUP: usize = 64;
 
@@ -102,9 +110,13 @@ impl ShmDriver {
 /// What the `cma` option asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CmaWish {
+    /// The default: CMA for back-to-back pieces of the `cma` band where permitted.
     Auto,
+    /// As `Auto`, but fail where CMA is not permitted.
     On,
     Off,
+    /// CMA for every piece above the ring threshold, where permitted.
+    Always,
     /// Keep the `cma` TM but stream its pieces through the ring (the fallback taken when the
     /// probe fails on some pair; this value exists to test that path).
     Ring,
@@ -126,13 +138,14 @@ fn options(config: &ChannelConfig) -> Result<Options> {
         }
     }
     let cma = match config.options.get("cma").map(String::as_str) {
-        None | Some("off") | Some("0") | Some("false") => CmaWish::Off,
-        Some("auto") => CmaWish::Auto,
+        Some("off") | Some("0") | Some("false") => CmaWish::Off,
+        None | Some("auto") => CmaWish::Auto,
+        Some("always") => CmaWish::Always,
         Some("on") | Some("1") | Some("true") => CmaWish::On,
         Some("ring") => CmaWish::Ring,
         Some(v) => {
             return Err(Error::BadConfig(format!(
-                "shm: cma={v}: use auto, on, off or ring"
+                "shm: cma={v}: use auto, on, always, off or ring"
             )))
         }
     };
@@ -200,7 +213,7 @@ impl Driver for ShmDriver {
     }
 
     fn describe(&self) -> String {
-        "shm: processes on this host, rings in /dev/shm, large pieces pipelined through the ring or single-copied with CMA (options ring=<bytes>, cma=off|auto|on|ring)"
+        "shm: processes on this host, rings in /dev/shm, large pieces pipelined through the ring or, in streams, single-copied with CMA (options ring=<bytes>, cma=auto|on|always|off|ring)"
             .into()
     }
 
@@ -216,8 +229,7 @@ impl Driver for ShmDriver {
         // must fall back, not fail. The open's probe and vote choose the path.
         let cma = match o.cma {
             CmaWish::Off => false,
-            CmaWish::Auto => true,
-            CmaWish::Ring => true,
+            CmaWish::Auto | CmaWish::Always | CmaWish::Ring => true,
             CmaWish::On => {
                 if !cma_supported() {
                     return Err(Error::unavailable(
@@ -228,7 +240,7 @@ impl Driver for ShmDriver {
                 true
             }
         };
-        if cma {
+        if o.cma == CmaWish::Always {
             TmTable::new([
                 TmSpec::copy("ring", DEFAULT_RING_MAX, "copied through the SPSC ring"),
                 TmSpec::gather(
@@ -236,6 +248,21 @@ impl Driver for ShmDriver {
                     usize::MAX,
                     CMA_MAX_GROUP,
                     "single copy: receiver process_vm_readv's the sender's iovecs",
+                ),
+            ])
+        } else if cma {
+            TmTable::new([
+                TmSpec::copy("ring", DEFAULT_RING_MAX, "copied through the SPSC ring"),
+                TmSpec::gather(
+                    "cma",
+                    DEFAULT_CMA_MAX,
+                    CMA_MAX_GROUP,
+                    "back to back: receiver process_vm_readv's the sender's iovecs; else pipelined through the ring",
+                ),
+                TmSpec::copy(
+                    "pipe",
+                    usize::MAX,
+                    "copied through the SPSC ring (split and pipelined)",
                 ),
             ])
         } else {
@@ -268,7 +295,9 @@ impl Driver for ShmDriver {
             .map(|i| i as u8);
 
         hostmem::sweep_stale(segment::PREFIX);
-        if cma_tm.is_some() && o.cma != CmaWish::Ring {
+        // Only when asked for (`cma=on|always`): the default `auto` uses CMA where the kernel
+        // already permits it and never relaxes Yama's ptrace protection (RELIABILITY.md §6).
+        if cma_tm.is_some() && matches!(o.cma, CmaWish::On | CmaWish::Always) {
             sys::allow_ptracer_any();
         }
 
@@ -353,6 +382,9 @@ impl Driver for ShmDriver {
                 if res.is_err() || got != pi.probe {
                     cma_ok = false;
                     why = match res {
+                        Err(e) if o.cma == CmaWish::Auto => format!(
+                            "reading rank {r}'s memory failed: {e}; cma=on or always relax Yama's ptrace_scope 1"
+                        ),
                         Err(e) => format!("reading rank {r}'s memory failed: {e}"),
                         Ok(()) => format!("reading rank {r}'s memory returned other bytes"),
                     };
@@ -380,6 +412,12 @@ impl Driver for ShmDriver {
             GatherPath::Cma
         } else {
             GatherPath::Ring
+        };
+
+        let cma_use = if o.cma == CmaWish::Always {
+            CmaUse::Always
+        } else {
+            CmaUse::BackToBack
         };
 
         let own = Arc::new(own);
@@ -412,6 +450,7 @@ impl Driver for ShmDriver {
                     path,
                     ctx.progress.oversubscribed,
                 )
+                .with_cma_use(cma_use)
                 .with_signals(sigs[r].clone()),
                 ShmRx::new(r, pi.pid, in_ring, own.clone(), watch, cma_tm, path)
                     .with_signals(sigs[r].take()),
@@ -431,8 +470,9 @@ impl Driver for ShmDriver {
             "shm: no readiness descriptor (a rank cannot create or reach the abstract sockets)".into()
         });
         notes.push(match (cma_tm, path) {
-            (None, _) => "shm: no CMA (cma=off, the default): large pieces are pipelined through the ring".into(),
-            (Some(_), GatherPath::Cma) => "shm: CMA permitted: pieces above the ring threshold are single-copied with process_vm_readv".into(),
+            (None, _) => "shm: no CMA (cma=off): large pieces are pipelined through the ring".into(),
+            (Some(_), GatherPath::Cma) if cma_use == CmaUse::Always => "shm: CMA permitted (cma=always): pieces above the ring threshold are single-copied with process_vm_readv".into(),
+            (Some(_), GatherPath::Cma) => "shm: CMA permitted: `cma` pieces sent back to back are single-copied with process_vm_readv, others pipelined through the ring".into(),
             (Some(_), GatherPath::Ring) => format!(
                 "shm: CMA not permitted between every pair of ranks{}: `cma` pieces are streamed through the ring",
                 if why.is_empty() { String::new() } else { format!(" (here: {why})") }

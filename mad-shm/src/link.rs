@@ -9,7 +9,7 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -29,6 +29,14 @@ use crate::sys::{self, RemoteSlice};
 pub use mad_core::hostmem::WAIT_SLICE;
 /// Magic word opening a Cross Memory Attach record in the ring.
 const CMA_MAGIC: u32 = u32::from_le_bytes(*b"CMA1");
+/// Magic word opening a group of the `cma` TM that the sender streams through the ring
+/// instead (adaptive choice, [`CmaUse::BackToBack`]): the record head (count 0, total) is
+/// followed by the group's bytes.
+const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"RNG1");
+/// A `cma` group counts as sent back to back (and goes through CMA under
+/// [`CmaUse::BackToBack`]) when the previous group to this peer completed less than this long
+/// ago and nothing was received from the peer since.
+pub const BACK_TO_BACK: Duration = Duration::from_micros(50);
 /// Size of a record's fixed part (magic, count, total length).
 const REC_HEAD: usize = 16;
 /// Lends at least this long are published (and ring the doorbell) at once, so large copies
@@ -44,6 +52,19 @@ const PIPELINE_LEND: usize = 64 << 10;
 /// Most slices in one record.
 pub const MAX_RECORD_SLICES: usize = 128;
 
+/// Which groups of the Gather TM (`cma`) go through CMA when the channel may use it
+/// ([`GatherPath::Cma`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmaUse {
+    /// Every group (`cma=always`).
+    Always,
+    /// A group sent back to back with the previous one to the same peer (see
+    /// [`BACK_TO_BACK`]: a stream of messages, where the single copy of the receiver wins);
+    /// any other group (a ping-pong, an isolated message, where the pipelined two-copy ring
+    /// wins) is streamed through the ring behind a short `"RNG1"` record (`cma=auto|on`).
+    BackToBack,
+}
+
 /// How the Gather TM (`cma`) moves bytes on this channel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GatherPath {
@@ -52,6 +73,12 @@ pub enum GatherPath {
     /// CMA was not permitted between every pair of ranks: the slices are streamed through the
     /// ring (two copies), keeping the TM table identical on every rank.
     Ring,
+}
+
+/// Whether `tm` is one of the driver's copy TMs: `ring` (0), and `pipe` (the TM after `cma`)
+/// in the `cma=auto|on|ring` table.
+fn is_copy_tm(tm: TmId, cma_tm: Option<TmId>) -> bool {
+    tm == 0 || cma_tm.is_some_and(|c| tm == c + 1)
 }
 
 fn corrupt(rank: usize, c: Corrupt) -> Error {
@@ -86,6 +113,9 @@ pub struct Conn {
     inr: RingView,
     /// The peer's readiness sockets (`None` when the channel has no readiness descriptor).
     sigs: Option<PeerSignals>,
+    /// Messages received from the peer (bumped by [`ShmRx`]'s `end_message`): the sending
+    /// half compares it to tell a stream of sends from a ping-pong ([`CmaUse::BackToBack`]).
+    rx_msgs: AtomicU64,
 }
 
 impl std::fmt::Debug for Conn {
@@ -144,6 +174,7 @@ pub fn connection(mut tx: ShmTx, mut rx: ShmRx) -> (LinkPair, Arc<Conn>) {
         peer_seg: tx.peer_seg.clone(),
         inr: rx.cons.view().clone(),
         sigs: tx.sigs.clone(),
+        rx_msgs: AtomicU64::new(0),
     });
     tx.conn = Some(conn.clone());
     rx.conn = Some(conn.clone());
@@ -187,6 +218,10 @@ pub struct ShmTx {
     live: Liveness,
     cma_tm: Option<TmId>,
     path: GatherPath,
+    cma_use: CmaUse,
+    /// When the last `cma` group to the peer completed, and the peer's received-message count
+    /// then ([`CmaUse::BackToBack`]).
+    last_group: Option<(Instant, u64)>,
     gather: TxGather,
     cma_posted: u64,
     msg_start: u64,
@@ -236,6 +271,8 @@ impl ShmTx {
             live: Liveness::new(watch),
             cma_tm,
             path,
+            cma_use: CmaUse::Always,
+            last_group: None,
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
@@ -253,6 +290,26 @@ impl ShmTx {
     pub fn with_signals(mut self, sigs: Option<PeerSignals>) -> Self {
         self.sigs = sigs;
         self
+    }
+
+    /// Which `cma` groups go through CMA (default [`CmaUse::Always`]).
+    #[must_use]
+    pub fn with_cma_use(mut self, cma_use: CmaUse) -> Self {
+        self.cma_use = cma_use;
+        self
+    }
+
+    /// Messages received from the peer so far (0 before [`connection`]).
+    fn rx_msgs(&self) -> u64 {
+        self.conn
+            .as_ref()
+            .map_or(0, |c| c.rx_msgs.load(Ordering::Relaxed))
+    }
+
+    /// Whether the `cma` group about to be sent follows the previous one back to back.
+    fn back_to_back(&self) -> bool {
+        self.last_group
+            .is_some_and(|(t, n)| n == self.rx_msgs() && t.elapsed() < BACK_TO_BACK)
     }
 
     /// Publish and ring the peer's doorbell if it sleeps, or signal its descriptor if armed
@@ -379,7 +436,7 @@ impl ShmTx {
             }
             let n = self
                 .prod
-                .lend(src.len(), &mut |b: &mut [u8]| {
+                .lend(src.len().min(PIPELINE_LEND), &mut |b: &mut [u8]| {
                     let k = b.len().min(src.len());
                     b[..k].copy_from_slice(&src[..k]);
                     k
@@ -422,7 +479,7 @@ impl TxLink for ShmTx {
         fill: &mut dyn FnMut(&mut [u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check_usable()?;
-        if tm != 0 {
+        if !is_copy_tm(tm, self.cma_tm) {
             return Err(Error::protocol(
                 self.peer,
                 format!("shm: TM {tm} is not a copy TM"),
@@ -464,10 +521,36 @@ impl TxLink for ShmTx {
                 format!("shm: TM {tm} is not a gather TM"),
             ));
         }
-        match self.path {
-            GatherPath::Cma => self.send_cma(iov),
-            GatherPath::Ring => self.send_stream(iov),
+        let done = match (self.path, &self.gather) {
+            (GatherPath::Ring, _) => self.send_stream(iov)?,
+            (GatherPath::Cma, TxGather::Stream { .. }) => self.send_stream(iov)?,
+            (GatherPath::Cma, TxGather::Waiting { .. }) => self.send_cma(iov)?,
+            (GatherPath::Cma, TxGather::Idle) => {
+                if self.cma_use == CmaUse::Always || self.back_to_back() {
+                    self.send_cma(iov)?
+                } else {
+                    // Announce a streamed group; nothing is written when the ring has no room
+                    // for the record (the choice is made again on the next call).
+                    let total: u64 = iov.iter().map(|s| s.len() as u64).sum();
+                    let mut rec = [0u8; REC_HEAD];
+                    rec[..4].copy_from_slice(&STREAM_MAGIC.to_le_bytes());
+                    rec[8..].copy_from_slice(&total.to_le_bytes());
+                    if !self
+                        .prod
+                        .write_all(&rec)
+                        .map_err(|c| corrupt(self.peer, c))?
+                    {
+                        return self.pending(REC_HEAD as u64);
+                    }
+                    self.gather = TxGather::Stream { slice: 0, off: 0 };
+                    self.send_stream(iov)?
+                }
+            }
+        };
+        if done.is_ready() {
+            self.last_group = Some((Instant::now(), self.rx_msgs()));
         }
+        Ok(done)
     }
 
     fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
@@ -861,6 +944,9 @@ impl RxLink for ShmRx {
 
     fn end_message(&mut self) -> Result<()> {
         self.wake_writer();
+        if let Some(c) = &self.conn {
+            c.rx_msgs.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -879,7 +965,7 @@ impl RxLink for ShmRx {
         take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check_usable()?;
-        if tm != 0 {
+        if !is_copy_tm(tm, self.cma_tm) {
             return Err(Error::protocol(
                 self.peer,
                 format!("shm: TM {tm} is not a copy TM"),
@@ -901,10 +987,33 @@ impl RxLink for ShmRx {
                 format!("shm: TM {tm} is not a gather TM"),
             ));
         }
-        match self.path {
-            GatherPath::Cma => self.recv_cma(iov),
-            GatherPath::Ring => self.recv_stream(iov),
+        if self.path == GatherPath::Ring || self.stream.is_some() {
+            return self.recv_stream(iov);
         }
+        let mut head = [0u8; REC_HEAD];
+        if !self
+            .cons
+            .peek(&mut head)
+            .map_err(|c| corrupt(self.peer, c))?
+        {
+            return self.pending(REC_HEAD as u64);
+        }
+        if head[..4] != STREAM_MAGIC.to_le_bytes() {
+            return self.recv_cma(iov);
+        }
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&head[8..]);
+        let total = u64::from_le_bytes(t);
+        let lsum: u64 = iov.iter().map(|s| s.len() as u64).sum();
+        if head[4..8] != [0; 4] || total != lsum {
+            return Err(Error::protocol(
+                self.peer,
+                format!("shm: streamed group of {total} B but {lsum} B expected"),
+            ));
+        }
+        self.cons.skip(REC_HEAD as u64);
+        self.stream = Some((0, 0));
+        self.recv_stream(iov)
     }
 
     fn abort_message(&mut self) {

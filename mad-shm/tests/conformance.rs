@@ -48,7 +48,12 @@ fn kit_2_small_ring() {
 
 #[test]
 fn kit_2_cma() {
-    kit(2, "shm,cma=auto");
+    kit(2, "shm,cma=always");
+}
+
+#[test]
+fn kit_2_ring_only() {
+    kit(2, "shm,cma=off");
 }
 
 #[test]
@@ -63,7 +68,7 @@ fn kit_4_adaptive() {
 
 #[test]
 fn kit_4_block_cma() {
-    kit(4, "shm,progress=block,cma=auto");
+    kit(4, "shm,progress=block,cma=always");
 }
 
 #[test]

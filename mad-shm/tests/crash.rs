@@ -29,7 +29,7 @@ fn crash_child_role() {
     };
     let secret = Secret::from_hex(&std::env::var(SECRET_ENV).unwrap()).unwrap();
     let b = PairBootstrap::connect(&path, secret).unwrap();
-    let mut ch = open_with(&b, &config(&[("ring", "4096"), ("cma", "auto")])).unwrap();
+    let mut ch = open_with(&b, &config(&[("ring", "4096"), ("cma", "always")])).unwrap();
     let link = ch.links[0].as_mut().unwrap();
     let tx: &mut dyn TxLink = link.tx.as_mut();
     tx.begin_message().unwrap();
@@ -74,7 +74,7 @@ fn spawn_child(mode: &str) -> (std::process::Child, mad_core::driver::OpenedChan
         .unwrap();
     let b = PairBootstrap::accept(&l, secret).unwrap();
     let _ = std::fs::remove_file(&path);
-    let ch = open_with(&b, &config(&[("ring", "4096"), ("cma", "auto")])).unwrap();
+    let ch = open_with(&b, &config(&[("ring", "4096"), ("cma", "always")])).unwrap();
     (child, ch)
 }
 

@@ -60,7 +60,70 @@ fn exchange(cfg: mad_core::ChannelConfig, big: usize) {
 
 #[test]
 fn cma_single_copy_between_threads() {
-    exchange(config(&[("cma", "auto")]), 3 << 20);
+    exchange(config(&[("cma", "always")]), 3 << 20);
+}
+
+/// `cma=auto` (the default): an isolated group of the `cma` TM is streamed through the ring
+/// behind its record.
+#[test]
+fn cma_auto_isolated_group_streams_through_ring() {
+    exchange(config(&[("cma", "auto"), ("ring", "65536")]), 1 << 20);
+}
+
+/// `cma=auto`: groups sent back to back (CMA from the second on) and after a reply (streamed
+/// again), into differently split destinations; every byte arrives in order.
+#[test]
+fn cma_auto_back_to_back_and_after_a_reply() {
+    run_threads(2, config(&[("cma", "auto")]), |me, mut ch| {
+        let peer = 1 - me;
+        let size = 300 << 10;
+        // Built beforehand: the groups of a burst must follow each other within
+        // `BACK_TO_BACK` to go through CMA.
+        let bodies: Vec<(Vec<u8>, Vec<u8>)> = (0..=100u8)
+            .map(|s| {
+                (
+                    pattern(size / 4, s),
+                    pattern(size - size / 4, s.wrapping_add(1)),
+                )
+            })
+            .collect();
+        let one = |ch: &mut mad_core::driver::OpenedChannel, seed: u8| {
+            let (a, b) = &bodies[seed as usize];
+            let t = tx(ch, peer);
+            t.begin_message().unwrap();
+            send_copy(t, &[seed]).unwrap();
+            send_group(t, 1, &[IoSlice::new(a), IoSlice::new(b)]).unwrap();
+            assert!(t.end_message().unwrap().is_ready());
+        };
+        let check = |ch: &mut mad_core::driver::OpenedChannel| {
+            let r = rx(ch, peer);
+            let mut seed = [0u8; 1];
+            recv_copy(r, &mut seed).unwrap();
+            let mut out = vec![0u8; size];
+            let (x, y) = out.split_at_mut(size / 3);
+            recv_group(r, 1, &mut [IoSliceMut::new(x), IoSliceMut::new(y)]).unwrap();
+            r.end_message().unwrap();
+            let mut want = pattern(size / 4, seed[0]);
+            want.extend(pattern(size - size / 4, seed[0].wrapping_add(1)));
+            assert!(out == want, "group {} differs", seed[0]);
+            seed[0]
+        };
+        if me == 0 {
+            for s in 0..6 {
+                one(&mut ch, s);
+            }
+            assert_eq!(check(&mut ch), 100);
+            one(&mut ch, 6);
+            one(&mut ch, 7);
+        } else {
+            for s in 0..6 {
+                assert_eq!(check(&mut ch), s);
+            }
+            one(&mut ch, 100);
+            assert_eq!(check(&mut ch), 6);
+            assert_eq!(check(&mut ch), 7);
+        }
+    });
 }
 
 #[test]
@@ -239,12 +302,23 @@ fn bad_options_are_config_errors() {
         d.tm_table(&config(&[("cma", "off")])).unwrap().tms().len(),
         1
     );
-    // The default is `cma=off`: one TM, the ring, for every length.
+    // The default is `cma=auto`: the ring up to 64 KiB, `cma` up to 1 MiB, `pipe` above.
     let t = d.tm_table(&config(&[])).unwrap();
-    assert_eq!(t.tms().len(), 1);
-    assert_eq!(t.tms()[0].max_len, usize::MAX);
+    assert_eq!(t, d.tm_table(&config(&[("cma", "auto")])).unwrap());
+    let names: Vec<_> = t.tms().iter().map(|t| (t.name, t.max_len)).collect();
     assert_eq!(
-        d.tm_table(&config(&[("cma", "auto")])).unwrap().tms().len(),
+        names,
+        [
+            ("ring", mad_shm::DEFAULT_RING_MAX),
+            ("cma", mad_shm::DEFAULT_CMA_MAX),
+            ("pipe", usize::MAX)
+        ]
+    );
+    assert_eq!(
+        d.tm_table(&config(&[("cma", "always")]))
+            .unwrap()
+            .tms()
+            .len(),
         2
     );
 }

@@ -159,7 +159,7 @@ fn kit_3_processes_small_ring() {
 
 #[test]
 fn kit_2_processes_cma() {
-    LAUNCH.kit_processes(2, "shm,cma=auto");
+    LAUNCH.kit_processes(2, "shm,cma=always");
 }
 
 /// An any-source receiver whose peer died (no destructor ran) sleeps while it waits for
@@ -190,7 +190,7 @@ fn send_to_a_peer_that_died_while_idle_fails() {
 /// (ring and CMA).
 #[test]
 fn killed_sender_mid_message_gives_peer_closed() {
-    for spec in ["shm", "shm,cma=auto"] {
+    for spec in ["shm,cma=off", "shm,cma=always"] {
         death::killed_sender_mid_message(&LAUNCH, spec);
     }
 }
@@ -219,7 +219,7 @@ fn cma_forbidden_in(blocks: &[&str], expect: &[&str]) {
     let role = roles.join("+");
     let (kids, _) = LAUNCH.job(
         &roles.iter().map(|r| Some(r.as_str())).collect::<Vec<_>>(),
-        "shm,cma=auto",
+        "shm,cma=always",
     );
     let outs = LAUNCH.finish(kids, &role);
     for (r, out) in outs.iter().enumerate() {
@@ -281,8 +281,8 @@ fn cma_forbidden_between_processes_streams_through_the_ring() {
 }
 
 /// The body rank 0 sends to `rank` in [`delivered_messages_are_not_reported_lost`]: 100 KiB,
-/// above the ring threshold of `cma=auto` (the `cma` TM: the sender waits for the receiver's
-/// completion); with the default `cma=off` it streams through the ring.
+/// above the ring threshold of `cma=always` (the `cma` TM: the sender waits for the receiver's
+/// completion); with `cma=off` it streams through the ring.
 fn quick_body(rank: usize) -> Vec<u8> {
     common::pattern(100 << 10, rank as u8)
 }
@@ -298,9 +298,9 @@ fn delivered_messages_are_not_reported_lost() {
     for round in 0..5 {
         // CMA (the path of the original defect) in rounds 0, 2, 4; the ring in 1 and 3.
         let spec = if round % 2 == 0 {
-            "shm,cma=auto"
+            "shm,cma=always"
         } else {
-            "shm"
+            "shm,cma=off"
         };
         let mut roles = vec![Some("quick-receiver"); RANKS];
         roles[0] = None;

@@ -214,7 +214,7 @@ fn yama() -> String {
             let v = s.trim();
             let what = match v {
                 "0" => "any process of the user may attach",
-                "1" => "siblings may attach once allowed (the shm driver sets PR_SET_PTRACER_ANY)",
+                "1" => "siblings may attach once allowed: shm with cma=on|always sets PR_SET_PTRACER_ANY, the default cma=auto falls back to the ring",
                 "2" => "only with CAP_SYS_PTRACE: CMA between ranks is refused",
                 "3" => "no attaching at all: CMA between ranks is refused",
                 _ => "unknown value",
@@ -242,7 +242,7 @@ fn shm() {
             "shm",
             Some(shm_ok),
             &format!(
-                "{shm_text}; CMA (cma=auto|on; default off): {}; {}",
+                "{shm_text}; CMA (cma=auto, the default, for streams; on|always): {}; {}",
                 cma(),
                 yama()
             ),
