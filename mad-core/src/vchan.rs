@@ -61,7 +61,9 @@
 //! too (`begin_unpacking_from(origin)` with [`Error::PeerClosed`]). An unpacker reading a
 //! transit connection itself that is dropped or mismatched reads and drops the rest of the
 //! message (at most 0.5 s) and breaks the pair as the relay does; one whose deadline expires
-//! tears the transit connection down (the ranks behind it are then gone for this rank).
+//! tears the transit connection down (the ranks behind it are then gone for this rank). Its
+//! polling calls (`poll_unpack_express`, `poll_end_unpacking`) wait as the blocking ones do:
+//! an event loop receives forwarded messages with the non-blocking starts, through the relay.
 //!
 //! The virtual channel's readiness descriptor is an epoll set of its parts' and relay's
 //! descriptors (none when a part has none: MPI); [`Channel::close`](crate::Channel::close)
