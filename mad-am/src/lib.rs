@@ -1019,7 +1019,10 @@ impl<'c> Poller<'c> {
     /// anything moved. An error about one peer fails the calls waiting for it; an error after
     /// which the channel can serve nobody (closed, every peer gone) is returned.
     fn step(&mut self) -> mad_core::Result<bool> {
-        if self.ep.inner.outbox_new.swap(false, Ordering::AcqRel) {
+        // A load first: the swap (a locked instruction) only when something was posted.
+        if self.ep.inner.outbox_new.load(Ordering::Acquire)
+            && self.ep.inner.outbox_new.swap(false, Ordering::AcqRel)
+        {
             let mut st = lock(&self.ep.inner.state);
             self.waiting.append(&mut st.outbox);
         }

@@ -787,7 +787,13 @@ impl ChannelInner {
                 self.config.name, self.size
             )));
         }
-        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        // The first look rotates over the peers (none to rotate with one peer: no locked
+        // instruction on an empty poll's path).
+        let start = if n == 1 {
+            0
+        } else {
+            self.rr.fetch_add(1, Ordering::Relaxed)
+        };
         if n <= self.caps.direct_poll_limit {
             for i in 0..n {
                 let p = self.peers[(start + i) % n];
