@@ -5,6 +5,9 @@
 //! * `pack_null/{1,4,16}`: a message of 1, 4 or 16 eight-byte CHEAPER pieces packed to a
 //!   *null* driver defined here (it accepts bytes into a reusable buffer and sends nothing):
 //!   the engine's own per-message and per-piece cost. Throughput is in pieces.
+//! * `unpack_null/1`: the receive side alone: `begin_unpacking_from`, one 8-byte CHEAPER
+//!   unpack and `end_unpacking` of a message the null driver always has ready (what
+//!   `pack_null/1` writes, lent whole).
 //! * `bmm/aggregate16x64`: 16 pieces of 64 B aggregated by the Copy BMM into one buffer;
 //!   `bmm/split64k`: one 64 KiB piece split over 4 KiB buffers of a Copy TM;
 //!   `bmm/gather_split`: 20 large pieces through a Gather TM of groups of 8 (three groups).
@@ -17,7 +20,8 @@
 //!   one-piece round trips without criterion and prints ns per message (for
 //!   `valgrind --tool=callgrind`, whose instruction counts do not depend on the machine's load);
 //!   `ENGINE_LOOP_CALLS=polled` runs them through the event-driven calls, `=async` through the
-//!   tokio adapter (`mad-tokio`, a current-thread runtime).
+//!   tokio adapter (`mad-tokio`, a current-thread runtime); `=pack_null` and `=unpack_null`
+//!   run N messages of `pack_null/1` or `unpack_null/1` instead (one side alone).
 //!
 //! `cargo bench --bench engine -- --quick` (a short run); target: under 30 ns of engine
 //! overhead per small CHEAPER piece (`pack_null/16` time / 16).
@@ -28,6 +32,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use criterion::{criterion_group, Criterion, Throughput};
+use mad_core::wire;
 use madeleine::bootstrap::ThreadBootstrap;
 use madeleine::config::{Adapters, DriverOptions};
 use madeleine::driver::{
@@ -78,20 +83,61 @@ impl TxLink for NullTx {
     }
 }
 
-struct NullRx;
+/// The receiving half of the null driver: the next message is always there, a one-piece
+/// 8-byte unchecked message (header, piece frame, 8 bytes, end frame: what `pack_null/1`
+/// writes), lent whole, with the sequence number the receiver expects next.
+struct NullRx {
+    msg: [u8; NULL_MSG_LEN],
+    at: usize,
+    seq: u32,
+}
+
+/// Header, piece frame, 8 bytes, end frame.
+const NULL_MSG_LEN: usize = wire::HEADER_LEN + wire::FRAME_LEN + 8 + wire::FRAME_LEN;
+
+impl NullRx {
+    fn new() -> Self {
+        let mut rx = NullRx {
+            msg: [0; NULL_MSG_LEN],
+            at: 0,
+            seq: 0,
+        };
+        let f = wire::HEADER_LEN;
+        rx.msg[f..f + wire::FRAME_LEN]
+            .copy_from_slice(&wire::encode_frame(wire::Frame::Piece { tm: 0, len: 8 }));
+        rx.msg[f + wire::FRAME_LEN..f + wire::FRAME_LEN + 8].copy_from_slice(&[9; 8]);
+        rx.msg[NULL_MSG_LEN - wire::FRAME_LEN..]
+            .copy_from_slice(&wire::encode_frame(wire::Frame::End { pieces: 1 }));
+        rx.header();
+        rx
+    }
+
+    fn header(&mut self) {
+        self.msg[..wire::HEADER_LEN].copy_from_slice(&wire::encode_header(wire::Header {
+            checked: false,
+            seq: self.seq,
+        }));
+    }
+}
 
 impl RxLink for NullRx {
     fn poll_message(&mut self) -> Result<Poll<()>> {
-        Ok(Poll::Pending)
+        Ok(Poll::Ready(()))
     }
 
     fn with_data(
         &mut self,
         _tm: TmId,
         _want: usize,
-        _take: &mut dyn FnMut(&[u8]) -> usize,
+        take: &mut dyn FnMut(&[u8]) -> usize,
     ) -> Result<Poll<()>> {
-        Ok(Poll::Pending)
+        self.at += take(&self.msg[self.at..]);
+        if self.at == NULL_MSG_LEN {
+            self.at = 0;
+            self.seq = self.seq.wrapping_add(1);
+            self.header();
+        }
+        Ok(Poll::Ready(()))
     }
 
     fn recv_refs(&mut self, _tm: TmId, _iov: &mut [std::io::IoSliceMut<'_>]) -> Result<Poll<()>> {
@@ -140,7 +186,7 @@ impl Driver for NullDriver {
                             buf: vec![0; buf],
                             sunk: 0,
                         }) as Box<dyn TxLink>,
-                        rx: Box::new(NullRx) as Box<dyn RxLink>,
+                        rx: Box::new(NullRx::new()) as Box<dyn RxLink>,
                     })
                 })
                 .collect(),
@@ -399,6 +445,33 @@ fn pack_null(c: &mut Criterion) {
     g.finish();
 }
 
+/// One message of one 8-byte CHEAPER piece to the null driver: the send side alone.
+#[inline(never)]
+fn pack_once(ch: &Channel, data: &[u8]) {
+    let mut p = ch.begin_packing(1).expect("begin");
+    p.pack(&data[..8], RecvMode::Cheaper).expect("pack");
+    p.end_packing().expect("end");
+}
+
+/// One message of one 8-byte CHEAPER piece from the null driver (always ready): the receive
+/// side alone.
+#[inline(never)]
+fn unpack_once(ch: &Channel, out: &mut [u8]) {
+    let mut u = ch.begin_unpacking_from(1).expect("begin unpack");
+    u.unpack(&mut out[..8], SendMode::Cheaper).expect("unpack");
+    u.end_unpacking().expect("end unpack");
+}
+
+fn unpack_null(c: &mut Criterion) {
+    let (ch, _peer) = pair("null");
+    let mut out = [0u8; 8];
+    let mut g = c.benchmark_group("unpack_null");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("1", |bch| bch.iter(|| unpack_once(&ch, &mut out)));
+    g.finish();
+    assert_eq!(out, [9; 8], "the null driver's piece");
+}
+
 fn bmm(c: &mut Criterion) {
     let (ch, _p) = pair("null,copy_max=131072,buf=4096");
     let (gch, _gp) = pair("null,copy_max=64");
@@ -565,6 +638,7 @@ criterion_group!(
     benches,
     select,
     pack_null,
+    unpack_null,
     bmm,
     mem_roundtrip,
     loop_roundtrip,
@@ -577,16 +651,36 @@ fn main() {
         .and_then(|v| v.parse::<u64>().ok())
     {
         // A fixed number of one-piece round trips, for callgrind (no criterion, no sampling).
+        let how = std::env::var("ENGINE_LOOP_CALLS").unwrap_or_else(|_| "blocking".into());
+        if let Some(side) = how.strip_suffix("_null") {
+            // One side alone, against the null driver (`pack_null/1`, `unpack_null/1`).
+            let (ch, _peer) = pair("null");
+            let data = [5u8; 8];
+            let mut out = [0u8; 8];
+            let t = std::time::Instant::now();
+            match side {
+                "pack" => (0..n).for_each(|_| pack_once(&ch, &data)),
+                "unpack" => (0..n).for_each(|_| unpack_once(&ch, &mut out)),
+                other => {
+                    panic!("ENGINE_LOOP_CALLS={other}_null: expected pack_null or unpack_null")
+                }
+            }
+            let ns = t.elapsed().as_nanos() as f64 / n as f64;
+            println!("engine loop ({how}): {n} one-piece messages, {ns:.1} ns per message");
+            return;
+        }
         let (a, b) = pair("loop");
         let data = [5u8; 8 * 16];
         let mut out = [0u8; 8 * 16];
-        let how = std::env::var("ENGINE_LOOP_CALLS").unwrap_or_else(|_| "blocking".into());
         let t = std::time::Instant::now();
         match how.as_str() {
             "blocking" => (0..n).for_each(|_| loop_once(&a, &b, &data, &mut out, 1)),
             "polled" => (0..n).for_each(|_| polled_once(&a, &b, &data, &mut out, 1)),
             "async" => async_loop(a, b, n),
-            other => panic!("ENGINE_LOOP_CALLS={other}: expected blocking, polled or async"),
+            other => panic!(
+                "ENGINE_LOOP_CALLS={other}: expected blocking, polled, async, pack_null or \
+                 unpack_null"
+            ),
         }
         let ns = t.elapsed().as_nanos() as f64 / n as f64;
         println!(

@@ -364,17 +364,20 @@ pub(crate) struct LinkCounters {
 impl LinkCounters {
     /// Count one message of `bytes` payload bytes and `pieces[tm]` pieces per TM. The caller
     /// holds the direction's lock.
+    /// `used`: bit `tm` is set when `pieces[tm]` is not 0 (only those are touched).
     #[inline]
-    pub(crate) fn add(&self, bytes: u64, pieces: &[u32]) {
+    pub(crate) fn add(&self, bytes: u64, pieces: &[u32; MAX_TMS], used: u8) {
+        #[inline(always)]
         fn bump(c: &AtomicU64, n: u64) {
             c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
         }
         bump(&self.msgs, 1);
         bump(&self.bytes, bytes);
-        for (c, &n) in self.pieces.iter().zip(pieces) {
-            if n != 0 {
-                bump(c, n as u64);
-            }
+        let mut m = used;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            bump(&self.pieces[i], pieces[i] as u64);
+            m &= m - 1;
         }
     }
 }
@@ -924,7 +927,7 @@ impl Channel {
         let conn = inner.conn(remote)?;
         inner.check_open()?;
         match conn.tx.try_lock() {
-            Ok(tx) => Packer::started(inner, remote, tx, None).map(Some),
+            Ok(tx) => Packer::started(inner, conn, remote, tx, None).map(Some),
             Err(true) => Err(Error::InUse {
                 rank: remote,
                 direction: "message to",
@@ -968,7 +971,7 @@ impl Channel {
             Err(e) => return Poll::Ready(Err(e)),
         };
         match conn.tx.poll_lock(cx) {
-            Poll::Ready(tx) => Poll::Ready(Packer::started(inner, remote, tx, None)),
+            Poll::Ready(tx) => Poll::Ready(Packer::started(inner, conn, remote, tx, None)),
             // A close between the check and the registration wakes the registered waker.
             Poll::Pending => match inner.check_open() {
                 Err(e) => Poll::Ready(Err(e)),
@@ -1184,8 +1187,17 @@ impl Channel {
     }
 
     /// `Err` when the receiving half `rx` of `conn` can carry no new message.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn usable_rx(conn: &Conn, rx: &mut RxState, remote: usize) -> Result<()> {
+        if rx.broken.is_none() && conn.failed.get().is_none() {
+            return Ok(());
+        }
+        Self::unusable_rx(conn, rx, remote)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn unusable_rx(conn: &Conn, rx: &mut RxState, remote: usize) -> Result<()> {
         if let Some(cause) = &rx.broken {
             return Err(Error::Poisoned {
                 rank: remote,

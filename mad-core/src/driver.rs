@@ -129,6 +129,9 @@ pub struct TmTable {
     tms: smallvec::SmallVec<[TmSpec; 4]>,
     bmms: [Bmm; MAX_TMS],
     max_group: [usize; MAX_TMS],
+    /// TM 0's `max_len`: TM 0 accepts every mode, so it is chosen for every piece up to this
+    /// length ([`first_tm_max`](TmTable::first_tm_max)).
+    first_max: usize,
 }
 
 impl TmTable {
@@ -144,6 +147,7 @@ impl TmTable {
         let t = TmTable {
             bmms: [Bmm::Copy; MAX_TMS],
             max_group: [1; MAX_TMS],
+            first_max: 0,
             tms,
         };
         t.validated()
@@ -191,6 +195,7 @@ impl TmTable {
             self.bmms[i] = tm.bmm;
             self.max_group[i] = tm.max_group.max(1);
         }
+        self.first_max = self.tms[0].max_len;
         Ok(self)
     }
 
@@ -206,6 +211,13 @@ impl TmTable {
         }
         // Unreachable for a validated table (every mode pair has an unbounded TM); stay total.
         (self.tms.len() - 1) as TmId
+    }
+
+    /// The longest piece TM 0 takes: [`select`](Self::select) returns 0 for every piece up
+    /// to this length, whatever its modes (TM 0 accepts every mode).
+    #[inline]
+    pub fn first_tm_max(&self) -> usize {
+        self.first_max
     }
 
     /// The BMM of TM `id`.
@@ -247,6 +259,7 @@ impl TmTable {
                 tms: Default::default(),
                 bmms: [Bmm::Copy; MAX_TMS],
                 max_group: [1; MAX_TMS],
+                first_max: 0,
             },
         );
         *self = t.validated()?;

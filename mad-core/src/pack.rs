@@ -236,6 +236,8 @@ impl Staged {
 #[derive(Default)]
 struct TxMsg {
     counts: [u32; MAX_TMS],
+    /// Bit `tm` set: `counts[tm]` is not 0 (the counters touch only those TMs).
+    used: u8,
     bytes: u64,
     /// Every wait of this message gives up at this instant ([`Packer::set_deadline`]).
     deadline: Option<Instant>,
@@ -371,6 +373,27 @@ impl TxPlan {
     }
 }
 
+/// `dst.copy_from_slice(src)` (same lengths) for the short copies of a short message's path
+/// (its staged bytes, an 8-byte piece): 8 to 64 bytes as two overlapping fixed-size copies,
+/// inline, instead of a call to `memcpy`.
+#[inline(always)]
+pub(crate) fn copy_small(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    let dst = &mut dst[..n];
+    if (32..=64).contains(&n) {
+        dst[..32].copy_from_slice(&src[..32]);
+        dst[n - 32..].copy_from_slice(&src[n - 32..]);
+    } else if (16..32).contains(&n) {
+        dst[..16].copy_from_slice(&src[..16]);
+        dst[n - 16..].copy_from_slice(&src[n - 16..]);
+    } else if (8..16).contains(&n) {
+        dst[..8].copy_from_slice(&src[..8]);
+        dst[n - 8..].copy_from_slice(&src[n - 8..]);
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
 /// Copy bytes `off..` of the concatenation of `parts` into `buf`; returns how many.
 #[inline]
 fn fill_parts(buf: &mut [u8], parts: &[&[u8]], mut off: usize) -> usize {
@@ -496,7 +519,7 @@ impl PackState<'_> {
 
     /// Wait for the sending half as the channel's progress policy says, until this message's
     /// deadline, and fail with [`Error::Closed`] once the channel is closed.
-    #[inline]
+    #[inline(always)]
     fn drive<T>(&mut self, attempt: impl FnMut(&mut TxState) -> Result<Poll<T>>) -> Result<T> {
         let ch = self.ch;
         let deadline = self.tx.spare.msg.deadline;
@@ -532,6 +555,7 @@ impl PackState<'_> {
         self.recording = true;
     }
 
+    #[inline(always)]
     fn commit(&mut self) -> Result<()> {
         let cur = self.cur;
         if self.trying && self.try_once(|tx| tx.link.commit(cur))? {
@@ -542,6 +566,21 @@ impl PackState<'_> {
             return Ok(());
         }
         self.drive(|tx| tx.link.commit(cur))
+    }
+
+    /// The end of every message: what is staged, the commit of the current TM, the end.
+    #[inline(always)]
+    fn end_tail(&mut self) -> Result<()> {
+        self.lend_staged()?;
+        self.commit()?;
+        if self.trying && self.try_once(|tx| tx.link.end_message())? {
+            return Ok(());
+        }
+        if self.recording {
+            self.tx.spare.plan.ops.push(TxOp::End);
+            return Ok(());
+        }
+        self.drive(|tx| tx.link.end_message())
     }
 
     fn flush_link(&mut self) -> Result<()> {
@@ -690,23 +729,27 @@ impl PackState<'_> {
             self.lend_staged()?;
             self.tx.link.publish()?;
         }
-        self.lend_out(tm, frame, data, local)
+        self.lend_out(tm, frame, data, local, 0)
     }
 
     /// Lend `staged ‖ frame ‖ data` to TM `tm` (what is staged only when `tm` is 0), as many
     /// lends as the driver makes.
+    ///
+    /// `from`: bytes of that concatenation lent already (a first lend made by the caller).
+    #[inline(never)]
     fn lend_out(
         &mut self,
         tm: TmId,
         frame: Option<&[u8; wire::FRAME_LEN]>,
         data: &[u8],
         local: bool,
+        from: usize,
     ) -> Result<()> {
         debug_assert!(tm == 0 || self.tx.spare.staged.len == 0);
         let fr: &[u8] = frame.map_or(&[], |f| &f[..]);
         let staged = if tm == 0 { self.tx.spare.staged.len } else { 0 };
         let total = staged + fr.len() + data.len();
-        let mut off = 0;
+        let mut off = from;
         while off < total {
             let lend = |tx: &mut TxState| -> Result<Poll<usize>> {
                 let TxState { link, spare, .. } = tx;
@@ -750,13 +793,37 @@ impl PackState<'_> {
     /// TM 0, before a gather group, at a flush and at the end.
     #[inline]
     fn lend_staged(&mut self) -> Result<()> {
-        if self.tx.spare.staged.len == 0 {
+        let n = self.tx.spare.staged.len;
+        if n == 0 {
             return Ok(());
         }
         if self.recording {
             return self.record_copy(0, None, &[], true);
         }
-        self.lend_out(0, None, &[], true)
+        // Usually one lend takes it all; otherwise the general loop goes on from there.
+        let TxState { link, spare, .. } = &mut *self.tx;
+        let src = &spare.staged.buf[..n];
+        let mut wrote = 0usize;
+        let r = link.with_buffer(0, n, &mut |buf: &mut [u8]| {
+            let m = n.min(buf.len());
+            copy_small(&mut buf[..m], &src[..m]);
+            wrote = m;
+            m
+        })?;
+        if r.is_pending() {
+            if self.trying {
+                // This lend is the plan's first step.
+                self.start_recording();
+                self.push_copy(0, &[], &[], true);
+                return Ok(());
+            }
+            return self.lend_out(0, None, &[], true, 0);
+        }
+        if wrote == n {
+            spare.staged.len = 0;
+            return Ok(());
+        }
+        self.lend_out(0, None, &[], true, wrote)
     }
     /// Make `tm` the TM in use: when it changes, the header goes out if still pending and the
     /// previous TM is committed (the receiver checks out at the same points).
@@ -823,7 +890,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 rank: remote,
                 direction: "message to",
             })?;
-        Self::started(ch, remote, tx, deadline)
+        Self::started(ch, conn, remote, tx, deadline)
     }
 
     /// A message of a virtual channel to a rank behind gateways (or an error for a rank it
@@ -847,32 +914,30 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
-    /// A message on the sending half `tx`, taken by the caller.
+    /// A message on the sending half `tx` of `conn` (the connection to `remote`), taken by
+    /// the caller.
     #[inline]
     pub(crate) fn started(
         ch: &'c ChannelInner,
+        conn: &'c crate::channel::Conn,
         remote: usize,
         tx: HalfGuard<'c, TxState>,
         deadline: Option<Instant>,
     ) -> Result<Packer<'c, 'b>> {
-        Self::started_on(ch, remote, tx, deadline).map_err(|e| ch.closed_or(e))
+        Self::started_on(ch, conn, remote, tx, deadline).map_err(|e| ch.closed_or(e))
     }
 
     #[inline]
     fn started_on(
         ch: &'c ChannelInner,
+        conn: &'c crate::channel::Conn,
         remote: usize,
         mut tx: HalfGuard<'c, TxState>,
         deadline: Option<Instant>,
     ) -> Result<Packer<'c, 'b>> {
-        let conn = ch.conn(remote)?;
-        if let Some(cause) = &tx.broken {
-            return Err(Error::Poisoned {
-                rank: remote,
-                cause: cause.as_str().into(),
-            });
+        if tx.broken.is_some() || conn.failed.get().is_some() {
+            return Err(Self::refused(&tx, conn, remote));
         }
-        conn.usable(remote)?;
         // A message starts blocking-allowed (an event loop's end says otherwise).
         tx.set_nonblocking(false);
         if let Err(e) = tx.link.begin_message() {
@@ -883,39 +948,56 @@ impl<'c, 'b> Packer<'c, 'b> {
             checked: ch.config.checked,
             seq: tx.seq,
         });
-        let mut st = PackState {
-            ch,
-            remote,
-            tx,
-            cur: 0,
-            gtm: 0,
-            holding: false,
-            checked: ch.config.checked,
-            done: false,
-            index: 0,
-            recording: false,
-            trying: false,
-            planned: false,
-            flush_at_end: false,
-            express_due: false,
-            fwd: None,
-        };
-        let spare = &mut st.tx.spare;
+        let spare = &mut tx.spare;
         spare.staged.buf[..wire::HEADER_LEN].copy_from_slice(&header);
         spare.staged.len = wire::HEADER_LEN;
-        spare.msg = TxMsg {
-            counts: [0; MAX_TMS],
-            bytes: 0,
-            deadline,
-            room: ch.caps.max_message.unwrap_or(u64::MAX),
-        };
+        // Field by field, in place: a `TxMsg` built aside and copied in makes the copy's wide
+        // loads wait for the narrow stores that built it (a store-forwarding stall).
+        let msg = &mut spare.msg;
+        msg.counts.fill(0);
+        msg.used = 0;
+        msg.bytes = 0;
+        msg.deadline = deadline;
+        msg.room = ch.caps.max_message.unwrap_or(u64::MAX);
         // The connection's lists are lent at their first use (most messages use none).
         Ok(Packer {
-            st,
+            st: PackState {
+                ch,
+                remote,
+                tx,
+                cur: 0,
+                gtm: 0,
+                holding: false,
+                checked: ch.config.checked,
+                done: false,
+                index: 0,
+                recording: false,
+                trying: false,
+                planned: false,
+                flush_at_end: false,
+                express_due: false,
+                fwd: None,
+            },
             group: Vec::new(),
             tail: Vec::new(),
             held: Vec::new(),
         })
+    }
+
+    /// Why a new message cannot start on this connection (see `started_on`).
+    #[cold]
+    #[inline(never)]
+    fn refused(tx: &TxState, conn: &crate::channel::Conn, remote: usize) -> Error {
+        if let Some(cause) = &tx.broken {
+            return Error::Poisoned {
+                rank: remote,
+                cause: cause.as_str().into(),
+            };
+        }
+        match conn.usable(remote) {
+            Err(e) => e,
+            Ok(()) => Error::protocol(remote, "connection refused without a cause (bug)"),
+        }
     }
 
     /// Give the lists back to the connection for its next message (emptied).
@@ -995,13 +1077,66 @@ impl<'c, 'b> Packer<'c, 'b> {
     }
 
     /// Send the pending gather group (announced by its frames in unchecked mode).
+    #[inline(always)]
     fn flush_group(&mut self) -> Result<()> {
         if self.group.is_empty() {
             return Ok(());
         }
+        self.send_pending_group()
+    }
+
+    #[inline(never)]
+    fn send_pending_group(&mut self) -> Result<()> {
         let tm = self.st.gtm;
         self.st.send_group(tm, &self.group, None)?;
         self.group.clear();
+        Ok(())
+    }
+
+    /// The common case of a short piece, in one place: unchecked, nothing held or gathered,
+    /// TM 0 current and chosen by the switch (the piece is no longer than TM 0 takes),
+    /// room in [`Staged`]: its frame and bytes are
+    /// staged (what the general path below does for it, minus its tests). `false`, with
+    /// nothing changed, for anything else.
+    #[inline(always)]
+    fn stage_short(&mut self, data: &[u8]) -> bool {
+        let st = &mut self.st;
+        if data.len() > STAGE_PIECE
+            || st.checked
+            || st.holding
+            || st.done
+            || st.recording
+            || st.cur != 0
+            || st.fwd.is_some()
+            || !self.group.is_empty()
+            || data.len() > st.ch.table.first_tm_max()
+        {
+            return false;
+        }
+        let len = data.len() as u64;
+        let TxSpare { msg, staged, .. } = &mut st.tx.spare;
+        if len > msg.room {
+            return false;
+        }
+        let f = wire::encode_frame(wire::Frame::Piece { tm: 0, len });
+        if !staged.try_push(Some(&f), data) {
+            return false;
+        }
+        msg.room -= len;
+        msg.counts[0] += 1;
+        msg.used |= 1;
+        msg.bytes += len;
+        st.index = st.index.wrapping_add(1);
+        true
+    }
+
+    /// After [`stage_short`](Self::stage_short): a piece received EXPRESS is published.
+    #[inline(always)]
+    fn staged_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
+        if r == RecvMode::Express {
+            let res = self.publish_express(r, len);
+            return self.check(res);
+        }
         Ok(())
     }
 
@@ -1016,6 +1151,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn account(&mut self, tm: TmId, len: usize) {
         let msg = &mut self.st.tx.spare.msg;
         msg.counts[tm as usize] += 1;
+        msg.used |= 1 << tm;
         msg.bytes += len as u64;
     }
 
@@ -1205,8 +1341,30 @@ impl<'c, 'b> Packer<'c, 'b> {
         }
     }
 
+    #[inline(always)]
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
+        if self.held.is_empty()
+            && self.tail.is_empty()
+            && self.group.is_empty()
+            && !self.st.checked
+            && !self.st.recording
+            && self.st.cur == 0
+        {
+            // The common end: the end frame right after what is staged, one lend.
+            self.st.holding = false;
+            let f = wire::encode_frame(wire::Frame::End {
+                pieces: self.st.index as u64,
+            });
+            if self.st.tx.spare.staged.try_push(None, &f) {
+                return self.st.end_tail();
+            }
+        }
+        self.finish_general()
+    }
+
+    #[inline(never)]
+    fn finish_general(&mut self) -> Result<()> {
         let mut held = std::mem::take(&mut self.held);
         self.st.holding = false;
         // LATER values are read now, when the end begins: into a snapshot (whose capacity is
@@ -1281,18 +1439,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 self.group.clear();
             }
         }
-        self.st.lend_staged()?;
-        self.st.commit()?;
-        let st = &mut self.st;
-        if st.trying && st.try_once(|tx| tx.link.end_message())? {
-            return Ok(());
-        }
-        if st.recording {
-            st.tx.spare.plan.ops.push(TxOp::End);
-            return Ok(());
-        }
-        st.drive(|tx| tx.link.end_message())?;
-        Ok(())
+        self.st.end_tail()
     }
 
     /// Every later wait of this message (back-pressure in `pack`, `flush`, `end_packing`)
@@ -1418,6 +1565,15 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
+        if self.stage_short(data) {
+            return self.staged_express(r, data.len());
+        }
+        self.pack_general(data, r)
+    }
+
+    /// [`pack`](Self::pack) of a piece [`stage_short`](Self::stage_short) does not take.
+    #[inline(never)]
+    fn pack_general(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         if self.st.fwd.is_some() {
             return self.fwd_piece(FwdPiece::Cheaper(data), r);
         }
@@ -1444,6 +1600,16 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// refused before any of it was sent, and the message goes on without it.
     #[inline]
     pub fn pack_safer(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
+        if self.stage_short(data) {
+            return self.staged_express(r, data.len());
+        }
+        self.pack_safer_general(data, r)
+    }
+
+    /// [`pack_safer`](Self::pack_safer) of a piece [`stage_short`](Self::stage_short) does
+    /// not take.
+    #[inline(never)]
+    fn pack_safer_general(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         if self.st.fwd.is_some() {
             return self.fwd_piece(FwdPiece::Safer(data), r);
         }
@@ -1640,6 +1806,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// message's deadline or the channel's operation timeout passes while waiting;
     /// [`Error::Closed`](crate::Error::Closed) once the channel is closed. After an error the
     /// message is abandoned (see the [`Packer`] documentation).
+    #[inline]
     pub fn end_packing(mut self) -> Result<()> {
         self.end_here()
     }
@@ -1685,13 +1852,15 @@ impl<'c, 'b> Packer<'c, 'b> {
     }
 
     /// The message went out whole: count it, give the lists back.
+    #[inline]
     fn completed(&mut self) {
         self.recycle();
         let st = &mut self.st;
         st.done = true;
         st.tx.seq = st.tx.seq.wrapping_add(1);
         if let Some(Some(c)) = st.ch.conns.get(st.remote) {
-            c.sent.add(st.tx.spare.msg.bytes, &st.tx.spare.msg.counts);
+            let msg = &st.tx.spare.msg;
+            c.sent.add(msg.bytes, &msg.counts, msg.used);
         }
     }
 

@@ -172,7 +172,7 @@ impl ProgressPolicy {
     /// # Errors
     ///
     /// As [`drive`](Self::drive); [`Error::Timeout`] also at `until`.
-    #[inline]
+    #[inline(always)]
     pub fn drive_until<S: ?Sized, T>(
         &self,
         state: &mut S,

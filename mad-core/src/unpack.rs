@@ -268,15 +268,22 @@ fn take_start(
     fill: &mut usize,
     staged: &mut RxStaged,
 ) -> usize {
-    let m = (wire::HEADER_LEN - *fill).min(src.len());
-    hdr[*fill..*fill + m].copy_from_slice(&src[..m]);
+    let m = if *fill == 0 && src.len() >= wire::HEADER_LEN {
+        // (The common case: a fixed-size copy.)
+        hdr.copy_from_slice(&src[..wire::HEADER_LEN]);
+        wire::HEADER_LEN
+    } else {
+        let m = (wire::HEADER_LEN - *fill).min(src.len());
+        hdr[*fill..*fill + m].copy_from_slice(&src[..m]);
+        m
+    };
     *fill += m;
     // (Flags 0: unchecked. A header that is not one fails the message, staged or not.)
     if *fill == wire::HEADER_LEN && hdr[3] == 0 {
         let rest = &src[m..];
         if let Some(n) = wire::short_message(rest, crate::pack::STAGE_CAP, crate::pack::STAGE_PIECE)
         {
-            staged.buf[..n].copy_from_slice(&rest[..n]);
+            crate::pack::copy_small(&mut staged.buf[..n], &rest[..n]);
             staged.at = 0;
             staged.len = n;
             return m + n;
@@ -291,6 +298,8 @@ fn take_start(
 #[derive(Default)]
 struct RxMsg {
     counts: [u32; MAX_TMS],
+    /// Bit `tm` set: `counts[tm]` is not 0.
+    used: u8,
     bytes: u64,
     /// Every wait of this message gives up at this instant ([`Unpacker::set_deadline`]).
     deadline: Option<Instant>,
@@ -794,19 +803,28 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             ending: false,
             fwd: None,
         };
-        *st.msg() = RxMsg {
-            counts: [0; MAX_TMS],
-            bytes: 0,
-            deadline,
-            express: None,
-        };
+        // Field by field, in place (see `Packer::started_on`).
+        let msg = st.msg();
+        msg.counts.fill(0);
+        msg.used = 0;
+        msg.bytes = 0;
+        msg.deadline = deadline;
+        msg.express = None;
         // A message starts blocking-allowed (`defer` says otherwise).
         st.rx().set_nonblocking(false);
         let r = st.read_header(block).and_then(|h| {
             let Some(h) = h else { return Ok(None) };
+            let expect = st.rx().seq;
+            let plain = wire::Header {
+                checked: false,
+                seq: expect,
+            };
+            if h == wire::encode_header(plain) {
+                // (The common case, tested at once.)
+                return Ok(Some(plain));
+            }
             let hdr =
                 wire::decode_header(&h).map_err(|w| Error::protocol(remote, w.to_string()))?;
-            let expect = st.rx().seq;
             if hdr.seq != expect {
                 return Err(Error::protocol(
                     remote,
@@ -877,10 +895,71 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         e
     }
 
+    /// The common case of a short piece, in one place: unchecked, nothing gathered, TM 0
+    /// current and chosen by the switch (the piece is no longer than TM 0 takes), and its
+    /// frame, as expected, and bytes in what was taken with the header ([`RxStaged`]): the
+    /// piece is copied from there, and the end frame after it taken when it is next (what
+    /// the general path below does for it, minus its tests). `false`, with nothing
+    /// changed, for anything else (a frame that differs included: the general path reports
+    /// it).
+    #[inline(always)]
+    fn take_short(&mut self, buf: &mut [u8]) -> bool {
+        let st = &mut self.st;
+        let len = buf.len();
+        if st.checked
+            || st.done
+            || st.recording
+            || st.cur != 0
+            || st.fwd.is_some()
+            || !self.group.is_empty()
+            || len > st.ch.table.first_tm_max()
+        {
+            return false;
+        }
+        let Some(rx) = st.rx.as_deref_mut() else {
+            return false;
+        };
+        let RxSpare { msg, staged, .. } = &mut rx.spare;
+        let (at, end) = (staged.at, staged.len);
+        if end - at < wire::FRAME_LEN + len
+            || staged.buf[at..at + wire::FRAME_LEN]
+                != wire::encode_frame(wire::Frame::Piece {
+                    tm: 0,
+                    len: len as u64,
+                })
+        {
+            return false;
+        }
+        let data = at + wire::FRAME_LEN;
+        crate::pack::copy_small(buf, &staged.buf[data..data + len]);
+        let mut next = data + len;
+        st.index = st.index.wrapping_add(1);
+        if end - next >= wire::FRAME_LEN
+            && staged.buf[next..next + wire::FRAME_LEN]
+                == wire::encode_frame(wire::Frame::End {
+                    pieces: st.index as u64,
+                })
+        {
+            next += wire::FRAME_LEN;
+            st.ended = true;
+        }
+        staged.at = next;
+        msg.counts[0] += 1;
+        msg.used |= 1;
+        msg.bytes += len as u64;
+        true
+    }
+
+    #[inline(always)]
     fn flush_group(&mut self) -> Result<()> {
         if self.group.is_empty() {
             return Ok(());
         }
+        self.recv_pending_group()
+    }
+
+    #[inline(never)]
+    fn recv_pending_group(&mut self) -> Result<()> {
         let tm = self.st.gtm;
         self.st.recv_group(tm, &mut self.group, false)?;
         self.group.clear();
@@ -955,6 +1034,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     fn account(&mut self, tm: TmId, len: usize) {
         let msg = self.st.msg();
         msg.counts[tm as usize] += 1;
+        msg.used |= 1 << tm;
         msg.bytes += len as u64;
     }
 
@@ -1021,8 +1101,26 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         self.recv_express(buf, s)
     }
 
+    #[inline(always)]
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
+        if self.st.ended
+            && !self.st.checked
+            && !self.st.recording
+            && self.tail.is_empty()
+            && self.group.is_empty()
+        {
+            // The common end: the end frame came with the last piece.
+            let cur = self.st.cur;
+            let rx = self.st.rx();
+            rx.link.checkout(cur)?;
+            return rx.link.end_message();
+        }
+        self.finish_general()
+    }
+
+    #[inline(never)]
+    fn finish_general(&mut self) -> Result<()> {
         // No flush here: the sender's last gather group may continue with tail pieces.
         if self.st.checked {
             self.check_desc(PieceOrEnd::End {
@@ -1123,6 +1221,15 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// from that peer is closed.
     #[inline]
     pub fn unpack(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
+        if s != SendMode::Later && self.take_short(buf) {
+            return Ok(());
+        }
+        self.unpack_general(buf, s)
+    }
+
+    /// [`unpack`](Self::unpack) of a piece [`take_short`](Self::take_short) does not take.
+    #[inline(never)]
+    fn unpack_general(&mut self, buf: &'b mut [u8], s: SendMode) -> Result<()> {
         if self.st.fwd.is_some() {
             return self.fwd_piece(buf, s, RecvMode::Cheaper);
         }
@@ -1147,6 +1254,16 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// from that peer is closed.
     #[inline]
     pub fn unpack_express(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
+        if self.take_short(buf) {
+            return Ok(());
+        }
+        self.unpack_express_general(buf, s)
+    }
+
+    /// [`unpack_express`](Self::unpack_express) of a piece [`take_short`](Self::take_short)
+    /// does not take.
+    #[inline(never)]
+    fn unpack_express_general(&mut self, buf: &mut [u8], s: SendMode) -> Result<()> {
         if self.st.fwd.is_some() {
             return self.fwd_piece(buf, s, RecvMode::Express);
         }
@@ -1226,6 +1343,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     /// The peer failed or abandoned the message; the pieces unpacked do not match the ones
     /// packed (checked mode: [`Error::UnpackMismatch`]; otherwise [`Error::Protocol`]). Either
     /// way the connection is finished in both directions.
+    #[inline]
     pub fn end_unpacking(mut self) -> Result<()> {
         self.end_here()
     }
@@ -1260,6 +1378,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     }
 
     /// The message was received whole: count it, give the lists back, release the connection.
+    #[inline]
     fn completed(&mut self) {
         self.recycle();
         let st = &mut self.st;
@@ -1268,7 +1387,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         let rx = st.rx();
         rx.seq = rx.seq.wrapping_add(1);
         if let Some(Some(c)) = ch.conns.get(remote) {
-            c.received.add(rx.spare.msg.bytes, &rx.spare.msg.counts);
+            let msg = &rx.spare.msg;
+            c.received.add(msg.bytes, &msg.counts, msg.used);
         }
         st.release();
     }

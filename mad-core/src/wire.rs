@@ -100,6 +100,7 @@ pub struct Header {
 }
 
 /// Encode a header.
+#[inline]
 pub fn encode_header(h: Header) -> [u8; HEADER_LEN] {
     let s = h.seq.to_le_bytes();
     [
