@@ -758,8 +758,9 @@ impl ChannelInner {
             return v.all_broken();
         }
         // A peer counts as gone only once its connection failed (a receiving half is broken
-        // only after `Conn::fail`), which sets this first.
-        if !self.any_failed.load(Ordering::Acquire) {
+        // only after `Conn::fail`), which sets this first. A channel with no peers at all (a
+        // virtual channel's part that reaches no other rank) has nobody to wait for: gone.
+        if !self.any_failed.load(Ordering::Acquire) && !self.peers.is_empty() {
             return false;
         }
         self.peers.iter().all(|&p| match &self.conns[p] {

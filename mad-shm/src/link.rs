@@ -815,15 +815,8 @@ impl ShmRx {
         }
     }
 
-    fn recv_cma(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
-        let mut head = [0u8; REC_HEAD];
-        if !self
-            .cons
-            .peek(&mut head)
-            .map_err(|c| corrupt(self.peer, c))?
-        {
-            return self.pending(REC_HEAD as u64);
-        }
+    /// A CMA record whose fixed part `head` was peeked (by `recv_refs`).
+    fn recv_cma(&mut self, iov: &mut [IoSliceMut<'_>], head: [u8; REC_HEAD]) -> Result<Poll<()>> {
         let word = |o: usize| u32::from_le_bytes([head[o], head[o + 1], head[o + 2], head[o + 3]]);
         let count = word(4) as usize;
         let total = u64::from_le_bytes([
@@ -999,7 +992,7 @@ impl RxLink for ShmRx {
             return self.pending(REC_HEAD as u64);
         }
         if head[..4] != STREAM_MAGIC.to_le_bytes() {
-            return self.recv_cma(iov);
+            return self.recv_cma(iov, head);
         }
         let mut t = [0u8; 8];
         t.copy_from_slice(&head[8..]);
