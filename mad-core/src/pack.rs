@@ -1103,7 +1103,9 @@ impl<'c, 'b> Packer<'c, 'b> {
         let st = &mut self.st;
         if data.len() > STAGE_PIECE
             || st.checked
-            || st.holding
+            // Deferred: a piece may be staged (that never waits) while none is held before
+            // it; it leaves with the end, as held ones do.
+            || (st.holding && !self.held.is_empty())
             || st.done
             || st.recording
             || st.cur != 0
@@ -1133,7 +1135,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// After [`stage_short`](Self::stage_short): a piece received EXPRESS is published.
     #[inline(always)]
     fn staged_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
-        if r == RecvMode::Express {
+        // Deferred, nothing is published before the end (publishing may wait).
+        if r == RecvMode::Express && !self.st.holding {
             let res = self.publish_express(r, len);
             return self.check(res);
         }

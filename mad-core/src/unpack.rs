@@ -1485,6 +1485,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return Poll::Ready(Err(e));
         }
         self.defer();
+        if self.st.msg().express.is_none() && self.take_short(buf) {
+            return Poll::Ready(Ok(()));
+        }
         let key = (buf.as_ptr() as usize, buf.len());
         match self.st.msg().express {
             None => {

@@ -566,6 +566,16 @@ pub(super) fn case_polled(c: &Ctx<'_>) -> Result<()> {
                     (16 << 20, SendMode::Cheaper, RecvMode::Cheaper),
                     (1 << 20, SendMode::Later, RecvMode::Cheaper),
                 ];
+            } else if m + 1 == msgs {
+                // Short pieces a deferred packer stages at once, then one it holds, then short
+                // ones held behind it: they must keep their order.
+                pieces = vec![
+                    (8, SendMode::Cheaper, RecvMode::Express),
+                    (24, SendMode::Safer, RecvMode::Cheaper),
+                    (300 << 10, SendMode::Cheaper, RecvMode::Express),
+                    (8, SendMode::Safer, RecvMode::Express),
+                    (16, SendMode::Cheaper, RecvMode::Cheaper),
+                ];
             }
             // Who polls: both ends, the sender only, the receiver only.
             let (poll_send, poll_recv) =
