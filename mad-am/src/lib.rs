@@ -854,6 +854,14 @@ impl<'c> Poller<'c> {
 
     /// One round over the sends: finished ones are dropped, waiting ones started.
     fn drive_sends(&mut self) -> bool {
+        if self.own.is_none()
+            && self.sending.is_empty()
+            && self.waiting.is_empty()
+            && self.counted == 0
+        {
+            // The common idle poll: nothing to move.
+            return false;
+        }
         let own = self.own.as_mut().is_some_and(|f| f());
         let before = self.sending.len() + self.waiting.len();
         self.sending
@@ -936,7 +944,7 @@ impl<'c> Poller<'c> {
     /// Queue a message (a reply) and try to start it.
     fn send(&mut self, to: usize, hdr: Header, body: Vec<u8>) {
         let frag = self.ep.inner.cfg.fragment;
-        self.waiting.extend(split(to, hdr, body, frag));
+        split_into(&mut self.waiting, to, hdr, body, frag);
         self.drive_sends();
     }
 
@@ -1402,27 +1410,26 @@ thread_local! {
     static ROLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// The messages that carry `body` under `hdr`: one, or fragments of at most `frag` bytes.
-fn split(to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) -> Vec<Out> {
+/// Append to `out` the messages that carry `body` under `hdr`: one, or fragments of at most
+/// `frag` bytes.
+fn split_into(out: &mut Vec<Out>, to: usize, mut hdr: Header, body: Vec<u8>, frag: usize) {
     // The poller packs these SAFER (see `Poller::drive_sends`).
     hdr.flags |= FLAG_SAFER;
     if frag == 0 || body.len() <= frag {
-        return vec![Out {
+        out.push(Out {
             to,
             hdr: hdr.encode(),
             body,
             started: None,
-        }];
+        });
+        return;
     }
-    body.chunks(frag)
-        .enumerate()
-        .map(|(k, c)| Out {
-            to,
-            hdr: hdr.fragment(k, frag, c.len()).encode(),
-            body: c.to_vec(),
-            started: None,
-        })
-        .collect()
+    out.extend(body.chunks(frag).enumerate().map(|(k, c)| Out {
+        to,
+        hdr: hdr.fragment(k, frag, c.len()).encode(),
+        body: c.to_vec(),
+        started: None,
+    }));
 }
 
 /// What a caller gets from a reply's status and body.
@@ -1718,7 +1725,7 @@ impl Endpoint {
                 },
             );
             let frag = self.inner.cfg.fragment;
-            st.outbox.extend(split(remote, hdr, args.to_vec(), frag));
+            split_into(&mut st.outbox, remote, hdr, args.to_vec(), frag);
             drop(st);
             self.inner.outbox_posted();
             None
