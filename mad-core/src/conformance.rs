@@ -499,8 +499,9 @@ fn case_many_pieces(c: &Ctx<'_>) -> Result<()> {
 
 /// Short messages, which the sender lends to the driver at once and the receiver takes whole
 /// with their header when all of it is there (`Staged` in `pack.rs`, `RxStaged` in
-/// `unpack.rs`): lengths on both sides of the staging bounds (a piece of 128 B, a message of
-/// 512 B with its header and frames), pieces received EXPRESS and CHEAPER, many messages
+/// `unpack.rs`): lengths on both sides of the staging bounds (`STAGE_PIECE` for a piece,
+/// `STAGE_CAP` for a message with its header and frames, and the bounds these had before),
+/// pieces received EXPRESS and CHEAPER, many messages
 /// queued back to back (a receiver's lend then holds the next message too, which must stay
 /// for the next `begin_unpacking`). (`wrong_unpacks` unpacks short messages wrongly.)
 fn case_short(c: &Ctx<'_>) -> Result<()> {
@@ -508,17 +509,24 @@ fn case_short(c: &Ctx<'_>) -> Result<()> {
         return Ok(());
     }
     let ch = c.open("", "")?;
-    const LENS: [usize; 15] = [
+    use crate::pack::{STAGE_CAP as CAP, STAGE_PIECE as PIECE};
+    let mut lens = vec![
         0, 1, 7, 8, 100, 127, 128, 129, 200, 440, 480, 488, 496, 504, 1000,
     ];
+    lens.extend([PIECE - 1, PIECE, PIECE + 1, 2 * PIECE + 8]);
+    // One piece whose message (header, frame, piece, end frame: 8 + 8 + n + 8 bytes) is just
+    // within, at, or just beyond the cap.
+    lens.extend((CAP - 40..=CAP - 16).step_by(8));
     let mut shapes: Vec<Vec<usize>> = Vec::new();
-    for &n in &LENS {
+    for &n in &lens {
         shapes.push(vec![n]);
         shapes.push(vec![8, n]);
         shapes.push(vec![n, n, n]);
     }
-    for k in [29usize, 30, 31, 32, 40] {
-        shapes.push(vec![8; k]); // 8 + 16 k + 8 bytes on the wire: 480 to 656
+    // 8 + 16 k + 8 bytes on the wire: around the old cap of 512 B and around `CAP`.
+    let k0 = (CAP - 16) / 16;
+    for k in [29usize, 30, 31, 32, 40, k0 - 1, k0, k0 + 1] {
+        shapes.push(vec![8; k]);
     }
     let mode = |j: usize| {
         if j % 2 == 0 {
@@ -527,7 +535,7 @@ fn case_short(c: &Ctx<'_>) -> Result<()> {
             RecvMode::Cheaper
         }
     };
-    let tag = |i: usize, j: usize| (i * 64 + j) as u64;
+    let tag = |i: usize, j: usize| (i * 1024 + j) as u64;
     for round in 0..3 {
         if c.rank() == 0 {
             // Every message sent before the receiver starts (round 0 and 2), or interleaved.

@@ -194,14 +194,14 @@ pub(crate) struct Staged {
 }
 
 /// [`Staged`]'s room: a one-lend message holds this many bytes (header and frames included).
-pub(crate) const STAGE_CAP: usize = 512;
+pub(crate) const STAGE_CAP: usize = 4096;
 /// After a piece received EXPRESS, a copy longer than this publishes the message so far
 /// first ([`Packer::publish_express`]); shorter ones go with it at the next publication.
 pub(crate) const EXPRESS_EARLY: usize = 4096;
 /// The longest piece staged: longer ones go to the driver with what is staged ahead of them
 /// (copied once, not twice), and a receiver takes only messages of pieces this short whole
 /// with their header (`RxStaged`).
-pub(crate) const STAGE_PIECE: usize = 128;
+pub(crate) const STAGE_PIECE: usize = 2048;
 
 impl Default for Staged {
     fn default() -> Self {
