@@ -290,6 +290,9 @@ pub(crate) enum Out<'a> {
 /// [`Virtual::begin_behind`]): while one does, that connection's forwarding thread stays away.
 pub(crate) struct Door {
     apps: AtomicUsize,
+    /// How many application threads left the connection so far (the forwarding thread stays
+    /// away while this moves: see [`AWAY`]).
+    left: AtomicUsize,
     /// The forwarding thread read a message for this rank whole and is ending it in the
     /// relay.
     delivering: AtomicBool,
@@ -301,6 +304,7 @@ impl Door {
     fn new() -> Door {
         Door {
             apps: AtomicUsize::new(0),
+            left: AtomicUsize::new(0),
             delivering: AtomicBool::new(false),
             m: Mutex::new(()),
             cv: Condvar::new(),
@@ -314,6 +318,13 @@ impl Door {
 
     fn busy(&self) -> bool {
         self.apps.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether an application thread holds the connection, or left it since the last call
+    /// (`seen`: the count of departures the caller saw last).
+    fn taken_since(&self, seen: &mut usize) -> bool {
+        let left = self.left.load(Ordering::SeqCst);
+        self.busy() || std::mem::replace(seen, left) != left
     }
 
     /// Sleep at most `t`, or until the connection is released while an application thread
@@ -338,12 +349,17 @@ pub(crate) struct DoorGuard<'a>(&'a Door);
 
 impl Drop for DoorGuard<'_> {
     fn drop(&mut self) {
+        self.0.left.fetch_add(1, Ordering::SeqCst);
         self.0.apps.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// How long a forwarding thread stays away from its connection once an application thread
-/// reads it, before it looks again.
+/// reads it, before it looks again; it stays away as long as application threads come back
+/// within this time (a stream read with `begin_unpacking_from`), so that it does not take
+/// their next message in the instant between two of them (and pass it through the relay:
+/// copies, a buffer per piece). Forwarding through this rank waits at most twice this once
+/// they stop.
 const AWAY: Duration = Duration::from_millis(2);
 
 /// What a virtual channel holds besides the core's channel state (`ChannelInner::virt`).
@@ -1025,11 +1041,12 @@ impl Forwarder {
         // Consecutive waits that returned at once with nothing for this connection (another
         // connection of the channel has data its reader has not taken yet).
         let mut fruitless = 0u32;
+        let mut seen = 0;
         loop {
             if ch.is_closed() {
                 return;
             }
-            if door.busy() {
+            if door.taken_since(&mut seen) {
                 door.wait(AWAY);
                 continue;
             }
