@@ -117,7 +117,7 @@ pub mod fwd {
     use crate::{RecvMode, SendMode};
 
     /// Pieces longer than this travel in fragments of this size.
-    pub const FRAGMENT: usize = 256 << 10;
+    pub const FRAGMENT: usize = 1 << 20;
     /// Length of a descriptor piece.
     pub const DESC_LEN: usize = 16;
     /// Length of the envelope, the first piece of a forwarded message.
