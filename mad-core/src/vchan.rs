@@ -1619,3 +1619,72 @@ mod tests {
         assert_eq!(fwd::Envelope::decode(&bad, 10), None);
     }
 }
+
+#[cfg(test)]
+mod stream_tests {
+    use crate::bootstrap::ThreadBootstrap;
+    use crate::mem::MemDriver;
+    use crate::{ChannelConfig, RecvMode, SendMode, Session};
+    use std::time::Duration;
+
+    /// A destination that reads a stream from a rank behind a gateway with
+    /// `begin_unpacking_from`, with short pauses between messages (shorter than [`super::AWAY`]),
+    /// gets every message from the transit connection itself: its forwarding thread does not
+    /// take one in a pause (and pass it through the relay). Large pieces (beyond one fragment,
+    /// not a multiple of it) arrive whole and in order.
+    #[test]
+    fn a_stream_read_directly_stays_off_the_relay() {
+        const N: u64 = 120;
+        let len = |i: u64| (i as usize % 3) * (super::fwd::FRAGMENT + 4097);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ThreadBootstrap::group(3)
+                .into_iter()
+                .map(|b| {
+                    s.spawn(move || -> crate::Result<u64> {
+                        let session = Session::builder()
+                            .driver(MemDriver)
+                            .bootstrap(Box::new(b))
+                            .build()?;
+                        let ch = session.open_channel_with(ChannelConfig::parse(
+                            "direct",
+                            "virtual:[mem,ranks=0:2]+[mem,ranks=1-2]",
+                        )?)?;
+                        let mut relayed = 0;
+                        match session.rank() {
+                            0 => {
+                                for i in 0..N {
+                                    let body = vec![i as u8; len(i)];
+                                    let mut p = ch.begin_packing(1)?;
+                                    p.pack_value(&i, RecvMode::Express)?;
+                                    p.pack(&body, RecvMode::Cheaper)?;
+                                    p.end_packing()?;
+                                }
+                            }
+                            1 => {
+                                for i in 0..N {
+                                    let mut u = ch.begin_unpacking_from(0)?;
+                                    assert_eq!(u.unpack_value::<u64>()?, i, "order");
+                                    let mut body = vec![0u8; len(i)];
+                                    u.unpack(&mut body, SendMode::Cheaper)?;
+                                    u.end_unpacking()?;
+                                    assert!(body.iter().all(|&b| b == i as u8), "message {i}");
+                                    std::thread::sleep(Duration::from_micros(300));
+                                }
+                                let v = ch.inner.virt.as_ref().expect("a virtual channel");
+                                relayed = v.relay.as_ref().map_or(0, |r| r.stats().messages_received);
+                            }
+                            _ => {}
+                        }
+                        session.bootstrap().barrier("direct/done")?;
+                        Ok(relayed)
+                    })
+                })
+                .collect();
+            let relayed: Vec<u64> = hs
+                .into_iter()
+                .map(|h| h.join().expect("a rank panicked").expect("a rank failed"))
+                .collect();
+            assert_eq!(relayed[1], 0, "messages passed through the relay");
+        });
+    }
+}
