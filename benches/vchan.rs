@@ -111,7 +111,10 @@ fn rank(session: Session, rounds: usize) -> madeleine::Result<Vec<(Vec<f64>, Vec
         .collect::<madeleine::Result<_>>()?;
     let only = std::env::var("VCHAN_ONLY").ok();
     let phase = std::env::var("VCHAN_PHASE").ok();
-    let (lat, bw) = (phase.as_deref() != Some("bw"), phase.as_deref() != Some("lat"));
+    let (lat, bw) = (
+        phase.as_deref() != Some("bw"),
+        phase.as_deref() != Some("lat"),
+    );
     let b = session.bootstrap();
     let mut out = vec![(Vec::new(), Vec::new()); VARIANTS.len()];
     for round in 0..rounds {

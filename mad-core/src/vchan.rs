@@ -44,7 +44,8 @@
 //!    whose origin is the only one reaching this rank over its transit connection reads
 //!    that connection itself: the [`Unpacker`] checks each descriptor against the unpack and
 //!    reads the fragments straight into the caller's buffer, and the neighbour's thread
-//!    (which waits without holding the connection) stays away meanwhile. Otherwise the
+//!    (which waits without holding the connection) stays away meanwhile, and as long as
+//!    such reads follow one another within 2 ms. Otherwise the
 //!    thread packs each piece, as it arrives, in its original modes into an in-process relay
 //!    (the `mem` driver's links, one connection per origin), where any-source, non-blocking
 //!    and deadline-bound receives find it with [`Unpacker::remote`] the origin. Either way
@@ -1671,7 +1672,8 @@ mod stream_tests {
                                     std::thread::sleep(Duration::from_micros(300));
                                 }
                                 let v = ch.inner.virt.as_ref().expect("a virtual channel");
-                                relayed = v.relay.as_ref().map_or(0, |r| r.stats().messages_received);
+                                relayed =
+                                    v.relay.as_ref().map_or(0, |r| r.stats().messages_received);
                             }
                             _ => {}
                         }
