@@ -13,7 +13,9 @@
 //!
 //! Twins of `shm` and `tcp`, measured last, give the run's noise floor.
 //!
-//! `cargo bench --bench vchan` (`VCHAN_ROUNDS`, default 7).
+//! `cargo bench --bench vchan` (`VCHAN_ROUNDS`, default 7; `VCHAN_ONLY=<text>` measures only the
+//! variants whose name contains it, `VCHAN_PHASE=lat|bw` only latency or bandwidth, for
+//! profiling).
 
 use std::time::Instant;
 
@@ -107,17 +109,27 @@ fn rank(session: Session, rounds: usize) -> madeleine::Result<Vec<(Vec<f64>, Vec
             session.open_channel_with(ChannelConfig::parse(&format!("v{i}"), spec)?)
         })
         .collect::<madeleine::Result<_>>()?;
+    let only = std::env::var("VCHAN_ONLY").ok();
+    let phase = std::env::var("VCHAN_PHASE").ok();
+    let (lat, bw) = (
+        phase.as_deref() != Some("bw"),
+        phase.as_deref() != Some("lat"),
+    );
     let b = session.bootstrap();
     let mut out = vec![(Vec::new(), Vec::new()); VARIANTS.len()];
     for round in 0..rounds {
         for (i, ch) in chans.iter().enumerate() {
+            if only.as_deref().is_some_and(|o| !VARIANTS[i].0.contains(o)) {
+                out[i] = (vec![f64::NAN], vec![f64::NAN]);
+                continue;
+            }
             b.barrier(&format!("vchan/{round}/{i}/lat"))?;
-            if me < 2 {
+            if me < 2 && lat {
                 pingpong(ch, me, SMALL, PINGS / 10)?;
                 out[i].0.push(pingpong(ch, me, SMALL, PINGS)?);
             }
             b.barrier(&format!("vchan/{round}/{i}/bw"))?;
-            if me < 2 {
+            if me < 2 && bw {
                 out[i].1.push(stream(ch, me, BIG, STREAM)?);
             }
         }
@@ -152,8 +164,15 @@ fn main() {
     let mut lat: Vec<f64> = Vec::new();
     let mut bw: Vec<f64> = Vec::new();
     for (l, b) in results {
-        lat.push(median(&mut l.clone()));
-        bw.push(median(&mut b.clone()));
+        let m = |v: &[f64]| {
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                median(&mut v.to_vec())
+            }
+        };
+        lat.push(m(&l));
+        bw.push(m(&b));
     }
     println!("virtual channels, {rounds} rounds, ranks 0 <-> 1 (3 ranks, threads)");
     println!(

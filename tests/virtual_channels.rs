@@ -218,7 +218,7 @@ fn gateway_forwards_every_mode_in_order() {
             ),
             _ => assert_eq!(ch.route(0), Some(Route::Direct { part: 0 })),
         }
-        let sizes = [0usize, 1, 4095, 300_000, 3 << 20];
+        let sizes = [0usize, 1, 4095, 300_000, (3 << 20) + 4097];
         let modes = [
             (SendMode::Cheaper, RecvMode::Cheaper),
             (SendMode::Cheaper, RecvMode::Express),

@@ -44,7 +44,8 @@
 //!    whose origin is the only one reaching this rank over its transit connection reads
 //!    that connection itself: the [`Unpacker`] checks each descriptor against the unpack and
 //!    reads the fragments straight into the caller's buffer, and the neighbour's thread
-//!    (which waits without holding the connection) stays away meanwhile. Otherwise the
+//!    (which waits without holding the connection) stays away meanwhile, and as long as
+//!    such reads follow one another within 2 ms. Otherwise the
 //!    thread packs each piece, as it arrives, in its original modes into an in-process relay
 //!    (the `mem` driver's links, one connection per origin), where any-source, non-blocking
 //!    and deadline-bound receives find it with [`Unpacker::remote`] the origin. Either way
@@ -117,7 +118,7 @@ pub mod fwd {
     use crate::{RecvMode, SendMode};
 
     /// Pieces longer than this travel in fragments of this size.
-    pub const FRAGMENT: usize = 256 << 10;
+    pub const FRAGMENT: usize = 1 << 20;
     /// Length of a descriptor piece.
     pub const DESC_LEN: usize = 16;
     /// Length of the envelope, the first piece of a forwarded message.
@@ -290,6 +291,9 @@ pub(crate) enum Out<'a> {
 /// [`Virtual::begin_behind`]): while one does, that connection's forwarding thread stays away.
 pub(crate) struct Door {
     apps: AtomicUsize,
+    /// How many application threads left the connection so far (the forwarding thread stays
+    /// away while this moves: see [`AWAY`]).
+    left: AtomicUsize,
     /// The forwarding thread read a message for this rank whole and is ending it in the
     /// relay.
     delivering: AtomicBool,
@@ -301,6 +305,7 @@ impl Door {
     fn new() -> Door {
         Door {
             apps: AtomicUsize::new(0),
+            left: AtomicUsize::new(0),
             delivering: AtomicBool::new(false),
             m: Mutex::new(()),
             cv: Condvar::new(),
@@ -314,6 +319,13 @@ impl Door {
 
     fn busy(&self) -> bool {
         self.apps.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether an application thread holds the connection, or left it since the last call
+    /// (`seen`: the count of departures the caller saw last).
+    fn taken_since(&self, seen: &mut usize) -> bool {
+        let left = self.left.load(Ordering::SeqCst);
+        self.busy() || std::mem::replace(seen, left) != left
     }
 
     /// Sleep at most `t`, or until the connection is released while an application thread
@@ -338,12 +350,17 @@ pub(crate) struct DoorGuard<'a>(&'a Door);
 
 impl Drop for DoorGuard<'_> {
     fn drop(&mut self) {
+        self.0.left.fetch_add(1, Ordering::SeqCst);
         self.0.apps.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// How long a forwarding thread stays away from its connection once an application thread
-/// reads it, before it looks again.
+/// reads it, before it looks again; it stays away as long as application threads come back
+/// within this time (a stream read with `begin_unpacking_from`), so that it does not take
+/// their next message in the instant between two of them (and pass it through the relay:
+/// copies, a buffer per piece). Forwarding through this rank waits at most twice this once
+/// they stop.
 const AWAY: Duration = Duration::from_millis(2);
 
 /// What a virtual channel holds besides the core's channel state (`ChannelInner::virt`).
@@ -1025,11 +1042,12 @@ impl Forwarder {
         // Consecutive waits that returned at once with nothing for this connection (another
         // connection of the channel has data its reader has not taken yet).
         let mut fruitless = 0u32;
+        let mut seen = 0;
         loop {
             if ch.is_closed() {
                 return;
             }
-            if door.busy() {
+            if door.taken_since(&mut seen) {
                 door.wait(AWAY);
                 continue;
             }
@@ -1600,5 +1618,75 @@ mod tests {
         let mut bad = b;
         bad[1] = 4;
         assert_eq!(fwd::Envelope::decode(&bad, 10), None);
+    }
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use crate::bootstrap::ThreadBootstrap;
+    use crate::mem::MemDriver;
+    use crate::{ChannelConfig, RecvMode, SendMode, Session};
+    use std::time::Duration;
+
+    /// A destination that reads a stream from a rank behind a gateway with
+    /// `begin_unpacking_from`, with short pauses between messages (shorter than [`super::AWAY`]),
+    /// gets every message from the transit connection itself: its forwarding thread does not
+    /// take one in a pause (and pass it through the relay). Large pieces (beyond one fragment,
+    /// not a multiple of it) arrive whole and in order.
+    #[test]
+    fn a_stream_read_directly_stays_off_the_relay() {
+        const N: u64 = 120;
+        let len = |i: u64| (i as usize % 3) * (super::fwd::FRAGMENT + 4097);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ThreadBootstrap::group(3)
+                .into_iter()
+                .map(|b| {
+                    s.spawn(move || -> crate::Result<u64> {
+                        let session = Session::builder()
+                            .driver(MemDriver)
+                            .bootstrap(Box::new(b))
+                            .build()?;
+                        let ch = session.open_channel_with(ChannelConfig::parse(
+                            "direct",
+                            "virtual:[mem,ranks=0:2]+[mem,ranks=1-2]",
+                        )?)?;
+                        let mut relayed = 0;
+                        match session.rank() {
+                            0 => {
+                                for i in 0..N {
+                                    let body = vec![i as u8; len(i)];
+                                    let mut p = ch.begin_packing(1)?;
+                                    p.pack_value(&i, RecvMode::Express)?;
+                                    p.pack(&body, RecvMode::Cheaper)?;
+                                    p.end_packing()?;
+                                }
+                            }
+                            1 => {
+                                for i in 0..N {
+                                    let mut u = ch.begin_unpacking_from(0)?;
+                                    assert_eq!(u.unpack_value::<u64>()?, i, "order");
+                                    let mut body = vec![0u8; len(i)];
+                                    u.unpack(&mut body, SendMode::Cheaper)?;
+                                    u.end_unpacking()?;
+                                    assert!(body.iter().all(|&b| b == i as u8), "message {i}");
+                                    std::thread::sleep(Duration::from_micros(300));
+                                }
+                                let v = ch.inner.virt.as_ref().expect("a virtual channel");
+                                relayed =
+                                    v.relay.as_ref().map_or(0, |r| r.stats().messages_received);
+                            }
+                            _ => {}
+                        }
+                        session.bootstrap().barrier("direct/done")?;
+                        Ok(relayed)
+                    })
+                })
+                .collect();
+            let relayed: Vec<u64> = hs
+                .into_iter()
+                .map(|h| h.join().expect("a rank panicked").expect("a rank failed"))
+                .collect();
+            assert_eq!(relayed[1], 0, "messages passed through the relay");
+        });
     }
 }
