@@ -833,6 +833,11 @@ pub struct Poller<'c> {
     /// The message in progress of the thread that polls from inside its own send: driven at
     /// every wait of the poller (see [`Endpoint::help_with`]).
     own: Option<&'c mut (dyn FnMut() -> bool + 'c)>,
+    /// The call (token, peer) of the blocking caller that holds the role: its reply is kept
+    /// in `got` instead of going through the call table (no lock, no wake-up), and ends
+    /// [`Endpoint::poll_until`].
+    mine: Option<(u64, usize)>,
+    got: Option<(u16, Vec<u8>)>,
 }
 
 /// The endpoint and how many messages it is moving; never their bytes.
@@ -1191,7 +1196,11 @@ impl<'c> Poller<'c> {
                 Src::Whole(v) => Ok(v),
                 Src::Taken => unreachable!("a message is dispatched with its body"),
             };
-            return self.ep.deliver(from, h, body);
+            return match body {
+                // The reply this thread waits for, itself.
+                Ok(b) if self.mine == Some((h.token, from)) => self.got = Some((h.status, b)),
+                body => self.ep.deliver(from, h, body),
+            };
         }
         let reply = h.flags & FLAG_ONE_WAY == 0;
         match self.ep.handler(h.id) {
@@ -1944,6 +1953,8 @@ impl Endpoint {
             counted: 0,
             scratch: Vec::new(),
             own,
+            mine: None,
+            got: None,
         })
     }
 
@@ -2022,12 +2033,19 @@ impl Endpoint {
             let Some(mut poller) = self.take_role() else {
                 continue;
             };
-            // The call table is locked only after some call completed.
+            poller.mine = Some((token, remote));
+            // The call table is locked only after some call completed (the reply to this
+            // call, received by this thread, ends the poll without it).
             let mut seen = None;
             let r = self.poll_until(&mut poller, deadline, |ep| {
                 let now = ep.inner.completed.load(Ordering::Acquire);
                 seen.replace(now) != Some(now) && ep.is_done(token)
             });
+            if let Some(got) = poller.got.take() {
+                lock(&inner.state).calls.remove(&token);
+                poller.release();
+                return Ok(got);
+            }
             poller.release();
             if let Err(e) = r {
                 lock(&inner.state).calls.remove(&token);
@@ -2059,7 +2077,7 @@ impl Endpoint {
         let mut quiet_since: Option<Instant> = None;
         let mut busy = 0u32;
         loop {
-            if done(self) || inner.stop.load(Ordering::Acquire) {
+            if poller.got.is_some() || done(self) || inner.stop.load(Ordering::Acquire) {
                 return Ok(());
             }
             match poller.step() {
