@@ -1057,8 +1057,12 @@ impl<D: Device, N: Nic> ViaTx<D, N> {
     fn send_large(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
         let base = iov.first().map_or(0, |s| s.as_ptr() as usize);
         if !self.st.active {
-            let c = lock(&self.conn);
+            let mut c = lock(&self.conn);
             c.check()?;
+            if iov.len() > 1 {
+                let e = c.proto("the large TM takes one slice per group");
+                return c.guard(Err(e));
+            }
             self.st.total = iov.iter().map(|s| s.len()).sum();
             self.st.active = true;
             self.st.base = c.data_tx_done;
