@@ -10,9 +10,12 @@
 //! | `medium` (1) | Gather | message passing from/to the user's buffers, registered on the fly through an LRU registration cache |
 //! | `large` (2) | Gather | rendezvous: the receiver registers its destination and sends key and address; the sender RDMA-writes into it and signals completion |
 //!
-//! The soft thresholds ([`SMALL_MAX`], [`MEDIUM_MAX`]) come from the Figure 4 sweep on the soft
-//! backend (see `NOTES.md`); the verbs ones ([`VERBS_SMALL_MAX`], [`VERBS_MEDIUM_MAX`]) are not
-//! measured (no HCA). Both can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
+//! The soft thresholds come from Figure 4 on the soft backend (see `NOTES.md`) and depend on
+//! the registration cache: with it ([`SMALL_MAX`], [`MEDIUM_MAX`]) registration is mostly a
+//! cache hit and send/receive takes every piece above 16 KiB; without it (`regcache=0`:
+//! [`UNCACHED_SMALL_MAX`], [`UNCACHED_MEDIUM_MAX`]) static buffers go up to 64 KiB and the
+//! rendezvous takes the rest. The verbs ones ([`VERBS_SMALL_MAX`], [`VERBS_MEDIUM_MAX`]) are not
+//! measured (no HCA). All can be overridden per channel: `via:soft,tm.small=2k,tm.medium=1m`.
 //!
 //! Two backends (the channel adapter):
 //!
@@ -79,6 +82,14 @@ pub const SMALL_MAX: usize = 16 << 10;
 /// registration and the transfer), so the default table sends everything above
 /// [`SMALL_MAX`] as medium; `tm.medium=<size>` brings the rendezvous back above that size.
 pub const MEDIUM_MAX: usize = usize::MAX;
+/// Largest `small` piece on `via:soft` with the registration cache off (`regcache=0`: every
+/// dynamic registration is an `mlock`/`munlock` pair per transfer): static buffers beat
+/// registration up to 64 KiB in the Figure 4 runs of 2026-11-28 (by 16–25 % at 64 KiB).
+pub const UNCACHED_SMALL_MAX: usize = 64 << 10;
+/// Largest `medium` piece on `via:soft` with the registration cache off: none above
+/// [`UNCACHED_SMALL_MAX`]; the rendezvous takes every larger piece (Figure 4, 2026-11-28:
+/// 0.6–0.8 of the best forced method from 128 KiB to 2 MiB, 1.02–1.06 at 4–8 MiB).
+pub const UNCACHED_MEDIUM_MAX: usize = UNCACHED_SMALL_MAX;
 /// Default largest `small` piece on `via:verbs`: **not measured** (no HCA here).
 pub const VERBS_SMALL_MAX: usize = 32 << 10;
 /// Default largest `medium` piece on `via:verbs`: **not measured**. Above it the zero-copy
@@ -187,7 +198,50 @@ impl ViaDriver {
 /// Largest `regcache` (entries of a channel's registration cache).
 pub const MAX_REGCACHE: usize = 1 << 20;
 
-/// The default TM table of `via:soft` (before `tm.*` overrides).
+/// The TM table of a `via:soft` channel (before `tm.*` overrides): [`default_table`] with the
+/// registration cache on, [`uncached_table`] with it off (`regcache=0`).
+///
+/// # Errors
+///
+/// As [`default_table`].
+pub fn soft_table(cache_entries: usize) -> Result<TmTable> {
+    if cache_entries == 0 {
+        uncached_table()
+    } else {
+        default_table()
+    }
+}
+
+/// The TM table of `via:soft` with the registration cache off (`regcache=0`, before `tm.*`
+/// overrides): static buffers up to [`UNCACHED_SMALL_MAX`], the rendezvous above.
+///
+/// # Errors
+///
+/// [`Error::BadConfig`] if the built-in table were invalid (never for
+/// this one).
+pub fn uncached_table() -> Result<TmTable> {
+    TmTable::new([
+        TmSpec::copy(
+            "small",
+            UNCACHED_SMALL_MAX,
+            "copy into pre-registered static buffers, credit flow control (<= 64 KiB without the registration cache: Figure 4, NOTES.md)",
+        ),
+        TmSpec::gather(
+            "medium",
+            UNCACHED_MEDIUM_MAX,
+            16,
+            "send/recv of user memory registered for the call (not chosen without the registration cache: Figure 4)",
+        ),
+        TmSpec::gather(
+            "large",
+            usize::MAX,
+            1,
+            "rendezvous: receiver advertises key+address, sender RDMA-writes and signals completion (every piece above 64 KiB without the registration cache)",
+        ),
+    ])
+}
+
+/// The default TM table of `via:soft`, registration cache on (before `tm.*` overrides).
 ///
 /// # Errors
 ///
@@ -273,9 +327,9 @@ impl Driver for ViaDriver {
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
         // Checked before the ranks exchange anything, so every rank fails alike.
         Self::slot_config(config)?;
-        self.cache_entries(config)?;
+        let entries = self.cache_entries(config)?;
         match Backend::of(config)? {
-            Backend::Soft => default_table(),
+            Backend::Soft => soft_table(entries),
             Backend::Verbs => verbs_table(),
         }
     }

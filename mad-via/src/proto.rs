@@ -191,6 +191,16 @@ fn chunk_len(total: usize, max: usize, k: usize) -> usize {
     total.saturating_sub(k * max).min(max)
 }
 
+/// Largest chunk of a rendezvous: a larger piece is registered and advertised in chunks of
+/// this size, so the sender writes the first while both ends register the next ones.
+const RDV_CHUNK: usize = 1 << 20;
+
+/// Length of the next chunk a rendezvous receiver advertises when `left` bytes are not
+/// advertised yet.
+fn rdv_chunk(left: usize) -> usize {
+    left.min(RDV_CHUNK)
+}
+
 /// The parts of bytes `[from, from + len)` of a list of buffers of lengths `lens`, each as
 /// (buffer index, offset in it, length): what a gather or scatter list of one chunk holds.
 fn window(
@@ -652,14 +662,8 @@ impl<N: Nic> Conn<N> {
 
     // ---- gather TMs, send side ----
 
-    /// Post the group's work requests (sends, or writes to `to`) within the window; `Ready`
-    /// once all completed.
-    fn send_group(
-        &mut self,
-        iov: &[IoSlice<'_>],
-        st: &mut TxGather,
-        to: Option<Cts>,
-    ) -> Result<Poll<()>> {
+    /// Post the medium group's sends within the window; `Ready` once all completed.
+    fn send_group(&mut self, iov: &[IoSlice<'_>], st: &mut TxGather) -> Result<Poll<()>> {
         let max = self.nic.max_msg();
         let win = self.nic.data_window().max(1) as u64;
         let n = chunks(st.total, max) as u64;
@@ -670,29 +674,14 @@ impl<N: Nic> Conn<N> {
                 let (off, len) = (k * max, chunk_len(st.total, max, k));
                 let sges = gather(iov, &st.lkeys, off, len);
                 let wr = self.wr();
-                let r = match to {
-                    None => self.nic.post_send(Qp::Data, wr, Src::User(&sges), None)?,
-                    Some(c) => {
-                        let imm = (st.posted + 1 == n).then_some(wire::IMM_WRITE_DONE);
-                        let at = Remote {
-                            addr: c.addr.wrapping_add(off as u64),
-                            rkey: c.key,
-                        };
-                        self.nic
-                            .post_write(Qp::Data, wr, Src::User(&sges), at, imm)?
-                    }
-                };
+                let r = self.nic.post_send(Qp::Data, wr, Src::User(&sges), None)?;
                 if r.is_pending() {
                     full = true;
                     break;
                 }
                 st.posted += 1;
                 self.msg_started = true;
-                if to.is_some() {
-                    self.stats.rdma_frames += 1;
-                } else {
-                    self.stats.medium_frames += 1;
-                }
+                self.stats.medium_frames += 1;
             }
             self.reap()?;
             let done = self.data_tx_done - st.base;
@@ -708,33 +697,87 @@ impl<N: Nic> Conn<N> {
         }
     }
 
-    fn send_large(&mut self, iov: &[IoSlice<'_>], st: &mut TxGather) -> Result<Poll<()>> {
+    /// Rendezvous, sender side, with the connection's lock: write each chunk the receiver
+    /// advertises (one CTS per chunk, in order, covering the piece), the last write with the
+    /// completion immediate. `Ready(None)`: all written and completed; `Ready(Some((offset,
+    /// len)))`: a new chunk, whose source the caller registers (unlocked) into `st.chunk_lkey`.
+    fn send_large(
+        &mut self,
+        iov: &[IoSlice<'_>],
+        st: &mut TxGather,
+    ) -> Result<Poll<Option<(usize, usize)>>> {
         if iov.len() > 1 {
             return Err(self.proto("the large TM takes one slice per group"));
         }
-        let cts = match st.cts {
-            Some(c) => c,
-            None => {
-                if self.cts.is_empty() {
-                    self.poll_nic(&mut [])?;
-                }
-                let Some(c) = self.cts.pop_front() else {
-                    if self.nic.peer_closed(Qp::Ctrl) {
-                        return Err(Error::PeerClosed { rank: self.rank });
+        let max = self.nic.max_msg().max(1);
+        let win = self.nic.data_window().max(1) as u64;
+        loop {
+            let mut full = false;
+            while !st.last_posted && st.posted - (self.data_tx_done - st.base) < win {
+                let (start, c) = match st.chunk {
+                    Some((s, c)) if st.sent < s.saturating_add(c.len as usize) => (s, c),
+                    _ => {
+                        let Some(c) = self.cts.pop_front() else {
+                            break;
+                        };
+                        let left = st.total - st.sent;
+                        if c.len > left as u64 || (c.len == 0 && left != 0) {
+                            return Err(self.proto(format!(
+                                "the receiver advertised {} B at offset {} of a {} B rendezvous",
+                                c.len, st.sent, st.total
+                            )));
+                        }
+                        st.chunk = Some((st.sent, c));
+                        // The first chunk's source was registered while the CTS came.
+                        st.chunk_lkey = match st.first {
+                            Some((n, lkey)) if st.sent == 0 && c.len <= n as u64 => Some(lkey),
+                            _ => return Ok(Poll::Ready(Some((st.sent, c.len as usize)))),
+                        };
+                        (st.sent, c)
                     }
-                    return Ok(Poll::Pending);
                 };
-                if c.len != st.total as u64 {
-                    return Err(self.proto(format!(
-                        "the receiver advertised {} B for a {} B rendezvous",
-                        c.len, st.total
-                    )));
+                let Some(lkey) = st.chunk_lkey else {
+                    return Ok(Poll::Ready(Some((start, c.len as usize))));
+                };
+                let at_chunk = st.sent - start;
+                let len = (c.len as usize - at_chunk).min(max);
+                let sges = gather(iov, &[lkey], st.sent, len);
+                let last = st.sent + len == st.total;
+                let at = Remote {
+                    addr: c.addr.wrapping_add(at_chunk as u64),
+                    rkey: c.key,
+                };
+                let imm = last.then_some(wire::IMM_WRITE_DONE);
+                let wr = self.wr();
+                if self
+                    .nic
+                    .post_write(Qp::Data, wr, Src::User(&sges), at, imm)?
+                    .is_pending()
+                {
+                    full = true;
+                    break;
                 }
-                st.cts = Some(c);
-                c
+                st.posted += 1;
+                st.sent += len;
+                st.last_posted = last;
+                self.msg_started = true;
+                self.stats.rdma_frames += 1;
             }
-        };
-        self.send_group(iov, st, Some(cts))
+            self.reap()?;
+            let done = self.data_tx_done - st.base;
+            if st.last_posted && done >= st.posted {
+                return Ok(Poll::Ready(None));
+            }
+            let waiting_cts = self.cts.is_empty();
+            self.poll_nic(&mut [])?;
+            if self.data_tx_done - st.base == done && (!waiting_cts || self.cts.is_empty()) {
+                let blocked = full || st.last_posted || st.posted - done >= win;
+                if !blocked && self.nic.peer_closed(Qp::Ctrl) {
+                    return Err(Error::PeerClosed { rank: self.rank });
+                }
+                return Ok(Poll::Pending);
+            }
+        }
     }
 
     // ---- gather TMs, receive side ----
@@ -774,33 +817,15 @@ impl<N: Nic> Conn<N> {
         }
     }
 
-    fn recv_large(
-        &mut self,
-        iov: &mut [IoSliceMut<'_>],
-        st: &mut RxGather,
-        lease: (u32, u32),
-    ) -> Result<Poll<()>> {
-        if iov.len() != 1 {
-            return Err(self.proto("the large TM takes one slice per group"));
-        }
-        let (addr, len) = (iov[0].as_ptr() as usize, iov[0].len());
-        if st.exposed.is_none() {
-            let key = self.nic.expose(lease.0, lease.1, addr, len)?;
-            st.exposed = Some(key);
-            let wr = self.wr();
-            self.nic.post_recv(Qp::Data, wr, Dst::User(&[]))?;
-        }
-        if !st.cts_sent {
-            let key = st.exposed.unwrap_or(0);
-            let cts = Cts {
-                key,
-                addr: addr as u64,
-                len: len as u64,
-            };
-            if !self.send_cts(cts)? {
-                return Ok(Poll::Pending);
+    /// Rendezvous, receiver side, with the connection's lock: send the CTS of the chunk just
+    /// exposed, land what the sender wrote, and say what next: `Ready(true)` the piece is
+    /// complete, `Ready(false)` expose the next chunk (the caller registers it unlocked).
+    fn recv_large(&mut self, iov: &mut [IoSliceMut<'_>], st: &mut RxGather) -> Result<Poll<bool>> {
+        if let Some(cts) = st.next {
+            if self.send_cts(cts)? {
+                st.next = None;
+                st.advertised += cts.len as usize;
             }
-            st.cts_sent = true;
         }
         loop {
             if let Some((_, _, imm)) = self.data_rx.pop_front() {
@@ -809,9 +834,18 @@ impl<N: Nic> Conn<N> {
                         "expected the end of an RDMA write, got a receive with immediate {imm:?}"
                     )));
                 }
-                return Ok(Poll::Ready(()));
+                if st.next.is_some() || st.advertised < st.total {
+                    return Err(self.proto(format!(
+                        "rendezvous signalled complete with {} of {} B advertised",
+                        st.advertised, st.total
+                    )));
+                }
+                return Ok(Poll::Ready(true));
             }
             self.poll_nic(iov)?;
+            if st.next.is_none() && st.advertised < st.total && self.data_rx.is_empty() {
+                return Ok(Poll::Ready(false));
+            }
             if self.data_rx.is_empty() {
                 if self.nic.peer_closed(Qp::Data) {
                     return Err(Error::PeerClosed { rank: self.rank });
@@ -838,7 +872,17 @@ struct TxGather {
     total: usize,
     posted: u64,
     base: u64,
-    cts: Option<Cts>,
+    /// Bytes posted (large TM).
+    sent: usize,
+    /// The advertised chunk being written: (offset in the piece, its CTS) (large TM).
+    chunk: Option<(usize, Cts)>,
+    /// The local key of that chunk's source, once registered (large TM).
+    chunk_lkey: Option<u32>,
+    /// The source of the first chunk, registered before its CTS came: (length, local key)
+    /// (large TM).
+    first: Option<(usize, u32)>,
+    /// The write with the completion immediate is posted (large TM).
+    last_posted: bool,
     leases: Vec<Lease>,
     lkeys: Vec<u32>,
 }
@@ -850,8 +894,12 @@ struct RxGather {
     total: usize,
     posted: usize,
     received: usize,
-    exposed: Option<u32>,
-    cts_sent: bool,
+    /// Keys of the chunks advertised so far (large TM).
+    exposed: Vec<u32>,
+    /// Bytes advertised (CTS sent) (large TM).
+    advertised: usize,
+    /// The CTS of the chunk exposed last, not sent yet (large TM).
+    next: Option<Cts>,
     leases: Vec<Lease>,
     lkeys: Vec<u32>,
 }
@@ -1003,6 +1051,53 @@ impl<D: Device, N: Nic> ViaTx<D, N> {
     }
 }
 
+impl<D: Device, N: Nic> ViaTx<D, N> {
+    /// Rendezvous, sender side: the source is registered chunk by chunk as the receiver
+    /// advertises its destination ([`rdv_chunk`]), outside the connection's lock.
+    fn send_large(&mut self, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        let base = iov.first().map_or(0, |s| s.as_ptr() as usize);
+        if !self.st.active {
+            let mut c = lock(&self.conn);
+            c.check()?;
+            if iov.len() > 1 {
+                let e = c.proto("the large TM takes one slice per group");
+                return c.guard(Err(e));
+            }
+            self.st.total = iov.iter().map(|s| s.len()).sum();
+            self.st.active = true;
+            self.st.base = c.data_tx_done;
+            drop(c);
+            // Register what the first CTS will most likely advertise while it comes.
+            let len = rdv_chunk(self.st.total);
+            let lease = self.cache.acquire(base, len)?;
+            self.st.first = Some((len, lease.lkey()));
+            self.st.leases.push(lease);
+        }
+        loop {
+            let mut c = lock(&self.conn);
+            c.check()?;
+            let r = c.send_large(iov, &mut self.st);
+            match c.guard(r)? {
+                Poll::Pending => {
+                    self.pending_at = Some(c.progress());
+                    return Ok(Poll::Pending);
+                }
+                Poll::Ready(None) => {
+                    drop(c);
+                    self.finish();
+                    return Ok(Poll::Ready(()));
+                }
+                Poll::Ready(Some((at, len))) => {
+                    drop(c);
+                    let lease = self.cache.acquire(base + at, len)?;
+                    self.st.chunk_lkey = Some(lease.lkey());
+                    self.st.leases.push(lease);
+                }
+            }
+        }
+    }
+}
+
 impl<D: Device, N: Nic> Drop for ViaTx<D, N> {
     fn drop(&mut self) {
         // The registrations belong to the sockets, which other descriptors keep open.
@@ -1057,6 +1152,9 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
     }
 
     fn send_refs(&mut self, tm: TmId, iov: &[IoSlice<'_>]) -> Result<Poll<()>> {
+        if tm == TM_LARGE {
+            return self.send_large(iov);
+        }
         if !self.st.active {
             lock(&self.conn).check()?;
             let leases = acquire_all(
@@ -1072,8 +1170,7 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
         let mut c = lock(&self.conn);
         c.check()?;
         let r = match tm {
-            TM_MEDIUM => c.send_group(iov, &mut self.st, None),
-            TM_LARGE => c.send_large(iov, &mut self.st),
+            TM_MEDIUM => c.send_group(iov, &mut self.st),
             _ => Err(c.proto(format!("TM {tm} is not a gather TM"))),
         };
         let r = c.guard(r)?;
@@ -1224,8 +1321,11 @@ impl<D: Device, N: Nic> TxLink for ViaTx<D, N> {
 
 impl<D: Device, N: Nic> ViaRx<D, N> {
     fn finish(&mut self) {
-        if let Some(key) = self.st.exposed.take() {
-            lock(&self.conn).nic.unexpose(key);
+        if !self.st.exposed.is_empty() {
+            let mut c = lock(&self.conn);
+            for key in self.st.exposed.drain(..) {
+                c.nic.unexpose(key);
+            }
         }
         for l in self.st.leases.drain(..) {
             self.cache.release(l);
@@ -1239,6 +1339,63 @@ impl<D: Device, N: Nic> ViaRx<D, N> {
             lock(&self.conn).nic.cancel_user_receives();
         }
         self.finish();
+    }
+}
+
+impl<D: Device, N: Nic> ViaRx<D, N> {
+    /// Rendezvous, receiver side: register and advertise the destination chunk by chunk
+    /// ([`rdv_chunk`]), so the sender writes the first chunks while the next are registered.
+    fn recv_large(&mut self, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        if iov.len() != 1 {
+            let mut c = lock(&self.conn);
+            let e = c.proto("the large TM takes one slice per group");
+            return c.guard(Err(e));
+        }
+        let base = iov[0].as_ptr() as usize;
+        if !self.st.active {
+            lock(&self.conn).check()?;
+            self.st.total = iov[0].len();
+            self.st.active = true;
+        }
+        loop {
+            let first = self.st.exposed.is_empty();
+            if self.st.next.is_none() && (first || self.st.advertised < self.st.total) {
+                let at = self.st.advertised;
+                let len = rdv_chunk(self.st.total - at);
+                // Registration (`mlock` on soft) outside the connection's lock.
+                let lease = self.cache.acquire(base + at, len)?;
+                let keys = (lease.lkey(), lease.rkey());
+                self.st.leases.push(lease);
+                let mut c = lock(&self.conn);
+                c.check()?;
+                let r = c.nic.expose(keys.0, keys.1, base + at, len);
+                let key = c.guard(r)?;
+                self.st.exposed.push(key);
+                if first {
+                    // The receive the last write's immediate consumes, before the first CTS.
+                    let wr = c.wr();
+                    let r = c.nic.post_recv(Qp::Data, wr, Dst::User(&[]));
+                    c.guard(r)?;
+                }
+                self.st.next = Some(Cts {
+                    key,
+                    addr: (base + at) as u64,
+                    len: len as u64,
+                });
+            }
+            let mut c = lock(&self.conn);
+            c.check()?;
+            let r = c.recv_large(iov, &mut self.st);
+            match c.guard(r)? {
+                Poll::Pending => return Ok(Poll::Pending),
+                Poll::Ready(false) => continue,
+                Poll::Ready(true) => {
+                    drop(c);
+                    self.finish();
+                    return Ok(Poll::Ready(()));
+                }
+            }
+        }
     }
 }
 
@@ -1272,6 +1429,9 @@ impl<D: Device, N: Nic> RxLink for ViaRx<D, N> {
     }
 
     fn recv_refs(&mut self, tm: TmId, iov: &mut [IoSliceMut<'_>]) -> Result<Poll<()>> {
+        if tm == TM_LARGE {
+            return self.recv_large(iov);
+        }
         if !self.st.active {
             lock(&self.conn).check()?;
             let leases = acquire_all(
@@ -1287,14 +1447,6 @@ impl<D: Device, N: Nic> RxLink for ViaRx<D, N> {
         c.check()?;
         let r = match tm {
             TM_MEDIUM => c.recv_medium(iov, &mut self.st),
-            TM_LARGE => {
-                let keys = self
-                    .st
-                    .leases
-                    .first()
-                    .map_or((0, 0), |l| (l.lkey(), l.rkey()));
-                c.recv_large(iov, &mut self.st, keys)
-            }
             _ => Err(c.proto(format!("TM {tm} is not a gather TM"))),
         };
         let r = c.guard(r)?;

@@ -1,7 +1,7 @@
 //! A hostile or broken peer writing raw frames into a soft NIC: every case ends in a typed
 //! error on the receiving side, never a panic, a hang or a write outside registered memory.
 
-use std::io::Write;
+use std::io::{IoSlice, Write};
 use std::os::unix::net::UnixStream;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -153,5 +153,41 @@ fn truncated_frame_then_close_is_an_error() {
         }
         assert!(Instant::now() < deadline);
         l.rx.wait(Duration::from_millis(2)).unwrap();
+    }
+}
+
+#[test]
+fn a_cts_that_does_not_fit_the_piece_is_refused() {
+    // A rendezvous sender of 100 B gets a CTS for 1000 B, or for 0 B (which would never cover
+    // the piece): a protocol error, nothing written.
+    for len in [1000u64, 0] {
+        let (ep, mut raw_c, _raw_d) = victim();
+        let mut cts = [0u8; wire::CTS_LEN];
+        wire::Cts {
+            key: 0x5a00_0001,
+            addr: 0x1000,
+            len,
+        }
+        .encode_into(&mut cts);
+        let mut frame = Header::send(cts.len(), Some(wire::encode_imm(wire::REC_CTS, 0)))
+            .encode()
+            .to_vec();
+        frame.extend_from_slice(&cts);
+        raw_c.write_all(&frame).unwrap();
+        let mut l = ep.links().unwrap();
+        let data = [7u8; 100];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match l.tx.send_refs(mad_via::TM_LARGE, &[IoSlice::new(&data)]) {
+                Err(e) => {
+                    assert!(e.to_string().contains("advertised"), "{e}");
+                    break;
+                }
+                Ok(Poll::Ready(())) => panic!("a CTS of {len} B accepted for 100 B"),
+                Ok(Poll::Pending) => {}
+            }
+            assert!(Instant::now() < deadline, "CTS of {len} B: no error");
+            l.tx.wait(Duration::from_millis(2)).unwrap();
+        }
     }
 }
