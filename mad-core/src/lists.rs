@@ -41,12 +41,6 @@ impl Family for MutSlices {
     type At<'b> = IoSliceMut<'b>;
 }
 
-/// LATER pieces, read at `end_packing`.
-pub(crate) struct Cells;
-impl Family for Cells {
-    type At<'b> = Later<'b>;
-}
-
 /// A LATER piece: cells (one thread) or atomics (a packer that may cross threads).
 #[derive(Clone, Copy)]
 pub(crate) enum Later<'b> {
@@ -102,6 +96,62 @@ impl<F: Family> Spare<F> {
     }
 }
 
+/// A family whose values are a message's lists together (a packer's or unpacker's), kept in
+/// one box so the handle holding them is one pointer.
+pub(crate) trait ListSet: Family {
+    /// An empty set.
+    fn empty<'b>() -> Self::At<'b>;
+    /// Empty every list (their capacity stays).
+    fn clear(set: &mut Self::At<'_>);
+}
+
+/// A boxed [`ListSet`] kept by a connection between messages, lent whole (see
+/// [`Spare`]): allocated at a connection's first message that uses a list, then recycled.
+pub(crate) struct SpareSet<F: ListSet> {
+    b: Option<Box<F::At<'static>>>,
+}
+
+// SAFETY: as for `Spare`: the set is emptied before it is stored, so only empty allocations
+// cross threads through it.
+unsafe impl<F: ListSet> Send for SpareSet<F> {}
+
+impl<F: ListSet> Default for SpareSet<F> {
+    fn default() -> Self {
+        SpareSet { b: None }
+    }
+}
+
+impl<F: ListSet> SpareSet<F> {
+    /// Make `slot` hold a lent set if it holds none yet, and return it.
+    #[inline]
+    pub(crate) fn lend_into<'s, 'b>(
+        &mut self,
+        slot: &'s mut Option<Box<F::At<'b>>>,
+    ) -> &'s mut F::At<'b> {
+        slot.get_or_insert_with(|| match self.b.take() {
+            Some(b) => retype_box::<F>(b),
+            None => Box::new(F::empty()),
+        })
+    }
+
+    /// Take a set back for the next message (emptied first).
+    #[inline]
+    pub(crate) fn restore(&mut self, b: Box<F::At<'_>>) {
+        self.b = Some(retype_box::<F>(b));
+    }
+}
+
+/// The same set, emptied, retyped from lifetime `'a` to `'b` of its family.
+#[inline]
+fn retype_box<'a, 'b, F: ListSet>(mut b: Box<F::At<'a>>) -> Box<F::At<'b>> {
+    F::clear(&mut b);
+    let p = Box::into_raw(b);
+    // SAFETY: `F::At<'a>` and `F::At<'b>` are one type at two lifetimes, so one layout; the
+    // set was emptied, so no value borrowed for `'a` is reachable through the new type; the
+    // box is rebuilt from the pointer `into_raw` gave up, so it keeps exactly one owner.
+    unsafe { Box::from_raw(p.cast::<F::At<'b>>()) }
+}
+
 /// The same vector, emptied, retyped from lifetime `'a` to `'b` of its item family.
 #[inline]
 fn retype<'a, 'b, F: Family>(mut v: Vec<F::At<'a>>) -> Vec<F::At<'b>> {
@@ -150,16 +200,39 @@ mod tests {
         }
     }
 
+    /// Two lists of cells, the set of [`SpareSet`]'s test.
+    struct CellLists;
+    impl Family for CellLists {
+        type At<'b> = (Vec<Later<'b>>, Vec<u8>);
+    }
+    impl ListSet for CellLists {
+        fn empty<'b>() -> Self::At<'b> {
+            (Vec::new(), Vec::new())
+        }
+        fn clear(set: &mut Self::At<'_>) {
+            set.0.clear();
+            set.1.clear();
+        }
+    }
+
     #[test]
     fn cells_and_slices_families() {
-        let mut cells_spare: Spare<Cells> = Spare::default();
+        let mut sets: SpareSet<CellLists> = SpareSet::default();
         let mut data = [1u8, 2, 3];
         let cells = Cell::from_mut(&mut data[..]).as_slice_of_cells();
-        let mut l = cells_spare.lend();
-        l.push(Later::Cells(cells));
+        let mut slot = None;
+        let l = sets.lend_into(&mut slot);
+        l.0.push(Later::Cells(cells));
+        l.1.push(4);
         cells[0].set(9);
-        assert!(matches!(l[0], Later::Cells(c) if c[0].get() == 9 && l[0].len() == 3));
-        cells_spare.restore(l);
+        assert!(matches!(l.0[0], Later::Cells(c) if c[0].get() == 9 && l.0[0].len() == 3));
+        let b = slot.take().expect("lent");
+        let at = &*b as *const _ as usize;
+        sets.restore(b);
+        let mut slot = None;
+        let l = sets.lend_into(&mut slot);
+        assert!(l.0.is_empty() && l.1.is_empty() && l.0.capacity() >= 1);
+        assert_eq!(l as *const _ as usize, at, "the same box is lent again");
         let mut s: Spare<Slices> = Spare::default();
         let mut l = s.lend();
         l.push(IoSlice::new(&data));

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crate::channel::{ChannelInner, HalfGuard, TxState};
 use crate::driver::{AbortOutcome, Bmm, TmId, MAX_TMS};
 use crate::error::{Error, PieceDesc, PieceOrEnd, Result};
-use crate::lists::{Cells, Family, Later, Slices, Spare};
+use crate::lists::{Family, Later, ListSet, Slices, Spare, SpareSet};
 use crate::modes::{RecvMode, SendMode};
 use crate::wire;
 
@@ -144,9 +144,36 @@ use crate::wire;
 #[must_use = "dropping a Packer abandons its message (call `end_packing`); if part of it had left, the connection is closed"]
 pub struct Packer<'c, 'b> {
     st: PackState<'c>,
+    /// The message's lists, lent by the connection at their first use (most messages use
+    /// none): one pointer, so a packer moved by value is a few words.
+    lists: Option<Box<PackLists<'b>>>,
+}
+
+/// A packer's gather group, LATER tail and held pieces (see `lists.rs`).
+pub(crate) struct PackLists<'b> {
     group: Vec<IoSlice<'b>>,
     tail: Vec<Later<'b>>,
     held: Vec<Held<'b>>,
+}
+
+/// The [`ListSet`] of [`PackLists`].
+pub(crate) struct PackListSet;
+impl Family for PackListSet {
+    type At<'b> = PackLists<'b>;
+}
+impl ListSet for PackListSet {
+    fn empty<'b>() -> PackLists<'b> {
+        PackLists {
+            group: Vec::new(),
+            tail: Vec::new(),
+            held: Vec::new(),
+        }
+    }
+    fn clear(set: &mut PackLists<'_>) {
+        set.group.clear();
+        set.tail.clear();
+        set.held.clear();
+    }
 }
 
 /// The channel, the peer and the counts; never the bytes.
@@ -155,12 +182,12 @@ impl std::fmt::Debug for Packer<'_, '_> {
         f.debug_struct("Packer")
             .field("channel", &self.st.ch.config.name)
             .field("to", &self.st.remote)
-            .field("pieces", &self.st.index)
+            .field("pieces", &self.st.tx.spare.msg.index)
             .field("bytes", &self.st.tx.spare.msg.bytes)
-            .field("gathered", &self.group.len())
-            .field("later", &self.tail.len())
-            .field("checked", &self.st.checked)
-            .field("finished", &self.st.done)
+            .field("gathered", &self.group().len())
+            .field("later", &self.tail().len())
+            .field("checked", &self.st.tx.spare.msg.checked)
+            .field("finished", &self.st.tx.spare.msg.done)
             .finish_non_exhaustive()
     }
 }
@@ -168,11 +195,9 @@ impl std::fmt::Debug for Packer<'_, '_> {
 /// The lists a connection's sending direction lends to each message (see `lists.rs`).
 #[derive(Default)]
 pub(crate) struct TxSpare {
-    group: Spare<Slices>,
+    lists: SpareSet<PackListSet>,
     /// A gather group extended by a SAFER piece that is only borrowed for one call.
     tmp: Spare<Slices>,
-    tail: Spare<Cells>,
-    held: Spare<HeldPieces>,
     /// The steps of a message ended without blocking ([`Packer::poll_end_packing`]).
     plan: TxPlan,
     /// The current message's counts, deadline and room.
@@ -230,9 +255,10 @@ impl Staged {
     }
 }
 
-/// What a message counts and its limits, kept in the connection's sending half (held by the
-/// packer) rather than in the `Packer`: a packer is copied whole by every return and every
-/// `.await` that hands it over, so the smaller the cheaper.
+/// What a message counts, its limits and its modes, kept in the connection's sending half
+/// (held by the packer) rather than in the `Packer`: a packer is copied whole by every return
+/// and every `.await` that hands it over, so the smaller the cheaper, and a narrow store into
+/// it that such a copy reads wide stalls the copy (store forwarding).
 #[derive(Default)]
 struct TxMsg {
     counts: [u32; MAX_TMS],
@@ -244,6 +270,30 @@ struct TxMsg {
     /// Payload bytes this message may still take: the driver's
     /// [`max_message`](crate::driver::Capabilities::max_message) minus what was packed.
     room: u64,
+    /// The TM last handed data and not committed since (the header counts as TM 0 data).
+    cur: TmId,
+    /// The TM of the pending gather group (meaningful while the group is not empty).
+    gtm: TmId,
+    holding: bool,
+    checked: bool,
+    /// Finished (successfully or not): nothing left to abandon.
+    done: bool,
+    index: u32,
+    /// `end_packing`'s code is recording its steps into the connection's plan instead of
+    /// running them ([`Packer::poll_end_packing`]).
+    recording: bool,
+    /// A polled end is running its steps directly, each driver call made once: the first
+    /// that is pending switches to `recording` (it and the rest of the end become the plan),
+    /// so an end that never waits costs what a blocking one does.
+    trying: bool,
+    /// The plan of this message's end was recorded.
+    planned: bool,
+    /// [`Packer::flush_at_end`]: pieces received EXPRESS are not published as they are packed.
+    flush_at_end: bool,
+    /// Under `flush_at_end`, a piece received EXPRESS was packed and is not published yet:
+    /// the driver is asked to publish ([`TxLink::publish`](crate::driver::TxLink::publish))
+    /// before a long copy follows, else at the end.
+    express_due: bool,
 }
 
 /// A memory range a recorded step reads when it runs (see [`TxPlan`]).
@@ -414,11 +464,6 @@ fn fill_parts(buf: &mut [u8], parts: &[&[u8]], mut off: usize) -> usize {
     n
 }
 
-pub(crate) struct HeldPieces;
-impl Family for HeldPieces {
-    type At<'b> = Held<'b>;
-}
-
 pub(crate) enum Held<'b> {
     Cheaper(&'b [u8], RecvMode),
     Safer(Vec<u8>, RecvMode),
@@ -431,30 +476,6 @@ struct PackState<'c> {
     ch: &'c ChannelInner,
     remote: usize,
     tx: HalfGuard<'c, TxState>,
-    /// The TM last handed data and not committed since (the header counts as TM 0 data).
-    cur: TmId,
-    /// The TM of the pending gather group (meaningful while the group is not empty).
-    gtm: TmId,
-    holding: bool,
-    checked: bool,
-    /// Finished (successfully or not): nothing left to abandon.
-    done: bool,
-    index: u32,
-    /// `end_packing`'s code is recording its steps into the connection's plan instead of
-    /// running them ([`Packer::poll_end_packing`]).
-    recording: bool,
-    /// A polled end is running its steps directly, each driver call made once: the first
-    /// that is pending switches to `recording` (it and the rest of the end become the plan),
-    /// so an end that never waits costs what a blocking one does.
-    trying: bool,
-    /// The plan of this message's end was recorded.
-    planned: bool,
-    /// [`Packer::flush_at_end`]: pieces received EXPRESS are not published as they are packed.
-    flush_at_end: bool,
-    /// Under `flush_at_end`, a piece received EXPRESS was packed and is not published yet:
-    /// the driver is asked to publish ([`TxLink::publish`](crate::driver::TxLink::publish))
-    /// before a long copy follows, else at the end.
-    express_due: bool,
     /// A message of a virtual channel to a rank behind gateways ([`crate::vchan`]): every
     /// piece goes as a descriptor and fragments ([`crate::vchan::fwd`]) to the first gateway.
     fwd: Option<Box<Forwarding<'c>>>,
@@ -551,17 +572,17 @@ impl PackState<'_> {
     #[cold]
     fn start_recording(&mut self) {
         debug_assert!(self.tx.spare.plan.ops.is_empty());
-        self.trying = false;
-        self.recording = true;
+        self.tx.spare.msg.trying = false;
+        self.tx.spare.msg.recording = true;
     }
 
     #[inline(always)]
     fn commit(&mut self) -> Result<()> {
-        let cur = self.cur;
-        if self.trying && self.try_once(|tx| tx.link.commit(cur))? {
+        let cur = self.tx.spare.msg.cur;
+        if self.tx.spare.msg.trying && self.try_once(|tx| tx.link.commit(cur))? {
             return Ok(());
         }
-        if self.recording {
+        if self.tx.spare.msg.recording {
             self.tx.spare.plan.ops.push(TxOp::Commit(cur));
             return Ok(());
         }
@@ -573,10 +594,10 @@ impl PackState<'_> {
     fn end_tail(&mut self) -> Result<()> {
         self.lend_staged()?;
         self.commit()?;
-        if self.trying && self.try_once(|tx| tx.link.end_message())? {
+        if self.tx.spare.msg.trying && self.try_once(|tx| tx.link.end_message())? {
             return Ok(());
         }
-        if self.recording {
+        if self.tx.spare.msg.recording {
             self.tx.spare.plan.ops.push(TxOp::End);
             return Ok(());
         }
@@ -595,7 +616,7 @@ impl PackState<'_> {
     /// with the group's frames, so the end of a message whose last piece is gathered costs no
     /// lend (and on sockets no system call) of its own.
     fn send_group(&mut self, tm: TmId, group: &[IoSlice<'_>], end: Option<u64>) -> Result<()> {
-        if !self.checked {
+        if !self.tx.spare.msg.checked {
             self.ensure(0)?;
             const BATCH: usize = 16;
             let mut buf = [0u8; wire::FRAME_LEN * (BATCH + 1)];
@@ -623,10 +644,10 @@ impl PackState<'_> {
         }
         self.ensure(tm)?;
         self.lend_staged()?;
-        if self.trying && self.try_once(|tx| tx.link.send_refs(tm, group))? {
+        if self.tx.spare.msg.trying && self.try_once(|tx| tx.link.send_refs(tm, group))? {
             return Ok(());
         }
-        if self.recording {
+        if self.tx.spare.msg.recording {
             let plan = &mut self.tx.spare.plan;
             let a = plan.slices.len();
             plan.slices.extend(group.iter().map(|s| Raw::of(s)));
@@ -648,7 +669,7 @@ impl PackState<'_> {
     /// a recorded end stages them in its plan.
     #[inline]
     fn copy_in_local(&mut self, tm: TmId, data: &[u8]) -> Result<()> {
-        if self.recording {
+        if self.tx.spare.msg.recording {
             return self.record_copy(tm, None, data, true);
         }
         self.copy_direct(tm, None, data, true)
@@ -703,7 +724,7 @@ impl PackState<'_> {
         frame: Option<&[u8; wire::FRAME_LEN]>,
         data: &[u8],
     ) -> Result<()> {
-        if self.recording {
+        if self.tx.spare.msg.recording {
             return self.record_copy(tm, frame, data, false);
         }
         self.copy_direct(tm, frame, data, false)
@@ -723,9 +744,9 @@ impl PackState<'_> {
         if tm == 0 && self.tx.spare.staged.try_push(frame, data) {
             return Ok(());
         }
-        if self.express_due && data.len() > EXPRESS_EARLY {
+        if self.tx.spare.msg.express_due && data.len() > EXPRESS_EARLY {
             // The receiver may start on the EXPRESS piece while this long copy runs.
-            self.express_due = false;
+            self.tx.spare.msg.express_due = false;
             self.lend_staged()?;
             self.tx.link.publish()?;
         }
@@ -761,7 +782,7 @@ impl PackState<'_> {
                 })?;
                 Ok(r.map(|()| wrote))
             };
-            let n = if self.trying {
+            let n = if self.tx.spare.msg.trying {
                 match lend(&mut self.tx)? {
                     Poll::Ready(n) => n,
                     Poll::Pending => {
@@ -797,7 +818,7 @@ impl PackState<'_> {
         if n == 0 {
             return Ok(());
         }
-        if self.recording {
+        if self.tx.spare.msg.recording {
             return self.record_copy(0, None, &[], true);
         }
         // Usually one lend takes it all; otherwise the general loop goes on from there.
@@ -811,7 +832,7 @@ impl PackState<'_> {
             m
         })?;
         if r.is_pending() {
-            if self.trying {
+            if self.tx.spare.msg.trying {
                 // This lend is the plan's first step.
                 self.start_recording();
                 self.push_copy(0, &[], &[], true);
@@ -829,10 +850,10 @@ impl PackState<'_> {
     /// previous TM is committed (the receiver checks out at the same points).
     #[inline]
     fn ensure(&mut self, tm: TmId) -> Result<()> {
-        if tm != self.cur {
+        if tm != self.tx.spare.msg.cur {
             self.lend_staged()?;
             self.commit()?;
-            self.cur = tm;
+            self.tx.spare.msg.cur = tm;
         }
         Ok(())
     }
@@ -843,7 +864,7 @@ impl PackState<'_> {
     /// itself. Otherwise (the message was abandoned, a local error) a broken connection is
     /// finished in both directions.
     fn fail(&mut self, why: &str, peer: bool) {
-        self.done = true;
+        self.tx.spare.msg.done = true;
         if let AbortOutcome::Broken = self.tx.link.abort_message() {
             self.tx.broken = Some(why.to_string());
             if !peer {
@@ -857,7 +878,7 @@ impl PackState<'_> {
 
 impl Drop for PackState<'_> {
     fn drop(&mut self) {
-        if !self.done {
+        if !self.tx.spare.msg.done {
             self.fail(
                 "a Packer was dropped after part of its message had left; the connection was closed",
                 false,
@@ -959,28 +980,26 @@ impl<'c, 'b> Packer<'c, 'b> {
         msg.bytes = 0;
         msg.deadline = deadline;
         msg.room = ch.caps.max_message.unwrap_or(u64::MAX);
+        msg.cur = 0;
+        msg.gtm = 0;
+        msg.holding = false;
+        msg.checked = ch.config.checked;
+        msg.done = false;
+        msg.index = 0;
+        msg.recording = false;
+        msg.trying = false;
+        msg.planned = false;
+        msg.flush_at_end = false;
+        msg.express_due = false;
         // The connection's lists are lent at their first use (most messages use none).
         Ok(Packer {
             st: PackState {
                 ch,
                 remote,
                 tx,
-                cur: 0,
-                gtm: 0,
-                holding: false,
-                checked: ch.config.checked,
-                done: false,
-                index: 0,
-                recording: false,
-                trying: false,
-                planned: false,
-                flush_at_end: false,
-                express_due: false,
                 fwd: None,
             },
-            group: Vec::new(),
-            tail: Vec::new(),
-            held: Vec::new(),
+            lists: None,
         })
     }
 
@@ -1003,15 +1022,40 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// Give the lists back to the connection for its next message (emptied).
     #[inline]
     fn recycle(&mut self) {
-        let spare = &mut self.st.tx.spare;
-        if self.group.capacity() > 0 {
-            spare.group.restore(std::mem::take(&mut self.group));
+        if let Some(l) = self.lists.take() {
+            self.st.tx.spare.lists.restore(l);
         }
-        if self.tail.capacity() > 0 {
-            spare.tail.restore(std::mem::take(&mut self.tail));
-        }
-        if self.held.capacity() > 0 {
-            spare.held.restore(std::mem::take(&mut self.held));
+    }
+
+    /// The pending gather group.
+    #[inline(always)]
+    fn group(&self) -> &[IoSlice<'b>] {
+        self.lists.as_deref().map_or(&[], |l| &l.group)
+    }
+
+    /// The LATER pieces deferred to the tail.
+    #[inline(always)]
+    fn tail(&self) -> &[Later<'b>] {
+        self.lists.as_deref().map_or(&[], |l| &l.tail)
+    }
+
+    /// The pieces held until the end.
+    #[inline(always)]
+    fn held(&self) -> &[Held<'b>] {
+        self.lists.as_deref().map_or(&[], |l| &l.held)
+    }
+
+    /// The message's lists, lent by the connection at their first use.
+    #[inline]
+    fn lists_mut(&mut self) -> &mut PackLists<'b> {
+        self.st.tx.spare.lists.lend_into(&mut self.lists)
+    }
+
+    /// Empty the gather group (sent).
+    #[inline]
+    fn clear_group(&mut self) {
+        if let Some(l) = self.lists.as_deref_mut() {
+            l.group.clear();
         }
     }
 
@@ -1045,7 +1089,7 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline]
     fn alive(&self) -> Result<()> {
-        if self.st.done {
+        if self.st.tx.spare.msg.done {
             Err(Error::Protocol {
                 rank: self.st.remote,
                 what: "this Packer already failed; its message was abandoned".into(),
@@ -1069,7 +1113,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline(never)]
     fn failed(&mut self, e: Error) -> Error {
         let e = self.st.ch.closed_or(e);
-        if !self.st.done {
+        if !self.st.tx.spare.msg.done {
             self.st
                 .fail(&format!("pack failed: {e}"), crate::channel::peer_gone(&e));
         }
@@ -1079,7 +1123,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// Send the pending gather group (announced by its frames in unchecked mode).
     #[inline(always)]
     fn flush_group(&mut self) -> Result<()> {
-        if self.group.is_empty() {
+        if self.group().is_empty() {
             return Ok(());
         }
         self.send_pending_group()
@@ -1087,9 +1131,10 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline(never)]
     fn send_pending_group(&mut self) -> Result<()> {
-        let tm = self.st.gtm;
-        self.st.send_group(tm, &self.group, None)?;
-        self.group.clear();
+        let tm = self.st.tx.spare.msg.gtm;
+        let group = self.lists.as_deref().map_or(&[][..], |l| &l.group);
+        self.st.send_group(tm, group, None)?;
+        self.clear_group();
         Ok(())
     }
 
@@ -1102,15 +1147,15 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn stage_short(&mut self, data: &[u8]) -> bool {
         let st = &mut self.st;
         if data.len() > STAGE_PIECE
-            || st.checked
+            || st.tx.spare.msg.checked
             // Deferred: a piece may be staged (that never waits) while none is held before
             // it; it leaves with the end, as held ones do.
-            || (st.holding && !self.held.is_empty())
-            || st.done
-            || st.recording
-            || st.cur != 0
+            || (st.tx.spare.msg.holding && self.lists.as_deref().is_some_and(|l| !l.held.is_empty()))
+            || st.tx.spare.msg.done
+            || st.tx.spare.msg.recording
+            || st.tx.spare.msg.cur != 0
             || st.fwd.is_some()
-            || !self.group.is_empty()
+            || self.lists.as_deref().is_some_and(|l| !l.group.is_empty())
             || data.len() > st.ch.table.first_tm_max()
         {
             return false;
@@ -1128,7 +1173,7 @@ impl<'c, 'b> Packer<'c, 'b> {
         msg.counts[0] += 1;
         msg.used |= 1;
         msg.bytes += len;
-        st.index = st.index.wrapping_add(1);
+        st.tx.spare.msg.index = st.tx.spare.msg.index.wrapping_add(1);
         true
     }
 
@@ -1136,7 +1181,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline(always)]
     fn staged_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
         // Deferred, nothing is published before the end (publishing may wait).
-        if r == RecvMode::Express && !self.st.holding {
+        if r == RecvMode::Express && !self.st.tx.spare.msg.holding {
             let res = self.publish_express(r, len);
             return self.check(res);
         }
@@ -1163,7 +1208,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline(always)]
     fn emit_copy(&mut self, tm: TmId, d: &[u8]) -> Result<()> {
         self.flush_group()?;
-        if self.st.checked {
+        if self.st.tx.spare.msg.checked {
             self.st.ensure(tm)?;
             return self.st.copy_in(tm, d);
         }
@@ -1188,13 +1233,14 @@ impl<'c, 'b> Packer<'c, 'b> {
         match self.st.ch.table.bmm(tm) {
             Bmm::Copy => self.emit_copy(tm, d),
             Bmm::Gather => {
-                if !self.group.is_empty() && self.st.gtm != tm {
+                if !self.group().is_empty() && self.st.tx.spare.msg.gtm != tm {
                     self.flush_group()?;
                 }
-                self.st.gtm = tm;
-                self.st.tx.spare.group.lend_into(&mut self.group);
-                self.group.push(IoSlice::new(d));
-                if r == RecvMode::Express || self.group.len() >= self.st.ch.table.max_group(tm) {
+                self.st.tx.spare.msg.gtm = tm;
+                let max = self.st.ch.table.max_group(tm);
+                let group = &mut self.lists_mut().group;
+                group.push(IoSlice::new(d));
+                if r == RecvMode::Express || group.len() >= max {
                     self.flush_group()
                 } else {
                     Ok(())
@@ -1210,17 +1256,17 @@ impl<'c, 'b> Packer<'c, 'b> {
         match self.st.ch.table.bmm(tm) {
             Bmm::Copy => self.emit_copy(tm, d),
             Bmm::Gather => {
-                if !self.group.is_empty() && self.st.gtm != tm {
+                if !self.group().is_empty() && self.st.tx.spare.msg.gtm != tm {
                     self.flush_group()?;
                 }
                 // The memory is only ours for this call: send the group now.
                 let mut tmp = self.st.tx.spare.tmp.lend();
-                tmp.extend_from_slice(&self.group);
+                tmp.extend_from_slice(self.group());
                 tmp.push(IoSlice::new(d));
                 let r = self.st.send_group(tm, &tmp, None);
                 self.st.tx.spare.tmp.restore(tmp);
                 r?;
-                self.group.clear();
+                self.clear_group();
                 Ok(())
             }
         }
@@ -1228,21 +1274,20 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline(always)]
     fn descriptor(&mut self, len: usize, s: SendMode, r: RecvMode) -> Result<()> {
-        if self.st.checked {
+        if self.st.tx.spare.msg.checked {
             let d = wire::encode_desc(PieceOrEnd::Piece(PieceDesc {
-                index: self.st.index,
+                index: self.st.tx.spare.msg.index,
                 len: len as u64,
                 send: s,
                 recv: r,
             }));
-            if self.st.holding {
-                self.st.tx.spare.held.lend_into(&mut self.held);
-                self.held.push(Held::Desc(d));
+            if self.st.tx.spare.msg.holding {
+                self.lists_mut().held.push(Held::Desc(d));
             } else {
                 self.emit_desc(&d)?;
             }
         }
-        self.st.index = self.st.index.wrapping_add(1);
+        self.st.tx.spare.msg.index = self.st.tx.spare.msg.index.wrapping_add(1);
         Ok(())
     }
 
@@ -1250,9 +1295,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn pack_cheaper_inner(&mut self, data: &'b [u8], r: RecvMode) -> Result<()> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Cheaper, r)?;
-        if self.st.holding {
-            self.st.tx.spare.held.lend_into(&mut self.held);
-            self.held.push(Held::Cheaper(data, r));
+        if self.st.tx.spare.msg.holding {
+            self.lists_mut().held.push(Held::Cheaper(data, r));
             Ok(())
         } else {
             self.emit_ref(data, SendMode::Cheaper, r)?;
@@ -1271,8 +1315,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline(always)]
     fn publish_express(&mut self, r: RecvMode, len: usize) -> Result<()> {
         if r == RecvMode::Express && len > 0 {
-            if self.st.flush_at_end {
-                self.st.express_due = true;
+            if self.st.tx.spare.msg.flush_at_end {
+                self.st.tx.spare.msg.express_due = true;
                 return Ok(());
             }
             // What is staged (this piece with it) goes to the driver first.
@@ -1287,9 +1331,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn pack_safer_inner(&mut self, data: &[u8], r: RecvMode) -> Result<()> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Safer, r)?;
-        if self.st.holding {
-            self.st.tx.spare.held.lend_into(&mut self.held);
-            self.held.push(Held::Safer(data.to_vec(), r));
+        if self.st.tx.spare.msg.holding {
+            self.lists_mut().held.push(Held::Safer(data.to_vec(), r));
             Ok(())
         } else {
             self.emit_safer(data, r)?;
@@ -1302,14 +1345,10 @@ impl<'c, 'b> Packer<'c, 'b> {
         self.alive()?;
         self.descriptor(data.len(), SendMode::Later, r)?;
         match r {
-            RecvMode::Cheaper => {
-                self.st.tx.spare.tail.lend_into(&mut self.tail);
-                self.tail.push(data)
-            }
+            RecvMode::Cheaper => self.lists_mut().tail.push(data),
             RecvMode::Express => {
-                self.st.holding = true;
-                self.st.tx.spare.held.lend_into(&mut self.held);
-                self.held.push(Held::Later(data, r));
+                self.st.tx.spare.msg.holding = true;
+                self.lists_mut().held.push(Held::Later(data, r));
             }
         }
         Ok(())
@@ -1320,7 +1359,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[allow(unsafe_code)]
     fn later_bytes(&mut self, l: Later<'b>) -> &'b [u8] {
         let view = match l {
-            Later::Cells(c) if !self.st.recording => Some(c),
+            Later::Cells(c) if !self.st.tx.spare.msg.recording => Some(c),
             _ => None,
         };
         if let Some(c) = view {
@@ -1347,17 +1386,17 @@ impl<'c, 'b> Packer<'c, 'b> {
     #[inline(always)]
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
-        if self.held.is_empty()
-            && self.tail.is_empty()
-            && self.group.is_empty()
-            && !self.st.checked
-            && !self.st.recording
-            && self.st.cur == 0
+        if self.held().is_empty()
+            && self.tail().is_empty()
+            && self.group().is_empty()
+            && !self.st.tx.spare.msg.checked
+            && !self.st.tx.spare.msg.recording
+            && self.st.tx.spare.msg.cur == 0
         {
             // The common end: the end frame right after what is staged, one lend.
-            self.st.holding = false;
+            self.st.tx.spare.msg.holding = false;
             let f = wire::encode_frame(wire::Frame::End {
-                pieces: self.st.index as u64,
+                pieces: self.st.tx.spare.msg.index as u64,
             });
             if self.st.tx.spare.staged.try_push(None, &f) {
                 return self.st.end_tail();
@@ -1368,11 +1407,11 @@ impl<'c, 'b> Packer<'c, 'b> {
 
     #[inline(never)]
     fn finish_general(&mut self) -> Result<()> {
-        let mut held = std::mem::take(&mut self.held);
-        self.st.holding = false;
+        let mut held = std::mem::take(&mut self.lists_mut().held);
+        self.st.tx.spare.msg.holding = false;
         // LATER values are read now, when the end begins: into a snapshot (whose capacity is
         // reserved first, so it never moves) for atomics, and for cells in a recorded end.
-        let rec = self.st.recording;
+        let rec = self.st.tx.spare.msg.recording;
         let snap = |l: &Later<'_>| match l {
             Later::Cells(_) if !rec => 0,
             _ => l.len(),
@@ -1383,7 +1422,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 Held::Later(l, _) => snap(l),
                 _ => 0,
             })
-            .chain(self.tail.iter().map(snap))
+            .chain(self.tail().iter().map(snap))
             .sum();
         if need > 0 {
             let later = &mut self.st.tx.spare.plan.later;
@@ -1403,31 +1442,31 @@ impl<'c, 'b> Packer<'c, 'b> {
                 Held::Desc(d) => self.emit_desc(d)?,
             }
         }
-        if !self.st.recording {
+        if !self.st.tx.spare.msg.recording {
             held.clear();
         } // (a recorded end's steps read the SAFER copies: kept until it is over)
-        self.held = held; // (kept for the connection's next message)
-        if self.st.checked {
+        self.lists_mut().held = held; // (kept for the connection's next message)
+        if self.st.tx.spare.msg.checked {
             self.emit_desc(&wire::encode_desc(PieceOrEnd::End {
-                pieces: self.st.index,
+                pieces: self.st.tx.spare.msg.index,
             }))?;
         }
-        for i in 0..self.tail.len() {
-            let l = self.tail[i];
+        for i in 0..self.tail().len() {
+            let l = self.tail()[i];
             let bytes = self.later_bytes(l);
             self.emit_ref(bytes, SendMode::Later, RecvMode::Cheaper)?;
         }
-        if self.st.checked {
+        if self.st.tx.spare.msg.checked {
             self.flush_group()?;
         } else {
             // The end frame: a receiver takes the message as complete only once it has read
             // it, so a message abandoned after part of it left is never delivered as whole.
             // It travels with the frames of a last gather group, or alone.
-            let pieces = self.st.index as u64;
-            if self.group.is_empty() {
+            let pieces = self.st.tx.spare.msg.index as u64;
+            if self.group().is_empty() {
                 // In the Copy TM of the last piece (right after it: no commit, and on TM 0
                 // often the same lend at the receiver), else in TM 0.
-                let cur = self.st.cur;
+                let cur = self.st.tx.spare.msg.cur;
                 let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
                     cur
                 } else {
@@ -1437,9 +1476,10 @@ impl<'c, 'b> Packer<'c, 'b> {
                 self.st
                     .copy_in_local(tm, &wire::encode_frame(wire::Frame::End { pieces }))?;
             } else {
-                let tm = self.st.gtm;
-                self.st.send_group(tm, &self.group, Some(pieces))?;
-                self.group.clear();
+                let tm = self.st.tx.spare.msg.gtm;
+                let group = self.lists.as_deref().map_or(&[][..], |l| &l.group);
+                self.st.send_group(tm, group, Some(pieces))?;
+                self.clear_group();
             }
         }
         self.st.end_tail()
@@ -1465,8 +1505,8 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// keeps its origin's): before any piece only.
     pub(crate) fn checked_as(mut self, on: bool) -> Self {
         let tx = &mut *self.st.tx;
-        if self.st.index == 0 && tx.spare.staged.len == wire::HEADER_LEN {
-            self.st.checked = on;
+        if tx.spare.msg.index == 0 && tx.spare.staged.len == wire::HEADER_LEN {
+            tx.spare.msg.checked = on;
             let h = wire::encode_header(wire::Header {
                 checked: on,
                 seq: tx.seq,
@@ -1688,9 +1728,9 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// packer is dropped then (its message abandoned).
     #[inline]
     pub fn into_send(self) -> Result<SendPacker<'c, 'b>> {
-        let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
+        let cells = self.tail().iter().any(|l| matches!(l, Later::Cells(_)))
             || self
-                .held
+                .held()
                 .iter()
                 .any(|h| matches!(h, Held::Later(Later::Cells(_), _)));
         if cells {
@@ -1859,7 +1899,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn completed(&mut self) {
         self.recycle();
         let st = &mut self.st;
-        st.done = true;
+        st.tx.spare.msg.done = true;
         st.tx.seq = st.tx.seq.wrapping_add(1);
         if let Some(Some(c)) = st.ch.conns.get(st.remote) {
             let msg = &st.tx.spare.msg;
@@ -1871,7 +1911,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     fn end_failed(&mut self, e: Error) -> Error {
         let e = self.st.ch.closed_or(e);
         self.recycle();
-        if !self.st.done {
+        if !self.st.tx.spare.msg.done {
             self.st.fail(
                 &format!("end_packing failed: {e}"),
                 crate::channel::peer_gone(&e),
@@ -1893,7 +1933,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// `mad_send` (a whole message in one call) makes it.
     #[inline]
     pub fn flush_at_end(&mut self) {
-        self.st.flush_at_end = true;
+        self.st.tx.spare.msg.flush_at_end = true;
     }
 
     /// Event-driven use: every piece packed from now on waits for the end of the message
@@ -1903,7 +1943,7 @@ impl<'c, 'b> Packer<'c, 'b> {
     /// were handed to the driver already.
     #[inline]
     pub fn defer(&mut self) {
-        self.st.holding = true;
+        self.st.tx.spare.msg.holding = true;
     }
 
     /// `end_packing` without blocking: `Ready` once the message is out (or failed), `Pending`
@@ -1928,24 +1968,24 @@ impl<'c, 'b> Packer<'c, 'b> {
                 return Poll::Ready(Err(self.end_failed(e)));
             }
         }
-        if !self.st.planned {
+        if !self.st.tx.spare.msg.planned {
             self.st.tx.spare.plan.clear();
             // Steps run directly until one is pending; LATER cells (which user code may write
             // between two polls) are read into the plan from the start.
-            let cells = self.tail.iter().any(|l| matches!(l, Later::Cells(_)))
+            let cells = self.tail().iter().any(|l| matches!(l, Later::Cells(_)))
                 || self
-                    .held
+                    .held()
                     .iter()
                     .any(|h| matches!(h, Held::Later(Later::Cells(_), _)));
             if cells {
-                self.st.recording = true;
+                self.st.tx.spare.msg.recording = true;
             } else {
-                self.st.trying = true;
+                self.st.tx.spare.msg.trying = true;
             }
             let r = self.finish_inner();
-            let recorded = self.st.recording;
-            self.st.recording = false;
-            self.st.trying = false;
+            let recorded = self.st.tx.spare.msg.recording;
+            self.st.tx.spare.msg.recording = false;
+            self.st.tx.spare.msg.trying = false;
             if let Err(e) = r {
                 return Poll::Ready(Err(self.end_failed(e)));
             }
@@ -1954,7 +1994,7 @@ impl<'c, 'b> Packer<'c, 'b> {
                 self.completed();
                 return Poll::Ready(self.delivered());
             }
-            self.st.planned = true;
+            self.st.tx.spare.msg.planned = true;
         }
         let st = &mut self.st;
         let rank = st.ch.rank;
@@ -2098,5 +2138,17 @@ impl<'c, 'b> SendPacker<'c, 'b> {
     /// As [`Packer`]'s method of the same name.
     pub fn end_packing(self) -> Result<()> {
         self.0.end_packing()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The handles stay a few words (their per-message state lives in the connection), so
+    /// moving one by value costs a few word copies (see `TxMsg`).
+    #[test]
+    fn handles_are_a_few_words() {
+        let w = std::mem::size_of::<usize>();
+        assert!(std::mem::size_of::<super::Packer<'_, '_>>() <= 5 * w);
+        assert!(std::mem::size_of::<crate::unpack::Unpacker<'_, '_>>() <= 11 * w);
     }
 }

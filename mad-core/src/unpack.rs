@@ -120,15 +120,15 @@ impl std::fmt::Debug for Unpacker<'_, '_> {
         f.debug_struct("Unpacker")
             .field("channel", &self.st.ch.config.name)
             .field("from", &self.st.remote)
-            .field("pieces", &self.st.index)
+            .field("pieces", &self.st.msg_ref().map_or(0, |m| m.index))
             .field(
                 "bytes",
                 &self.st.rx.as_deref().map_or(0, |rx| rx.spare.msg.bytes),
             )
             .field("gathered", &self.group.len())
             .field("later", &self.tail.len())
-            .field("checked", &self.st.checked)
-            .field("deferred", &self.st.recording)
+            .field("checked", &self.st.msg_ref().is_some_and(|m| m.checked))
+            .field("deferred", &self.st.msg_ref().is_some_and(|m| m.recording))
             .field("finished", &self.st.done)
             .finish_non_exhaustive()
     }
@@ -292,9 +292,10 @@ fn take_start(
     m
 }
 
-/// What a message counts and waits for, kept in the connection's receiving half (held by
-/// the unpacker) rather than in the `Unpacker`: an unpacker is copied whole by every return
-/// and every `.await` that hands it over, so the smaller the cheaper.
+/// What a message counts, waits for and its modes, kept in the connection's receiving half
+/// (held by the unpacker) rather than in the `Unpacker`: an unpacker is copied whole by every
+/// return and every `.await` that hands it over, so the smaller the cheaper, and a narrow
+/// store into it that such a copy reads wide stalls the copy (see `TxMsg`).
 #[derive(Default)]
 struct RxMsg {
     counts: [u32; MAX_TMS],
@@ -306,20 +307,11 @@ struct RxMsg {
     /// Deferred mode: the EXPRESS buffer of a pending `poll_unpack_express` (the steps
     /// recorded for it write there), as (address, length).
     express: Option<(usize, usize)>,
-}
-
-/// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
-/// if the message was not finished.
-struct UnpackState<'c> {
-    ch: &'c ChannelInner,
-    remote: usize,
-    rx: Option<HalfGuard<'c, RxState>>,
     /// The TM last read from and not checked out since.
     cur: TmId,
     /// The TM of the pending gather group (meaningful while the group is not empty).
     gtm: TmId,
     checked: bool,
-    done: bool,
     index: u32,
     /// Unchecked mode: the end frame was already taken, right after the last piece in the
     /// same lend (see `copy_out_framed`).
@@ -333,6 +325,16 @@ struct UnpackState<'c> {
     trying: bool,
     /// Deferred mode: the end of the message was recorded (`poll_end_unpacking`).
     ending: bool,
+}
+
+/// The part of an unpacker that holds the connection; its `Drop` poisons the receiving side
+/// if the message was not finished.
+struct UnpackState<'c> {
+    ch: &'c ChannelInner,
+    remote: usize,
+    rx: Option<HalfGuard<'c, RxState>>,
+    /// Finished (successfully or not): nothing left to abandon.
+    done: bool,
     /// A message of a virtual channel from a rank behind gateways, read from the transit
     /// connection this unpacker holds ([`crate::vchan`]): every piece comes as a descriptor
     /// and fragments ([`crate::vchan::fwd`]).
@@ -374,18 +376,24 @@ impl UnpackState<'_> {
         &mut self.rx().spare.msg
     }
 
+    /// The message's counts and modes while this state holds the connection.
+    #[inline]
+    fn msg_ref(&self) -> Option<&RxMsg> {
+        self.rx.as_deref().map(|rx| &rx.spare.msg)
+    }
+
     /// Mirror of the sender's `ensure`: check out the previous TM when the TM changes.
     #[inline]
     fn ensure(&mut self, tm: TmId) -> Result<()> {
-        if tm != self.cur {
-            if self.recording {
+        if tm != self.msg().cur {
+            if self.msg().recording {
                 // The steps check out when they run.
-                self.cur = tm;
+                self.msg().cur = tm;
                 return Ok(());
             }
-            let cur = self.cur;
+            let cur = self.msg().cur;
             self.rx().link.checkout(cur)?;
-            self.cur = tm;
+            self.msg().cur = tm;
         }
         Ok(())
     }
@@ -406,7 +414,8 @@ impl UnpackState<'_> {
 
     #[cold]
     fn frame_mismatch(&self, got: &[u8; wire::FRAME_LEN], want: wire::Frame) -> Error {
-        frame_mismatch(self.remote, self.index, got, want)
+        let index = self.msg_ref().map_or(0, |m| m.index);
+        frame_mismatch(self.remote, index, got, want)
     }
 
     /// Gather BMM: receive a group into `group`. In unchecked mode the sender's group frames
@@ -417,7 +426,7 @@ impl UnpackState<'_> {
     /// sender's last group carries the end frame. Returns whether the end frame was read.
     fn recv_group(&mut self, tm: TmId, group: &mut [IoSliceMut<'_>], at_end: bool) -> Result<bool> {
         if self.recording_now() {
-            let (checked, index) = (self.checked, self.index);
+            let (checked, index) = (self.msg().checked, self.msg().index);
             let plan = &mut self.rx().spare.plan;
             let a = plan.slices.len();
             plan.slices.extend(group.iter_mut().map(|s| RawMut::of(s)));
@@ -433,10 +442,10 @@ impl UnpackState<'_> {
                     index,
                 }
             });
-            self.cur = tm;
+            self.msg().cur = tm;
             return Ok(false);
         }
-        if self.checked {
+        if self.msg().checked {
             self.ensure(tm)?;
             self.recv_refs(tm, group)?;
             return Ok(false);
@@ -470,9 +479,8 @@ impl UnpackState<'_> {
                 })?;
             }
             if end {
-                self.expect_frame(wire::Frame::End {
-                    pieces: self.index as u64,
-                })?;
+                let pieces = self.msg().index as u64;
+                self.expect_frame(wire::Frame::End { pieces })?;
             }
             self.ensure(tm)?;
             self.recv_refs(tm, &mut group[done..done + count])?;
@@ -512,7 +520,7 @@ impl UnpackState<'_> {
         buf: &mut [u8],
         piece: bool,
     ) -> Result<()> {
-        if self.recording {
+        if self.msg().recording {
             return self.record_copy_out(tm, want, buf, piece);
         }
         self.copy_out_direct(tm, want, buf, piece)
@@ -527,7 +535,7 @@ impl UnpackState<'_> {
         buf: &mut [u8],
         piece: bool,
     ) -> Result<()> {
-        let index = self.index;
+        let index = self.msg().index;
         self.rx().spare.plan.ops.push(RxOp::Copy {
             tm,
             want,
@@ -535,7 +543,7 @@ impl UnpackState<'_> {
             end: piece.then_some(index),
             index,
         });
-        self.cur = tm;
+        self.msg().cur = tm;
         Ok(())
     }
 
@@ -553,7 +561,7 @@ impl UnpackState<'_> {
         let want_b = want.map(wire::encode_frame);
         let end = piece.then(|| {
             wire::encode_frame(wire::Frame::End {
-                pieces: self.index as u64,
+                pieces: self.msg().index as u64,
             })
         });
         let mut ended = false;
@@ -563,7 +571,7 @@ impl UnpackState<'_> {
             fb: [0; wire::FRAME_LEN],
         };
         let mut bad = false;
-        let (ch, deadline, trying) = (self.ch, self.msg().deadline, self.trying);
+        let (ch, deadline, trying) = (self.ch, self.msg().deadline, self.msg().trying);
         let remote = self.remote;
         let rx = self.rx();
         let mut off = 0;
@@ -625,7 +633,7 @@ impl UnpackState<'_> {
             self.rx().spare.plan.resume_at(framed, off);
             return Ok(());
         }
-        self.ended |= ended;
+        self.msg().ended |= ended;
         Ok(())
     }
 
@@ -633,20 +641,20 @@ impl UnpackState<'_> {
     /// current TM and end-frame state).
     #[cold]
     fn start_recording(&mut self) {
-        let (cur, ended) = (self.cur, self.ended);
+        let (cur, ended) = (self.msg().cur, self.msg().ended);
         self.rx().spare.plan.reset(cur, ended);
-        self.trying = false;
-        self.recording = true;
+        self.msg().trying = false;
+        self.msg().recording = true;
     }
 
     /// Deferred mode: the steps of any kind but a copy are recorded (a trying unpacker
     /// starts recording first).
     #[inline]
     fn recording_now(&mut self) -> bool {
-        if self.trying {
+        if self.msg().trying {
             self.start_recording();
         }
-        self.recording
+        self.msg().recording
     }
 
     /// The message header, after what a non-blocking start left in the connection. `block`:
@@ -723,21 +731,20 @@ impl Drop for UnpackState<'_> {
         if !self.done && self.fwd.is_some() {
             // Dropped in the middle of a forwarded message read directly: the transit
             // connection carries other messages after it, so the rest is read and dropped.
-            let st = UnpackState {
+            // (The message's counts and modes move with the connection's receiving half.)
+            let mut st = UnpackState {
                 ch: self.ch,
                 remote: self.remote,
                 rx: self.rx.take(),
-                cur: self.cur,
-                gtm: self.gtm,
-                checked: self.checked,
                 done: false,
-                index: self.index,
-                ended: self.ended,
-                recording: false,
-                trying: false,
-                ending: false,
                 fwd: self.fwd.take(),
             };
+            if let Some(rx) = st.rx.as_deref_mut() {
+                let msg = &mut rx.spare.msg;
+                msg.recording = false;
+                msg.trying = false;
+                msg.ending = false;
+            }
             self.done = true;
             let mut u: Unpacker<'_, 'static> = Unpacker {
                 st,
@@ -792,19 +799,19 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             ch,
             remote,
             rx: Some(rx),
-            cur: 0,
-            gtm: 0,
-            checked: false,
             done: false,
-            index: 0,
-            ended: false,
-            recording: false,
-            trying: false,
-            ending: false,
             fwd: None,
         };
         // Field by field, in place (see `Packer::started_on`).
         let msg = st.msg();
+        msg.cur = 0;
+        msg.gtm = 0;
+        msg.checked = false;
+        msg.index = 0;
+        msg.ended = false;
+        msg.recording = false;
+        msg.trying = false;
+        msg.ending = false;
         msg.counts.fill(0);
         msg.used = 0;
         msg.bytes = 0;
@@ -838,7 +845,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         });
         match r {
             Ok(Some(hdr)) => {
-                st.checked = hdr.checked;
+                st.msg().checked = hdr.checked;
                 // The connection's lists are lent at their first use (see `recycle`).
                 Ok(Some(Unpacker {
                     st,
@@ -906,13 +913,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     fn take_short(&mut self, buf: &mut [u8]) -> bool {
         let st = &mut self.st;
         let len = buf.len();
-        if st.checked
-            || st.done
-            || st.recording
-            || st.cur != 0
-            || st.fwd.is_some()
-            || !self.group.is_empty()
-            || len > st.ch.table.first_tm_max()
+        if st.done || st.fwd.is_some() || !self.group.is_empty() || len > st.ch.table.first_tm_max()
         {
             return false;
         }
@@ -920,6 +921,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return false;
         };
         let RxSpare { msg, staged, .. } = &mut rx.spare;
+        if msg.checked || msg.recording || msg.cur != 0 {
+            return false;
+        }
         let (at, end) = (staged.at, staged.len);
         if end - at < wire::FRAME_LEN + len
             || staged.buf[at..at + wire::FRAME_LEN]
@@ -933,15 +937,15 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         let data = at + wire::FRAME_LEN;
         crate::pack::copy_small(buf, &staged.buf[data..data + len]);
         let mut next = data + len;
-        st.index = st.index.wrapping_add(1);
+        msg.index = msg.index.wrapping_add(1);
         if end - next >= wire::FRAME_LEN
             && staged.buf[next..next + wire::FRAME_LEN]
                 == wire::encode_frame(wire::Frame::End {
-                    pieces: st.index as u64,
+                    pieces: msg.index as u64,
                 })
         {
             next += wire::FRAME_LEN;
-            st.ended = true;
+            msg.ended = true;
         }
         staged.at = next;
         msg.counts[0] += 1;
@@ -960,7 +964,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[inline(never)]
     fn recv_pending_group(&mut self) -> Result<()> {
-        let tm = self.st.gtm;
+        let tm = self.st.msg().gtm;
         self.st.recv_group(tm, &mut self.group, false)?;
         self.group.clear();
         Ok(())
@@ -970,7 +974,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     fn recv_copy(&mut self, tm: TmId, buf: &mut [u8]) -> Result<()> {
         self.flush_group()?;
-        if self.st.checked {
+        if self.st.msg().checked {
             self.st.ensure(tm)?;
             return self.st.copy_out(tm, buf);
         }
@@ -998,16 +1002,16 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     #[inline]
     fn descriptor(&mut self, len: usize, s: SendMode, r: RecvMode) -> Result<()> {
-        if self.st.checked {
+        if self.st.msg().checked {
             let expected = PieceOrEnd::Piece(PieceDesc {
-                index: self.st.index,
+                index: self.st.msg().index,
                 len: len as u64,
                 send: s,
                 recv: r,
             });
             self.check_desc(expected)?;
         }
-        self.st.index = self.st.index.wrapping_add(1);
+        self.st.msg().index = self.st.msg().index.wrapping_add(1);
         Ok(())
     }
 
@@ -1045,10 +1049,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         match self.st.ch.table.bmm(tm) {
             Bmm::Copy => self.recv_copy(tm, &mut buf),
             Bmm::Gather => {
-                if !self.group.is_empty() && self.st.gtm != tm {
+                if !self.group.is_empty() && self.st.msg().gtm != tm {
                     self.flush_group()?;
                 }
-                self.st.gtm = tm;
+                self.st.msg().gtm = tm;
                 self.st.rx().spare.group.lend_into(&mut self.group);
                 self.group.push(buf);
                 if s == SendMode::Safer || self.group.len() >= self.st.ch.table.max_group(tm) {
@@ -1067,7 +1071,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         match self.st.ch.table.bmm(tm) {
             Bmm::Copy => self.recv_copy(tm, buf),
             Bmm::Gather => {
-                if !self.group.is_empty() && self.st.gtm != tm {
+                if !self.group.is_empty() && self.st.msg().gtm != tm {
                     self.flush_group()?;
                 }
                 // The group ends with this piece (the sender flushed it after an EXPRESS piece).
@@ -1104,14 +1108,14 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline(always)]
     fn finish_inner(&mut self) -> Result<()> {
         self.alive()?;
-        if self.st.ended
-            && !self.st.checked
-            && !self.st.recording
+        if self.st.msg().ended
+            && !self.st.msg().checked
+            && !self.st.msg().recording
             && self.tail.is_empty()
             && self.group.is_empty()
         {
             // The common end: the end frame came with the last piece.
-            let cur = self.st.cur;
+            let cur = self.st.msg().cur;
             let rx = self.st.rx();
             rx.link.checkout(cur)?;
             return rx.link.end_message();
@@ -1122,10 +1126,9 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline(never)]
     fn finish_general(&mut self) -> Result<()> {
         // No flush here: the sender's last gather group may continue with tail pieces.
-        if self.st.checked {
-            self.check_desc(PieceOrEnd::End {
-                pieces: self.st.index,
-            })?;
+        if self.st.msg().checked {
+            let pieces = self.st.msg().index;
+            self.check_desc(PieceOrEnd::End { pieces })?;
         }
         if !self.tail.is_empty() {
             let mut tail = std::mem::take(&mut self.tail);
@@ -1134,51 +1137,51 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             }
             self.tail = tail; // (kept for the connection's next message)
         }
-        if self.st.checked {
+        if self.st.msg().checked {
             self.flush_group()?;
         } else {
             // Only a message whose end frame arrived is complete (see `pack.rs`); it comes
             // with the frames of a last gather group, or alone.
             let mut ended = false;
             if !self.group.is_empty() {
-                let tm = self.st.gtm;
+                let tm = self.st.msg().gtm;
                 ended = self.st.recv_group(tm, &mut self.group, true)?;
                 self.group.clear();
             }
-            if self.st.recording {
+            if self.st.msg().recording {
                 // Whether the end frame came already is known when the steps run.
-                let cur = self.st.cur;
+                let cur = self.st.msg().cur;
                 let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
                     cur
                 } else {
                     0
                 };
-                let pieces = self.st.index;
+                let pieces = self.st.msg().index;
                 self.st
                     .rx()
                     .spare
                     .plan
                     .ops
                     .push(RxOp::EndFrame { tm, pieces });
-            } else if !ended && !self.st.ended {
+            } else if !ended && !self.st.msg().ended {
                 // In the Copy TM of the last piece (the sender's is the same: every frame
                 // before agreed), else in TM 0.
-                let cur = self.st.cur;
+                let cur = self.st.msg().cur;
                 let tm = if self.st.ch.table.bmm(cur) == Bmm::Copy {
                     cur
                 } else {
                     self.st.ensure(0)?;
                     0
                 };
-                let pieces = self.st.index as u64;
+                let pieces = self.st.msg().index as u64;
                 self.st.expect_frame_in(tm, wire::Frame::End { pieces })?;
             }
         }
-        if self.st.recording {
+        if self.st.msg().recording {
             self.st.rx().spare.plan.ops.push(RxOp::Finish);
             return Ok(());
         }
-        let cur = self.st.cur;
+        let cur = self.st.msg().cur;
         let rx = self.st.rx();
         rx.link.checkout(cur)?;
         rx.link.end_message()
@@ -1201,7 +1204,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Whether the sender packed this message in checked mode.
     pub fn is_checked(&self) -> bool {
-        self.st.checked
+        self.st.msg_ref().is_some_and(|m| m.checked)
     }
 
     /// Unpack into `buf` in receive mode **CHEAPER**: `buf` is filled at the latest by
@@ -1268,7 +1271,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return self.fwd_piece(buf, s, RecvMode::Express);
         }
         let mut res = self.unpack_express_inner(buf, s);
-        if res.is_ok() && self.st.recording {
+        if res.is_ok() && self.st.msg().recording {
             res = self.run_blocking();
         }
         self.check(res)
@@ -1365,7 +1368,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return self.fwd_end();
         }
         let mut r = self.finish_inner();
-        if r.is_ok() && self.st.recording {
+        if r.is_ok() && self.st.msg().recording {
             r = self.run_blocking();
         }
         match r {
@@ -1418,8 +1421,8 @@ impl<'c, 'b> Unpacker<'c, 'b> {
     #[inline]
     pub fn defer(&mut self) {
         // A forwarded message read directly is received as the calls come.
-        if !self.st.recording && self.st.fwd.is_none() {
-            self.st.trying = true;
+        if !self.st.msg().recording && self.st.fwd.is_none() {
+            self.st.msg().trying = true;
         }
         if let Some(rx) = self.st.rx.as_deref_mut() {
             rx.set_nonblocking(true);
@@ -1433,10 +1436,10 @@ impl<'c, 'b> Unpacker<'c, 'b> {
         plan.drained();
         let (cur, ended) = (plan.cur, plan.ended);
         let st = &mut self.st;
-        st.cur = cur;
-        st.ended = ended;
-        st.recording = false;
-        st.trying = true;
+        st.msg().cur = cur;
+        st.msg().ended = ended;
+        st.msg().recording = false;
+        st.msg().trying = true;
     }
 
     /// Run the recorded steps, waiting as the progress policy says.
@@ -1450,7 +1453,7 @@ impl<'c, 'b> Unpacker<'c, 'b> {
 
     /// Run the recorded steps until one is pending; fail at the deadline or on a closed channel.
     fn run_polled(&mut self) -> Result<Poll<()>> {
-        if !self.st.recording {
+        if !self.st.msg().recording {
             // Every step so far was made directly.
             return Ok(Poll::Ready(()));
         }
@@ -1540,11 +1543,11 @@ impl<'c, 'b> Unpacker<'c, 'b> {
             return Poll::Ready(Err(self.end_failed(e)));
         }
         self.defer();
-        if !self.st.ending {
+        if !self.st.msg().ending {
             if let Err(e) = self.finish_inner() {
                 return Poll::Ready(Err(self.end_failed(e)));
             }
-            self.st.ending = true;
+            self.st.msg().ending = true;
         }
         match self.run_polled() {
             Ok(Poll::Ready(())) => {
