@@ -113,6 +113,8 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("TUNE_BUDGET_MS", "benches/tune.rs: time budget per point (ms)"),
     ("TUNE_ADAPTIVE_EXTRA", "benches/tune.rs: options appended to the tuned and built-in variants (a wrong table the verdict must catch)"),
     ("VCHAN_ROUNDS", "benches/vchan.rs: rounds of the virtual-channel comparison (default 7)"),
+    ("VCHAN_ONLY", "benches/vchan.rs: run only the variants whose name contains this text"),
+    ("VCHAN_PHASE", "benches/vchan.rs: `lat` or `bw`, only that phase (default both)"),
     ("TUNE_OPENS", "benches/tune.rs: opens timed per kind (calibration, untuned, cached)"),
     ("MPI_CALLS_RUNS", "mad-mpi mpi_calls example: runs"),
     ("MPI_CALLS_ITERS", "mad-mpi mpi_calls example: iterations per run"),
