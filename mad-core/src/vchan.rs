@@ -1634,6 +1634,7 @@ mod stream_tests {
     /// take one in a pause (and pass it through the relay). Large pieces (beyond one fragment,
     /// not a multiple of it) arrive whole and in order.
     #[test]
+    #[cfg_attr(miri, ignore = "timed pauses and 120 MiB of messages: not under Miri")]
     fn a_stream_read_directly_stays_off_the_relay() {
         const N: u64 = 120;
         let len = |i: u64| (i as usize % 3) * (super::fwd::FRAGMENT + 4097);
