@@ -2041,6 +2041,8 @@ impl Endpoint {
                 let now = ep.inner.completed.load(Ordering::Acquire);
                 seen.replace(now) != Some(now) && ep.is_done(token)
             });
+            // From here (`release` still receives), the reply goes through the call table.
+            poller.mine = None;
             if let Some(got) = poller.got.take() {
                 lock(&inner.state).calls.remove(&token);
                 poller.release();
