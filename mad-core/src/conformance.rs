@@ -8,7 +8,11 @@
 //! Cases (each skips itself when the session or the driver cannot run it):
 //! `sizes` (0, 1, 7, every TM threshold ±1, 1 MiB; 64 MiB with `big`), `modes` (every send ×
 //! receive mode), `later`, `safer_reuse`, `many_pieces`, `unaligned`, `figure1`, `later_express`,
-//! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces, every other one under `Packer::flush_at_end`), `in_flight`,
+//! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces, every other one under `Packer::flush_at_end`),
+//! `ping_pong_mix` (round trips of messages from 0 B to 300 KiB in an order that crosses
+//! every staging and buffer bound both ways, with bursts between them, over 16 MiB each way:
+//! a driver that reuses or skips buffer space between messages when it is idle must never
+//! hand out stale or skipped bytes), `in_flight`,
 //! `flush` (a sender that waits for its receiver's answer in the middle of a message, after
 //! `Packer::flush`), `any_source`, `idle_wait` (an any-source receiver waiting for a late
 //! sender, with a third peer closed, sleeps instead of spinning: its thread's CPU time stays
@@ -102,6 +106,7 @@ const CASES: &[(&str, Case)] = &[
     ("unaligned", case_unaligned),
     ("figure1", case_figure1),
     ("random", case_random),
+    ("ping_pong_mix", case_ping_pong_mix),
     ("in_flight", case_in_flight),
     ("flush", case_flush),
     ("any_source", case_any_source),
@@ -711,6 +716,99 @@ fn case_random(c: &Ctx<'_>) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// One message of two pieces: an EXPRESS length and a CHEAPER body of `len` bytes. The
+/// body is SAFER when short (staged with its header) and CHEAPER otherwise.
+fn send_mix(ch: &Channel, to: usize, tag: u64, len: usize) -> Result<()> {
+    let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
+    let mut p = ch.begin_packing(to)?;
+    p.pack_value(&(len as u64), RecvMode::Express)?;
+    let s = if len <= 4096 {
+        SendMode::Safer
+    } else {
+        SendMode::Cheaper
+    };
+    send_piece(&mut p, &body, s, RecvMode::Cheaper, None)?;
+    p.end_packing()
+}
+
+fn recv_mix(ch: &Channel, from: usize, tag: u64, want: usize, what: &str) -> Result<()> {
+    let mut u = ch.begin_unpacking_from(from)?;
+    let n: u64 = u.unpack_value()?;
+    if n != want as u64 {
+        return Err(fail(format!("{what}: length {n}, expected {want}")));
+    }
+    let mut body = vec![0u8; want];
+    let s = if want <= 4096 {
+        SendMode::Safer
+    } else {
+        SendMode::Cheaper
+    };
+    u.unpack(&mut body, s)?;
+    u.end_unpacking()?;
+    check(tag, &body, what)
+}
+
+fn case_ping_pong_mix(c: &Ctx<'_>) -> Result<()> {
+    if c.size() < 2 {
+        return Ok(());
+    }
+    let ch = c.open("", "")?;
+    if c.rank() > 1 {
+        return Ok(());
+    }
+    let peer = 1 - c.rank();
+    // Short after short (a ring writer may go back to the start of its buffer), long after
+    // short and short after long, sizes around 2, 4, 8 and 64 KiB, empty bodies.
+    const SIZES: [usize; 14] = [
+        8, 3000, 0, 4100, 9000, 1, 20_000, 2047, 70_000, 5000, 300_000, 16, 4096, 65_536,
+    ];
+    let mut sent = 0usize;
+    let mut round = 0u64;
+    while sent < 16 << 20 {
+        let len = SIZES[round as usize % SIZES.len()];
+        let back = SIZES[(round as usize * 5 + 3) % SIZES.len()];
+        let tag = 0x9090_0000 + round * 2;
+        let what = format!("ping-pong round {round}");
+        if c.rank() == 0 {
+            send_mix(&ch, peer, tag, len)?;
+            recv_mix(&ch, peer, tag + 1, back, &what)?;
+        } else {
+            recv_mix(&ch, peer, tag, len, &what)?;
+            send_mix(&ch, peer, tag + 1, back)?;
+        }
+        sent += len.max(1);
+        if round % 50 == 49 {
+            // A burst each way in turn: the writer is ahead of its reader for a while.
+            for k in 0..24u64 {
+                let n = SIZES[(round + k) as usize % SIZES.len()];
+                let t = 0x9191_0000 + round * 100 + k;
+                if c.rank() == 0 {
+                    send_mix(&ch, peer, t, n)?;
+                } else {
+                    recv_mix(&ch, peer, t, n, &format!("burst after round {round}, {k}"))?;
+                }
+            }
+            for k in 0..24u64 {
+                let n = SIZES[(round + 2 * k) as usize % SIZES.len()];
+                let t = 0x9292_0000 + round * 100 + k;
+                if c.rank() == 1 {
+                    send_mix(&ch, peer, t, n)?;
+                } else {
+                    recv_mix(
+                        &ch,
+                        peer,
+                        t,
+                        n,
+                        &format!("burst back after round {round}, {k}"),
+                    )?;
+                }
+            }
+        }
+        round += 1;
     }
     Ok(())
 }

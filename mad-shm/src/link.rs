@@ -469,6 +469,7 @@ impl TxLink for ShmTx {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         self.msg_start = self.prod.published();
+        self.prod.rewind_if_idle();
         Ok(())
     }
 

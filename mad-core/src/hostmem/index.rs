@@ -40,6 +40,16 @@ pub fn split(at: u64, len: usize, cap: u64) -> ((usize, usize), (usize, usize)) 
     ((pos, first), (0, len - first))
 }
 
+/// Where a writer that jumps from `at` to the start of the ring's next lap resumes: `at`
+/// rounded up to a multiple of `cap` (`at` itself on a lap boundary); `None` on overflow.
+/// A writer does it, at a message boundary with the ring empty, to keep short messages in the
+/// first bytes of the data area, which stay in both processors' caches; the reader learns the
+/// jump from the position the writer publishes beside its head.
+#[inline]
+pub fn next_lap(at: u64, cap: u64) -> Option<u64> {
+    at.checked_add(cap - 1).map(|x| x & !(cap - 1))
+}
+
 /// Whether `cap` is a usable ring capacity (a power of two, at least 4 KiB).
 pub fn valid_cap(cap: usize) -> bool {
     cap.is_power_of_two() && cap >= 4096
@@ -62,6 +72,10 @@ mod tests {
         assert_eq!(data_run(u64::MAX - 5, u64::MAX - 10, cap), Some((4085, 5)));
         assert_eq!(split(4090, 10, cap), ((4090, 6), (0, 4)));
         assert_eq!(split(4090, 6, cap), ((4090, 6), (0, 0)));
+        assert_eq!(next_lap(4096, cap), Some(4096));
+        assert_eq!(next_lap(4097, cap), Some(8192));
+        assert_eq!(next_lap(0, cap), Some(0));
+        assert_eq!(next_lap(u64::MAX - 5, cap), None);
         assert!(valid_cap(4096));
         assert!(!valid_cap(3000));
         assert!(!valid_cap(2048));
