@@ -55,22 +55,9 @@ pub mod layout {
 /// with mad-sisci's ring TM; re-exported here).
 pub use mad_core::hostmem::index;
 
-/// A writer at least this far into a lap, at a message boundary, with the ring empty and
-/// after a message of at most [`JUMP_AFTER`] bytes, starts the message at the beginning of the
-/// next lap: a ping-pong of short messages then reuses the first few KiB of the data area,
-/// which stay in both processors' caches, instead of walking the whole ring, each line of it
-/// a miss on both sides. Measured with the driver alone (`mad-bench --drivers shm`, one-way):
-/// 512 B 0.23 → 0.17 µs, 1 KiB 0.31 → 0.20, 4 KiB 0.70 → 0.48 (2026-11-28, AMD EPYC VM).
-/// Streams, which keep the ring non-empty, still use all of it.
-pub const REWIND_AT: u64 = 4 << 10;
-
-/// Longest previous message after which the writer jumps back (see [`REWIND_AT`]): from 16 KiB
-/// up, rewriting lines the reader still holds costs more than walking (one-way 16 KiB 1.3 →
-/// 2.3 µs when every message jumped).
-pub const JUMP_AFTER: u64 = 8 << 10;
-
-/// Rings smaller than this never jump (they stay in cache anyway).
-const REWIND_MIN_CAP: u64 = 4 * REWIND_AT;
+/// The rules of going back to the start of the ring when idle (mad-core's
+/// `hostmem::rewind`, shared with mad-sisci's ring TM).
+pub use mad_core::hostmem::rewind::{self, Rewind, JUMP_AFTER, REWIND_AT};
 
 /// The offsets broke the ring invariants: the peer is corrupt or hostile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,7 +121,7 @@ impl RingView {
     }
     /// Whether this ring is large enough for the writer to jump back to its start.
     fn rewinds(&self) -> bool {
-        self.cap >= REWIND_MIN_CAP
+        self.cap >= rewind::MIN_CAP
     }
     /// Writer-closed flag.
     pub fn writer_closed(&self) -> &AtomicU32 {
@@ -197,14 +184,8 @@ pub struct Producer {
     head: u64,
     published: u64,
     tail_cache: u64,
-    /// The unpublished jump to the next lap: where it started.
-    jumped_from: Option<u64>,
-    /// No jump is tried before this offset (after one found the ring busy).
-    next_try: u64,
-    /// Where the current message started (see [`rewind_if_idle`](Self::rewind_if_idle)).
-    msg_start: u64,
-    /// Jumps published.
-    jumps: u64,
+    /// Going back to the start when idle.
+    rewind: Rewind,
 }
 
 impl Producer {
@@ -217,10 +198,7 @@ impl Producer {
             head,
             published: head,
             tail_cache: tail,
-            jumped_from: None,
-            next_try: 0,
-            msg_start: head,
-            jumps: 0,
+            rewind: Rewind::new(head),
         }
     }
 
@@ -229,27 +207,15 @@ impl Producer {
     /// continue at the start of the next lap (published with the message's first bytes).
     /// Costs a load of the reader's offset at most once per [`REWIND_AT`] bytes written.
     pub fn rewind_if_idle(&mut self) {
-        let cap = self.v.cap;
-        let last = self.head.saturating_sub(self.msg_start);
-        self.msg_start = self.head;
-        if !self.v.rewinds()
-            || self.head != self.published
-            || self.head & (cap - 1) < REWIND_AT
-            || self.head < self.next_try
-            || last > JUMP_AFTER
-        {
-            return;
-        }
-        self.tail_cache = self.v.tail().load(Ordering::Acquire).max(self.tail_cache);
-        match index::next_lap(self.head, cap) {
-            Some(to) if self.tail_cache == self.head => {
-                self.jumped_from = Some(self.head);
-                self.head = to;
-                self.msg_start = to;
-                // The reader never reads the bytes jumped over: the whole ring is free.
-                self.tail_cache = to;
-            }
-            _ => self.next_try = self.head.saturating_add(REWIND_AT),
+        let (v, tail_cache) = (&self.v, &mut self.tail_cache);
+        let settled = self.head == self.published;
+        if let Some(to) = self.rewind.at_message_start(self.head, settled, v.cap, || {
+            *tail_cache = v.tail().load(Ordering::Acquire).max(*tail_cache);
+            *tail_cache
+        }) {
+            self.head = to;
+            // The reader never reads the bytes jumped over: the whole ring is free.
+            self.tail_cache = self.rewind.floor(self.tail_cache);
         }
     }
 
@@ -281,7 +247,7 @@ impl Producer {
             index::used(self.head, self.tail_cache, cap).ok_or(bad(self.head, self.tail_cache))?;
         if cap - u < need {
             // After a jump our cached offset is ahead of the reader's until it follows.
-            self.tail_cache = self.v.tail().load(Ordering::Acquire).max(self.tail_cache);
+            self.tail_cache = self.rewind.floor(self.v.tail().load(Ordering::Acquire));
             u = index::used(self.head, self.tail_cache, cap)
                 .ok_or(bad(self.head, self.tail_cache))?;
         }
@@ -349,14 +315,12 @@ impl Producer {
         if self.head == self.published {
             return false;
         }
-        if let Some(from) = self.jumped_from {
-            if index::next_lap(from, self.v.cap) == Some(self.head) {
-                // Nothing written after the jump yet: a reader would see an empty lap.
-                return false;
+        match self.rewind.publish(self.head, self.v.cap) {
+            rewind::Publish::Head => {}
+            rewind::Publish::Hold => return false,
+            rewind::Publish::JumpThenHead(from) => {
+                self.v.rewound_at().store(from, Ordering::Relaxed);
             }
-            self.v.rewound_at().store(from, Ordering::Relaxed);
-            self.jumped_from = None;
-            self.jumps += 1;
         }
         self.v.head().store(self.head, Ordering::Release);
         self.published = self.head;
@@ -366,14 +330,13 @@ impl Producer {
     /// Forget unpublished bytes (abort of a message nothing of which was published).
     pub fn discard_unpublished(&mut self) {
         self.head = self.published;
-        if self.jumped_from.take().is_some() {
-            self.tail_cache = self.published;
-        }
+        self.rewind.discard(self.published);
+        self.tail_cache = self.tail_cache.min(self.published);
     }
 
     /// How many jumps to a new lap were published (see [`rewind_if_idle`](Self::rewind_if_idle)).
     pub fn jumps(&self) -> u64 {
-        self.jumps
+        self.rewind.jumps()
     }
 
     /// Offset published last.
@@ -413,25 +376,18 @@ impl Consumer {
     /// After a fresh load of the head: learn of a jump of the writer's in `[tail, head)`, and
     /// follow it at once if it is at `tail`.
     fn see_jump(&mut self) -> Result<(), Corrupt> {
-        let cap = self.v.cap;
         // Ordered after the Acquire load of the head, which the writer stores after this.
         let at = self.v.rewound_at().load(Ordering::Relaxed);
-        if at < self.tail || at >= self.head_cache || at & (cap - 1) == 0 {
-            // Not ahead of us (one we followed already), not covered by the head yet, or none.
-            return Ok(());
-        }
-        let bad = Corrupt {
-            head: self.head_cache,
-            tail: self.tail,
-        };
-        let to = index::next_lap(at, cap).ok_or(bad)?;
-        if to > self.head_cache {
-            return Err(bad);
-        }
-        if at == self.tail {
-            self.tail = to;
-        } else {
-            self.jump_at = Some(at);
+        match rewind::jump_ahead(at, self.tail, self.head_cache, self.v.cap) {
+            Ok(None) => {}
+            Ok(Some((at, to))) if at == self.tail => self.tail = to,
+            Ok(Some((at, _))) => self.jump_at = Some(at),
+            Err(()) => {
+                return Err(Corrupt {
+                    head: self.head_cache,
+                    tail: self.tail,
+                })
+            }
         }
         Ok(())
     }
@@ -664,13 +620,13 @@ mod tests {
             assert_eq!(get(&mut c), Some((1000, 1)));
         }
         // (The stream's failed tries put off the next one by REWIND_AT.)
-        p.next_try = 0;
+        p.rewind = Rewind::new(p.position());
         p.rewind_if_idle();
         assert_eq!(p.position() & (cap as u64 - 1), 0, "jumped");
         assert!(!p.publish(), "a jump alone is not published");
         p.discard_unpublished();
         assert_ne!(p.position() & (cap as u64 - 1), 0, "the jump was discarded");
-        p.next_try = 0;
+        p.rewind = Rewind::new(p.position());
         assert!(p.write_all(&[0, 0, 0, 0, 0]).unwrap());
         p.publish();
         assert_eq!(get(&mut c), Some((0, 0)));

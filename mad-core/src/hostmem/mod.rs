@@ -11,6 +11,7 @@
 //! | [`Bell`] | sleep and wake across processes on a futex word and its sleeper count |
 //! | [`PeerWatch`], [`Liveness`], [`DeathCheck`] | peer death by pidfd, at a bounded rate; "reported once" for any-source |
 //! | [`index`] | SPSC ring index arithmetic over monotonic offsets, hostile values rejected |
+//! | [`rewind`] | an idle ring writer going back to the start of its data area, so that short messages stay in cache: both sides' rules |
 //! | [`Endpoint`], [`Readiness`], [`Signal`], [`PeerReadiness`], [`vote`] | readiness descriptors for event loops, built and agreed on at open the same way by both drivers: abstract datagram sockets and peers' pidfds in an epoll set, signalled by writers only while armed ([`ready`]) |
 //! | [`sys`] | every unsafe foreign call and raw-memory access of the module (`mmap`, futex, `kill`, `pidfd_open`, `poll`; [`ready`]'s sockets and epoll use nix's safe wrappers) |
 //!
@@ -20,6 +21,7 @@
 pub mod bell;
 pub mod index;
 pub mod ready;
+pub mod rewind;
 pub mod segment;
 pub mod sys;
 pub mod watch;
