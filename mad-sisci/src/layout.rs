@@ -40,6 +40,9 @@ pub const CTL: usize = 4096;
 pub mod ctl {
     /// Ring write offset (u64).
     pub const HEAD: usize = 0;
+    /// Where the writer last went back to the start of the ring (u64, a write offset; stored
+    /// before the `HEAD` that covers it, same line: mad-core's `hostmem::rewind`).
+    pub const REWOUND_AT: usize = 8;
     /// Writer closed (u32).
     pub const W_CLOSED: usize = 64;
     /// Slots consumed (u64).
@@ -73,7 +76,7 @@ pub mod hdr {
 /// Magic opening every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MADSCI01");
 /// Layout version.
-pub const VERSION: u64 = 2;
+pub const VERSION: u64 = 3;
 
 fn round_page(x: usize) -> Option<usize> {
     x.checked_add(4095).map(|v| v & !4095)

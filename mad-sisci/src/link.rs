@@ -15,6 +15,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{AbortOutcome, Armed, Incoming, LinkPair, RxLink, TmId, TxLink};
+use mad_core::hostmem::rewind::{self, Publish, Rewind};
 use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Readiness, Region};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
@@ -128,6 +129,8 @@ pub struct SciTx<F: Fabric> {
     slot_ack: u64,
     head: u64,
     ring_ack: u64,
+    /// Going back to the start of the ring when it is idle (mad-core's `hostmem::rewind`).
+    rewind: Rewind,
     chunk_pos: u64,
     dma_ack: u64,
     cursor: Option<(usize, usize)>,
@@ -172,6 +175,7 @@ impl<F: Fabric> SciTx<F> {
             slot_ack: 0,
             head: 0,
             ring_ack: 0,
+            rewind: Rewind::new(0),
             chunk_pos: 0,
             dma_ack: 0,
             cursor: None,
@@ -318,11 +322,12 @@ impl<F: Fabric> SciTx<F> {
 
     fn send_ring(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<Poll<()>> {
         let cap = self.e.geom.ring as u64;
-        let mut run = index::free_run(self.head, self.ring_ack, cap)
+        // After a jump to a new lap, the bytes jumped over count as read (the reader skips them).
+        let mut run = index::free_run(self.head, self.rewind.floor(self.ring_ack), cap)
             .ok_or_else(|| bad_ack(self.peer, "ring"))?;
         if run.1 == 0 {
             self.ring_ack = w64(&self.e.local, ctl::RING_ACK).load(Ordering::Acquire);
-            run = index::free_run(self.head, self.ring_ack, cap)
+            run = index::free_run(self.head, self.rewind.floor(self.ring_ack), cap)
                 .ok_or_else(|| bad_ack(self.peer, "ring"))?;
             if run.1 == 0 {
                 return self.pending(Blocked::Ring);
@@ -335,6 +340,10 @@ impl<F: Fabric> SciTx<F> {
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
             self.head += n as u64;
+            if let Publish::JumpThenHead(from) = self.rewind.publish(self.head, cap) {
+                // Ordered before the head by the publish's store barrier.
+                w64(&self.e.remote, ctl::REWOUND_AT).store(from, Ordering::Relaxed);
+            }
             self.wire.publish(w64(&self.e.remote, ctl::HEAD), self.head);
             self.used = true;
             self.wire.wake_reader();
@@ -413,6 +422,15 @@ impl<F: Fabric> TxLink for SciTx<F> {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         self.used = false;
+        // Every ring lend is published at once, so the head is always settled.
+        let cap = self.e.geom.ring as u64;
+        let (local, ring_ack) = (&self.e.local, &mut self.ring_ack);
+        if let Some(to) = self.rewind.at_message_start(self.head, true, cap, || {
+            *ring_ack = w64(local, ctl::RING_ACK).load(Ordering::Acquire);
+            *ring_ack
+        }) {
+            self.head = to;
+        }
         Ok(())
     }
 
@@ -687,9 +705,19 @@ impl<F: Fabric> SciRx<F> {
     }
 
     fn recv_ring(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
-        let head = w64(&self.e.local, ctl::HEAD).load(Ordering::Acquire);
-        let (pos, run) = index::data_run(head, self.tail, self.e.geom.ring as u64)
-            .ok_or_else(|| self.corrupt("ring offset"))?;
+        let cap = self.e.geom.ring as u64;
+        let mut head = w64(&self.e.local, ctl::HEAD).load(Ordering::Acquire);
+        // A jump of the writer's to the start of the ring (see mad-core's `hostmem::rewind`):
+        // followed when reached, data ends there before.
+        let at = w64(&self.e.local, ctl::REWOUND_AT).load(Ordering::Relaxed);
+        match rewind::jump_ahead(at, self.tail, head, cap) {
+            Ok(None) => {}
+            Ok(Some((at, to))) if at == self.tail => self.tail = to,
+            Ok(Some((at, _))) => head = at,
+            Err(()) => return Err(self.corrupt("ring jump")),
+        }
+        let (pos, run) =
+            index::data_run(head, self.tail, cap).ok_or_else(|| self.corrupt("ring offset"))?;
         if run == 0 {
             return self.pending(Blocked::Ring);
         }

@@ -18,10 +18,12 @@ use super::index;
 /// How far into its lap a writer must be before it goes back to the start (bytes).
 pub const REWIND_AT: u64 = 4 << 10;
 
-/// Longest previous message after which the writer goes back: from 16 KiB up, rewriting
+/// Longest previous message after which the writer goes back. From 16 KiB up, rewriting
 /// lines the reader still holds costs more than walking on (one-way 16 KiB 1.3 → 2.3 µs on
-/// mad-shm when every message went back).
-pub const JUMP_AFTER: u64 = 8 << 10;
+/// mad-shm when every message went back); at 8 KiB sisci:local lost 5–10 % and mad-shm's
+/// driver gained about as much; at 2–4 KiB both gain (sisci:local one-way 2 KiB 0.57–0.78 →
+/// 0.48–0.57 µs, 4 KiB 0.85–1.14 → 0.72–0.83).
+pub const JUMP_AFTER: u64 = 6 << 10;
 
 /// Rings smaller than this never go back (they stay in cache anyway).
 pub const MIN_CAP: u64 = 4 * REWIND_AT;
@@ -167,7 +169,11 @@ mod tests {
         // Far enough, idle, the last message short: back to the next lap.
         assert_eq!(r.at_message_start(5000, true, CAP, || 5000), Some(CAP));
         assert_eq!(r.floor(5000), CAP);
-        assert_eq!(r.publish(CAP, CAP), Publish::Hold, "nothing after the jump yet");
+        assert_eq!(
+            r.publish(CAP, CAP),
+            Publish::Hold,
+            "nothing after the jump yet"
+        );
         assert_eq!(r.publish(CAP + 10, CAP), Publish::JumpThenHead(5000));
         assert_eq!(r.publish(CAP + 20, CAP), Publish::Head);
         assert_eq!(r.jumps(), 1);
