@@ -141,8 +141,12 @@ impl Rewind {
 /// The reader's side: with its offset `tail`, a freshly loaded `head` and the "rewound at"
 /// word `at` (loaded after the head), `Ok(Some((at, to)))` when the writer jumped from `at`
 /// (at or ahead of `tail`, before `head`) to `to`: data ends at `at` and resumes at `to`.
-/// `Ok(None)`: no jump ahead (none, or one followed already). `Err(())`: a jump past the
-/// head, which no honest writer publishes.
+/// `Ok(None)`: no jump ahead (none, or one followed already).
+///
+/// # Errors
+///
+/// `Err(())` for a jump past the head, which no honest writer publishes (the caller reports
+/// its peer as corrupt or hostile).
 #[inline]
 #[allow(clippy::result_unit_err)]
 pub fn jump_ahead(at: u64, tail: u64, head: u64, cap: u64) -> Result<Option<(u64, u64)>, ()> {
