@@ -9,7 +9,7 @@
 //! whose reader has consumed everything, continues at the start of the next lap. It stores the
 //! offset it left ("rewound at") in a word beside its head before the Release store of the
 //! head that covers the message; the reader, after loading the head, reads that word and skips
-//! to the next lap when it reaches the offset ([`reader_limit`]). A stream, which keeps the
+//! to the next lap when it reaches the offset ([`jump_ahead`]). A stream, which keeps the
 //! ring non-empty, still walks all of it. The writer counts the skipped bytes as free at once
 //! (the reader never reads them): its view of the reader's offset is [`Rewind::floor`] or more.
 
