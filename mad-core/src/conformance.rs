@@ -10,7 +10,7 @@
 //! receive mode), `later`, `safer_reuse`, `many_pieces`, `unaligned`, `figure1`, `later_express`,
 //! `empty`, `random` (seeded replay of 8–15 messages of 8–15 pieces, every other one under `Packer::flush_at_end`),
 //! `ping_pong_mix` (round trips of messages from 0 B to 300 KiB in an order that crosses
-//! every staging and buffer bound both ways, with bursts between them, over 16 MiB each way:
+//! every staging and buffer bound both ways, with bursts between them, over 8 MiB each way:
 //! a driver that reuses or skips buffer space between messages when it is idle must never
 //! hand out stale or skipped bytes), `in_flight`,
 //! `flush` (a sender that waits for its receiver's answer in the middle of a message, after
@@ -768,7 +768,7 @@ fn case_ping_pong_mix(c: &Ctx<'_>) -> Result<()> {
     ];
     let mut sent = 0usize;
     let mut round = 0u64;
-    while sent < 16 << 20 {
+    while sent < 8 << 20 {
         let len = SIZES[round as usize % SIZES.len()];
         let back = SIZES[(round as usize * 5 + 3) % SIZES.len()];
         let tag = 0x9090_0000 + round * 2;

@@ -577,11 +577,16 @@ mod tests {
 
     #[test]
     fn idle_writer_jumps_back_to_the_start() {
-        let cap = 1 << 20;
+        // (Smaller under miri, still several laps.)
+        let (cap, rounds, stream) = if cfg!(miri) {
+            (rewind::MIN_CAP as usize, 40, 10)
+        } else {
+            (1 << 20, 5000, 200)
+        };
         let (mut p, mut c) = pair(cap);
         // Ping-pong: the ring is empty at every message start, so the data stays in the first
         // REWIND_AT bytes (plus one message) of every lap.
-        for k in 0..5000usize {
+        for k in 0..rounds {
             let len = [8, 1000, 4000, 0, 333][k % 5];
             let at = p.position() & (cap as u64 - 1);
             assert!(put(&mut p, len, k as u8));
@@ -601,16 +606,16 @@ mod tests {
         let start = p.position();
         assert!(put(&mut p, 1000, 0));
         p.publish();
-        for k in 1..200usize {
+        for k in 1..stream {
             assert!(put(&mut p, 1000, k as u8));
             p.publish();
         }
         assert_eq!(
             p.position() - start,
-            200 * 1005,
+            stream as u64 * 1005,
             "no jump while the ring holds data"
         );
-        for k in 0..200usize {
+        for k in 0..stream {
             assert_eq!(get(&mut c), Some((1000, k as u8)));
         }
         // An aborted message after a jump leaves no trace: the next one is read whole.
@@ -648,9 +653,13 @@ mod tests {
 
     #[test]
     fn jumps_under_threads() {
-        let cap = 1 << 16;
+        let cap = if cfg!(miri) {
+            rewind::MIN_CAP as usize
+        } else {
+            1 << 16
+        };
         let (mut p, mut c) = pair(cap);
-        let n: usize = if cfg!(miri) { 300 } else { 200_000 };
+        let (n, pause): (usize, usize) = if cfg!(miri) { (30, 2) } else { (200_000, 64) };
         let t = std::thread::spawn(move || {
             for k in 0..n {
                 // Bursts and pauses: the ring is sometimes empty at a message start.
@@ -661,7 +670,7 @@ mod tests {
                 if k % 3 != 0 {
                     p.publish();
                 }
-                if k % 64 == 0 {
+                if k % pause == 0 {
                     // A pause: the reader catches up, and the next message may jump.
                     p.publish();
                     while p.view().tail().load(Ordering::Acquire) < p.position() {
