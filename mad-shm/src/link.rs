@@ -222,6 +222,8 @@ pub struct ShmTx {
     /// When the last `cma` group to the peer completed, and the peer's received-message count
     /// then ([`CmaUse::BackToBack`]).
     last_group: Option<(Instant, u64)>,
+    /// Messages received from the peer at the last message start (see `begin_message`).
+    rx_at_start: u64,
     gather: TxGather,
     cma_posted: u64,
     msg_start: u64,
@@ -273,6 +275,7 @@ impl ShmTx {
             path,
             cma_use: CmaUse::Always,
             last_group: None,
+            rx_at_start: 0,
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
@@ -469,7 +472,11 @@ impl TxLink for ShmTx {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         self.msg_start = self.prod.published();
-        self.prod.rewind_if_idle();
+        // Going back to the ring's start only when a message came from the peer since the
+        // last start (a reply, a ping-pong), never in the middle of a stream.
+        let rx = self.rx_msgs();
+        self.prod.rewind_if_idle(rx != self.rx_at_start);
+        self.rx_at_start = rx;
         Ok(())
     }
 

@@ -119,10 +119,6 @@ impl RingView {
     pub fn rewound_at(&self) -> &AtomicU64 {
         self.u64w(layout::REWOUND_AT)
     }
-    /// Whether this ring is large enough for the writer to jump back to its start.
-    fn rewinds(&self) -> bool {
-        self.cap >= rewind::MIN_CAP
-    }
     /// Writer-closed flag.
     pub fn writer_closed(&self) -> &AtomicU32 {
         self.u32w(layout::WRITER_CLOSED)
@@ -206,10 +202,10 @@ impl Producer {
     /// the last message was short ([`JUMP_AFTER`]) and the reader has consumed everything,
     /// continue at the start of the next lap (published with the message's first bytes).
     /// Costs a load of the reader's offset at most once per [`REWIND_AT`] bytes written.
-    pub fn rewind_if_idle(&mut self) {
+    pub fn rewind_if_idle(&mut self, answered: bool) {
         let (v, tail_cache) = (&self.v, &mut self.tail_cache);
-        let settled = self.head == self.published;
-        if let Some(to) = self.rewind.at_message_start(self.head, settled, v.cap, || {
+        let may = answered && self.head == self.published;
+        if let Some(to) = self.rewind.at_message_start(self.head, may, v.cap, || {
             *tail_cache = v.tail().load(Ordering::Acquire).max(*tail_cache);
             *tail_cache
         }) {
@@ -353,6 +349,8 @@ pub struct Consumer {
     head_cache: u64,
     /// The writer jumped to a new lap here (ahead of `tail`): data ends there for now.
     jump_at: Option<u64>,
+    /// The start of the lap the writer last jumped to.
+    jumped_lap: u64,
 }
 
 impl Consumer {
@@ -364,6 +362,7 @@ impl Consumer {
             tail,
             head_cache: tail,
             jump_at: None,
+            jumped_lap: 0,
         }
     }
 
@@ -380,7 +379,10 @@ impl Consumer {
         let at = self.v.rewound_at().load(Ordering::Relaxed);
         match rewind::jump_ahead(at, self.tail, self.head_cache, self.v.cap) {
             Ok(None) => {}
-            Ok(Some((at, to))) if at == self.tail => self.tail = to,
+            Ok(Some((at, to))) if at == self.tail => {
+                self.tail = to;
+                self.jumped_lap = to;
+            }
             Ok(Some((at, _))) => self.jump_at = Some(at),
             Err(()) => {
                 return Err(Corrupt {
@@ -408,6 +410,7 @@ impl Consumer {
         let bad = |h, t| Corrupt { head: h, tail: t };
         if self.jump_at == Some(self.tail) {
             self.tail = index::next_lap(self.tail, cap).ok_or(bad(self.head_cache, self.tail))?;
+            self.jumped_lap = self.tail;
             self.jump_at = None;
         }
         let mut a =
@@ -419,12 +422,12 @@ impl Consumer {
             // writer starts its next message at the start of the data area instead.
             let at = self.tail & (cap - 1);
             self.v.prefetch(at as usize);
-            if self.v.rewinds() && at >= REWIND_AT && self.jump_at.is_none() {
+            // A short message with its header often spills into the next line.
+            self.v.prefetch(((at + 64) & (cap - 1)) as usize);
+            if self.tail < self.jumped_lap + cap && at >= REWIND_AT && self.jump_at.is_none() {
+                // The writer came to this lap by a jump (a ping-pong): its next message may
+                // start at the lap's beginning too. (Not in a stream, which wraps instead.)
                 self.v.prefetch(0);
-                self.v.prefetch(64);
-            } else {
-                // A short message with its header often spills into the next line.
-                self.v.prefetch(((at + 64) & (cap - 1)) as usize);
             }
             self.head_cache = self.v.head().load(Ordering::Acquire);
             if self.jump_at.is_none() {
@@ -544,7 +547,7 @@ mod tests {
 
     /// Write one framed message (u32 length, the seed, then `len` bytes counting from `seed`) at a message boundary.
     fn put(p: &mut Producer, len: usize, seed: u8) -> bool {
-        p.rewind_if_idle();
+        p.rewind_if_idle(true);
         let mut m = (len as u32).to_le_bytes().to_vec();
         m.push(seed);
         m.extend((0..len).map(|i| seed.wrapping_add(i as u8)));
@@ -626,7 +629,7 @@ mod tests {
         }
         // (The stream's failed tries put off the next one by REWIND_AT.)
         p.rewind = Rewind::new(p.position());
-        p.rewind_if_idle();
+        p.rewind_if_idle(true);
         assert_eq!(p.position() & (cap as u64 - 1), 0, "jumped");
         assert!(!p.publish(), "a jump alone is not published");
         p.discard_unpublished();

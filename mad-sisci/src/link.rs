@@ -107,6 +107,9 @@ where
 {
     tx.torn = Some(torn.clone());
     rx.torn = Some(torn);
+    let msgs = Arc::new(AtomicU64::new(0));
+    tx.rx_msgs = Some(msgs.clone());
+    rx.msgs = Some(msgs);
     LinkPair {
         tx: Box::new(tx),
         rx: Box::new(rx),
@@ -131,6 +134,11 @@ pub struct SciTx<F: Fabric> {
     ring_ack: u64,
     /// Going back to the start of the ring when it is idle (mad-core's `hostmem::rewind`).
     rewind: Rewind,
+    /// Messages received from the peer (counted by the receiving half once joined by
+    /// [`connection`]), and their number at the last message start: the ring goes back only
+    /// in a reply or ping-pong, never in the middle of a stream.
+    rx_msgs: Option<Arc<AtomicU64>>,
+    rx_at_start: u64,
     chunk_pos: u64,
     dma_ack: u64,
     cursor: Option<(usize, usize)>,
@@ -176,6 +184,8 @@ impl<F: Fabric> SciTx<F> {
             head: 0,
             ring_ack: 0,
             rewind: Rewind::new(0),
+            rx_msgs: None,
+            rx_at_start: 0,
             chunk_pos: 0,
             dma_ack: 0,
             cursor: None,
@@ -424,8 +434,14 @@ impl<F: Fabric> TxLink for SciTx<F> {
         self.used = false;
         // Every ring lend is published at once, so the head is always settled.
         let cap = self.e.geom.ring as u64;
+        let rx = self
+            .rx_msgs
+            .as_ref()
+            .map_or(0, |m| m.load(Ordering::Relaxed));
+        let answered = rx != self.rx_at_start;
+        self.rx_at_start = rx;
         let (local, ring_ack) = (&self.e.local, &mut self.ring_ack);
-        if let Some(to) = self.rewind.at_message_start(self.head, true, cap, || {
+        if let Some(to) = self.rewind.at_message_start(self.head, answered, cap, || {
             *ring_ack = w64(local, ctl::RING_ACK).load(Ordering::Acquire);
             *ring_ack
         }) {
@@ -563,6 +579,8 @@ pub struct SciRx<F: Fabric> {
     broken: Option<String>,
     /// Shared with the sending half once joined by [`connection`].
     torn: Option<Arc<Teardown>>,
+    /// Messages received, read by the sending half (see `SciTx::rx_msgs`).
+    msgs: Option<Arc<AtomicU64>>,
 }
 
 /// The peer and the positions; never the bytes.
@@ -601,6 +619,7 @@ impl<F: Fabric> SciRx<F> {
             cursor: None,
             broken: None,
             torn: None,
+            msgs: None,
         }
     }
 
@@ -788,6 +807,13 @@ impl<F: Fabric> SciRx<F> {
 }
 
 impl<F: Fabric> RxLink for SciRx<F> {
+    fn end_message(&mut self) -> Result<()> {
+        if let Some(m) = &self.msgs {
+            m.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
         match self.slot_state() {

@@ -12,6 +12,8 @@
 //! to the next lap when it reaches the offset ([`jump_ahead`]). A stream, which keeps the
 //! ring non-empty, still walks all of it. The writer counts the skipped bytes as free at once
 //! (the reader never reads them): its view of the reader's offset is [`Rewind::floor`] or more.
+//! A try that finds the ring busy puts off the next one, longer each time while it stays busy
+//! (a stream), so a stream seldom loads the reader's offset.
 
 use super::index;
 
@@ -35,6 +37,10 @@ pub struct Rewind {
     from: Option<u64>,
     /// No jump is tried before this offset (after one found the ring busy).
     next_try: u64,
+    /// How far the next try is put off when this one finds the ring busy: doubles from
+    /// [`REWIND_AT`] up to a quarter of the ring while a stream keeps it busy (each try loads
+    /// the reader's offset, a line the reader keeps writing).
+    backoff: u64,
     /// Where the current message started.
     msg_start: u64,
     /// The writer's view of the reader's offset is at least this (the last jump's target).
@@ -60,27 +66,32 @@ impl Rewind {
         Rewind {
             from: None,
             next_try: 0,
+            backoff: REWIND_AT,
             msg_start: head,
             floor: 0,
             jumps: 0,
         }
     }
 
-    /// At every message start, with the write offset `head` (everything before it published
-    /// when `settled`): the offset to continue from, if the writer goes back now. `tail`
-    /// loads the reader's offset; it is called at most once per [`REWIND_AT`] bytes written.
+    /// At every message start, with the write offset `head`: the offset to continue from, if
+    /// the writer goes back now. `may`: the driver's own conditions hold (everything before
+    /// `head` published; a message came from the peer since the last start, so this is a
+    /// reply or the next call of a ping-pong, not the middle of a stream, where going back
+    /// makes the writer rewrite the lines its reader is still reading: mad-shm's 2 KiB window
+    /// bandwidth lost 17 % that way). `tail` loads the reader's offset; it is called at most
+    /// once per [`REWIND_AT`] bytes written.
     #[inline]
     pub fn at_message_start(
         &mut self,
         head: u64,
-        settled: bool,
+        may: bool,
         cap: u64,
         tail: impl FnOnce() -> u64,
     ) -> Option<u64> {
         let last = head.saturating_sub(self.msg_start);
         self.msg_start = head;
         if cap < MIN_CAP
-            || !settled
+            || !may
             || self.from.is_some()
             || head & (cap - 1) < REWIND_AT
             || head < self.next_try
@@ -93,10 +104,12 @@ impl Rewind {
                 self.from = Some(head);
                 self.msg_start = to;
                 self.floor = to;
+                self.backoff = REWIND_AT;
                 Some(to)
             }
             _ => {
-                self.next_try = head.saturating_add(REWIND_AT);
+                self.next_try = head.saturating_add(self.backoff);
+                self.backoff = (self.backoff * 2).min(cap / 4).max(REWIND_AT);
                 None
             }
         }
@@ -186,6 +199,13 @@ mod tests {
         assert_eq!(r.at_message_start(h, true, CAP, || h - 1), None);
         assert_eq!(
             r.at_message_start(h + 10, true, CAP, || panic!("not loaded")),
+            None
+        );
+        // Busy again, later: the next try is put off twice as far.
+        let h3 = h + REWIND_AT;
+        assert_eq!(r.at_message_start(h3, true, CAP, || h3 - 1), None);
+        assert_eq!(
+            r.at_message_start(h3 + REWIND_AT, true, CAP, || panic!("not loaded")),
             None
         );
         // A long last message: no jump.
