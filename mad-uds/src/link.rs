@@ -172,7 +172,7 @@ impl Tx {
                 return Ok(Poll::Ready(()));
             }
             match self.s.write_vectored(&v) {
-                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(0) => return Err(ended(&self.torn, self.peer)),
                 Ok(mut n) => {
                     self.wrote = true;
                     let from_buf = n.min(self.len - self.off);
@@ -185,6 +185,16 @@ impl Tx {
                 Err(e) => return Err(lost(self.peer, e)),
             }
         }
+    }
+}
+
+/// End of stream on the socket: the peer closed, unless this side's own close shut the socket
+/// under a call that had already checked (then the close's error, as for any later call).
+fn ended(torn: &Teardown, peer: usize) -> Error {
+    if torn.is_torn() {
+        torn.error(peer)
+    } else {
+        Error::PeerClosed { rank: peer }
     }
 }
 
@@ -305,7 +315,7 @@ impl Rx {
         }
         loop {
             match self.s.read(&mut self.buf[self.end..]) {
-                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(0) => return Err(ended(&self.torn, self.peer)),
                 Ok(n) => {
                     self.end += n;
                     return Ok(true);
@@ -369,7 +379,7 @@ impl RxLink for Rx {
                 continue;
             }
             match self.s.read_vectored(&mut v) {
-                Ok(0) => return Err(Error::PeerClosed { rank: self.peer }),
+                Ok(0) => return Err(ended(&self.torn, self.peer)),
                 Ok(n) => self.done += n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Poll::Pending),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
