@@ -720,36 +720,14 @@ fn case_random(c: &Ctx<'_>) -> Result<()> {
     Ok(())
 }
 
-/// One message of two pieces: an EXPRESS length and a CHEAPER body of `len` bytes. The
-/// body is SAFER when short (staged with its header) and CHEAPER otherwise.
-fn send_mix(ch: &Channel, to: usize, tag: u64, len: usize) -> Result<()> {
-    let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
-    let mut p = ch.begin_packing(to)?;
-    p.pack_value(&(len as u64), RecvMode::Express)?;
-    let s = if len <= 4096 {
+/// The send mode of a [`case_ping_pong_mix`] body: SAFER when short (staged with its header),
+/// CHEAPER otherwise.
+fn mix_mode(len: usize) -> SendMode {
+    if len <= 4096 {
         SendMode::Safer
     } else {
         SendMode::Cheaper
-    };
-    send_piece(&mut p, &body, s, RecvMode::Cheaper, None)?;
-    p.end_packing()
-}
-
-fn recv_mix(ch: &Channel, from: usize, tag: u64, want: usize, what: &str) -> Result<()> {
-    let mut u = ch.begin_unpacking_from(from)?;
-    let n: u64 = u.unpack_value()?;
-    if n != want as u64 {
-        return Err(fail(format!("{what}: length {n}, expected {want}")));
     }
-    let mut body = vec![0u8; want];
-    let s = if want <= 4096 {
-        SendMode::Safer
-    } else {
-        SendMode::Cheaper
-    };
-    u.unpack(&mut body, s)?;
-    u.end_unpacking()?;
-    check(tag, &body, what)
 }
 
 fn case_ping_pong_mix(c: &Ctx<'_>) -> Result<()> {
@@ -774,11 +752,11 @@ fn case_ping_pong_mix(c: &Ctx<'_>) -> Result<()> {
         let tag = 0x9090_0000 + round * 2;
         let what = format!("ping-pong round {round}");
         if c.rank() == 0 {
-            send_mix(&ch, peer, tag, len)?;
-            recv_mix(&ch, peer, tag + 1, back, &what)?;
+            send_sized_as(&ch, peer, tag, len, mix_mode(len))?;
+            recv_sized_as(&ch, peer, tag + 1, Some(back), mix_mode(back), &what)?;
         } else {
-            recv_mix(&ch, peer, tag, len, &what)?;
-            send_mix(&ch, peer, tag + 1, back)?;
+            recv_sized_as(&ch, peer, tag, Some(len), mix_mode(len), &what)?;
+            send_sized_as(&ch, peer, tag + 1, back, mix_mode(back))?;
         }
         sent += len.max(1);
         if round % 50 == 49 {
@@ -787,22 +765,30 @@ fn case_ping_pong_mix(c: &Ctx<'_>) -> Result<()> {
                 let n = SIZES[(round + k) as usize % SIZES.len()];
                 let t = 0x9191_0000 + round * 100 + k;
                 if c.rank() == 0 {
-                    send_mix(&ch, peer, t, n)?;
+                    send_sized_as(&ch, peer, t, n, mix_mode(n))?;
                 } else {
-                    recv_mix(&ch, peer, t, n, &format!("burst after round {round}, {k}"))?;
+                    recv_sized_as(
+                        &ch,
+                        peer,
+                        t,
+                        Some(n),
+                        mix_mode(n),
+                        &format!("burst after round {round}, {k}"),
+                    )?;
                 }
             }
             for k in 0..24u64 {
                 let n = SIZES[(round + 2 * k) as usize % SIZES.len()];
                 let t = 0x9292_0000 + round * 100 + k;
                 if c.rank() == 1 {
-                    send_mix(&ch, peer, t, n)?;
+                    send_sized_as(&ch, peer, t, n, mix_mode(n))?;
                 } else {
-                    recv_mix(
+                    recv_sized_as(
                         &ch,
                         peer,
                         t,
-                        n,
+                        Some(n),
+                        mix_mode(n),
                         &format!("burst back after round {round}, {k}"),
                     )?;
                 }
@@ -1186,21 +1172,41 @@ fn tears_down(ch: &Channel) -> bool {
 
 /// A whole message of one `len`-byte CHEAPER piece after an EXPRESS length.
 fn send_sized(ch: &Channel, to: usize, tag: u64, len: usize) -> Result<()> {
+    send_sized_as(ch, to, tag, len, SendMode::Cheaper)
+}
+
+/// [`send_sized`] with the body sent in mode `s` (not LATER).
+fn send_sized_as(ch: &Channel, to: usize, tag: u64, len: usize, s: SendMode) -> Result<()> {
     let body: Vec<u8> = (0..len).map(|i| pat(tag, i)).collect();
     let mut p = ch.begin_packing(to)?;
     p.pack_value(&(len as u64), RecvMode::Express)?;
-    p.pack(&body, RecvMode::Cheaper)?;
+    send_piece(&mut p, &body, s, RecvMode::Cheaper, None)?;
     p.end_packing()
 }
 
 /// Receive what [`send_sized`] sent and check it.
 fn recv_sized(ch: &Channel, from: usize, tag: u64) -> Result<()> {
+    recv_sized_as(ch, from, tag, None, SendMode::Cheaper, "message")
+}
+
+/// Receive what [`send_sized_as`] sent in mode `s` and check it (and its length, if `want`).
+fn recv_sized_as(
+    ch: &Channel,
+    from: usize,
+    tag: u64,
+    want: Option<usize>,
+    s: SendMode,
+    what: &str,
+) -> Result<()> {
     let mut u = ch.begin_unpacking_from(from)?;
     let n: u64 = u.unpack_value()?;
+    if want.is_some_and(|w| n != w as u64) {
+        return Err(fail(format!("{what}: length {n}, expected {want:?}")));
+    }
     let mut body = vec![0u8; n as usize];
-    u.unpack(&mut body, SendMode::Cheaper)?;
+    u.unpack(&mut body, s)?;
     u.end_unpacking()?;
-    check(tag, &body, "message")
+    check(tag, &body, what)
 }
 
 /// After a failure in the middle of a message between ranks 0 and 1, the connection is

@@ -222,8 +222,6 @@ pub struct ShmTx {
     /// When the last `cma` group to the peer completed, and the peer's received-message count
     /// then ([`CmaUse::BackToBack`]).
     last_group: Option<(Instant, u64)>,
-    /// Messages received from the peer at the last message start (see `begin_message`).
-    rx_at_start: u64,
     gather: TxGather,
     cma_posted: u64,
     msg_start: u64,
@@ -275,7 +273,6 @@ impl ShmTx {
             path,
             cma_use: CmaUse::Always,
             last_group: None,
-            rx_at_start: 0,
             gather: TxGather::Idle,
             cma_posted,
             need: 1,
@@ -472,11 +469,7 @@ impl TxLink for ShmTx {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         self.msg_start = self.prod.published();
-        // Going back to the ring's start only when a message came from the peer since the
-        // last start (a reply, a ping-pong), never in the middle of a stream.
-        let rx = self.rx_msgs();
-        self.prod.rewind_if_idle(rx != self.rx_at_start);
-        self.rx_at_start = rx;
+        self.prod.rewind_if_idle(self.rx_msgs());
         Ok(())
     }
 

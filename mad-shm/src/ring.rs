@@ -57,7 +57,7 @@ pub use mad_core::hostmem::index;
 
 /// The rules of going back to the start of the ring when idle (mad-core's
 /// `hostmem::rewind`, shared with mad-sisci's ring TM).
-pub use mad_core::hostmem::rewind::{self, Rewind, JUMP_AFTER, REWIND_AT};
+pub use mad_core::hostmem::rewind::{self, Rewind, REWIND_AT};
 
 /// The offsets broke the ring invariants: the peer is corrupt or hostile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,17 +198,20 @@ impl Producer {
         }
     }
 
-    /// At every message start: when the write offset is [`REWIND_AT`] or more into its lap,
-    /// the last message was short ([`JUMP_AFTER`]) and the reader has consumed everything,
-    /// continue at the start of the next lap (published with the message's first bytes).
-    /// Costs a load of the reader's offset at most once per [`REWIND_AT`] bytes written.
-    pub fn rewind_if_idle(&mut self, answered: bool) {
+    /// At every message start, with `received` the messages received from the peer so far:
+    /// continue at the start of the next lap (published with the message's first bytes) when
+    /// [`Rewind::at_message_start`] says so (a reply or ping-pong, far enough into the lap,
+    /// after a short message, the reader done with everything).
+    pub fn rewind_if_idle(&mut self, received: u64) {
         let (v, tail_cache) = (&self.v, &mut self.tail_cache);
-        let may = answered && self.head == self.published;
-        if let Some(to) = self.rewind.at_message_start(self.head, may, v.cap, || {
-            *tail_cache = v.tail().load(Ordering::Acquire).max(*tail_cache);
-            *tail_cache
-        }) {
+        let settled = self.head == self.published;
+        if let Some(to) = self
+            .rewind
+            .at_message_start(self.head, settled, received, v.cap, || {
+                *tail_cache = v.tail().load(Ordering::Acquire).max(*tail_cache);
+                *tail_cache
+            })
+        {
             self.head = to;
             // The reader never reads the bytes jumped over: the whole ring is free.
             self.tail_cache = self.rewind.floor(self.tail_cache);
@@ -347,7 +350,8 @@ pub struct Consumer {
     v: RingView,
     tail: u64,
     head_cache: u64,
-    /// The writer jumped to a new lap here (ahead of `tail`): data ends there for now.
+    /// The writer jumped from here (ahead of `tail`) to the start of the next lap: data ends
+    /// there for now.
     jump_at: Option<u64>,
     /// The start of the lap the writer last jumped to.
     jumped_lap: u64,
@@ -372,17 +376,13 @@ impl Consumer {
         self.jump_at.unwrap_or(self.head_cache)
     }
 
-    /// After a fresh load of the head: learn of a jump of the writer's in `[tail, head)`, and
-    /// follow it at once if it is at `tail`.
+    /// After a fresh load of the head: learn of a jump of the writer's in `[tail, head)` (it is
+    /// followed by [`available`](Self::available) when the reader reaches it).
     fn see_jump(&mut self) -> Result<(), Corrupt> {
         // Ordered after the Acquire load of the head, which the writer stores after this.
         let at = self.v.rewound_at().load(Ordering::Relaxed);
         match rewind::jump_ahead(at, self.tail, self.head_cache, self.v.cap) {
             Ok(None) => {}
-            Ok(Some((at, to))) if at == self.tail => {
-                self.tail = to;
-                self.jumped_lap = to;
-            }
             Ok(Some((at, _))) => self.jump_at = Some(at),
             Err(()) => {
                 return Err(Corrupt {
@@ -390,6 +390,20 @@ impl Consumer {
                     tail: self.tail,
                 })
             }
+        }
+        Ok(())
+    }
+
+    /// At the writer's jump: continue at the start of the next lap.
+    #[inline]
+    fn follow_jump(&mut self) -> Result<(), Corrupt> {
+        if self.jump_at == Some(self.tail) {
+            self.tail = index::next_lap(self.tail, self.v.cap).ok_or(Corrupt {
+                head: self.head_cache,
+                tail: self.tail,
+            })?;
+            self.jumped_lap = self.tail;
+            self.jump_at = None;
         }
         Ok(())
     }
@@ -408,11 +422,7 @@ impl Consumer {
     pub fn available(&mut self, need: u64) -> Result<u64, Corrupt> {
         let cap = self.v.cap;
         let bad = |h, t| Corrupt { head: h, tail: t };
-        if self.jump_at == Some(self.tail) {
-            self.tail = index::next_lap(self.tail, cap).ok_or(bad(self.head_cache, self.tail))?;
-            self.jumped_lap = self.tail;
-            self.jump_at = None;
-        }
+        self.follow_jump()?;
         let mut a =
             index::used(self.limit(), self.tail, cap).ok_or(bad(self.limit(), self.tail))?;
         if a < need {
@@ -432,6 +442,7 @@ impl Consumer {
             self.head_cache = self.v.head().load(Ordering::Acquire);
             if self.jump_at.is_none() {
                 self.see_jump()?;
+                self.follow_jump()?;
             }
             a = index::used(self.limit(), self.tail, cap).ok_or(bad(self.limit(), self.tail))?;
         }
@@ -547,7 +558,9 @@ mod tests {
 
     /// Write one framed message (u32 length, the seed, then `len` bytes counting from `seed`) at a message boundary.
     fn put(p: &mut Producer, len: usize, seed: u8) -> bool {
-        p.rewind_if_idle(true);
+        // As in a ping-pong, a message from the peer before each one: any count that changes
+        // from one message to the next will do, such as the write position.
+        p.rewind_if_idle(p.position());
         let mut m = (len as u32).to_le_bytes().to_vec();
         m.push(seed);
         m.extend((0..len).map(|i| seed.wrapping_add(i as u8)));
@@ -629,7 +642,7 @@ mod tests {
         }
         // (The stream's failed tries put off the next one by REWIND_AT.)
         p.rewind = Rewind::new(p.position());
-        p.rewind_if_idle(true);
+        p.rewind_if_idle(1);
         assert_eq!(p.position() & (cap as u64 - 1), 0, "jumped");
         assert!(!p.publish(), "a jump alone is not published");
         p.discard_unpublished();
@@ -646,9 +659,8 @@ mod tests {
         let (mut p, mut c) = pair(cap);
         assert!(put(&mut p, 100, 1));
         p.publish();
-        // A jump recorded at the reader's position but to beyond the published head.
-        p.view().rewound_at().store(0, Ordering::Relaxed);
         assert_eq!(get(&mut c), Some((100, 1)));
+        // A jump recorded at the reader's position but to beyond the published head.
         p.view().rewound_at().store(105, Ordering::Relaxed);
         p.view().head().store(200, Ordering::Release);
         assert!(c.available(1).is_err(), "a jump past the head is corrupt");

@@ -135,10 +135,8 @@ pub struct SciTx<F: Fabric> {
     /// Going back to the start of the ring when it is idle (mad-core's `hostmem::rewind`).
     rewind: Rewind,
     /// Messages received from the peer (counted by the receiving half once joined by
-    /// [`connection`]), and their number at the last message start: the ring goes back only
-    /// in a reply or ping-pong, never in the middle of a stream.
+    /// [`connection`]): the ring goes back only in a reply or ping-pong.
     rx_msgs: Option<Arc<AtomicU64>>,
-    rx_at_start: u64,
     chunk_pos: u64,
     dma_ack: u64,
     cursor: Option<(usize, usize)>,
@@ -185,7 +183,6 @@ impl<F: Fabric> SciTx<F> {
             ring_ack: 0,
             rewind: Rewind::new(0),
             rx_msgs: None,
-            rx_at_start: 0,
             chunk_pos: 0,
             dma_ack: 0,
             cursor: None,
@@ -434,17 +431,18 @@ impl<F: Fabric> TxLink for SciTx<F> {
         self.used = false;
         // Every ring lend is published at once, so the head is always settled.
         let cap = self.e.geom.ring as u64;
-        let rx = self
+        let received = self
             .rx_msgs
             .as_ref()
             .map_or(0, |m| m.load(Ordering::Relaxed));
-        let answered = rx != self.rx_at_start;
-        self.rx_at_start = rx;
         let (local, ring_ack) = (&self.e.local, &mut self.ring_ack);
-        if let Some(to) = self.rewind.at_message_start(self.head, answered, cap, || {
-            *ring_ack = w64(local, ctl::RING_ACK).load(Ordering::Acquire);
-            *ring_ack
-        }) {
+        if let Some(to) = self
+            .rewind
+            .at_message_start(self.head, true, received, cap, || {
+                *ring_ack = w64(local, ctl::RING_ACK).load(Ordering::Acquire);
+                *ring_ack
+            })
+        {
             self.head = to;
         }
         Ok(())
@@ -808,8 +806,9 @@ impl<F: Fabric> SciRx<F> {
 
 impl<F: Fabric> RxLink for SciRx<F> {
     fn end_message(&mut self) -> Result<()> {
+        // This half alone writes it: a load and a store, no locked read-modify-write.
         if let Some(m) = &self.msgs {
-            m.fetch_add(1, Ordering::Relaxed);
+            m.store(m.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         }
         Ok(())
     }

@@ -43,6 +43,8 @@ pub struct Rewind {
     backoff: u64,
     /// Where the current message started.
     msg_start: u64,
+    /// Messages received from the peer, as counted at the last message start.
+    received: u64,
     /// The writer's view of the reader's offset is at least this (the last jump's target).
     floor: u64,
     /// Jumps published.
@@ -68,30 +70,35 @@ impl Rewind {
             next_try: 0,
             backoff: REWIND_AT,
             msg_start: head,
+            received: 0,
             floor: 0,
             jumps: 0,
         }
     }
 
-    /// At every message start, with the write offset `head`: the offset to continue from, if
-    /// the writer goes back now. `may`: the driver's own conditions hold (everything before
-    /// `head` published; a message came from the peer since the last start, so this is a
-    /// reply or the next call of a ping-pong, not the middle of a stream, where going back
-    /// makes the writer rewrite the lines its reader is still reading: mad-shm's 2 KiB window
-    /// bandwidth lost 17 % that way). `tail` loads the reader's offset; it is called at most
-    /// once per [`REWIND_AT`] bytes written.
+    /// At every message start, with the write offset `head` (everything before it published
+    /// when `settled`) and `received`, the number of messages received from the peer so far:
+    /// the offset to continue from, if the writer goes back now. Only when a message came from
+    /// the peer since the last start (a reply, or the next call of a ping-pong), never in the
+    /// middle of a stream, where going back makes the writer rewrite the lines its reader is
+    /// still reading (mad-shm's 2 KiB window bandwidth lost 17 % that way). `tail` loads the
+    /// reader's offset; it is called at most once per [`REWIND_AT`] bytes written.
     #[inline]
     pub fn at_message_start(
         &mut self,
         head: u64,
-        may: bool,
+        settled: bool,
+        received: u64,
         cap: u64,
         tail: impl FnOnce() -> u64,
     ) -> Option<u64> {
         let last = head.saturating_sub(self.msg_start);
         self.msg_start = head;
+        let answered = received != self.received;
+        self.received = received;
         if cap < MIN_CAP
-            || !may
+            || !settled
+            || !answered
             || self.from.is_some()
             || head & (cap - 1) < REWIND_AT
             || head < self.next_try
@@ -182,9 +189,9 @@ mod tests {
     fn goes_back_only_when_idle_after_a_short_message() {
         let mut r = Rewind::new(0);
         // Too early in the lap.
-        assert_eq!(r.at_message_start(100, true, CAP, || 100), None);
+        assert_eq!(r.at_message_start(100, true, 1, CAP, || 100), None);
         // Far enough, idle, the last message short: back to the next lap.
-        assert_eq!(r.at_message_start(5000, true, CAP, || 5000), Some(CAP));
+        assert_eq!(r.at_message_start(5000, true, 2, CAP, || 5000), Some(CAP));
         assert_eq!(r.floor(5000), CAP);
         assert_eq!(
             r.publish(CAP, CAP),
@@ -196,32 +203,41 @@ mod tests {
         assert_eq!(r.jumps(), 1);
         // The reader busy: no jump, and none tried for REWIND_AT bytes.
         let h = CAP + 5000;
-        assert_eq!(r.at_message_start(h, true, CAP, || h - 1), None);
+        assert_eq!(r.at_message_start(h, true, 3, CAP, || h - 1), None);
         assert_eq!(
-            r.at_message_start(h + 10, true, CAP, || panic!("not loaded")),
+            r.at_message_start(h + 10, true, 4, CAP, || panic!("not loaded")),
             None
         );
         // Busy again, later: the next try is put off twice as far.
         let h3 = h + REWIND_AT;
-        assert_eq!(r.at_message_start(h3, true, CAP, || h3 - 1), None);
+        assert_eq!(r.at_message_start(h3, true, 5, CAP, || h3 - 1), None);
         assert_eq!(
-            r.at_message_start(h3 + REWIND_AT, true, CAP, || panic!("not loaded")),
+            r.at_message_start(h3 + REWIND_AT, true, 6, CAP, || panic!("not loaded")),
             None
         );
         // A long last message: no jump.
         let h2 = h + REWIND_AT + 20_000;
-        assert_eq!(r.at_message_start(h2, true, CAP, || h2), None);
+        assert_eq!(r.at_message_start(h2, true, 7, CAP, || h2), None);
         // Unpublished bytes: no jump.
-        assert_eq!(r.at_message_start(h2 + 100, false, CAP, || h2 + 100), None);
+        assert_eq!(
+            r.at_message_start(h2 + 100, false, 8, CAP, || h2 + 100),
+            None
+        );
+        // No message from the peer since the last start (a stream): no jump, even when idle.
+        let mut q = Rewind::new(0);
+        assert_eq!(
+            q.at_message_start(5000, true, 0, CAP, || panic!("not loaded")),
+            None
+        );
         // A small ring never jumps.
         let mut s = Rewind::new(0);
-        assert_eq!(s.at_message_start(9000, true, 8192, || 9000), None);
+        assert_eq!(s.at_message_start(9000, true, 9, 8192, || 9000), None);
     }
 
     #[test]
     fn a_discarded_jump_is_forgotten() {
         let mut r = Rewind::new(0);
-        assert_eq!(r.at_message_start(5000, true, CAP, || 5000), Some(CAP));
+        assert_eq!(r.at_message_start(5000, true, 10, CAP, || 5000), Some(CAP));
         r.discard(5000);
         assert_eq!(r.floor(5000), 5000);
         assert_eq!(r.publish(5010, CAP), Publish::Head);
