@@ -459,11 +459,10 @@ impl TxLink for ShmTx {
     fn begin_message(&mut self) -> Result<()> {
         self.check_usable()?;
         // A reader that closed, or a peer process that died, while we were idle: the ring
-        // may have room for thousands of messages nobody will read. Asked at most once per
-        // clock tick (a load of the peer's flag and a pidfd poll).
-        if self.gate.due()
-            && (self.prod.view().reader_closed().load(Ordering::Acquire) != 0
-                || self.live.dead_now())
+        // may have room for thousands of messages nobody will read. The reader's flag (a line
+        // written once) every time; the pidfd poll at most once per clock tick.
+        if self.prod.view().reader_closed().load(Ordering::Acquire) != 0
+            || (self.gate.due() && self.live.dead_now())
         {
             self.broken = Some("the peer closed the connection or exited".into());
             return Err(Error::PeerClosed { rank: self.peer });

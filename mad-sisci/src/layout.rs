@@ -185,6 +185,14 @@ pub fn decode_flag(word: u64, pos: u64, n: u64, max: usize) -> Flag {
     }
 }
 
+/// Most bytes a short record starting at slot `pos` of an array of `slots` may carry: one
+/// flag word, then its bytes across the slots up to the end of the array (a record never
+/// wraps).
+pub fn record_max(slots: usize, pos: u64) -> usize {
+    let n = slots.max(1) as u64;
+    (n - pos % n) as usize * SLOT - 8
+}
+
 /// Entries in flight (`sent - acked`) if the acknowledgement is plausible: not ahead of what
 /// was sent and not more than `cap` behind.
 pub fn in_flight(sent: u64, acked: u64, cap: u64) -> Option<u64> {

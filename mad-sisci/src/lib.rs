@@ -26,7 +26,7 @@
 //!
 //! | TM | BMM | pieces | how |
 //! |---|---|---|---|
-//! | 0 `short` | copy | ≤ [`DEFAULT_SHORT_MAX`] | 64-byte slots: 56 B of data and its flag word in one cache line; the reader polls the slot |
+//! | 0 `short` | copy | ≤ [`DEFAULT_SHORT_MAX`] | records in 64-byte slots: a flag word, then the bytes across as many slots as they need (a short message is one record: its flag shares the first line with its first 56 bytes); the reader polls the flag |
 //! | 1 `ring` | copy | ≤ [`DEFAULT_RING_MAX`] | a byte ring (64 KiB) with a remote write offset and a remote acknowledgement |
 //! | 2 `dma` | gather | larger | block copies into a large receive area, pipelined in chunks with their own flags |
 //!
@@ -63,12 +63,13 @@ use mad_core::hostmem::{self, MappedPeer};
 use mad_core::liveness::Teardown;
 use segment::Segment;
 
-/// Default largest piece of the `short` TM (from the sweep in `NOTES.md`).
-pub const DEFAULT_SHORT_MAX: usize = 112;
+/// Default largest piece of the `short` TM (from the sweep in `NOTES.md`): the engine's
+/// longest staged piece, so a message of short pieces is one record.
+pub const DEFAULT_SHORT_MAX: usize = 2048;
 /// Default largest piece of the `ring` TM (from the sweep in `NOTES.md`).
 pub const DEFAULT_RING_MAX: usize = 32 * 1024;
-/// Default short slots per connection.
-pub const DEFAULT_SLOTS: usize = 64;
+/// Default short slots per connection (16 KiB: eight records of the longest short piece).
+pub const DEFAULT_SLOTS: usize = 256;
 /// Default ring bytes per connection.
 pub const DEFAULT_RING: usize = 64 * 1024;
 /// Default DMA chunk size.
@@ -174,19 +175,40 @@ pub fn options(config: &ChannelConfig) -> Result<Options> {
 pub const SEGMENT_BUDGET: usize = 16 << 20;
 
 /// The geometry a job of `n` ranks uses: `g` as configured, with the sizes the user did not
-/// set (`chunk_set`, `ring_set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the DMA
-/// chunk (down to 16 KiB), then the ring (down to 4 KiB), then the chunk again (down to
-/// 4 KiB). Up to 14 ranks the defaults stay (1.1 MiB per peer); 64 ranks get 32 KiB chunks
-/// (204 KiB per peer, 13 MiB per process instead of 70 MiB); past 512 ranks even the smallest
-/// areas (32 KiB) exceed the budget. Every rank computes the same geometry (it is compared at
-/// open).
-pub fn fit_geometry(mut g: Geometry, n: usize, chunk_set: bool, ring_set: bool) -> Geometry {
+/// set (`set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the DMA chunk (down to
+/// 16 KiB), then the short slots (down to 64), then the ring (down to 4 KiB), then the chunk
+/// again (down to 4 KiB). Up to 14 ranks the defaults stay (1.1 MiB per peer); 64 ranks get
+/// 32 KiB chunks (212 KiB per peer, 13 MiB per process instead of 70 MiB); past 512 ranks
+/// even the smallest areas (28 KiB) exceed the budget. Every rank computes the same geometry
+/// (it is compared at open).
+pub fn fit_geometry(mut g: Geometry, n: usize, set: Given) -> Geometry {
     let fits = |g: &Geometry| g.segment_size(n).is_some_and(|s| s <= SEGMENT_BUDGET);
-    let shrink_chunk = !chunk_set && g.chunks > 0;
+    let shrink_chunk = !set.chunk && g.chunks > 0;
     while shrink_chunk && !fits(&g) && halve(&mut g.chunk, 16 << 10) {}
-    while !ring_set && !fits(&g) && halve(&mut g.ring, 4096) {}
+    while !set.slots && !fits(&g) && halve(&mut g.slots, 64) {}
+    while !set.ring && !fits(&g) && halve(&mut g.ring, 4096) {}
     while shrink_chunk && !fits(&g) && halve(&mut g.chunk, 4096) {}
     g
+}
+
+/// The sizes of a geometry the user set (kept by [`fit_geometry`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Given {
+    /// `slots=` was given.
+    pub slots: bool,
+    /// `ring=` was given.
+    pub ring: bool,
+    /// `chunk=` was given.
+    pub chunk: bool,
+}
+
+impl Given {
+    /// Every size given (none is changed).
+    pub const ALL: Given = Given {
+        slots: true,
+        ring: true,
+        chunk: true,
+    };
 }
 
 /// Halve `v` if the result stays at least `min`; whether it did.
@@ -282,7 +304,7 @@ impl Driver for SisciDriver {
                 TmSpec::copy(
                     "short",
                     DEFAULT_SHORT_MAX,
-                    "56 B + flag per 64-byte slot, reader polls the slot",
+                    "records in 64-byte slots, one flag each, the reader polls the flag",
                 ),
                 TmSpec::copy(
                     "ring",
@@ -295,7 +317,7 @@ impl Driver for SisciDriver {
             TmSpec::copy(
                 "short",
                 DEFAULT_SHORT_MAX,
-                "56 B + flag per 64-byte slot, reader polls the slot",
+                "records in 64-byte slots, one flag each, the reader polls the flag",
             ),
             TmSpec::copy(
                 "ring",
@@ -324,11 +346,15 @@ impl Driver for SisciDriver {
 
     fn open(&self, ctx: &OpenContext<'_>) -> Result<OpenedChannel> {
         let mut o = options(ctx.config)?;
+        let given = |k: &str| ctx.config.options.contains_key(k);
         o.geom = fit_geometry(
             o.geom,
             ctx.bootstrap.size(),
-            ctx.config.options.contains_key("chunk"),
-            ctx.config.options.contains_key("ring"),
+            Given {
+                slots: given("slots"),
+                ring: given("ring"),
+                chunk: given("chunk"),
+            },
         );
         if o.backend == Backend::Dolphin {
             return dolphin::open(ctx, &o);
@@ -495,22 +521,22 @@ mod tests {
     fn large_jobs_get_smaller_areas_within_the_budget() {
         let d = defaults();
         for n in [1, 2, 8, 14] {
-            assert_eq!(fit_geometry(d, n, false, false), d, "{n} ranks");
+            assert_eq!(fit_geometry(d, n, Given::default()), d, "{n} ranks");
         }
-        let g = fit_geometry(d, 64, false, false);
+        let g = fit_geometry(d, 64, Given::default());
         assert_eq!((g.chunk, g.ring), (32 << 10, DEFAULT_RING));
         for n in [15, 32, 64, 128, 400] {
-            let g = fit_geometry(d, n, false, false);
+            let g = fit_geometry(d, n, Given::default());
             assert!(g.valid(), "{n}: {g:?}");
             assert!(g.segment_size(n).unwrap() <= SEGMENT_BUDGET, "{n}: {g:?}");
         }
-        // Past 512 ranks the smallest areas (32 KiB) no longer fit: the smallest it is.
-        let g = fit_geometry(d, 1000, false, false);
-        assert_eq!((g.chunk, g.ring), (4096, 4096));
+        // Past 512 ranks the smallest areas (28 KiB) no longer fit: the smallest it is.
+        let g = fit_geometry(d, 1000, Given::default());
+        assert_eq!((g.chunk, g.ring, g.slots), (4096, 4096, 64));
         // What the user set stays, even past the budget.
-        let g = fit_geometry(d, 64, true, true);
+        let g = fit_geometry(d, 64, Given::ALL);
         assert_eq!(g, d);
-        let g = fit_geometry(Geometry { chunks: 0, ..d }, 400, false, false);
+        let g = fit_geometry(Geometry { chunks: 0, ..d }, 400, Given::default());
         assert_eq!(g.chunk, d.chunk, "no DMA: the chunk is not used");
     }
 }

@@ -21,7 +21,7 @@ use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
 use crate::fabric::{Fabric, LocalShut, OwnWire, RxWire, TxWire};
-use crate::layout::{self, ctl, Flag, Geometry, SLOT, SLOT_DATA};
+use crate::layout::{self, ctl, Flag, Geometry, SLOT};
 
 /// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
 /// a dead peer while blocked (mad-core's, shared with mad-shm).
@@ -72,6 +72,12 @@ fn w32(m: &Region, off: usize) -> &AtomicU32 {
 
 fn slot_flag(g: &Geometry, pos: u64) -> usize {
     g.slots_off() + (pos % g.slots as u64) as usize * SLOT
+}
+
+/// The flag of the short record starting at slot `pos` (as read by the receiving half).
+fn slot_record(g: &Geometry, local: &Region, pos: u64) -> Flag {
+    let w = w64(local, slot_flag(g, pos)).load(Ordering::Acquire);
+    layout::decode_flag(w, pos, g.slots as u64, layout::record_max(g.slots, pos))
 }
 
 fn chunk_flag(g: &Geometry, pos: u64) -> usize {
@@ -144,11 +150,11 @@ pub struct SciTx<F: Fabric> {
     used: bool,
     blocked: Blocked,
     broken: Option<String>,
-    /// Lengths of the short slots filled from `unpub_from` on whose flags are not published
-    /// yet: short lends become visible at a commit, the end, an EXPRESS piece or
-    /// back-pressure (as on mad-shm), so a message dropped before any of those is discarded
+    /// The short records filled from `unpub_from` on whose flags are not published yet
+    /// (first slot, bytes): short lends become visible at a commit, the end, an EXPRESS piece
+    /// or back-pressure (as on mad-shm), so a message dropped before any of those is discarded
     /// whole and the connection stays intact.
-    unpub: Vec<usize>,
+    unpub: Vec<(u64, usize)>,
     unpub_from: u64,
     /// Shared with the receiving half once joined by [`connection`].
     torn: Option<Arc<Teardown>>,
@@ -215,8 +221,7 @@ impl<F: Fabric> SciTx<F> {
             return;
         }
         let n = self.e.geom.slots as u64;
-        for (i, &len) in self.unpub.iter().enumerate() {
-            let pos = self.unpub_from + i as u64;
+        for &(pos, len) in &self.unpub {
             self.wire.publish(
                 w64(&self.e.remote, slot_flag(&self.e.geom, pos)),
                 layout::encode_flag(pos, n, len),
@@ -276,53 +281,75 @@ impl<F: Fabric> SciTx<F> {
         }
     }
 
-    fn free_slots(&mut self) -> Result<bool> {
+    /// Free slots from `slot_pos` on, contiguous up to the end of the slot array (a record
+    /// never wraps), reading the acknowledgement afresh when the cached one leaves fewer than
+    /// `want`.
+    fn free_slots(&mut self, want: u64) -> Result<u64> {
         let n = self.e.geom.slots as u64;
+        let to_end = n - self.slot_pos % n;
         let f = layout::in_flight(self.slot_pos, self.slot_ack, n)
             .ok_or_else(|| bad_ack(self.peer, "slot"))?;
-        if f < n {
-            return Ok(true);
+        if (n - f).min(to_end) >= want {
+            return Ok((n - f).min(to_end));
         }
         self.slot_ack = w64(&self.e.local, ctl::SHORT_ACK).load(Ordering::Acquire);
         let f = layout::in_flight(self.slot_pos, self.slot_ack, n)
             .ok_or_else(|| bad_ack(self.peer, "slot"))?;
-        Ok(f < n)
+        Ok((n - f).min(to_end))
     }
 
-    fn send_short(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> usize) -> Result<Poll<()>> {
+    /// A short lend: into the record being filled (not published yet) while it can grow
+    /// within the slot array, else a new record. A record is one flag (in its first slot)
+    /// and its bytes across consecutive 64-byte slots, so a short message (header, frames,
+    /// pieces) is one flag and the lines of its bytes.
+    fn send_short(
+        &mut self,
+        want: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> usize,
+    ) -> Result<Poll<()>> {
         let g = self.e.geom;
-        // The last slot filled is not published yet and has room: the lend continues it, so
-        // consecutive short lends (a header, a frame, a short piece and the end frame of a
-        // short message) share one line and one flag.
-        if let Some(used) = self.unpub.last().copied().filter(|&u| u < SLOT_DATA) {
-            let off = slot_flag(&g, self.slot_pos - 1);
-            let n = self
-                .e
-                .remote
-                .lend_mut(off + 8 + used, SLOT_DATA - used, fill)
-                .ok_or_else(|| oob(self.peer))?;
-            if let Some(last) = self.unpub.last_mut() {
-                *last += n;
+        let want = want.max(1);
+        // The record being filled ends in slot `slot_pos - 1`: it grows into the next slots
+        // unless that is the start of the array (a record never wraps).
+        if let Some((start, used)) = self.unpub.last().copied() {
+            let held = self.slot_pos - start;
+            let room_now = (held as usize * SLOT).saturating_sub(8 + used);
+            let more = if room_now >= want || self.slot_pos % g.slots as u64 == 0 {
+                0
+            } else {
+                self.free_slots((8 + used + want).div_ceil(SLOT) as u64 - held)?
+            };
+            let room = room_now + more as usize * SLOT;
+            if room > 0 {
+                let n = self
+                    .e
+                    .remote
+                    .lend_mut(slot_flag(&g, start) + 8 + used, room, fill)
+                    .ok_or_else(|| oob(self.peer))?;
+                let total = used + n;
+                if let Some(last) = self.unpub.last_mut() {
+                    last.1 = total;
+                }
+                self.slot_pos = start + (8 + total).div_ceil(SLOT) as u64;
+                return Ok(Poll::Ready(()));
             }
-            return Ok(Poll::Ready(()));
         }
-        if !self.free_slots()? {
+        let free = self.free_slots((8 + want).div_ceil(SLOT) as u64)?;
+        if free == 0 {
             return self.pending(Blocked::Slot);
         }
-        let off = slot_flag(&g, self.slot_pos);
+        let start = self.slot_pos;
         let n = self
             .e
             .remote
-            .lend_mut(off + 8, SLOT_DATA, fill)
+            .lend_mut(slot_flag(&g, start) + 8, free as usize * SLOT - 8, fill)
             .ok_or_else(|| oob(self.peer))?;
         if n > 0 {
-            // Data and flag in one line; the flag's publish (the store barrier) waits for
-            // `publish_slots`.
             if self.unpub.is_empty() {
-                self.unpub_from = self.slot_pos;
+                self.unpub_from = start;
             }
-            self.unpub.push(n);
-            self.slot_pos += 1;
+            self.unpub.push((start, n));
+            self.slot_pos = start + (8 + n).div_ceil(SLOT) as u64;
         }
         Ok(Poll::Ready(()))
     }
@@ -418,12 +445,12 @@ impl<F: Fabric> SciTx<F> {
 impl<F: Fabric> TxLink for SciTx<F> {
     fn begin_message(&mut self) -> Result<()> {
         self.check_usable()?;
-        // A reader that closed, or a peer that died, while we were idle: the slots and ring
-        // may take many messages nobody will read. Asked at most once per clock tick (a load
-        // of our own area and the peer probe: a pidfd poll, or SISCI on dolphin).
-        if self.gate.due()
-            && (w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
-                || self.live.dead_now())
+        // A reader that closed, or a peer that died, while we were idle: the slots, ring and
+        // chunks may take whole messages nobody will read. The close flag is a load of our
+        // own area (a line the peer writes once), every time; the peer probe (a pidfd poll, or
+        // SISCI on dolphin) at most once per clock tick.
+        if w32(&self.e.local, ctl::R_CLOSED).load(Ordering::Acquire) != 0
+            || (self.gate.due() && self.live.dead_now())
         {
             self.broken = Some("the peer closed the connection or exited".into());
             return Err(Error::PeerClosed { rank: self.peer });
@@ -451,12 +478,12 @@ impl<F: Fabric> TxLink for SciTx<F> {
     fn with_buffer(
         &mut self,
         tm: TmId,
-        _want: usize,
+        want: usize,
         fill: &mut dyn FnMut(&mut [u8]) -> usize,
     ) -> Result<Poll<()>> {
         self.check_usable()?;
         match tm {
-            TM_SHORT => self.send_short(fill),
+            TM_SHORT => self.send_short(want, fill),
             TM_RING => self.send_ring(fill),
             _ => Err(Error::protocol(
                 self.peer,
@@ -637,9 +664,7 @@ impl<F: Fabric> SciRx<F> {
     }
 
     fn slot_state(&self) -> Flag {
-        let g = &self.e.geom;
-        let w = w64(&self.e.local, slot_flag(g, self.slot_pos)).load(Ordering::Acquire);
-        layout::decode_flag(w, self.slot_pos, g.slots as u64, SLOT_DATA)
+        slot_record(&self.e.geom, &self.e.local, self.slot_pos)
     }
 
     fn chunk_state(&self) -> Flag {
@@ -711,7 +736,18 @@ impl<F: Fabric> SciRx<F> {
             .ok_or_else(|| oob(self.peer))?;
         self.slot_off += n;
         if self.slot_off == len {
-            self.slot_pos += 1;
+            // The slots after the first held bytes, and their first words may look like a
+            // flag: stamped with this lap's number, each reads "empty" when the array comes
+            // round to it again (as a first slot's flag does). Before the acknowledgement
+            // gives them back.
+            let g = self.e.geom;
+            let n = g.slots as u64;
+            let k = (8 + len).div_ceil(SLOT) as u64;
+            for q in self.slot_pos + 1..self.slot_pos + k {
+                w64(&self.e.local, slot_flag(&g, q))
+                    .store(layout::encode_flag(q, n, 0), Ordering::Relaxed);
+            }
+            self.slot_pos += k;
             self.slot_off = 0;
             self.shared.slot_pos.store(self.slot_pos, Ordering::Relaxed);
             self.wire
@@ -956,8 +992,7 @@ impl<F: Fabric> SciIncoming<F> {
             return false;
         }
         let pos = p.shared.slot_pos.load(Ordering::Relaxed);
-        let w = w64(&p.local, slot_flag(&self.geom, pos)).load(Ordering::Acquire);
-        layout::decode_flag(w, pos, self.geom.slots as u64, SLOT_DATA) != Flag::Empty
+        slot_record(&self.geom, &p.local, pos) != Flag::Empty
             || w32(&p.local, ctl::W_CLOSED).load(Ordering::Relaxed) != 0
             || p.watch.known_dead()
     }
@@ -1115,17 +1150,66 @@ mod tests {
     }
 
     #[test]
-    fn unpublished_short_lends_share_a_slot() {
+    fn unpublished_short_lends_make_one_record() {
         let (_a, _b, mut tx, mut rx) = pair("share");
         assert!(put(&mut tx, TM_SHORT, b"head").unwrap().is_ready());
         assert!(put(&mut tx, TM_SHORT, b"+end").unwrap().is_ready());
-        assert!(put(&mut tx, TM_SHORT, &[7; 60]).unwrap().is_ready()); // 48 B fit the slot
+        assert!(put(&mut tx, TM_SHORT, &[7; 60]).unwrap().is_ready());
         tx.publish().unwrap();
         assert!(rx.poll_message().unwrap().is_ready());
+        // One flag, 68 bytes across both slots of the array, taken in one lend.
         let mut first = b"head+end".to_vec();
-        first.extend_from_slice(&[7; 48]);
+        first.extend_from_slice(&[7; 60]);
         assert_eq!(get(&mut rx, TM_SHORT).unwrap(), Poll::Ready(first));
         assert!(get(&mut rx, TM_SHORT).unwrap().is_pending());
+    }
+
+    /// Records of every length the two-slot array takes, lap after lap, lent and read in
+    /// whatever pieces the array allows: a record never wraps, and the slots its bytes
+    /// covered read as empty when the array comes round to them.
+    #[test]
+    fn short_records_span_slots_lap_after_lap() {
+        let (_a, _b, mut tx, mut rx) = pair("laps");
+        for round in 0..60usize {
+            let len = 1 + (round * 37) % 200;
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + round) as u8).collect();
+            let (mut sent, mut got) = (0, Vec::new());
+            while got.len() < len {
+                if sent < len {
+                    let rest = &bytes[sent..];
+                    let mut k = 0;
+                    let r = tx
+                        .with_buffer(TM_SHORT, rest.len(), &mut |b: &mut [u8]| {
+                            k = b.len().min(rest.len());
+                            b[..k].copy_from_slice(&rest[..k]);
+                            k
+                        })
+                        .unwrap();
+                    if r.is_ready() {
+                        sent += k;
+                    }
+                    tx.publish().unwrap();
+                }
+                match get(&mut rx, TM_SHORT).unwrap() {
+                    Poll::Ready(v) => got.extend_from_slice(&v),
+                    Poll::Pending => assert!(sent < len, "round {round}: published bytes unread"),
+                }
+            }
+            assert_eq!(got, bytes, "round {round}");
+            assert!(
+                get(&mut rx, TM_SHORT).unwrap().is_pending(),
+                "round {round}"
+            );
+        }
+    }
+
+    /// A flag claiming more bytes than the slots up to the end of the array hold is refused.
+    #[test]
+    fn a_short_record_past_the_array_end_is_corrupt() {
+        let (_a, b, _tx, mut rx) = pair("past");
+        let area = b.area(0).unwrap();
+        w64(&area, slot_flag(&G, 0)).store(layout::encode_flag(0, 2, 121), Ordering::Release);
+        assert!(is_protocol(&get(&mut rx, TM_SHORT)));
     }
 
     #[test]
