@@ -14,7 +14,8 @@
 //!   TX_SEQ      futex the peer bumps to wake our blocked sender
 //!   TX_SLEEP    our senders asleep on TX_SEQ (written by us, read by the peer to decide a wake;
 //!               top bit: our sender armed its readiness descriptor, the peer signals it)
-//! area + SLOTS  short slots: `slots` × 64 B, each = flag word (8 B) + 56 B of data
+//! area + SLOTS  short slots: `slots` × 64 B; a record = flag word (8 B) in its first slot,
+//!               then its bytes across as many slots as they need (never past the last)
 //! area + RING   ring data, `ring` bytes (power of two)
 //! area + FLAGS  one 64-byte flag line per DMA chunk
 //! area + DMA    `chunks` × `chunk` bytes
@@ -76,7 +77,7 @@ pub mod hdr {
 /// Magic opening every segment.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"MADSCI01");
 /// Layout version.
-pub const VERSION: u64 = 3;
+pub const VERSION: u64 = 4;
 
 fn round_page(x: usize) -> Option<usize> {
     x.checked_add(4095).map(|v| v & !4095)
