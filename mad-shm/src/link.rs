@@ -938,7 +938,9 @@ impl RxLink for ShmRx {
     fn end_message(&mut self) -> Result<()> {
         self.wake_writer();
         if let Some(c) = &self.conn {
-            c.rx_msgs.fetch_add(1, Ordering::Relaxed);
+            // Only the receiving half writes it: a load and a store, no locked add.
+            let n = c.rx_msgs.load(Ordering::Relaxed);
+            c.rx_msgs.store(n + 1, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -32,8 +32,10 @@ pub mod layout {
     pub const REWOUND_AT: usize = 16;
     /// Reader's published read offset (`u64`).
     pub const TAIL: usize = 128;
-    /// Set to 1 by the reader on close (`u32`), same block as `TAIL`.
-    pub const READER_CLOSED: usize = 136;
+    /// Set to 1 by the reader on close (`u32`), on a block of its own: the writer reads it at
+    /// every message start, and `TAIL`'s block is written at every message (segment layout
+    /// version 6).
+    pub const READER_CLOSED: usize = 896;
     /// Count of Cross Memory Attach transfers the reader completed (`u64`).
     pub const CMA_DONE: usize = 256;
     /// Futex word the reader bumps to wake a sleeping writer (`u32`).

@@ -27,7 +27,7 @@ pub const SHM_DIR: &str = hostmem::SHM_DIR;
 /// Prefix of every segment this driver creates.
 pub const PREFIX: &str = "mad-shm-";
 const MAGIC: u64 = u64::from_le_bytes(*b"MADSHM01");
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 const OFF_PROOF: usize = 64;
 /// Length of the secret proof stored in the header.
 pub const PROOF_LEN: usize = 32;
