@@ -61,7 +61,7 @@ use segment::Segment;
 /// Largest default ring (bytes), used by jobs of 2 or 3 ranks: a large piece streams through
 /// the ring in [`link`]'s 64 KiB lends, and a 1 MiB ring keeps 16 of them in flight (the sweep
 /// in `NOTES.md`: 4–16 MiB messages 5–15 % faster than with 256 KiB rings, level with
-/// sisci:local's four 256 KiB chunks). Larger jobs get smaller rings ([`default_ring`]).
+/// sisci:local's 1 MiB of DMA chunks). Larger jobs get smaller rings ([`default_ring`]).
 pub const DEFAULT_RING: usize = 1 << 20;
 /// Budget of one process's segment that sizes the default ring: every byte of a segment is
 /// reserved in `/dev/shm` at open, and a segment holds one ring per rank, so `n` processes

@@ -73,9 +73,9 @@ pub const DEFAULT_SLOTS: usize = 256;
 /// Default ring bytes per connection.
 pub const DEFAULT_RING: usize = 64 * 1024;
 /// Default DMA chunk size.
-pub const DEFAULT_CHUNK: usize = 256 * 1024;
+pub const DEFAULT_CHUNK: usize = 64 * 1024;
 /// Default DMA chunks per connection.
-pub const DEFAULT_CHUNKS: usize = 4;
+pub const DEFAULT_CHUNKS: usize = 16;
 /// Slices per DMA group.
 pub const DMA_MAX_GROUP: usize = 64;
 /// Default library name for `sisci:dolphin`.
@@ -175,15 +175,16 @@ pub fn options(config: &ChannelConfig) -> Result<Options> {
 pub const SEGMENT_BUDGET: usize = 16 << 20;
 
 /// The geometry a job of `n` ranks uses: `g` as configured, with the sizes the user did not
-/// set (`set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the DMA chunk (down to
-/// 16 KiB), then the short slots (down to 64), then the ring (down to 4 KiB), then the chunk
-/// again (down to 4 KiB). Up to 14 ranks the defaults stay (1.1 MiB per peer); 64 ranks get
-/// 32 KiB chunks (212 KiB per peer, 13 MiB per process instead of 70 MiB); past 512 ranks
-/// even the smallest areas (28 KiB) exceed the budget. Every rank computes the same geometry
-/// (it is compared at open).
+/// set (`set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the number of DMA chunks
+/// (down to 4), then their size (down to 16 KiB), then the short slots (down to 64), then the
+/// ring (down to 4 KiB), then the chunk again (down to 4 KiB). Up to 14 ranks the defaults
+/// stay (1.1 MiB per peer); 64 ranks get four 32 KiB chunks (212 KiB per peer, 13 MiB per
+/// process instead of 70 MiB); past 512 ranks even the smallest areas (28 KiB) exceed the
+/// budget. Every rank computes the same geometry (it is compared at open).
 pub fn fit_geometry(mut g: Geometry, n: usize, set: Given) -> Geometry {
     let fits = |g: &Geometry| g.segment_size(n).is_some_and(|s| s <= SEGMENT_BUDGET);
     let shrink_chunk = !set.chunk && g.chunks > 0;
+    while !set.chunks && g.chunks > 0 && !fits(&g) && halve(&mut g.chunks, 4) {}
     while shrink_chunk && !fits(&g) && halve(&mut g.chunk, 16 << 10) {}
     while !set.slots && !fits(&g) && halve(&mut g.slots, 64) {}
     while !set.ring && !fits(&g) && halve(&mut g.ring, 4096) {}
@@ -200,6 +201,8 @@ pub struct Given {
     pub ring: bool,
     /// `chunk=` was given.
     pub chunk: bool,
+    /// `chunks=` was given.
+    pub chunks: bool,
 }
 
 impl Given {
@@ -208,6 +211,7 @@ impl Given {
         slots: true,
         ring: true,
         chunk: true,
+        chunks: true,
     };
 }
 
@@ -354,6 +358,7 @@ impl Driver for SisciDriver {
                 slots: given("slots"),
                 ring: given("ring"),
                 chunk: given("chunk"),
+                chunks: given("chunks"),
             },
         );
         if o.backend == Backend::Dolphin {
@@ -524,7 +529,7 @@ mod tests {
             assert_eq!(fit_geometry(d, n, Given::default()), d, "{n} ranks");
         }
         let g = fit_geometry(d, 64, Given::default());
-        assert_eq!((g.chunk, g.ring), (32 << 10, DEFAULT_RING));
+        assert_eq!((g.chunk, g.chunks, g.ring), (32 << 10, 4, DEFAULT_RING));
         for n in [15, 32, 64, 128, 400] {
             let g = fit_geometry(d, n, Given::default());
             assert!(g.valid(), "{n}: {g:?}");
