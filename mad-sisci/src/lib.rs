@@ -63,13 +63,14 @@ use mad_core::hostmem::{self, MappedPeer};
 use mad_core::liveness::Teardown;
 use segment::Segment;
 
-/// Default largest piece of the `short` TM (from the sweep in `NOTES.md`): the engine's
-/// longest staged piece, so a message of short pieces is one record.
-pub const DEFAULT_SHORT_MAX: usize = 2048;
+/// Default largest piece of the `short` TM (from the sweep in `NOTES.md`): a message of pieces
+/// up to 32 KiB is one record (the `ring` TM, with its offset line and a second TM for the
+/// header, was 1.4–2.5× slower from 4 KiB on).
+pub const DEFAULT_SHORT_MAX: usize = 32 * 1024;
 /// Default largest piece of the `ring` TM (from the sweep in `NOTES.md`).
 pub const DEFAULT_RING_MAX: usize = 32 * 1024;
-/// Default short slots per connection (16 KiB: eight records of the longest short piece).
-pub const DEFAULT_SLOTS: usize = 256;
+/// Default short slots per connection (64 KiB: two records of the longest short piece).
+pub const DEFAULT_SLOTS: usize = 1024;
 /// Default ring bytes per connection.
 pub const DEFAULT_RING: usize = 64 * 1024;
 /// Default DMA chunk size.
@@ -178,8 +179,8 @@ pub const SEGMENT_BUDGET: usize = 16 << 20;
 /// set (`set`) halved until a segment fits [`SEGMENT_BUDGET`]: first the number of DMA chunks
 /// (down to 4), then their size (down to 16 KiB), then the short slots (down to 64), then the
 /// ring (down to 4 KiB), then the chunk again (down to 4 KiB). Up to 14 ranks the defaults
-/// stay (1.1 MiB per peer); 64 ranks get four 32 KiB chunks (212 KiB per peer, 13 MiB per
-/// process instead of 70 MiB); past 512 ranks even the smallest areas (28 KiB) exceed the
+/// stay (1.2 MiB per peer); 64 ranks get four 16 KiB chunks (196 KiB per peer, 12 MiB per
+/// process instead of 75 MiB); past 512 ranks even the smallest areas (28 KiB) exceed the
 /// budget. Every rank computes the same geometry (it is compared at open).
 pub fn fit_geometry(mut g: Geometry, n: usize, set: Given) -> Geometry {
     let fits = |g: &Geometry| g.segment_size(n).is_some_and(|s| s <= SEGMENT_BUDGET);
@@ -529,7 +530,10 @@ mod tests {
             assert_eq!(fit_geometry(d, n, Given::default()), d, "{n} ranks");
         }
         let g = fit_geometry(d, 64, Given::default());
-        assert_eq!((g.chunk, g.chunks, g.ring), (32 << 10, 4, DEFAULT_RING));
+        assert_eq!(
+            (g.chunk, g.chunks, g.slots, g.ring),
+            (16 << 10, 4, DEFAULT_SLOTS, DEFAULT_RING)
+        );
         for n in [15, 32, 64, 128, 400] {
             let g = fit_geometry(d, n, Given::default());
             assert!(g.valid(), "{n}: {g:?}");
