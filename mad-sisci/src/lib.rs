@@ -65,7 +65,8 @@ use segment::Segment;
 
 /// Default largest piece of the `short` TM (from the sweep in `NOTES.md`): a message of pieces
 /// up to 32 KiB is one record (the `ring` TM, with its offset line and a second TM for the
-/// header, was 1.4–2.5× slower from 4 KiB on).
+/// header, was 1.4–2.5× slower from 4 KiB on). Smaller when the slots are few: at most half
+/// the slot array (`slots=2`: 64 B).
 pub const DEFAULT_SHORT_MAX: usize = 32 * 1024;
 /// Default largest piece of the `ring` TM (from the sweep in `NOTES.md`).
 pub const DEFAULT_RING_MAX: usize = 32 * 1024;
@@ -304,11 +305,13 @@ impl Driver for SisciDriver {
 
     fn tm_table(&self, config: &ChannelConfig) -> Result<TmTable> {
         let o = options(config)?;
+        // Pieces the slots hold at least two records of (a few slots: the ring takes the rest).
+        let short_max = DEFAULT_SHORT_MAX.min(o.geom.slots * layout::SLOT / 2);
         if o.geom.chunks == 0 {
             return TmTable::new([
                 TmSpec::copy(
                     "short",
-                    DEFAULT_SHORT_MAX,
+                    short_max,
                     "records in 64-byte slots, one flag each, the reader polls the flag",
                 ),
                 TmSpec::copy(
@@ -321,7 +324,7 @@ impl Driver for SisciDriver {
         TmTable::new([
             TmSpec::copy(
                 "short",
-                DEFAULT_SHORT_MAX,
+                short_max,
                 "records in 64-byte slots, one flag each, the reader polls the flag",
             ),
             TmSpec::copy(
