@@ -186,6 +186,68 @@ pub fn decode_flag(word: u64, pos: u64, n: u64, max: usize) -> Flag {
     }
 }
 
+/// Bit of a record's flag word: the next record starts at the next lap's first slot (the
+/// writer went back to the array's start; the slots in between are not records).
+pub const RECORD_JUMP: u64 = 1 << 56;
+
+/// What a short record's flag word says about slot `pos`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// No record there yet: zero, or a number of an earlier lap (a flag, or a slot a
+    /// record's bytes covered, stamped by the reader, or a slot a jump skipped).
+    Empty,
+    /// A record of `len` bytes; `jump`: the next one starts at the next lap.
+    Ready {
+        /// Its bytes.
+        len: usize,
+        /// [`RECORD_JUMP`] was set.
+        jump: bool,
+    },
+    /// A number of a later lap, a length out of bounds or unknown bits: corrupt or hostile.
+    Corrupt,
+}
+
+/// The flag word of a record of `len` bytes at slot `pos` of `n`, `jump` as [`RECORD_JUMP`].
+pub fn encode_record(pos: u64, n: u64, len: usize, jump: bool) -> u64 {
+    encode_flag(pos, n, len) | if jump { RECORD_JUMP } else { 0 }
+}
+
+/// Decode the flag word found at slot `pos` of `n` whose record may carry at most `max` bytes.
+/// Unlike [`decode_flag`], any earlier lap reads as empty (slots a jump skipped keep older
+/// numbers). Total: never panics, whatever `word` holds.
+pub fn decode_record(word: u64, pos: u64, n: u64, max: usize) -> Record {
+    let n = n.max(1);
+    let seq = word as u32;
+    let cur = lap_seq(pos, n);
+    if seq == cur {
+        let len = ((word >> 32) & 0xFF_FFFF) as usize;
+        if len == 0 || len > max || word >> 57 != 0 {
+            return Record::Corrupt;
+        }
+        return Record::Ready {
+            len,
+            jump: word & RECORD_JUMP != 0,
+        };
+    }
+    // Numbers run 1..=u32::MAX and wrap: "earlier" is less than half a cycle behind.
+    let behind = if seq <= cur {
+        cur - seq
+    } else {
+        cur.wrapping_add(u32::MAX - seq)
+    };
+    if seq == 0 || behind < u32::MAX / 2 {
+        Record::Empty
+    } else {
+        Record::Corrupt
+    }
+}
+
+/// The first slot of the lap after the one holding `pos`.
+pub fn next_lap(pos: u64, n: u64) -> u64 {
+    let n = n.max(1);
+    (pos / n + 1) * n
+}
+
 /// Most bytes a short record starting at slot `pos` of an array of `slots` may carry: one
 /// flag word, then its bytes across the slots up to the end of the array (a record never
 /// wraps).
@@ -231,6 +293,50 @@ mod tests {
     }
 
     #[test]
+    fn records_round_trip_earlier_laps_are_empty_later_ones_corrupt() {
+        let n = 8;
+        for pos in [0u64, 1, 7, 8, 9, 63, 1 << 40] {
+            for jump in [false, true] {
+                let w = encode_record(pos, n, 40, jump);
+                let max = record_max(n as usize, pos);
+                assert_eq!(
+                    decode_record(w, pos, n, max),
+                    Record::Ready { len: 40, jump }
+                );
+                // Any later lap reads it as empty (skipped slots keep older numbers).
+                for laps in 1..4 {
+                    assert_eq!(decode_record(w, pos + laps * n, n, max), Record::Empty);
+                }
+                // A word of a later lap is impossible.
+                if pos >= n {
+                    assert_eq!(decode_record(w, pos - n, n, max), Record::Corrupt);
+                }
+            }
+        }
+        assert_eq!(decode_record(0, 11, n, 100), Record::Empty, "never written");
+        let w = encode_record(0, n, 100, false);
+        assert_eq!(
+            decode_record(w, 0, n, 99),
+            Record::Corrupt,
+            "longer than the slots"
+        );
+        assert_eq!(decode_record(1, 0, n, 99), Record::Corrupt, "len 0");
+        assert_eq!(
+            decode_record(w | 1 << 60, 0, n, 100),
+            Record::Corrupt,
+            "unknown bit"
+        );
+        // Lap numbers wrap: the last number is one lap before the first.
+        let last = (0xFFFF_FFFEu64) * n; // lap_seq == u32::MAX
+        assert_eq!(lap_seq(last, n), u32::MAX);
+        let w = encode_record(last, n, 5, false);
+        assert_eq!(decode_record(w, last + n, n, 100), Record::Empty);
+        assert_eq!(next_lap(0, n), 8);
+        assert_eq!(next_lap(7, n), 8);
+        assert_eq!(next_lap(8, n), 16);
+    }
+
+    #[test]
     fn decoders_are_total() {
         // A cheap deterministic fuzz: no input panics.
         let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -241,6 +347,9 @@ mod tests {
             let pos = x.rotate_left(17);
             let n = x >> 50;
             let _ = decode_flag(x, pos, n, (x >> 40) as usize);
+            let _ = decode_record(x, pos, n, (x >> 40) as usize);
+            let _ = next_lap(pos >> 1, n);
+            let _ = record_max(n as usize, pos);
             let _ = lap_seq(pos, n);
             let _ = in_flight(x, pos, n);
             let _ = chunk_fits(x as usize, pos as usize, n as usize);

@@ -15,13 +15,13 @@ use std::task::Poll;
 use std::time::Duration;
 
 use mad_core::driver::{AbortOutcome, Armed, Incoming, LinkPair, RxLink, TmId, TxLink};
-use mad_core::hostmem::rewind::{self, Publish, Rewind};
+use mad_core::hostmem::rewind::{self, Publish, RecordRewind, Rewind};
 use mad_core::hostmem::{index, DeathCheck, Liveness, PeerWatch, Readiness, Region};
 use mad_core::liveness::{ProbeGate, Teardown};
 use mad_core::{Error, Result};
 
 use crate::fabric::{Fabric, LocalShut, OwnWire, RxWire, TxWire};
-use crate::layout::{self, ctl, Flag, Geometry, SLOT};
+use crate::layout::{self, ctl, Flag, Geometry, Record, SLOT};
 
 /// Longest blocking sleep before the peer's liveness is checked again: the bound on noticing
 /// a dead peer while blocked (mad-core's, shared with mad-shm).
@@ -75,9 +75,9 @@ fn slot_flag(g: &Geometry, pos: u64) -> usize {
 }
 
 /// The flag of the short record starting at slot `pos` (as read by the receiving half).
-fn slot_record(g: &Geometry, local: &Region, pos: u64) -> Flag {
+fn slot_record(g: &Geometry, local: &Region, pos: u64) -> Record {
     let w = w64(local, slot_flag(g, pos)).load(Ordering::Acquire);
-    layout::decode_flag(w, pos, g.slots as u64, layout::record_max(g.slots, pos))
+    layout::decode_record(w, pos, g.slots as u64, layout::record_max(g.slots, pos))
 }
 
 fn chunk_flag(g: &Geometry, pos: u64) -> usize {
@@ -140,6 +140,8 @@ pub struct SciTx<F: Fabric> {
     ring_ack: u64,
     /// Going back to the start of the ring when it is idle (mad-core's `hostmem::rewind`).
     rewind: Rewind,
+    /// The same for the short records (in bytes: slots × 64).
+    records: RecordRewind,
     /// Messages received from the peer (counted by the receiving half once joined by
     /// [`connection`]): the ring goes back only in a reply or ping-pong.
     rx_msgs: Option<Arc<AtomicU64>>,
@@ -188,6 +190,7 @@ impl<F: Fabric> SciTx<F> {
             head: 0,
             ring_ack: 0,
             rewind: Rewind::new(0),
+            records: RecordRewind::default(),
             rx_msgs: None,
             chunk_pos: 0,
             dma_ack: 0,
@@ -217,20 +220,45 @@ impl<F: Fabric> SciTx<F> {
     /// Publish the flags of the short slots filled but not yet published, in order, and wake
     /// the reader.
     fn publish_slots(&mut self) {
-        if self.unpub.is_empty() {
+        self.publish_records(false);
+    }
+
+    /// [`publish_slots`](Self::publish_slots); with `jump`, the last record's flag says that
+    /// the next one starts at the next lap, and this half continues there.
+    fn publish_records(&mut self, jump: bool) {
+        let Some(&(last, _)) = self.unpub.last() else {
             return;
-        }
+        };
         let n = self.e.geom.slots as u64;
         for &(pos, len) in &self.unpub {
             self.wire.publish(
                 w64(&self.e.remote, slot_flag(&self.e.geom, pos)),
-                layout::encode_flag(pos, n, len),
+                layout::encode_record(pos, n, len, jump && pos == last),
             );
+        }
+        if jump {
+            self.slot_pos = layout::next_lap(last, n);
         }
         self.unpub.clear();
         self.unpub_from = self.slot_pos;
         self.used = true;
         self.wire.wake_reader();
+    }
+
+    /// Publish the records at a commit or the end of a message. In a ping-pong or a reply,
+    /// after a short message, the last one tells the reader to go on at the next lap
+    /// (`hostmem::rewind`), so short messages reuse the lines at the start of the array
+    /// instead of walking all of it.
+    fn publish_committed(&mut self) {
+        let (n, local, ack) = (self.e.geom.slots as u64, &self.e.local, &mut self.slot_ack);
+        let jump = !self.unpub.is_empty()
+            && self
+                .records
+                .at_message_end(self.slot_pos * SLOT as u64, n * SLOT as u64, || {
+                    *ack = w64(local, ctl::SHORT_ACK).load(Ordering::Acquire);
+                    *ack * SLOT as u64
+                });
+        self.publish_records(jump);
     }
 
     /// Tear the connection down for both ends: the peer's receive sees our writer closed, its
@@ -456,12 +484,14 @@ impl<F: Fabric> TxLink for SciTx<F> {
             return Err(Error::PeerClosed { rank: self.peer });
         }
         self.used = false;
-        // Every ring lend is published at once, so the head is always settled.
-        let cap = self.e.geom.ring as u64;
         let received = self
             .rx_msgs
             .as_ref()
             .map_or(0, |m| m.load(Ordering::Relaxed));
+        self.records
+            .at_message_start(self.slot_pos * SLOT as u64, received);
+        // Every ring lend is published at once, so the head is always settled.
+        let cap = self.e.geom.ring as u64;
         let (local, ring_ack) = (&self.e.local, &mut self.ring_ack);
         if let Some(to) = self
             .rewind
@@ -504,7 +534,7 @@ impl<F: Fabric> TxLink for SciTx<F> {
     }
 
     fn commit(&mut self, _tm: TmId) -> Result<Poll<()>> {
-        self.publish_slots();
+        self.publish_committed();
         Ok(Poll::Ready(()))
     }
 
@@ -515,7 +545,7 @@ impl<F: Fabric> TxLink for SciTx<F> {
 
     fn end_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
-        self.publish_slots();
+        self.publish_committed();
         Ok(Poll::Ready(()))
     }
 
@@ -663,7 +693,7 @@ impl<F: Fabric> SciRx<F> {
         }
     }
 
-    fn slot_state(&self) -> Flag {
+    fn slot_state(&self) -> Record {
         slot_record(&self.e.geom, &self.e.local, self.slot_pos)
     }
 
@@ -678,7 +708,7 @@ impl<F: Fabric> SciRx<F> {
 
     fn has(&self, b: Blocked) -> bool {
         match b {
-            Blocked::Slot => self.slot_state() != Flag::Empty,
+            Blocked::Slot => self.slot_state() != Record::Empty,
             Blocked::Ring => w64(&self.e.local, ctl::HEAD).load(Ordering::Acquire) != self.tail,
             Blocked::Dma => self.chunk_state() != Flag::Empty,
         }
@@ -720,10 +750,10 @@ impl<F: Fabric> SciRx<F> {
     }
 
     fn recv_short(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> Result<Poll<()>> {
-        let len = match self.slot_state() {
-            Flag::Empty => return self.pending(Blocked::Slot),
-            Flag::Corrupt => return Err(self.corrupt("slot")),
-            Flag::Ready(len) => len,
+        let (len, jump) = match self.slot_state() {
+            Record::Empty => return self.pending(Blocked::Slot),
+            Record::Corrupt => return Err(self.corrupt("slot")),
+            Record::Ready { len, jump } => (len, jump),
         };
         if self.slot_off >= len {
             return Err(self.corrupt("slot"));
@@ -747,7 +777,13 @@ impl<F: Fabric> SciRx<F> {
                 w64(&self.e.local, slot_flag(&g, q))
                     .store(layout::encode_flag(q, n, 0), Ordering::Relaxed);
             }
-            self.slot_pos += k;
+            // After a record that says so, the writer went on at the next lap: the slots in
+            // between keep older lap numbers, which read as empty.
+            self.slot_pos = if jump {
+                layout::next_lap(self.slot_pos, n)
+            } else {
+                self.slot_pos + k
+            };
             self.slot_off = 0;
             self.shared.slot_pos.store(self.slot_pos, Ordering::Relaxed);
             self.wire
@@ -852,9 +888,9 @@ impl<F: Fabric> RxLink for SciRx<F> {
     fn poll_message(&mut self) -> Result<Poll<()>> {
         self.check_usable()?;
         match self.slot_state() {
-            Flag::Ready(_) => Ok(Poll::Ready(())),
-            Flag::Corrupt => Err(self.corrupt("slot")),
-            Flag::Empty => self.pending(Blocked::Slot),
+            Record::Ready { .. } => Ok(Poll::Ready(())),
+            Record::Corrupt => Err(self.corrupt("slot")),
+            Record::Empty => self.pending(Blocked::Slot),
         }
     }
 
@@ -992,7 +1028,7 @@ impl<F: Fabric> SciIncoming<F> {
             return false;
         }
         let pos = p.shared.slot_pos.load(Ordering::Relaxed);
-        slot_record(&self.geom, &p.local, pos) != Flag::Empty
+        slot_record(&self.geom, &p.local, pos) != Record::Empty
             || w32(&p.local, ctl::W_CLOSED).load(Ordering::Relaxed) != 0
             || p.watch.known_dead()
     }

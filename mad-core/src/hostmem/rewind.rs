@@ -172,6 +172,56 @@ impl Rewind {
     }
 }
 
+/// The same rules for a writer that tells its reader in the flag of a message's last record
+/// (mad-sisci's short records: a flag word, then the bytes, in an array of slots): the jump is
+/// decided at the end of a message, before that flag is published, and the reader continues
+/// at the next lap once it has read the record. Positions and the capacity are in bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RecordRewind {
+    /// Where the current message started.
+    msg_start: u64,
+    /// Messages received from the peer, as counted at the last message start.
+    received: u64,
+    /// A message came from the peer between the last two message starts.
+    answered: bool,
+    /// Messages started since the last one that followed a message from the peer, before the
+    /// current one.
+    burst: u64,
+    /// The same, counting the current message.
+    started: u64,
+}
+
+impl RecordRewind {
+    /// At every message start, at write position `pos`, with `received` messages received
+    /// from the peer so far.
+    #[inline]
+    pub fn at_message_start(&mut self, pos: u64, received: u64) {
+        self.msg_start = pos;
+        self.answered = received != self.received;
+        self.received = received;
+        self.burst = self.started;
+        self.started = if self.answered { 1 } else { self.started + 1 };
+    }
+
+    /// At the end of the current message, before the flag of its last record is published,
+    /// the write position `pos` after it: whether the writer goes back (the flag says so and
+    /// the next record starts at the next lap). As [`Rewind::at_message_start`]: a reply or
+    /// the next call of a ping-pong after a burst of at most [`MAX_BURST`], at least
+    /// [`REWIND_AT`] into the lap, a message of at most [`JUMP_AFTER`], an array of at least
+    /// [`MIN_CAP`]; and the reader has read everything before this message and before this
+    /// lap (`read` loads its position; called only when the rest holds), so the writer's
+    /// position after the jump is at most `cap` ahead of it.
+    #[inline]
+    pub fn at_message_end(&self, pos: u64, cap: u64, read: impl FnOnce() -> u64) -> bool {
+        cap >= MIN_CAP
+            && self.answered
+            && self.burst <= MAX_BURST
+            && pos % cap >= REWIND_AT
+            && pos.saturating_sub(self.msg_start) <= JUMP_AFTER
+            && read() >= self.msg_start.max(pos - pos % cap)
+    }
+}
+
 /// The reader's side: with its offset `tail`, a freshly loaded `head` and the "rewound at"
 /// word `at` (loaded after the head), `Ok(Some((at, to)))` when the writer jumped from `at`
 /// (at or ahead of `tail`, before `head`) to `to`: data ends at `at` and resumes at `to`.
@@ -198,6 +248,49 @@ mod tests {
     use super::*;
 
     const CAP: u64 = 1 << 16;
+
+    #[test]
+    fn records_go_back_in_a_ping_pong_only() {
+        let mut r = RecordRewind::default();
+        // A call, its reply, the next call: each of the writer's messages follows one of the
+        // peer's, so once far enough into the lap the writer goes back after it.
+        r.at_message_start(0, 0);
+        assert!(
+            !r.at_message_end(64, CAP, || 0),
+            "the first message answers nothing"
+        );
+        r.at_message_start(64, 1);
+        assert!(!r.at_message_end(128, CAP, || 64), "too early in the lap");
+        r.at_message_start(5000, 2);
+        assert!(r.at_message_end(5064, CAP, || 5000));
+        assert!(
+            !r.at_message_end(5064, CAP, || 4999),
+            "the reader is behind"
+        );
+        assert!(
+            !r.at_message_end(5000 + JUMP_AFTER + 1, CAP, || 5000),
+            "a long message"
+        );
+        assert!(
+            !r.at_message_end(5064, MIN_CAP - 1, || panic!("not loaded")),
+            "a small array"
+        );
+        // A message that began in the lap before: the reader must be past this lap's start.
+        r.at_message_start(CAP - 100, 3);
+        assert!(!r.at_message_end(CAP + 5000, CAP, || CAP - 100));
+        assert!(r.at_message_end(CAP + 5000, CAP, || CAP));
+        // A stream: no message from the peer in between.
+        r.at_message_start(2 * CAP + 6000, 3);
+        assert!(!r.at_message_end(2 * CAP + 6064, CAP, || panic!("not loaded")));
+        r.at_message_start(2 * CAP + 7000, 3);
+        r.at_message_start(2 * CAP + 8000, 3);
+        // Answered after a burst of three: a window and its acknowledgement, no jump.
+        r.at_message_start(2 * CAP + 9000, 4);
+        assert!(!r.at_message_end(2 * CAP + 9064, CAP, || panic!("not loaded")));
+        // The next exchange is a ping-pong again.
+        r.at_message_start(2 * CAP + 10000, 5);
+        assert!(r.at_message_end(2 * CAP + 10064, CAP, || 2 * CAP + 10000));
+    }
 
     #[test]
     fn goes_back_only_when_idle_after_a_short_message() {
