@@ -940,7 +940,7 @@ impl RxLink for ShmRx {
         if let Some(c) = &self.conn {
             // Only the receiving half writes it: a load and a store, no locked add.
             let n = c.rx_msgs.load(Ordering::Relaxed);
-            c.rx_msgs.store(n + 1, Ordering::Relaxed);
+            c.rx_msgs.store(n.wrapping_add(1), Ordering::Relaxed);
         }
         Ok(())
     }

@@ -38,6 +38,30 @@ pub const MAX_BURST: u64 = 2;
 /// Rings smaller than this never go back (they stay in cache anyway).
 pub const MIN_CAP: u64 = 4 * REWIND_AT;
 
+/// Whose turn it is, counted at each message start of a writer: the rule both [`Rewind`] and
+/// [`RecordRewind`] go back under (a reply or the next call of a ping-pong).
+#[derive(Clone, Copy, Debug, Default)]
+struct Turns {
+    /// Messages received from the peer, as counted at the last message start.
+    received: u64,
+    /// Messages started since the last one that followed a message from the peer.
+    burst: u64,
+}
+
+impl Turns {
+    /// At a message start, with `received` messages received from the peer so far: whether a
+    /// message came from the peer since the last start, after a burst of at most
+    /// [`MAX_BURST`] of this writer's.
+    #[inline]
+    fn reply(&mut self, received: u64) -> bool {
+        let answered = received != self.received;
+        self.received = received;
+        let burst = self.burst;
+        self.burst = if answered { 1 } else { burst.saturating_add(1) };
+        answered && burst <= MAX_BURST
+    }
+}
+
 /// The writer's side: when to go back, and what to publish.
 #[derive(Clone, Copy, Debug)]
 pub struct Rewind {
@@ -51,10 +75,8 @@ pub struct Rewind {
     backoff: u64,
     /// Where the current message started.
     msg_start: u64,
-    /// Messages received from the peer, as counted at the last message start.
-    received: u64,
-    /// Messages started since the last one that followed a message from the peer.
-    burst: u64,
+    /// Messages from the peer between this writer's.
+    turns: Turns,
     /// The writer's view of the reader's offset is at least this (the last jump's target).
     floor: u64,
     /// Jumps published.
@@ -80,8 +102,7 @@ impl Rewind {
             next_try: 0,
             backoff: REWIND_AT,
             msg_start: head,
-            received: 0,
-            burst: 0,
+            turns: Turns::default(),
             floor: 0,
             jumps: 0,
         }
@@ -105,14 +126,10 @@ impl Rewind {
     ) -> Option<u64> {
         let last = head.saturating_sub(self.msg_start);
         self.msg_start = head;
-        let answered = received != self.received;
-        self.received = received;
-        let burst = self.burst;
-        self.burst = if answered { 1 } else { burst.saturating_add(1) };
+        let reply = self.turns.reply(received);
         if cap < MIN_CAP
             || !settled
-            || !answered
-            || burst > MAX_BURST
+            || !reply
             || self.from.is_some()
             || head & (cap - 1) < REWIND_AT
             || head < self.next_try
@@ -180,15 +197,10 @@ impl Rewind {
 pub struct RecordRewind {
     /// Where the current message started.
     msg_start: u64,
-    /// Messages received from the peer, as counted at the last message start.
-    received: u64,
-    /// A message came from the peer between the last two message starts.
-    answered: bool,
-    /// Messages started since the last one that followed a message from the peer, before the
-    /// current one.
-    burst: u64,
-    /// The same, counting the current message.
-    started: u64,
+    /// Messages from the peer between this writer's.
+    turns: Turns,
+    /// The current message is a reply or the next call of a ping-pong ([`Turns::reply`]).
+    reply: bool,
 }
 
 impl RecordRewind {
@@ -197,10 +209,7 @@ impl RecordRewind {
     #[inline]
     pub fn at_message_start(&mut self, pos: u64, received: u64) {
         self.msg_start = pos;
-        self.answered = received != self.received;
-        self.received = received;
-        self.burst = self.started;
-        self.started = if self.answered { 1 } else { self.started + 1 };
+        self.reply = self.turns.reply(received);
     }
 
     /// At the end of the current message, before the flag of its last record is published,
@@ -214,8 +223,7 @@ impl RecordRewind {
     #[inline]
     pub fn at_message_end(&self, pos: u64, cap: u64, read: impl FnOnce() -> u64) -> bool {
         cap >= MIN_CAP
-            && self.answered
-            && self.burst <= MAX_BURST
+            && self.reply
             && pos % cap >= REWIND_AT
             && pos.saturating_sub(self.msg_start) <= JUMP_AFTER
             && read() >= self.msg_start.max(pos - pos % cap)
